@@ -1,0 +1,1 @@
+"""Attention for WG-KV: torch references (test oracle and CPU path), GPU kernels, index builders."""

@@ -1,0 +1,152 @@
+"""Torch reference attention for WG-KV: the test oracle for every kernel and the CPU execution path.
+
+Three semantics, all GQA (query head ``qh`` reads KV head ``qh // group``):
+
+* :func:`soft_gated_attention` -- training: dense causal attention with bias ``log(m_ij + eps)``,
+  ``m_ij = 1`` if ``i - j < W_local`` else ``g_j``; differentiable in ``g``.
+* :func:`vertical_slash_attention` -- prefill/extend: query ``i`` sees key ``j`` iff
+  ``pos_j <= pos_i`` and (``pos_i - pos_j < W_local`` or ``admitted_j``), over packed var-length batches.
+* :func:`paged_decode_attention` -- decode over the folded-head paged layout (one sequence per
+  (request, KV head), see :mod:`sglang_wgkv.attention.folded_index`).
+"""
+
+import math
+
+import torch
+
+
+def _expand_gqa(x: torch.Tensor, group: int, dim: int) -> torch.Tensor:
+    return x if group == 1 else x.repeat_interleave(group, dim=dim)
+
+
+def soft_gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                         local_window: int, eps: float = 1e-6, sm_scale: float | None = None) -> torch.Tensor:
+    """Write-gated attention with the log-space gate bias (differentiable).
+
+    Parameters
+    ----------
+    q : ``[B, Hq, T, D]``; k, v : ``[B, Hkv, T, D]``; g : ``[B, Hkv, T]`` gate values in [0, 1].
+
+    Returns ``[B, Hq, T, D]`` in q's dtype.
+    """
+    B, Hq, T, D = q.shape
+    group = Hq // k.shape[1]
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
+    i = torch.arange(T, device=q.device)
+    dist = i[:, None] - i[None, :]
+    local = dist < local_window
+    causal = dist >= 0
+    log_g = torch.log(g.float() + eps)  # [B, Hkv, T]
+    bias = torch.where(local, torch.zeros((), device=q.device), log_g[:, :, None, :])
+    bias = bias.masked_fill(~causal, float("-inf"))  # [B, Hkv, T, T]
+    bias = _expand_gqa(bias, group, 1).to(q.dtype)
+    k, v = _expand_gqa(k, group, 1), _expand_gqa(v, group, 1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+
+
+def vertical_slash_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, admitted: torch.Tensor,
+                        local_window: int) -> torch.Tensor:
+    """Mask ``[Hkv, Nq, Nk]`` for one sequence: q_pos ``[Nq]``, k_pos ``[Nk]``, admitted ``[Nk, Hkv]``."""
+    dist = q_pos[:, None] - k_pos[None, :]
+    band = (dist >= 0) & (dist < local_window)
+    vertical = (dist >= 0)[None] & admitted.t()[:, None, :]
+    return band[None] | vertical
+
+
+def vertical_slash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, admitted: torch.Tensor,
+                             qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, q_pos: torch.Tensor,
+                             k_pos: torch.Tensor, local_window: int,
+                             sm_scale: float | None = None) -> torch.Tensor:
+    """Hard vertical-slash attention over a packed variable-length batch.
+
+    Parameters
+    ----------
+    q : ``[Nq, Hq, D]`` queries of all sequences, packed; sequence b is rows ``qo_indptr[b]:qo_indptr[b+1]``.
+    k, v : ``[Nk, Hkv, D]`` keys/values, packed by ``kv_indptr`` (``[B + 1]``).
+    admitted : ``[Nk, Hkv]`` bool, key j of head h is in the global cache (visible beyond the band).
+    q_pos : ``[Nq]``, k_pos : ``[Nk]`` token positions (a prefill from scratch has both = arange).
+    local_window : W_local; key j is always visible to query i when ``0 <= pos_i - pos_j < W_local``.
+
+    Returns ``[Nq, Hq, D]`` in q's dtype. A query that sees no key (impossible when its own key is
+    present) returns zeros.
+    """
+    Nq, Hq, D = q.shape
+    Hkv = k.shape[1]
+    group = Hq // Hkv
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
+    out = torch.zeros_like(q)
+    qo, kv = qo_indptr.tolist(), kv_indptr.tolist()
+    for b in range(len(qo) - 1):
+        qs, qe, ks, ke = qo[b], qo[b + 1], kv[b], kv[b + 1]
+        if qe == qs or ke == ks:
+            continue
+        mask = vertical_slash_mask(q_pos[qs:qe], k_pos[ks:ke], admitted[ks:ke], local_window)
+        mask = _expand_gqa(mask, group, 0)  # [Hq, nq, nk]
+        qb = q[qs:qe].transpose(0, 1).float()  # [Hq, nq, D]
+        kb = _expand_gqa(k[ks:ke].transpose(0, 1).float(), group, 0)
+        vb = _expand_gqa(v[ks:ke].transpose(0, 1).float(), group, 0)
+        scores = (qb @ kb.transpose(1, 2)) * scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        out[qs:qe] = (probs @ vb).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           sm_scale: float | None = None) -> torch.Tensor:
+    """Plain causal GQA attention for one sequence: q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` -> ``[T, Hq, D]``."""
+    group = q.shape[1] // k.shape[1]
+    qt = q.transpose(0, 1).unsqueeze(0)
+    kt = _expand_gqa(k.transpose(0, 1), group, 0).unsqueeze(0)
+    vt = _expand_gqa(v.transpose(0, 1), group, 0).unsqueeze(0)
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+    return out[0].transpose(0, 1)
+
+
+def padded_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                            sm_scale: float | None = None) -> torch.Tensor:
+    """Decode over padded per-(request, KV head) sequences.
+
+    q : ``[B, Hq, D]``; k, v : ``[B, Hkv, L, D]`` (entries past ``lengths`` are ignored);
+    lengths : ``[B, Hkv]``. Returns ``[B, Hq, D]``.
+    """
+    B, Hq, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
+    qg = q.view(B, Hkv, group, D).float()
+    scores = torch.einsum("bhgd,bhld->bhgl", qg, k.float()) * scale
+    valid = torch.arange(L, device=q.device)[None, None, :] < lengths[:, :, None]
+    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    out = torch.einsum("bhgl,bhld->bhgd", probs, v.float())
+    return out.reshape(B, Hq, D).to(q.dtype)
+
+
+def paged_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                           kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                           kv_last_page_len: torch.Tensor, sm_scale: float | None = None) -> torch.Tensor:
+    """Decode over the folded-head paged layout (FlashInfer's ``BatchDecodeWithPagedKVCache`` with
+    ``num_kv_heads = 1`` and the GQA group as query heads).
+
+    Parameters
+    ----------
+    q : ``[B, Hq, D]``; sequence ``s = b * Hkv + h`` reads query heads ``h*group .. (h+1)*group-1``.
+    k_pages, v_pages : ``[num_pages, page_size, D]`` physical pool.
+    kv_indptr : ``[B*Hkv + 1]``; kv_indices : page ids; kv_last_page_len : ``[B*Hkv]`` (1..page_size).
+    """
+    B, Hq, D = q.shape
+    S = kv_indptr.numel() - 1
+    Hkv = S // B
+    page_size = k_pages.shape[1]
+    num_pages = (kv_indptr[1:] - kv_indptr[:-1]).long()
+    max_pages = int(num_pages.max()) if S else 0
+    col = torch.arange(max_pages, device=q.device)
+    idx = kv_indptr[:-1, None].long() + col[None, :]
+    valid_page = col[None, :] < num_pages[:, None]
+    pages = torch.where(valid_page, kv_indices[idx.clamp(max=max(kv_indices.numel() - 1, 0))].long(), 0)
+    lengths = torch.where(num_pages > 0, (num_pages - 1) * page_size + kv_last_page_len.long(), 0)
+    k = k_pages[pages].reshape(B, Hkv, max_pages * page_size, D)
+    v = v_pages[pages].reshape(B, Hkv, max_pages * page_size, D)
+    return padded_decode_attention(q, k, v, lengths.view(B, Hkv), sm_scale)

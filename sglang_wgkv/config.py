@@ -1,0 +1,39 @@
+"""Runtime configuration of WG-KV admission, validated on construction."""
+
+from dataclasses import dataclass
+
+PAGE_SIZE = 16
+
+
+@dataclass(frozen=True)
+class WGKVConfig:
+    """Admission parameters shared by the pool, the attention paths and the server.
+
+    Parameters
+    ----------
+    local_window : W_local, ring slots per (request, layer, KV head); a multiple of ``PAGE_SIZE``.
+    tau : admission threshold; a token leaving the ring is promoted when ``g >= tau``.
+    random_admission : if set, admit each (token, head) with this probability instead of ``g >= tau``
+        (the paper's profiling protocol; the gate is still evaluated).
+    kv_budget : average global tokens per head per request enforced by the evictor (None = unbounded).
+    """
+
+    local_window: int = 256
+    tau: float = 0.1
+    random_admission: float | None = None
+    kv_budget: int | None = None
+    page_size: int = PAGE_SIZE
+
+    def __post_init__(self):
+        if self.page_size != PAGE_SIZE:
+            raise ValueError(f"page_size must be {PAGE_SIZE}, got {self.page_size}")
+        if self.local_window <= 0 or self.local_window % self.page_size:
+            raise ValueError(
+                f"local_window must be a positive multiple of {self.page_size}, got {self.local_window}"
+            )
+        if not 0.0 <= self.tau <= 1.0:
+            raise ValueError(f"tau must be in [0, 1], got {self.tau}")
+        if self.random_admission is not None and not 0.0 <= self.random_admission <= 1.0:
+            raise ValueError(f"random_admission must be in [0, 1], got {self.random_admission}")
+        if self.kv_budget is not None and self.kv_budget < self.page_size:
+            raise ValueError(f"kv_budget must be >= {self.page_size} tokens, got {self.kv_budget}")

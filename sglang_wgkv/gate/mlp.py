@@ -1,0 +1,74 @@
+"""Write-Gate MLP: g = sigmoid(W2 GELU(W1 [RMSNorm(k_pre); RMSNorm(k_post)] + b1) + b2), per KV head."""
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+class LayerGate(nn.Module):
+    """All KV heads of one layer, evaluated together with batched matmuls.
+
+    Parameters (H = KV heads, D = head_dim, I = expand * D):
+    ``pre_norm [D]``, ``post_norm [D]`` (shared by the layer's heads), ``w1 [H, 2D, I]``, ``b1 [H, I]``,
+    ``w2 [H, I]``, ``b2 [H]``.
+    """
+
+    def __init__(self, num_kv_heads: int, head_dim: int, expand: int = 4, eps: float = 1e-6,
+                 init_bias: float = 3.0):
+        super().__init__()
+        inner = expand * head_dim
+        self.num_kv_heads, self.head_dim, self.eps = num_kv_heads, head_dim, eps
+        self.pre_norm = nn.Parameter(torch.ones(head_dim))
+        self.post_norm = nn.Parameter(torch.ones(head_dim))
+        self.w1 = nn.Parameter(torch.randn(num_kv_heads, 2 * head_dim, inner) / math.sqrt(2 * head_dim))
+        self.b1 = nn.Parameter(torch.zeros(num_kv_heads, inner))
+        self.w2 = nn.Parameter(torch.randn(num_kv_heads, inner) / math.sqrt(inner) * 0.1)
+        # A fresh gate starts near "admit everything" so an untrained model behaves like dense.
+        self.b2 = nn.Parameter(torch.full((num_kv_heads,), init_bias))
+
+    def logits(self, k_pre: torch.Tensor, k_post: torch.Tensor) -> torch.Tensor:
+        """k_pre, k_post: ``[T, H, D]`` (or ``[T, H*D]``) -> logits ``[T, H]`` in float32."""
+        shape = (-1, self.num_kv_heads, self.head_dim)
+        k_pre, k_post = k_pre.reshape(shape), k_post.reshape(shape)
+        x = torch.cat([_rms_norm(k_pre, self.pre_norm, self.eps),
+                       _rms_norm(k_post, self.post_norm, self.eps)], dim=-1)
+        hidden = torch.einsum("thc,hci->thi", x, self.w1.float()) + self.b1.float()
+        hidden = F.gelu(hidden, approximate="none")
+        return torch.einsum("thi,hi->th", hidden, self.w2.float()) + self.b2.float()
+
+    def forward(self, k_pre: torch.Tensor, k_post: torch.Tensor) -> torch.Tensor:
+        """Gate values ``[T, H]`` in [0, 1], float32."""
+        return torch.sigmoid(self.logits(k_pre, k_post))
+
+
+class WriteGates(nn.Module):
+    """One :class:`LayerGate` per decoder layer, with the :class:`GateConfig` that describes them."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(
+            LayerGate(config.num_kv_heads, config.head_dim, config.expand, config.eps)
+            for _ in range(config.num_layers)
+        )
+
+    def forward(self, layer_id: int, k_pre: torch.Tensor, k_post: torch.Tensor) -> torch.Tensor:
+        return self.layers[layer_id](k_pre, k_post)
+
+    def check_model(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+        """Raise ValueError naming expected vs found when the gates do not fit the model."""
+        c = self.config
+        found = (c.num_layers, c.num_kv_heads, c.head_dim)
+        expected = (num_layers, num_kv_heads, head_dim)
+        if found != expected:
+            raise ValueError(
+                "gate checkpoint does not match the model: expected (layers, kv_heads, head_dim) = "
+                f"{expected}, found {found}"
+            )

@@ -1,0 +1,114 @@
+"""Device-side page allocator: a free stack plus refcounts, allocation without host syncs.
+
+Page ids are ``0 .. num_pages-1``; id ``num_pages`` is the *dump page*: a scratch page that masked-off
+writes are sent to so that every scatter has a fixed shape (no boolean indexing, no host sync). It is
+never handed out and never counted.
+
+Host syncs: :meth:`alloc_where` (the decode path) never syncs. The host keeps ``free_floor``, a lower
+bound on the free pages (exact after a sync, lowered by the worst case of each device-side
+allocation); :meth:`ensure` syncs only when that bound cannot cover the next step's worst case.
+"""
+
+import torch
+
+
+class PoolExhausted(RuntimeError):
+    """Not enough free pages for a step's worst case. Raised before anything is modified."""
+
+    def __init__(self, needed: int, free: int):
+        super().__init__(f"KV page pool exhausted: need up to {needed} pages, {free} free")
+        self.needed, self.free = needed, free
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int, device: torch.device | str = "cpu"):
+        if num_pages <= 0:
+            raise ValueError(f"num_pages must be positive, got {num_pages}")
+        self.num_pages = num_pages
+        self.dump_page = num_pages
+        self.device = torch.device(device)
+        # Stack top is the end; popping from the top hands out low ids first.
+        self.free_stack = torch.arange(num_pages - 1, -1, -1, dtype=torch.int64, device=self.device)
+        self.num_free = torch.tensor(num_pages, dtype=torch.int64, device=self.device)
+        self.ref = torch.zeros(num_pages + 1, dtype=torch.int32, device=self.device)
+        self.free_floor = num_pages
+
+    # -- capacity -------------------------------------------------------------------------------
+    def sync_free(self) -> int:
+        """Exact free page count (one host sync); refreshes ``free_floor``."""
+        self.free_floor = int(self.num_free.item())
+        return self.free_floor
+
+    def can_allocate(self, worst_case: int) -> bool:
+        return worst_case <= self.free_floor or worst_case <= self.sync_free()
+
+    def ensure(self, worst_case: int) -> None:
+        """Raise :class:`PoolExhausted` unless ``worst_case`` pages can be handed out."""
+        if not self.can_allocate(worst_case):
+            raise PoolExhausted(worst_case, self.free_floor)
+
+    # -- allocation -----------------------------------------------------------------------------
+    def alloc_where(self, need: torch.Tensor) -> torch.Tensor:
+        """One fresh page for every True in ``need`` (any shape), the dump page elsewhere.
+
+        No host sync. The caller must have called :meth:`ensure` for ``need.numel()`` pages.
+        """
+        flat = need.reshape(-1)
+        rank = torch.cumsum(flat.to(torch.int64), 0) - 1
+        idx = (self.num_free - 1 - rank).clamp(min=0)
+        pages = torch.where(flat, self.free_stack[idx], self.dump_page)
+        self.num_free -= flat.sum()
+        self.ref.index_fill_(0, pages, 1)
+        self.ref[self.dump_page] = 0
+        self.free_floor -= flat.numel()
+        return pages.view(need.shape)
+
+    def alloc(self, n: int) -> torch.Tensor:
+        """``n`` fresh pages (host-known count): int64 ``[n]``. Raises PoolExhausted."""
+        self.ensure(n)
+        return self.alloc_where(torch.ones(n, dtype=torch.bool, device=self.device))
+
+    def incref(self, pages: torch.Tensor) -> None:
+        """Add one reference to each page in ``pages`` (dump page entries ignored)."""
+        self.ref.index_add_(0, pages.reshape(-1).long(), torch.ones_like(pages.reshape(-1), dtype=torch.int32))
+        self.ref[self.dump_page] = 0
+
+    def free(self, pages: torch.Tensor) -> int:
+        """Drop one reference from each page (duplicates count twice; dump entries ignored); pages
+        whose count reaches zero return to the free stack. Returns how many were returned (syncs)."""
+        pages = pages.reshape(-1).long()
+        pages = pages[pages != self.dump_page]
+        if pages.numel() == 0:
+            return 0
+        uniq, drops = torch.unique(pages, return_counts=True)
+        if bool((self.ref[uniq] < drops).any()):
+            raise RuntimeError("freeing a page more often than it is referenced")
+        self.ref.index_add_(0, uniq, -drops.to(torch.int32))
+        released = uniq[self.ref[uniq] == 0]
+        n = released.numel()
+        top = int(self.num_free.item())
+        self.free_stack[top:top + n] = released
+        self.num_free += n
+        self.free_floor = top + n
+        return n
+
+    # -- invariants -----------------------------------------------------------------------------
+    def check_integrity(self, referenced: torch.Tensor) -> None:
+        """``referenced``: every page id held by an owner (with repeats for shared pages).
+        Raises RuntimeError on a leak, a double free or a refcount that does not match."""
+        n_free = int(self.num_free.item())
+        free = self.free_stack[:n_free]
+        if n_free and torch.unique(free).numel() != n_free:
+            raise RuntimeError("page allocator: a page is on the free stack twice")
+        if n_free and bool((self.ref[free] != 0).any()):
+            raise RuntimeError("page allocator: a free page has a nonzero refcount")
+        refs = referenced.reshape(-1).long()
+        refs = refs[refs != self.dump_page]
+        counts = torch.bincount(refs, minlength=self.num_pages + 1).to(torch.int32)
+        counts[self.dump_page] = 0
+        if not torch.equal(counts, self.ref):
+            bad = torch.nonzero(counts != self.ref).flatten()[:8].tolist()
+            raise RuntimeError(f"page allocator: refcounts disagree with owners at pages {bad}")
+        in_use = int((self.ref[: self.num_pages] > 0).sum())
+        if in_use + n_free != self.num_pages:
+            raise RuntimeError(f"page allocator: leak: {in_use} in use + {n_free} free != {self.num_pages}")
