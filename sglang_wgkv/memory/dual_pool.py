@@ -64,6 +64,8 @@ class _DecodePlan:
     req: torch.Tensor          # [B] request slots
     pos: torch.Tensor          # [B] position of the token being decoded
     ring_tokens: torch.Tensor  # [B] tokens in the ring after this step's write
+    ring_page: torch.Tensor    # [B, L, H] page of the ring slot the new token takes
+    ring_off: torch.Tensor     # [B, 1] offset of that slot in its page
 
 
 class DualCachePool:
@@ -273,8 +275,8 @@ class DualCachePool:
         glen = self.global_len[r, layer].long()
         gcols = -(-int(glen.max()) // PAGE_SIZE) if H else 0
         pages = self.page_table[r, layer, :, self.ring_cols:self.ring_cols + gcols].long()    # [H, gc]
-        gk = self.k_pages[pages].reshape(H, gcols * PAGE_SIZE, -1).transpose(0, 1)
-        gv = self.v_pages[pages].reshape(H, gcols * PAGE_SIZE, -1).transpose(0, 1)
+        gk = self.k_pages[pages].reshape(H, gcols * PAGE_SIZE, self.head_dim).transpose(0, 1)
+        gv = self.v_pages[pages].reshape(H, gcols * PAGE_SIZE, self.head_dim).transpose(0, 1)
         g_adm = (torch.arange(gcols * PAGE_SIZE, device=self.device)[:, None] < glen[None, :])
         pos = torch.arange(max(0, prefix_len - W), prefix_len, device=self.device)
         slot = pos % W
@@ -317,7 +319,11 @@ class DualCachePool:
         if promoting:
             self._promote(req, pos)
         self.cached_len[req_slots] = seq_lens + 1
-        self._decode = _DecodePlan(req=req, pos=pos, ring_tokens=torch.clamp(pos + 1, max=W))
+        slot = pos % W
+        ring_page = self.page_table[req[:, None, None], self._layers[None, :, None], self._heads[None, None, :],
+                                    (slot // PAGE_SIZE)[:, None, None]].long()
+        self._decode = _DecodePlan(req=req, pos=pos, ring_tokens=torch.clamp(pos + 1, max=W),
+                                   ring_page=ring_page, ring_off=(slot % PAGE_SIZE)[:, None])
         self._extend = None
         return self._decode
 
@@ -344,12 +350,10 @@ class DualCachePool:
         p = self._decode
         if p is None:
             raise RuntimeError("write_decode without begin_decode")
-        slot = (p.pos % self.window)[:, None]
-        r, heads = p.req[:, None], self._heads[None, :]
-        page = self.page_table[r, layer, heads, slot // PAGE_SIZE].long()
-        self.k_pages[page, slot % PAGE_SIZE] = k.to(self.dtype)
-        self.v_pages[page, slot % PAGE_SIZE] = v.to(self.dtype)
-        self.ring_flag[r, layer, heads, slot] = admit
+        page = p.ring_page[:, layer]
+        self.k_pages[page, p.ring_off] = k.to(self.dtype)
+        self.v_pages[page, p.ring_off] = v.to(self.dtype)
+        self.ring_flag[p.req[:, None], layer, self._heads[None, :], (p.pos % self.window)[:, None]] = admit
 
     def decode_page_rows(self, layer: int):
         """Page lists of the current decode batch in ``layer`` (after :meth:`write_decode`).
