@@ -1,0 +1,218 @@
+"""GPU kernels against the torch references: Triton vertical-slash prefill, FlashInfer folded decode."""
+
+import pytest
+import torch
+
+from sglang_wgkv.attention import reference
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device)")]
+
+DEV = "cuda"
+TOL = {torch.float16: (3e-3, 2e-2), torch.bfloat16: (2e-2, 8e-2)}  # (relative norm, max abs)
+
+
+def _close(out, ref, dtype):
+    assert torch.isfinite(out).all(), "non-finite output"
+    rel_tol, abs_tol = TOL[dtype]
+    err = (out.float() - ref.float())
+    rel = (err.norm() / ref.float().norm().clamp(min=1e-6)).item()
+    assert rel < rel_tol and err.abs().max().item() < abs_tol, f"rel {rel:.2e}, max {err.abs().max().item():.2e}"
+
+
+def _packed_case(lens_q, lens_k, Hq, Hkv, D, p_admit, dtype, far_prefix=0):
+    """Packed var-length batch; queries are the last lens_q positions of each sequence.
+
+    far_prefix > 0 puts that many extra keys per sequence at one far position (the pool's layout of
+    global entries in ``gather_context``), admitted with probability p_admit.
+    """
+    qo = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32).to(DEV)
+    kl = [lk + far_prefix for lk in lens_k]
+    kv = torch.tensor([0] + kl).cumsum(0).to(torch.int32).to(DEV)
+    Nq, Nk = int(qo[-1]), int(kv[-1])
+    q = torch.randn(Nq, Hq, D, device=DEV).to(dtype)
+    k = torch.randn(Nk, Hkv, D, device=DEV).to(dtype)
+    v = torch.randn(Nk, Hkv, D, device=DEV).to(dtype)
+    admitted = torch.rand(Nk, Hkv, device=DEV) < p_admit
+    q_pos = torch.cat([torch.arange(lk - lq, lk) for lq, lk in zip(lens_q, lens_k)]).to(torch.int32).to(DEV)
+    k_pos = torch.cat([torch.cat([torch.full((far_prefix,), -(2**30)), torch.arange(lk)]) for lk in lens_k])
+    return q, k, v, admitted, qo, kv, q_pos, k_pos.to(torch.int32).to(DEV)
+
+
+PREFILL_CASES = [
+    # lens_q, lens_k, W, p_admit, far_prefix
+    ([700], [700], 64, 0.25, 0),
+    ([1, 129, 300, 64], [1, 129, 300, 64], 32, 0.5, 0),
+    ([50, 128, 0], [300, 128, 40], 16, 0.25, 0),        # extend after a cached prefix; empty query
+    ([257], [257], 256, 0.0, 0),                         # only the band
+    ([400], [400], 16, 1.0, 0),                          # everything admitted = dense causal
+    ([96, 33], [200, 33], 48, 0.3, 37),                  # pool layout: global entries at a far position
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_triton_prefill_matches_reference(dtype, D, case):
+    from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
+
+    lens_q, lens_k, W, p, far = case
+    torch.manual_seed(len(lens_q) * 1000 + D + W)
+    args = _packed_case(lens_q, lens_k, 8, 2, D, p, dtype, far)
+    ref = reference.vertical_slash_attention(*args, W)
+    out = vertical_slash_attention(*args, W)
+    _close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (8, 1), (6, 2)])
+def test_triton_prefill_gqa_groups(Hq, Hkv):
+    from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
+
+    torch.manual_seed(Hq * 10 + Hkv)
+    args = _packed_case([333, 70], [333, 90], Hq, Hkv, 128, 0.3, torch.bfloat16)
+    _close(vertical_slash_attention(*args, 32), reference.vertical_slash_attention(*args, 32), torch.bfloat16)
+
+
+def test_triton_prefill_reused_plan_and_configs_and_scale():
+    from sglang_wgkv.attention.triton_prefill import PrefillConfig, vertical_slash_attention
+    from sglang_wgkv.attention.vertical_slash_plan import build_vertical_slash_plan, compact_admitted
+
+    torch.manual_seed(7)
+    q, k, v, adm, qo, kv, qp, kp = _packed_case([500, 260], [500, 300], 8, 2, 128, 0.25, torch.bfloat16)
+    ref = reference.vertical_slash_attention(q, k, v, adm, qo, kv, qp, kp, 64, sm_scale=0.05)
+    for cfg in (PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 128, 8, 2), PrefillConfig(64, 64, 4, 3)):
+        plan = build_vertical_slash_plan(adm, qo, kv, qp, kp, 64, cfg.block_m)
+        comp = (compact_admitted(k, adm, kv), compact_admitted(v, adm, kv))
+        out = vertical_slash_attention(q, k, v, adm, qo, kv, qp, kp, 64, 0.05, plan=plan, compacted=comp, config=cfg)
+        _close(out, ref, torch.bfloat16)
+
+
+def test_triton_prefill_strided_views_of_fused_qkv():
+    """q/k/v as column slices of one fused projection output (what a model hands over)."""
+    from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
+
+    torch.manual_seed(11)
+    T, Hq, Hkv, D = 300, 8, 2, 128
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, device=DEV, dtype=torch.bfloat16)
+    q = qkv[:, : Hq * D].view(T, Hq, D)
+    k = qkv[:, Hq * D: (Hq + Hkv) * D].view(T, Hkv, D)
+    v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
+    adm = torch.rand(T, Hkv, device=DEV) < 0.3
+    ind = torch.tensor([0, T], dtype=torch.int32, device=DEV)
+    pos = torch.arange(T, dtype=torch.int32, device=DEV)
+    ref = reference.vertical_slash_attention(q, k, v, adm, ind, ind, pos, pos, 32)
+    _close(vertical_slash_attention(q, k, v, adm, ind, ind, pos, pos, 32), ref, torch.bfloat16)
+
+
+def _folded_pages(B, Hkv, D, dtype, lengths, num_pages=4000):
+    """Random pool and ragged page lists; lengths ``[B*Hkv]`` tokens (>= 1)."""
+    k_pages = torch.randn(num_pages + 1, 16, D, device=DEV).to(dtype)
+    v_pages = torch.randn(num_pages + 1, 16, D, device=DEV).to(dtype)
+    n = [(L + 15) // 16 for L in lengths]
+    perm = torch.randperm(num_pages, device=DEV)[: sum(n)].to(torch.int32)
+    indptr = torch.tensor([0] + n).cumsum(0).to(torch.int32)
+    last = torch.tensor([L - (c - 1) * 16 for L, c in zip(lengths, n)], dtype=torch.int32)
+    return k_pages, v_pages, indptr, perm, last
+
+
+DECODE_CASES = [
+    # B, Hq, Hkv, lengths per (b, h) or None for random
+    (1, 32, 8, None),
+    (3, 8, 2, [1, 16, 17, 300, 5000, 33]),
+    (2, 4, 4, None),
+    (4, 16, 1, [2000, 1, 64, 129]),
+]
+
+
+@pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 128), (torch.bfloat16, 64), (torch.float16, 128)])
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_folded_decode_matches_reference(dtype, D, case):
+    from sglang_wgkv.attention.flashinfer_decode import folded_paged_decode_attention
+
+    B, Hq, Hkv, lengths = case
+    torch.manual_seed(B * 7 + Hq + D)
+    if lengths is None:
+        lengths = torch.randint(1, 3000, (B * Hkv,)).tolist()
+    kp, vp, indptr, indices, last = _folded_pages(B, Hkv, D, dtype, lengths)
+    q = torch.randn(B, Hq, D, device=DEV).to(dtype)
+    ref = reference.paged_decode_attention(q, kp, vp, indptr.to(DEV), indices, last.to(DEV))
+    out = folded_paged_decode_attention(q, kp, vp, indptr, indices, last.to(DEV))
+    _close(out, ref, dtype)
+
+
+def test_folded_decode_plan_once_run_per_layer_and_cuda_graph():
+    """One plan serves several layers (pools); a captured run replays correctly after a re-plan
+    with other lengths, and after the last-page lengths are rewritten in place."""
+    from sglang_wgkv.attention.flashinfer_decode import FoldedPagedDecode
+
+    torch.manual_seed(3)
+    B, Hq, Hkv, D, dtype = 2, 32, 8, 128, torch.bfloat16
+    S = B * Hkv
+    dec = FoldedPagedDecode(Hq, Hkv, D, B, max_pages=4000, device=DEV, q_dtype=dtype)
+    pools = [(torch.randn(4001, 16, D, device=DEV).to(dtype), torch.randn(4001, 16, D, device=DEV).to(dtype))
+             for _ in range(3)]
+    lengths = torch.randint(1, 2000, (S,)).tolist()
+    _, _, indptr, indices, last = _folded_pages(B, Hkv, D, dtype, lengths, 4000)
+    dec.plan(indptr, indices, last.to(DEV))
+    q = torch.randn(B, Hq, D, device=DEV).to(dtype)
+    for kp, vp in pools:
+        ref = reference.paged_decode_attention(q, kp, vp, indptr.to(DEV), indices, last.to(DEV))
+        _close(dec.run(q, kp, vp), ref, dtype)
+
+    kp, vp = pools[0]
+    out = torch.empty_like(q)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        dec.run(q, kp, vp, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dec.run(q, kp, vp, out=out)
+    lengths2 = torch.randint(1, 3000, (S,)).tolist()
+    _, _, indptr2, indices2, last2 = _folded_pages(B, Hkv, D, dtype, lengths2, 4000)
+    dec.plan(indptr2, indices2, last2.to(DEV))
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    _close(out, reference.paged_decode_attention(q, kp, vp, indptr2.to(DEV), indices2, last2.to(DEV)), dtype)
+    # Same page counts, shorter last pages: rewrite the device buffer, no new plan.
+    last3 = torch.clamp(last2 - 5, min=1).to(DEV)
+    dec.last_page_len.copy_(last3)
+    graph.replay()
+    _close(out, reference.paged_decode_attention(q, kp, vp, indptr2.to(DEV), indices2, last3), dtype)
+
+
+def test_folded_decode_reads_the_dual_cache_pool():
+    """Prefill + decode steps through the core pool; its folded page lists feed FlashInfer."""
+    from sglang_wgkv.attention.flashinfer_decode import FoldedPagedDecode
+    from sglang_wgkv.attention.folded_index import build_folded_indices
+    from sglang_wgkv.config import WGKVConfig
+    from sglang_wgkv.memory import DualCachePool
+
+    torch.manual_seed(5)
+    L, B, Hkv, G, D, W = 2, 2, 4, 4, 128, 64
+    dtype = torch.bfloat16
+    pool = DualCachePool(L, Hkv, D, num_pages=3000, max_requests=4, max_context_len=1200,
+                         config=WGKVConfig(local_window=W), dtype=dtype, device=DEV)
+    slots, plens = [2, 0], [700, 90]
+    for r in slots:
+        pool.alloc_request(r)
+    pool.begin_extend(slots, [0, 0], plens)
+    N = sum(plens)
+    for layer in range(L):
+        k = torch.randn(N, Hkv, D, device=DEV).to(dtype)
+        pool.write_extend(layer, k, torch.randn_like(k), torch.rand(N, Hkv, device=DEV) < 0.3)
+    dec = FoldedPagedDecode(Hkv * G, Hkv, D, B, max_pages=B * Hkv * 200, device=DEV, q_dtype=dtype)
+    seq = list(plens)
+    for step in range(20):
+        pool.begin_decode(slots, seq)
+        for layer in range(L):
+            k = torch.randn(B, Hkv, D, device=DEV).to(dtype)
+            pool.write_decode(layer, k, torch.randn_like(k), torch.rand(B, Hkv, device=DEV) < 0.3)
+            rows, num_pages, last, _ = pool.decode_page_rows(layer)
+            indptr, indices, last = build_folded_indices(rows, num_pages, last)
+            q = torch.randn(B, Hkv * G, D, device=DEV).to(dtype)
+            dec.plan(indptr.cpu(), indices, last)
+            ref = reference.paged_decode_attention(q, pool.k_pages, pool.v_pages, indptr, indices, last)
+            _close(dec.run(q, pool.k_pages, pool.v_pages), ref, dtype)
+        seq = [s + 1 for s in seq]
