@@ -1,0 +1,176 @@
+"""The HookRegistry hooks of the WG-KV plugin (registered in :mod:`sglang_wgkv.integration.plugin`).
+
+Every hook is inert unless ``--attention-backend wgkv`` is selected.
+
+======================================================  ======  ==========================================
+target (sglang.srt. ...)                                type    effect with wgkv
+======================================================  ======  ==========================================
+server_args.ServerArgs.__post_init__                    BEFORE  validate options; no radix cache, no graphs
+...KVCacheConfigurator._derive_pool_sizes               AFTER   split the budget: logical vs physical
+...KVCacheConfigurator._build_default_req_pool          AROUND  WGKVReqToTokenPool (request lifecycle)
+...KVCacheConfigurator._build_token_to_kv_pool          AROUND  DualCachePool + WGKVTokenToKVPool
+...SchedulerInvariantChecker._check_req_pool            AFTER   idle: no slot, no page held, integrity
+managers.scheduler.Scheduler.get_internal_state         AFTER   ``wgkv`` stats in /server_info
+utils.common.support_triton                             AROUND  False on CPU (SGLang decides by name)
+======================================================  ======  ==========================================
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import msgspec
+
+from sglang_wgkv.integration.settings import BACKEND_NAME, ServingSettings
+
+logger = logging.getLogger(__name__)
+
+CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+INVARIANT_CHECKER = "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker"
+
+
+def wgkv_selected(server_args) -> bool:
+    return server_args.attention_backend == BACKEND_NAME
+
+
+def prepare_server_args(server_args, *args, **kwargs):
+    """BEFORE ``ServerArgs.__post_init__``: reject what the wgkv backend cannot run, and turn off
+    prefix caching (a prefix shared through the radix tree has no per-request dual-cache copy yet)
+    and CUDA graphs (the reference path syncs)."""
+    chosen = {server_args.attention_backend, server_args.prefill_attention_backend,
+              server_args.decode_attention_backend} - {None}
+    if BACKEND_NAME not in chosen:
+        return None
+    if chosen != {BACKEND_NAME}:
+        raise ValueError(f"--attention-backend {BACKEND_NAME} cannot be mixed with other prefill/decode "
+                         f"backends (got {sorted(chosen)}): its KV cache lives in its own pool")
+    server_args.attention_backend = BACKEND_NAME
+    unsupported = {
+        "--speculative-algorithm": server_args.speculative_algorithm is not None,
+        "--enable-mixed-chunk": server_args.enable_mixed_chunk,
+        "--enable-two-batch-overlap": server_args.enable_two_batch_overlap,
+        "--enable-pdmux": server_args.enable_pdmux,
+        "--enable-hierarchical-cache": server_args.enable_hierarchical_cache,
+        "--tp-size > 1": server_args.tp_size > 1,
+        "--pp-size > 1": server_args.pp_size > 1,
+        "--dp-size > 1": server_args.dp_size > 1,
+        "--page-size > 1 (SGLang's pages are logical here; the dual pool pages itself)":
+            server_args.page_size not in (None, 1),
+        "--kv-cache-dtype other than auto/bf16/fp16/fp32":
+            server_args.kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32"),
+    }
+    bad = [flag for flag, on in unsupported.items() if on]
+    if bad:
+        raise ValueError(f"--attention-backend {BACKEND_NAME} does not support {', '.join(bad)}")
+    if not server_args.disable_radix_cache:
+        logger.warning("wgkv: prefix (radix) caching is turned off")
+        server_args.disable_radix_cache = True
+    server_args.disable_prefill_cuda_graph = True
+    server_args.disable_decode_cuda_graph = True
+    ServingSettings.from_env()  # fail here, in the launcher, on a malformed settings variable
+    return None
+
+
+def split_pool_sizes(sizes, configurator, *args, **kwargs):
+    """AFTER ``_derive_pool_sizes``: SGLang's logical pool gets the budget minus per-request slack."""
+    if not wgkv_selected(configurator.server_args):
+        return None
+    from sglang_wgkv.integration.kv_pool import split_capacity
+
+    split = split_capacity(sizes.max_total_num_tokens, sizes.max_running_requests)
+    logger.info("wgkv: KV budget %d tokens -> %d logical tokens, %d request slots",
+                split.physical_tokens, split.logical_tokens, split.max_requests)
+    return msgspec.structs.replace(sizes, max_total_num_tokens=split.logical_tokens,
+                                   max_running_requests=split.max_requests)
+
+
+def build_req_pool(original, configurator, *, max_num_reqs: int, extra_max_context_len: int):
+    """AROUND ``_build_default_req_pool``: the request pool that owns dual-cache slot lifetimes."""
+    if not wgkv_selected(configurator.server_args):
+        return original(configurator, max_num_reqs=max_num_reqs, extra_max_context_len=extra_max_context_len)
+    from sglang.srt.runtime_context import get_exec
+
+    from sglang_wgkv.integration.req_pool import WGKVReqToTokenPool
+
+    return WGKVReqToTokenPool(
+        size=max_num_reqs,
+        max_context_len=configurator.model_config.context_len + extra_max_context_len,
+        device=configurator.device,
+        enable_memory_saver=get_exec().features.enable_memory_saver,
+    )
+
+
+def build_kv_pool(original, configurator, *, sizes, is_dsa_model, is_dsv4_model, req_to_token_pool):
+    """AROUND ``_build_token_to_kv_pool``: the dual-cache pool, behind SGLang's MHA pool interface."""
+    if not wgkv_selected(configurator.server_args):
+        return original(configurator, sizes=sizes, is_dsa_model=is_dsa_model, is_dsv4_model=is_dsv4_model,
+                        req_to_token_pool=req_to_token_pool)
+    from sglang.srt.runtime_context import get_parallel
+
+    from sglang_wgkv.integration.kv_pool import SLACK_TOKENS, WGKVTokenToKVPool, physical_pages
+    from sglang_wgkv.integration.req_pool import WGKVReqToTokenPool
+    from sglang_wgkv.memory import DualCachePool
+
+    mc = configurator.model_config
+    if (configurator.use_mla_backend or configurator.is_hybrid_swa or configurator.mambaish_config
+            or is_dsa_model or is_dsv4_model or mc.head_dim != mc.v_head_dim):
+        raise ValueError(f"--attention-backend {BACKEND_NAME} supports plain multi-head/GQA attention "
+                         f"models (Llama, Qwen3), not {mc.hf_config.architectures}")
+    if not isinstance(req_to_token_pool, WGKVReqToTokenPool):
+        raise ValueError(f"--attention-backend {BACKEND_NAME} needs its request pool, "
+                         f"got {type(req_to_token_pool).__name__}")
+    num_layers = configurator.layer_info.num_effective_layers
+    num_kv_heads = mc.get_num_kv_heads(get_parallel().attn_tp_size)
+    physical_tokens = sizes.max_total_num_tokens + SLACK_TOKENS * sizes.max_running_requests
+    dual = DualCachePool(
+        num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=mc.head_dim,
+        num_pages=physical_pages(physical_tokens, num_layers, num_kv_heads),
+        max_requests=req_to_token_pool.req_to_token.shape[0],
+        max_context_len=req_to_token_pool.max_context_len,
+        config=ServingSettings.from_env().config, dtype=configurator.kv_cache_dtype,
+        device=configurator.device,
+    )
+    req_to_token_pool.attach(dual)
+    return configurator._build_mha_kv_pool(
+        max_total_num_tokens=sizes.max_total_num_tokens,
+        mha_pool_class=functools.partial(WGKVTokenToKVPool, dual=dual),
+    )
+
+
+def check_idle_pool(result, checker, *args, **kwargs):
+    """AFTER ``SchedulerInvariantChecker._check_req_pool`` (runs when the scheduler is idle)."""
+    from sglang.srt.environ import envs
+    from sglang.srt.utils.common import raise_error_or_warn
+
+    from sglang_wgkv.integration.req_pool import WGKVReqToTokenPool
+
+    pool = checker.req_to_token_pool
+    if not isinstance(pool, WGKVReqToTokenPool):
+        return None
+    problems = pool.idle_problems()
+    pool.idle_checks += 1
+    if problems:
+        raise_error_or_warn(checker, envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE.get(),
+                            "count_req_pool_leak_warnings", "wgkv: " + "; ".join(problems))
+    return None
+
+
+def add_internal_state(result, scheduler, *args, **kwargs):
+    """AFTER ``Scheduler.get_internal_state``: ``internal_states[i]["wgkv"]`` in ``/server_info``."""
+    from sglang_wgkv.integration.req_pool import WGKVReqToTokenPool
+
+    pool = scheduler.req_to_token_pool
+    if isinstance(pool, WGKVReqToTokenPool):
+        result.internal_state["wgkv"] = pool.stats()
+    return None
+
+
+def support_triton(original, backend: str) -> bool:
+    """AROUND ``support_triton``: SGLang picks Triton helpers (positions, req_to_token writes) by
+    backend name and lists only its own CPU backends as Triton-free; ``wgkv`` on CPU is one too."""
+    if backend == BACKEND_NAME:
+        from sglang.srt.utils import is_cpu
+
+        return not is_cpu()
+    return original(backend)

@@ -1,0 +1,39 @@
+"""Entry point ``sglang.srt.plugins: wgkv``: registers the ``wgkv`` attention backend and its hooks.
+
+SGLang calls :func:`load_plugin` in the launcher (before parsing arguments) and in every scheduler
+subprocess (before building the scheduler), then applies the registered hooks. Nothing else in this
+package patches SGLang; see :mod:`sglang_wgkv.integration.hooks` for the hook table.
+"""
+
+from __future__ import annotations
+
+from sglang_wgkv.integration.settings import BACKEND_NAME
+
+
+def create_wgkv_backend(model_runner):
+    from sglang_wgkv.integration.backend import WGKVAttnBackend
+
+    return WGKVAttnBackend(model_runner)
+
+
+def load_plugin() -> None:
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+
+    from sglang_wgkv.integration import hooks
+
+    register_attention_backend(BACKEND_NAME)(create_wgkv_backend)
+    if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([BACKEND_NAME])
+    for target, fn, kind in (
+        ("sglang.srt.server_args.ServerArgs.__post_init__", hooks.prepare_server_args, HookType.BEFORE),
+        (f"{hooks.CONFIGURATOR}._derive_pool_sizes", hooks.split_pool_sizes, HookType.AFTER),
+        (f"{hooks.CONFIGURATOR}._build_default_req_pool", hooks.build_req_pool, HookType.AROUND),
+        (f"{hooks.CONFIGURATOR}._build_token_to_kv_pool", hooks.build_kv_pool, HookType.AROUND),
+        (f"{hooks.INVARIANT_CHECKER}._check_req_pool", hooks.check_idle_pool, HookType.AFTER),
+        ("sglang.srt.managers.scheduler.Scheduler.get_internal_state", hooks.add_internal_state,
+         HookType.AFTER),
+        ("sglang.srt.utils.common.support_triton", hooks.support_triton, HookType.AROUND),
+    ):
+        HookRegistry.register(target, fn, kind)

@@ -1,0 +1,49 @@
+"""WG-KV server settings, handed from the launcher to SGLang's scheduler subprocesses.
+
+SGLang's ``ServerArgs`` has no room for plugin options and its scheduler processes are spawned, so
+:mod:`sglang_wgkv.launch_server` serializes a :class:`ServingSettings` into the environment variable
+:data:`ENV_VAR`, which every spawned process inherits. A process that finds no variable (e.g. a plain
+``python -m sglang.launch_server --attention-backend wgkv``) uses the defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+from sglang_wgkv.config import WGKVConfig
+
+ENV_VAR = "SGLANG_WGKV_SETTINGS"
+BACKEND_NAME = "wgkv"
+
+
+@dataclass(frozen=True)
+class ServingSettings:
+    """Parameters
+    ----------
+    config : admission parameters (W_local, tau, random admission, kv budget).
+    gates_path : gate checkpoint (directory or official ``.pt``); None = fresh gates, which admit
+        every token (output bias 3.0, g ~ 0.95 >= tau).
+    seed : seeds the fresh gates and the random-admission generator (reproducible runs).
+    """
+
+    config: WGKVConfig = field(default_factory=WGKVConfig)
+    gates_path: str | None = None
+    seed: int = 0
+
+    def to_env(self) -> str:
+        return json.dumps({"config": asdict(self.config), "gates_path": self.gates_path, "seed": self.seed})
+
+    @classmethod
+    def from_env(cls, environ=None) -> "ServingSettings":
+        """Settings from :data:`ENV_VAR` (defaults when unset); ValueError on a malformed value."""
+        raw = (environ if environ is not None else os.environ).get(ENV_VAR)
+        if not raw:
+            return cls()
+        try:
+            data = json.loads(raw)
+            return cls(config=WGKVConfig(**data["config"]), gates_path=data.get("gates_path"),
+                       seed=int(data.get("seed", 0)))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"malformed {ENV_VAR}={raw!r}: {e}") from e

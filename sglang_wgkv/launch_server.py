@@ -1,0 +1,168 @@
+"""Launch SGLang's server with WG-KV: ``python -m sglang_wgkv.launch_server [WG-KV options] [SGLang args]``.
+
+WG-KV options (all others go to SGLang unchanged)::
+
+    --kv-budget N                 average global tokens per head per request (enforced by the evictor)
+    --wgkv-gates PATH             gate checkpoint: directory (gates.safetensors + gates.json) or official .pt;
+                                  default: fresh gates, which admit every token
+    --wgkv-tau T                  admission threshold (default 0.1)
+    --wgkv-local-window W         W_local, a multiple of 16 (default 256)
+    --wgkv-random-admission P     admit each (token, head) with probability P; the gate still runs
+    --wgkv-seed S                 seed of fresh gates and random admission (default 0)
+    --disable-wgkv                plain SGLang (dense attention) with the same defaults
+
+Defaults filled in when absent: ``--model-path`` = the embedded SmolLM2-135M-Instruct
+(:mod:`sglang_wgkv.embedded_model`); without CUDA ``SGLANG_USE_CPU_ENGINE=1`` and ``--device cpu``;
+``--attention-backend wgkv`` (``torch_native`` on CPU with ``--disable-wgkv``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from importlib.metadata import entry_points
+
+from sglang_wgkv.config import WGKVConfig
+from sglang_wgkv.integration.settings import BACKEND_NAME, ENV_VAR, ServingSettings
+
+WGKV_FLAGS = ("--kv-budget", "--wgkv-gates", "--wgkv-tau", "--wgkv-local-window",
+              "--wgkv-random-admission", "--wgkv-seed")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m sglang_wgkv.launch_server", allow_abbrev=False,
+        description="SGLang server with Write-Gated KV. Unknown arguments are passed to SGLang.")
+    parser.add_argument("--kv-budget", type=int, default=None)
+    parser.add_argument("--wgkv-gates", default=None)
+    parser.add_argument("--wgkv-tau", type=float, default=WGKVConfig.tau)
+    parser.add_argument("--wgkv-local-window", type=int, default=WGKVConfig.local_window)
+    parser.add_argument("--wgkv-random-admission", type=float, default=None)
+    parser.add_argument("--wgkv-seed", type=int, default=0)
+    parser.add_argument("--disable-wgkv", action="store_true")
+    return parser
+
+
+def _option(argv: list[str], *names: str) -> str | None:
+    """Value of the first of ``names`` in ``argv`` (``--x v`` or ``--x=v``), else None."""
+    for i, arg in enumerate(argv):
+        for name in names:
+            if arg == name and i + 1 < len(argv):
+                return argv[i + 1]
+            if arg.startswith(name + "="):
+                return arg.split("=", 1)[1]
+    return None
+
+
+def _model_shape(model_path: str) -> tuple[int, int, int] | None:
+    """(layers, kv heads, head_dim) of a local HF model directory, or None if not local."""
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        return None
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_path).get_text_config()
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers, kv_heads, head_dim
+
+
+def check_gates(path: str, model_path: str) -> None:
+    """Load the gate checkpoint and check it against the model; ValueError with the reason."""
+    from sglang_wgkv.gate import load_gates
+
+    if not os.path.exists(path):
+        raise ValueError(f"{path}: no such gate checkpoint")
+    gates = load_gates(path)
+    shape = _model_shape(model_path)
+    if shape is not None:
+        try:
+            gates.check_model(*shape)
+        except ValueError as e:
+            raise ValueError(f"{path} does not fit {model_path}: {e}") from e
+
+
+def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[str, str]]:
+    """Split our options from SGLang's and fill in defaults.
+
+    Returns the WG-KV settings (None with ``--disable-wgkv``), SGLang's argv and environment
+    variables to set. Raises ValueError with a user-facing message on invalid options.
+    """
+    import torch
+
+    ours, sglang_argv = build_parser().parse_known_args(argv)
+    env: dict[str, str] = {}
+    model_path = _option(sglang_argv, "--model-path", "--model")
+    if model_path is None:
+        from sglang_wgkv.embedded_model import ensure_embedded_model
+
+        model_path = str(ensure_embedded_model())
+        sglang_argv = ["--model-path", model_path, *sglang_argv]
+    device = _option(sglang_argv, "--device")
+    if device is None and not torch.cuda.is_available():
+        device = "cpu"
+        sglang_argv += ["--device", "cpu"]
+    if device == "cpu":
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+    backend = _option(sglang_argv, "--attention-backend")
+
+    if ours.disable_wgkv:
+        given = [flag for flag in WGKV_FLAGS if any(a == flag or a.startswith(flag + "=") for a in argv)]
+        if given:
+            raise ValueError(f"{', '.join(given)} configure WG-KV; drop them or drop --disable-wgkv")
+        if backend == BACKEND_NAME:
+            raise ValueError(f"--disable-wgkv contradicts --attention-backend {BACKEND_NAME}")
+        if backend is None and device == "cpu":
+            sglang_argv += ["--attention-backend", "torch_native"]
+        return None, sglang_argv, env
+
+    try:
+        config = WGKVConfig(local_window=ours.wgkv_local_window, tau=ours.wgkv_tau,
+                            random_admission=ours.wgkv_random_admission, kv_budget=ours.kv_budget)
+    except ValueError as e:
+        raise ValueError(f"invalid WG-KV option: {e}") from e
+    if backend is None:
+        sglang_argv += ["--attention-backend", BACKEND_NAME]
+    elif backend != BACKEND_NAME:
+        raise ValueError(f"WG-KV runs with --attention-backend {BACKEND_NAME}, got {backend} "
+                         "(use --disable-wgkv for plain SGLang)")
+    if ours.wgkv_gates is not None:
+        check_gates(ours.wgkv_gates, model_path)
+        gates_path = os.path.abspath(ours.wgkv_gates)
+    else:
+        gates_path = None
+    settings = ServingSettings(config=config, gates_path=gates_path, seed=ours.wgkv_seed)
+    env[ENV_VAR] = settings.to_env()
+    return settings, sglang_argv, env
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        settings, sglang_argv, env = resolve(argv)
+    except ValueError as e:
+        build_parser().error(str(e))
+    if settings is not None and not any(ep.name == BACKEND_NAME for ep in entry_points(group="sglang.srt.plugins")):
+        build_parser().error("the sglang-wgkv package is not installed (its SGLang plugin entry point is "
+                             "missing); run scripts/setup.sh or `pip install -e .`")
+    os.environ.update(env)
+    if settings is None:
+        os.environ.pop(ENV_VAR, None)
+
+    # SGLang reads SGLANG_USE_CPU_ENGINE at import time: import it only now.
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    load_plugins()
+    server_args = prepare_server_args(sglang_argv)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+if __name__ == "__main__":
+    main()
