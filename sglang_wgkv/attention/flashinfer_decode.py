@@ -75,22 +75,33 @@ class FoldedPagedDecode:
         """``[S]`` device buffer of the current plan; may be rewritten in place (same page counts)."""
         return self._last[: self._num_seqs]
 
-    def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor) -> None:
+    @property
+    def indices_buffer(self) -> torch.Tensor:
+        """``[max_pages]`` device buffer the runs read page ids from."""
+        return self._indices
+
+    def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor | None,
+             kv_last_page_len: torch.Tensor | None) -> None:
         """Parameters
         ----------
         kv_indptr : ``[S + 1]`` int32, ``S = B * num_kv_heads``; on the CPU (a CUDA tensor is copied
             to the host: one sync).
-        kv_indices : ``[>= kv_indptr[-1]]`` int32 page ids, any device (entries past nnz ignored).
-        kv_last_page_len : ``[S]`` int32 tokens in each sequence's last page (``1..16``), any device.
+        kv_indices : ``[>= kv_indptr[-1]]`` int32 page ids, any device (entries past nnz ignored), or
+            None when the caller writes :attr:`indices_buffer` itself before the runs (e.g. inside a
+            captured graph).
+        kv_last_page_len : ``[S]`` int32 tokens in each sequence's last page (``1..16``), any device,
+            or None when the caller writes :attr:`last_page_len` before the runs.
         """
         S = kv_indptr.numel() - 1
         if S <= 0 or S % self.num_kv_heads or S > self.max_seqs:
             raise ValueError(f"kv_indptr must be [B * {self.num_kv_heads} + 1] with B <= "
                              f"{self.max_seqs // self.num_kv_heads}, got {tuple(kv_indptr.shape)}")
         for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
-            if t.dtype != torch.int32:
+            if t is not None and t.dtype != torch.int32:
                 raise ValueError(f"{name} must be int32, got {t.dtype}")
-        if kv_last_page_len.shape != (S,):
+        if kv_indices is None:
+            kv_indices = self._indices
+        if kv_last_page_len is not None and kv_last_page_len.shape != (S,):
             raise ValueError(f"kv_last_page_len must be [{S}], got {tuple(kv_last_page_len.shape)}")
         indptr = kv_indptr.cpu()
         nnz = int(indptr[-1])
@@ -101,7 +112,8 @@ class FoldedPagedDecode:
         # are overwritten below (stream-ordered), so a device kv_last_page_len costs no sync.
         w.plan(indptr, kv_indices[:nnz], self._host_ones[:S], self.group, 1, self.head_dim, PAGE_SIZE,
                q_data_type=self.q_dtype, kv_data_type=self.kv_dtype, sm_scale=self.sm_scale)
-        self._last[:S].copy_(kv_last_page_len, non_blocking=True)
+        if kv_last_page_len is not None:
+            self._last[:S].copy_(kv_last_page_len, non_blocking=True)
         self._num_seqs = S
 
     def run(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,

@@ -1,0 +1,335 @@
+"""The paper's Fig. 8 protocol (App. I): Llama-3.1-8B shape, random weights, batch 1, 75% rejection.
+
+Two engines over the same :class:`fig8_model.RandomLlama`, measured in the same run:
+
+* dense: FlashInfer FA3 causal prefill (``single_prefill_with_kv_cache(backend="fa3")``), a dense
+  paged KV cache (16-token pages, allocated for the whole context), FlashInfer paged decode;
+* WG-KV: the write gate runs on every token (its decision is replaced by a random 25% admission
+  mask, App. I.3), Triton vertical-slash prefill, the core ``DualCachePool`` (ring + global pages,
+  sized for the admitted tokens) filled by the Triton prefill write, lazy promotion by the pool's
+  ``begin_decode``, the Triton decode write, and FlashInfer folded-head decode.
+
+TTFT = wall time of the prefill forward up to the first token on the host. TPOT = mean wall time of
+100 decode steps after 5 warm-up steps (the first one captures the CUDA graph); every step syncs
+once for its token (and WG-KV once more after promotion, for the page counts its plan needs).
+Peak memory = ``torch.cuda.max_memory_allocated`` over prefill + decode, weights included.
+
+usage: python benchmarks/fig8_end_to_end.py --out DIR [--lengths 131072 ...] [--deadline S]
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import Deadline, environment, write_json  # noqa: E402
+from benchmarks.fig8_model import HKV, HQ, LAYERS, VOCAB, D, RandomLlama  # noqa: E402
+
+WINDOW, P_ADMIT, STEPS, WARMUP = 256, 0.25, 100, 5
+DT = torch.bfloat16
+DEVICE = "cuda"
+
+
+class Engine:
+    """prefill(n) -> first token; decode_step() -> next token; graph replay after the first step."""
+
+    def __init__(self, model, use_graph: bool):
+        self.model, self.use_graph = model, use_graph
+        self.graph = None
+        self.seq = 0
+        self.pos = torch.zeros(1, dtype=torch.long, device=DEVICE)
+        self.tok = torch.zeros(1, dtype=torch.long, device=DEVICE)
+
+    def prefill(self, n: int) -> int:
+        tokens = torch.randint(VOCAB, (n,), device=DEVICE)
+        pos = torch.arange(n, device=DEVICE)
+        x = self.model.embed[tokens]
+        self._begin(n)
+        for layer in range(self.model.layers):
+            q, k_pre, k, v = self.model.qkv(layer, x, pos)
+            attn = self._prefill_attention(layer, q, k_pre, k, v, pos)
+            del q, k_pre, k, v
+            x = self.model.finish_layer(layer, x, attn)
+            del attn
+        self.tok.copy_(self.model.logits_last(x).argmax(-1))
+        self.seq = n
+        return int(self.tok.item())
+
+    def decode_step(self) -> int:
+        self.pos.fill_(self.seq)
+        self._before_step()
+        if self.graph is not None:
+            self.graph.replay()
+        elif self.use_graph:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._step_body()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._step_body()
+            self.graph = graph
+        else:
+            self._step_body()
+        self.seq += 1
+        return int(self.tok.item())
+
+    def _step_body(self):
+        x = self.model.embed[self.tok]
+        for layer in range(self.model.layers):
+            q, k_pre, k, v = self.model.qkv(layer, x, self.pos)
+            attn = self._decode_attention(layer, q, k_pre, k, v)
+            x = self.model.finish_layer(layer, x, attn)
+        self.tok.copy_(self.model.logits_last(x).argmax(-1))
+
+
+class DenseEngine(Engine):
+    name = "dense: FlashInfer FA3 prefill + FlashInfer paged decode"
+
+    def __init__(self, model, n_max: int, workspace, use_graph: bool):
+        import flashinfer
+
+        super().__init__(model, use_graph)
+        self.pages = -(-n_max // 16)
+        shape = (self.pages, 16, HKV, D)
+        self.k_cache = [torch.empty(shape, dtype=DT, device=DEVICE) for _ in range(model.layers)]
+        self.v_cache = [torch.empty(shape, dtype=DT, device=DEVICE) for _ in range(model.layers)]
+        self.all_pages = torch.arange(self.pages, dtype=torch.int32, device=DEVICE)
+        self.dec = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, "NHD", use_cuda_graph=True,
+            paged_kv_indptr_buffer=torch.zeros(2, dtype=torch.int32, device=DEVICE),
+            paged_kv_indices_buffer=torch.zeros(self.pages, dtype=torch.int32, device=DEVICE),
+            paged_kv_last_page_len_buffer=torch.zeros(1, dtype=torch.int32, device=DEVICE))
+
+    def kv_bytes(self) -> dict:
+        total = sum(t.numel() * t.element_size() for t in self.k_cache + self.v_cache)
+        return {"kv_allocated_bytes": total, "kv_used_bytes": total * min(1.0, (self.seq + 1) / (self.pages * 16))}
+
+    def _begin(self, n):
+        pass
+
+    def _prefill_attention(self, layer, q, k_pre, k, v, pos):
+        import flashinfer
+
+        n = q.shape[0]
+        self.k_cache[layer].view(-1, HKV, D)[:n] = k
+        self.v_cache[layer].view(-1, HKV, D)[:n] = v
+        return flashinfer.single_prefill_with_kv_cache(q, k, v, causal=True, backend="fa3")
+
+    def _before_step(self):
+        n = self.seq + 1
+        pages = -(-n // 16)
+        self.dec.plan(torch.tensor([0, pages], dtype=torch.int32), self.all_pages[:pages],
+                      torch.tensor([n - (pages - 1) * 16], dtype=torch.int32), HQ, HKV, D, 16,
+                      q_data_type=DT, kv_data_type=DT)
+
+    def _decode_attention(self, layer, q, k_pre, k, v):
+        page, off = self.pos // 16, self.pos % 16
+        self.k_cache[layer][page, off] = k
+        self.v_cache[layer][page, off] = v
+        return self.dec.run(q, (self.k_cache[layer], self.v_cache[layer]))
+
+
+class WGKVEngine(Engine):
+    name = "WG-KV: gate + Triton vertical-slash prefill + dual-cache pool + FlashInfer folded decode"
+
+    def __init__(self, model, n_max: int, workspace, use_graph: bool, prefill_config=None):
+        from sglang_wgkv.attention.flashinfer_decode import FoldedPagedDecode
+        from sglang_wgkv.config import WGKVConfig
+        from sglang_wgkv.gate.mlp import LayerGate
+        from sglang_wgkv.memory import DualCachePool
+
+        super().__init__(model, use_graph)
+        L = model.layers
+        # Pages per (layer, head): the admitted tokens with a 6-sigma margin, decode growth, the ring.
+        mean, sd = P_ADMIT * n_max, math.sqrt(n_max * P_ADMIT * (1 - P_ADMIT))
+        per_stream = -(-int(mean + 6 * sd + STEPS + WARMUP) // 16) + 2 + WINDOW // 16
+        self.pool = DualCachePool(L, HKV, D, num_pages=L * HKV * per_stream, max_requests=1,
+                                  max_context_len=n_max + 16,
+                                  config=WGKVConfig(local_window=WINDOW, random_admission=P_ADMIT),
+                                  dtype=DT, device=DEVICE)
+        self.gates = [LayerGate(HKV, D).to(DEVICE) for _ in range(L)]
+        cols = self.pool.page_table.shape[-1]
+        self.decs = [FoldedPagedDecode(HQ, HKV, D, 1, HKV * cols + 1, DEVICE, DT, float_workspace=workspace)
+                     for _ in range(L)]
+        self.req = torch.zeros(1, dtype=torch.long, device=DEVICE)
+        self.prev_pages = None
+        self.prefill_config = prefill_config
+
+    def kv_bytes(self) -> dict:
+        st = self.pool.stats()
+        used = self.pool.allocator.num_pages - self.pool.num_free_pages()
+        return {"kv_allocated_bytes": (self.pool.k_pages.numel() + self.pool.v_pages.numel()) * 2,
+                "kv_used_bytes": used * 2 * 16 * D * 2, "global_tokens": st.get("global_tokens"),
+                "admitted_fraction": st.get("admitted_fraction")}
+
+    def _begin(self, n):
+        from sglang_wgkv.memory.triton_pool import begin_prefill
+
+        self.pool.alloc_request(0)
+        begin_prefill(self.pool, 0, n)
+        self.ind = torch.tensor([0, n], dtype=torch.int32, device=DEVICE)
+
+    def _gate(self, layer, k_pre, k, chunk=65536):
+        g = torch.empty(k.shape[:2], dtype=torch.float32, device=DEVICE)
+        for s in range(0, k.shape[0], chunk):
+            g[s:s + chunk] = self.gates[layer](k_pre[s:s + chunk], k[s:s + chunk])
+        return g
+
+    def _prefill_attention(self, layer, q, k_pre, k, v, pos):
+        from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
+        from sglang_wgkv.memory.triton_pool import prefill_write
+
+        self._gate(layer, k_pre, k)  # evaluated as in serving; the profiling mask replaces its decision
+        admit = torch.rand(k.shape[:2], device=DEVICE) < P_ADMIT
+        pos32 = pos.to(torch.int32)
+        attn = vertical_slash_attention(q, k, v, admit, self.ind, self.ind, pos32, pos32, WINDOW,
+                                        config=self.prefill_config)
+        prefill_write(self.pool, 0, layer, k, v, admit)
+        return attn
+
+    def _before_step(self):
+        self.pool.begin_decode([0], [self.seq], self.req, self.pos)
+        glen = self.pool.global_len[0].long()
+        pages = (WINDOW // 16 + (glen + 15) // 16).to(torch.int32).cpu()          # [L, H], one sync
+        for layer, dec in enumerate(self.decs):
+            if self.prev_pages is None or not torch.equal(pages[layer], self.prev_pages[layer]):
+                indptr = torch.zeros(HKV + 1, dtype=torch.int32)
+                indptr[1:] = torch.cumsum(pages[layer], 0)
+                dec.plan(indptr, None, None)
+        self.prev_pages = pages
+
+    def _decode_attention(self, layer, q, k_pre, k, v):
+        from sglang_wgkv.attention.folded_index import build_folded_indices
+        from sglang_wgkv.memory.triton_pool import decode_write
+
+        self.gates[layer](k_pre, k)
+        admit = torch.rand(1, HKV, device=DEVICE) < P_ADMIT
+        decode_write(self.pool, layer, self.req, self.pos, k, v, admit)
+        glen = self.pool.global_len[0, layer].long()
+        gpages = (glen + 15) // 16
+        last = torch.where(gpages > 0, glen - (gpages - 1) * 16, 16)
+        dec = self.decs[layer]
+        _, _, last32 = build_folded_indices(self.pool.page_table[0, layer][None], (WINDOW // 16 + gpages)[None],
+                                            last[None], out_indices=dec.indices_buffer)
+        dec.last_page_len.copy_(last32)
+        return dec.run(q, self.pool.k_pages, self.pool.v_pages)
+
+
+def measure(engine, n):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    engine.prefill(n)
+    ttft = time.perf_counter() - t0
+    for _ in range(WARMUP):
+        engine.decode_step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(STEPS):
+        engine.decode_step()
+    tpot = (time.perf_counter() - t0) / STEPS
+    res = {"ttft_s": ttft, "tpot_ms": tpot * 1e3, "graph": engine.graph is not None,
+           "peak_memory_bytes": torch.cuda.max_memory_allocated()}
+    res.update(engine.kv_bytes())
+    return res
+
+
+def run_length(model, n, mode, workspace, use_graph, cfg):
+    n_max = n + WARMUP + STEPS + 1
+    engine = (WGKVEngine(model, n_max, workspace, use_graph, cfg) if mode == "wgkv"
+              else DenseEngine(model, n_max, workspace, use_graph))
+    try:
+        return {"engine": engine.name, **measure(engine, n)}
+    finally:
+        del engine
+        torch.cuda.empty_cache()
+
+
+def plot(results, png):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["lengths"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for ax, key, label, scale in ((axes[0], "ttft_s", "TTFT (s)", 1), (axes[1], "tpot_ms", "TPOT (ms)", 1),
+                                  (axes[2], "peak_memory_bytes", "peak memory (GB)", 1e-9)):
+        for mode, style in (("dense", "s--"), ("wgkv", "o-")):
+            pts = [(r["n"] / 1024, r[mode][key] * scale) for r in rows if key in r.get(mode, {})]
+            if pts:
+                ax.plot(*zip(*pts), style, label=mode)
+        ax.set(xlabel="context (K tokens)", ylabel=label)
+        ax.legend()
+    fig.suptitle("Llama-3.1-8B shape, random weights, batch 1, 75% rejection, H200")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[131072, 262144, 409600, 512000])
+    ap.add_argument("--deadline", type=float, default=3000.0)
+    ap.add_argument("--layers", type=int, default=LAYERS)
+    ap.add_argument("--eager", action="store_true", help="no CUDA graph for decode")
+    args = ap.parse_args()
+    deadline = Deadline(args.deadline)
+    path = os.path.join(args.out, "fig8_end_to_end.json")
+    cfg = None
+    if os.path.exists("/tmp/wgkv_prefill_config.json"):
+        from sglang_wgkv.attention.triton_prefill import PrefillConfig
+
+        with open("/tmp/wgkv_prefill_config.json") as f:
+            cfg = PrefillConfig(**json.load(f))
+    torch.manual_seed(0)
+    model = RandomLlama(max(args.lengths) + WARMUP + STEPS + 16, layers=args.layers)
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=DEVICE)
+    results = {"env": environment(), "protocol": {
+        "layers": args.layers, "q_heads": HQ, "kv_heads": HKV, "head_dim": D, "dtype": "bfloat16", "batch": 1,
+        "local_window": WINDOW, "admission": f"random {P_ADMIT} per (token, layer, head), gate MLP evaluated",
+        "decode_steps": STEPS, "warmup_steps": WARMUP, "cuda_graph_decode": not args.eager,
+        "prefill_config": cfg.__dict__ if cfg else "default"},
+        "weight_bytes": model.weight_bytes(), "lengths": []}
+    for mode in ("wgkv", "dense"):  # warm-up pass: JIT builds, Triton compiles, graph machinery
+        results.setdefault("warmup", {})[mode] = run_length(model, 8192, mode, workspace, not args.eager, cfg)
+    write_json(path, results)
+    for n in args.lengths:
+        row = {"n": n}
+        results["lengths"].append(row)
+        for mode in ("wgkv", "dense"):
+            done = [r for r in results["lengths"] if mode in r and "ttft_s" in r[mode]]
+            est = 0.0
+            if done:  # quadratic extrapolation from the longest measured length
+                last = max(done, key=lambda r: r["n"])
+                est = last[mode]["ttft_s"] * (n / last["n"]) ** 2 + 15
+            if deadline.left() < est:
+                row[mode] = {"skipped": f"deadline: ~{est:.0f} s needed, {deadline.left():.0f} s left"}
+                continue
+            try:
+                row[mode] = run_length(model, n, mode, workspace, not args.eager, cfg)
+            except torch.cuda.OutOfMemoryError as exc:
+                row[mode] = {"oom": str(exc)[:300]}
+                torch.cuda.empty_cache()
+            print(n, mode, json.dumps(row[mode]), flush=True)
+            write_json(path, results)
+        if "ttft_s" in row.get("wgkv", {}) and "ttft_s" in row.get("dense", {}):
+            w, d = row["wgkv"], row["dense"]
+            row["ratios"] = {"ttft_speedup": d["ttft_s"] / w["ttft_s"], "tpot_speedup": d["tpot_ms"] / w["tpot_ms"],
+                             "peak_memory_ratio": w["peak_memory_bytes"] / d["peak_memory_bytes"],
+                             "kv_bytes_ratio": w["kv_used_bytes"] / d["kv_used_bytes"]}
+            print(n, "ratios", json.dumps(row["ratios"]), flush=True)
+        write_json(path, results)
+    plot(results, os.path.join(args.out, "fig8_end_to_end.png"))
+
+
+if __name__ == "__main__":
+    main()
