@@ -44,6 +44,8 @@ class FoldedPagedDecode:
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.group = num_q_heads // num_kv_heads
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.q_dtype, self.kv_dtype = q_dtype, kv_dtype or q_dtype
         self.sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
         self.max_seqs = max_batch_size * num_kv_heads
