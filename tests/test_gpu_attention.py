@@ -120,7 +120,7 @@ DECODE_CASES = [
     (1, 32, 8, None),
     (3, 8, 2, [1, 16, 17, 300, 5000, 33]),
     (2, 4, 4, None),
-    (4, 16, 1, [2000, 1, 64, 129]),
+    (4, 8, 1, [2000, 1, 64, 129]),
 ]
 
 
@@ -138,6 +138,13 @@ def test_folded_decode_matches_reference(dtype, D, case):
     ref = reference.paged_decode_attention(q, kp, vp, indptr.to(DEV), indices, last.to(DEV))
     out = folded_paged_decode_attention(q, kp, vp, indptr, indices, last.to(DEV))
     _close(out, ref, dtype)
+
+
+def test_folded_decode_rejects_unsupported_group():
+    from sglang_wgkv.attention.flashinfer_decode import FoldedPagedDecode
+
+    with pytest.raises(ValueError, match="GQA group 16"):
+        FoldedPagedDecode(16, 1, 128, 1, 16, DEV)
 
 
 def test_folded_decode_plan_once_run_per_layer_and_cuda_graph():

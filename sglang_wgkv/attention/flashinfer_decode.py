@@ -17,6 +17,8 @@ import torch
 
 from sglang_wgkv.config import PAGE_SIZE
 
+_DECODE_GROUPS = (1, 2, 3, 4, 8)  # group sizes FlashInfer 0.6's CUDA-core decode kernels are built for
+
 
 class FoldedPagedDecode:
     """Plan once per batch and page structure, run once per layer that shares it.
@@ -43,6 +45,8 @@ class FoldedPagedDecode:
             raise ValueError(f"num_q_heads {num_q_heads} not a multiple of num_kv_heads {num_kv_heads}")
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.group = num_q_heads // num_kv_heads
+        if self.group not in _DECODE_GROUPS:
+            raise ValueError(f"GQA group {self.group} not among FlashInfer's CUDA-core decode groups {_DECODE_GROUPS}")
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
