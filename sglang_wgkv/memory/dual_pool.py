@@ -48,6 +48,8 @@ class _ExtendPlan:
 
     req: torch.Tensor          # [B] request slots
     prefix_lens: list          # host copy of S per request
+    req_slots: list            # host copy of the request slots
+    extend_lens: list          # host copy of n per request
     cand_b: torch.Tensor       # [C] batch index of each token leaving the ring (position order per b)
     cand_from_ring: torch.Tensor  # [C] bool: source is the old ring (else the new tokens)
     cand_slot: torch.Tensor    # [C] ring slot (ring source)
@@ -101,6 +103,9 @@ class DualCachePool:
         self.ring_flag = torch.zeros((*streams, self.window), dtype=torch.bool, device=self.device)
         self.cached_len = np.zeros(max_requests, dtype=np.int64)
         self.active = np.zeros(max_requests, dtype=bool)
+        # Bumped at every allocation of a slot: lets per-request side state (the evictor's query
+        # window, counters) notice a slot's new owner without a lifecycle callback.
+        self.generation = np.zeros(max_requests, dtype=np.int64)
         # Admission counters per (layer, head): tokens that left a ring, and those promoted.
         self.left_ring = torch.zeros(num_layers, num_kv_heads, dtype=torch.int64, device=self.device)
         self.promoted = torch.zeros(num_layers, num_kv_heads, dtype=torch.int64, device=self.device)
@@ -118,6 +123,7 @@ class DualCachePool:
             raise ValueError(f"request slot {r} is already allocated")
         self.active[r] = True
         self.cached_len[r] = 0
+        self.generation[r] += 1
 
     def free_request(self, r: int) -> int:
         """Return every page of slot ``r`` (ring and global); returns the pages released."""
@@ -192,6 +198,7 @@ class DualCachePool:
         dev, i64 = self.device, torch.int64
         plan = _ExtendPlan(
             req=torch.tensor(req_slots, dtype=i64, device=dev), prefix_lens=prefix_lens,
+            req_slots=req_slots, extend_lens=extend_lens,
             cand_b=torch.tensor(cand_b, dtype=i64, device=dev),
             cand_from_ring=torch.tensor(cand_ring, dtype=torch.bool, device=dev),
             cand_slot=torch.tensor(cand_slot, dtype=i64, device=dev),

@@ -1,0 +1,291 @@
+"""SnapKV-style post-write eviction of the global cache under a per-head token budget (paper App. K.1).
+
+Admission (the write gate) decides what enters the global cache; this evictor bounds what stays.
+Per stream (request slot r, layer l, KV head h) with global length ``g > budget``:
+
+1. score every global entry j against the request's last ``window`` (256) queries of layer l::
+
+       A(q) = softmax_keys(q K^T / sqrt(d))            for each query head q of h's GQA group
+       raw_j = sum_{window i} max_{q in group} A_{i,j}(q)
+       score = MaxPool1d(raw, kernel 5, stride 1, same padding) along the global cache order
+
+   The softmax normalizes over the keys attention read for that query, restricted to what is still
+   cached: every global entry of the stream (each one precedes every window query, because the
+   window is no longer than W_local and global entries left the ring) plus the ring entries at
+   positions ``<= pos_i``. Keys evicted earlier, or dropped unadmitted from the ring, are gone and
+   take no mass. Max-pooling runs over cache order; after earlier evictions neighbours in the cache
+   need not be neighbours in position.
+2. evict the ``max(floor(ratio * g), 1, g - budget)`` lowest-scored entries (ratio 0.1: the paper's
+   "bottom 10%"; the ``g - budget`` term only matters after an extend admitted many tokens at once,
+   so the budget holds after every step), ties going to the older entry;
+3. compact the survivors in order to the front of the stream's global pages, return now-empty
+   trailing pages to the allocator, update ``page_table`` and ``global_len``. Pages shared with
+   another owner (refcount > 1, e.g. a prefix cache) are copied before being rewritten.
+
+The ring (the last W_local tokens) is never evicted, so a stream holds at most ``budget + W_local``
+tokens. ``--kv-budget N`` is the paper's "average global tokens per head per request"; it is
+enforced as the per-(layer, head) cap N, which implies the average and is what the paper's per-head
+trigger does when every head fills.
+
+Call protocol (the attention backend; every call is cheap when nothing is evicted)::
+
+    pool.begin_extend(...)            | pool.begin_decode(...)
+    per layer: evictor.observe_extend |   per layer: evictor.observe_decode(layer, q)
+               (layer, q)             |
+    ... forward ends ...
+    evictor.maybe_evict()             # at a step boundary: after the last layer, or before the
+                                      # next begin_* (outside a CUDA graph)
+
+Host syncs: observing never syncs. :meth:`maybe_evict` keeps a host upper bound of each request's
+longest global cache (the last exact value plus the tokens that left the ring since, known from the
+pool's host lengths) and looks at the device only for requests whose bound exceeds the budget;
+evicting syncs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from sglang_wgkv.config import PAGE_SIZE
+from sglang_wgkv.memory.dual_pool import DualCachePool
+from sglang_wgkv.memory.snapkv_score import snapkv_scores
+
+
+@dataclass
+class SnapKVEvictor:
+    """Parameters
+    ----------
+    pool : the dual-cache pool whose global caches are bounded.
+    budget : global tokens allowed per (request, layer, KV head) (``--kv-budget``).
+    num_q_heads : query heads of the model (a multiple of the pool's KV heads).
+    window : observation window W_obs, the last queries kept per (request, layer); at most W_local.
+    kernel_size : max-pool kernel along the cache (odd).
+    ratio : fraction of a stream's global cache evicted per trigger.
+    sm_scale : softmax scale (default ``1/sqrt(head_dim)``).
+    max_score_elems : bound on the float32 attention-score elements scored at once (streams are
+        scored in chunks below it).
+    """
+
+    pool: DualCachePool
+    budget: int
+    num_q_heads: int
+    window: int = 256
+    kernel_size: int = 5
+    ratio: float = 0.1
+    sm_scale: float | None = None
+    max_score_elems: int = 1 << 28
+    # Counters (read them with request_stats): per request slot, reset when the slot changes owner.
+    triggers: np.ndarray = field(init=False)          # [R] maybe_evict calls that evicted from r
+    evicted_tokens: np.ndarray = field(init=False)    # [R] global entries evicted from r
+    stream_triggers: torch.Tensor = field(init=False)  # [R, L, H] evictions per stream
+    checks: int = field(init=False, default=0)        # device looks (host bound exceeded)
+
+    def __post_init__(self):
+        pool = self.pool
+        H = pool.num_kv_heads
+        if self.budget < 1:
+            raise ValueError(f"budget must be positive, got {self.budget}")
+        if self.num_q_heads <= 0 or self.num_q_heads % H:
+            raise ValueError(f"num_q_heads {self.num_q_heads} is not a multiple of {H} KV heads")
+        if not 1 <= self.window <= pool.window:
+            raise ValueError(f"window must be in [1, W_local={pool.window}], got {self.window}: global "
+                             "entries must precede every window query")
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be odd and positive, got {self.kernel_size}")
+        if not 0.0 <= self.ratio < 1.0:
+            raise ValueError(f"ratio must be in [0, 1), got {self.ratio}")
+        if self.sm_scale is None:
+            self.sm_scale = 1.0 / math.sqrt(pool.head_dim)
+        R, L, dev = pool.max_requests, pool.num_layers, pool.device
+        self.group = self.num_q_heads // H
+        self.q_buf = torch.zeros(R, L, self.window, self.num_q_heads, pool.head_dim, dtype=pool.dtype, device=dev)
+        self.q_pos = torch.full((R, L, self.window), -1, dtype=torch.int64, device=dev)
+        self.triggers = np.zeros(R, dtype=np.int64)
+        self.evicted_tokens = np.zeros(R, dtype=np.int64)
+        self.stream_triggers = torch.zeros(R, L, H, dtype=torch.int64, device=dev)
+        self._generation = np.zeros(R, dtype=np.int64)
+        # Host bound of max_{l,h} global_len[r]: exact_max + left_ring(now) - left_ring(at exact).
+        self._exact_max = np.zeros(R, dtype=np.int64)
+        self._left_at_exact = np.zeros(R, dtype=np.int64)
+        self._extend_src = None     # the pool plan the cached extend index was built for
+        self._extend_idx = None
+
+    # -- per-slot state -------------------------------------------------------------------------
+    def _refresh_slots(self) -> None:
+        """Reset the state of slots the pool has handed to a new request since we last looked."""
+        stale = np.nonzero(self._generation != self.pool.generation)[0]
+        if stale.size == 0:
+            return
+        self._generation[stale] = self.pool.generation[stale]
+        self.triggers[stale] = 0
+        self.evicted_tokens[stale] = 0
+        self._exact_max[stale] = 0
+        self._left_at_exact[stale] = 0
+        idx = torch.as_tensor(stale, device=self.pool.device)
+        self.q_pos.index_fill_(0, idx, -1)
+        self.stream_triggers.index_fill_(0, idx, 0)
+
+    def _left_ring(self) -> np.ndarray:
+        """``[R]`` tokens that have left each request's ring (host; bounds its global lengths)."""
+        return np.maximum(self.pool.cached_len - self.pool.window, 0)
+
+    # -- observation ----------------------------------------------------------------------------
+    def observe_extend(self, layer: int, q: torch.Tensor) -> None:
+        """Record the queries of the pool's current extend for ``layer``.
+
+        q : ``[N, Hq, D]`` packed like the ``k`` given to :meth:`DualCachePool.write_extend`
+        (post-RoPE, as attention uses them). Only each request's last ``window`` tokens are kept.
+        """
+        plan = self.pool._extend
+        if plan is None:
+            raise RuntimeError("observe_extend without pool.begin_extend")
+        if self._extend_src is not plan:
+            self._refresh_slots()
+            self._extend_idx = self._extend_index(plan)
+            self._extend_src = plan
+        req, src, pos = self._extend_idx
+        if src.numel():
+            slot = pos % self.window
+            self.q_buf[req, layer, slot] = q[src].to(self.q_buf.dtype)
+            self.q_pos[req, layer, slot] = pos
+
+    def _extend_index(self, plan):
+        req, src, pos = [], [], []
+        off = 0
+        for r, S, n in zip(plan.req_slots, plan.prefix_lens, plan.extend_lens):
+            t = np.arange(max(0, n - self.window), n)
+            req.append(np.full(t.size, r))
+            src.append(off + t)
+            pos.append(S + t)
+            off += n
+        dev = self.pool.device
+        return tuple(torch.as_tensor(np.concatenate(x), dtype=torch.int64, device=dev) for x in (req, src, pos))
+
+    def observe_decode(self, layer: int, q: torch.Tensor) -> None:
+        """Record the queries ``[B, Hq, D]`` of the pool's current decode step for ``layer`` (no sync)."""
+        plan = self.pool._decode
+        if plan is None:
+            raise RuntimeError("observe_decode without pool.begin_decode")
+        slot = plan.pos % self.window
+        self.q_buf[plan.req, layer, slot] = q.to(self.q_buf.dtype)
+        self.q_pos[plan.req, layer, slot] = plan.pos
+
+    # -- eviction -------------------------------------------------------------------------------
+    def over_budget_candidates(self) -> np.ndarray:
+        """Active request slots whose host bound of the longest global cache exceeds the budget."""
+        self._refresh_slots()
+        bound = self._exact_max + self._left_ring() - self._left_at_exact
+        return np.nonzero(self.pool.active & (bound > self.budget))[0]
+
+    def maybe_evict(self) -> int:
+        """Enforce the budget on every active request; call at a step boundary. Returns the number
+        of streams evicted from (0 without touching the device when no bound exceeds the budget)."""
+        cand = self.over_budget_candidates()
+        if cand.size == 0:
+            return 0
+        self.checks += 1
+        pool = self.pool
+        req = torch.as_tensor(cand, device=pool.device)
+        glen = pool.global_len[req].long()                                       # [C, L, H]
+        over = torch.nonzero(glen > self.budget)                                 # [S, 3] (syncs)
+        if over.numel():
+            self._evict_streams(req[over[:, 0]], over[:, 1], over[:, 2])
+            self.triggers[np.unique(cand[over[:, 0].cpu().numpy()])] += 1
+        self._exact_max[cand] = pool.global_len[req].flatten(1).amax(1).cpu().numpy()
+        self._left_at_exact[cand] = self._left_ring()[cand]
+        return int(over.shape[0])
+
+    def _evict_streams(self, r: torch.Tensor, l: torch.Tensor, h: torch.Tensor) -> None:
+        """Evict from the streams ``(r[s], l[s], h[s])`` (all over budget), in chunks of streams."""
+        pool = self.pool
+        glen = pool.global_len[r, l, h].long()
+        ng = int(glen.max())
+        per_stream = self.group * self.window * (ng + pool.window)
+        chunk = max(1, self.max_score_elems // per_stream)
+        freed = []
+        for s in range(0, r.numel(), chunk):
+            freed.append(self._evict_chunk(r[s:s + chunk], l[s:s + chunk], h[s:s + chunk]))
+        pool.allocator.free(torch.cat(freed))
+        self.stream_triggers[r, l, h] += 1
+
+    def stream_scores(self, r: torch.Tensor, l: torch.Tensor, h: torch.Tensor):
+        """Scores of the global entries of streams ``(r[s], l[s], h[s])``.
+
+        Returns ``scores [S, Ng]`` (float32; ``-inf`` past each stream's length), ``glen [S]``,
+        the global pages ``[S, Ng / 16]`` and the gathered global keys ``[S, Ng, D]``.
+        """
+        pool = self.pool
+        W, D = pool.window, pool.head_dim
+        R = pool.ring_cols
+        glen = pool.global_len[r, l, h].long()
+        gcols = -(-int(glen.max()) // PAGE_SIZE)
+        gpages = pool.page_table[r, l, h, R:R + gcols].long()                     # [S, gc]
+        g_keys = pool.k_pages[gpages].reshape(r.numel(), gcols * PAGE_SIZE, D)
+        r_keys = pool.k_pages[pool.page_table[r, l, h, :R].long()].reshape(r.numel(), W, D)
+        n = torch.as_tensor(pool.cached_len, device=pool.device)[r]             # [S]
+        slot = torch.arange(W, device=pool.device)
+        r_pos = n[:, None] - 1 - torch.remainder(n[:, None] - 1 - slot, W)     # <0: empty slot
+        q = self.q_buf.view(*self.q_buf.shape[:3], pool.num_kv_heads, self.group, D)[r, l, :, h]
+        q_pos = self.q_pos[r, l]
+        scores = snapkv_scores(q, q_pos, g_keys, glen, r_keys, r_pos, self.sm_scale, self.kernel_size)
+        return scores, glen, gpages, g_keys
+
+    def _evict_chunk(self, r, l, h) -> torch.Tensor:
+        """Score, select and compact one chunk of streams; returns the page ids to release."""
+        pool = self.pool
+        scores, glen, gpages, g_keys = self.stream_scores(r, l, h)
+        S, Ng = scores.shape
+        j = torch.arange(Ng, device=pool.device)
+        valid = j[None, :] < glen[:, None]
+        n_evict = torch.maximum(torch.clamp((glen.double() * self.ratio).long(), min=1), glen - self.budget)
+        order = torch.argsort(scores.masked_fill(~valid, float("inf")), dim=1, stable=True)
+        rank = torch.empty_like(order).scatter_(1, order, j.expand(S, Ng).contiguous())
+        keep = valid & (rank >= n_evict[:, None])
+        new_len = glen - n_evict
+        dest = torch.cumsum(keep.long(), 1) - 1                                  # [S, Ng]
+        old_cols = (glen + PAGE_SIZE - 1) // PAGE_SIZE
+        new_cols = (new_len + PAGE_SIZE - 1) // PAGE_SIZE
+        col = torch.arange(gpages.shape[1], device=pool.device)
+        first_changed = torch.argmax((valid & ~keep).long(), 1) // PAGE_SIZE   # first evicted entry's page
+        trailing = (col >= new_cols[:, None]) & (col < old_cols[:, None])
+        shared = (pool.allocator.ref[gpages] > 1) & (col >= first_changed[:, None]) & (col < new_cols[:, None])
+        release = [gpages[trailing], gpages[shared]]
+        out_pages = gpages.clone()
+        n_shared = int(shared.sum())
+        if n_shared:
+            pool.allocator.free(release[1])      # drop our reference first: the other owner keeps them
+            release[1] = release[1][:0]
+            out_pages[shared] = pool.allocator.alloc(n_shared)
+        g_vals = pool.v_pages[gpages].reshape(S, -1, pool.head_dim)
+        dest_page = torch.where(keep, out_pages.gather(1, torch.clamp(dest, min=0) // PAGE_SIZE), pool.dump_page)
+        dest_off = torch.clamp(dest, min=0) % PAGE_SIZE
+        pool.k_pages[dest_page, dest_off] = g_keys
+        pool.v_pages[dest_page, dest_off] = g_vals
+        R = pool.ring_cols
+        pool.page_table[r[:, None], l[:, None], h[:, None], R + col[None, :]] = torch.where(
+            col[None, :] < new_cols[:, None], out_pages, pool.dump_page).to(torch.int32)
+        pool.global_len[r, l, h] = new_len.to(torch.int32)
+        evicted = np.bincount(r.cpu().numpy(), weights=n_evict.cpu().numpy(), minlength=pool.max_requests)
+        self.evicted_tokens += evicted.astype(np.int64)
+        return torch.cat(release)
+
+    # -- reporting ------------------------------------------------------------------------------
+    def request_stats(self, r: int) -> dict:
+        """Eviction counters and cache sizes of slot ``r`` (syncs; read before the slot is freed)."""
+        self._refresh_slots()
+        pool = self.pool
+        glen = pool.global_len[r].double()
+        ring = min(int(pool.cached_len[r]), pool.window)
+        return {
+            "eviction_triggers": int(self.triggers[r]),
+            "evicted_tokens": int(self.evicted_tokens[r]),
+            "stream_eviction_triggers": int(self.stream_triggers[r].sum()),
+            "max_stream_eviction_triggers": int(self.stream_triggers[r].max()),
+            "mean_global_tokens_per_head": float(glen.mean()),
+            "max_global_tokens_per_head": int(glen.max()),
+            "mean_kv_tokens_per_head": float(glen.mean()) + ring,
+        }
