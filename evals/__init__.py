@@ -1,0 +1,1 @@
+"""Evaluations that run against a served model (outside the runtime package)."""
