@@ -281,9 +281,11 @@ def main():
     ap.add_argument("--deadline", type=float, default=3000.0)
     ap.add_argument("--layers", type=int, default=LAYERS)
     ap.add_argument("--eager", action="store_true", help="no CUDA graph for decode")
+    ap.add_argument("--modes", nargs="+", default=["wgkv", "dense"], choices=["wgkv", "dense"])
+    ap.add_argument("--name", default="fig8_end_to_end", help="output file stem")
     args = ap.parse_args()
     deadline = Deadline(args.deadline)
-    path = os.path.join(args.out, "fig8_end_to_end.json")
+    path = os.path.join(args.out, args.name + ".json")
     cfg = None
     if os.path.exists("/tmp/wgkv_prefill_config.json"):
         from sglang_wgkv.attention.triton_prefill import PrefillConfig
@@ -299,13 +301,13 @@ def main():
         "decode_steps": STEPS, "warmup_steps": WARMUP, "cuda_graph_decode": not args.eager,
         "prefill_config": cfg.__dict__ if cfg else "default"},
         "weight_bytes": model.weight_bytes(), "lengths": []}
-    for mode in ("wgkv", "dense"):  # warm-up pass: JIT builds, Triton compiles, graph machinery
+    for mode in args.modes:  # warm-up pass: JIT builds, Triton compiles, graph machinery
         results.setdefault("warmup", {})[mode] = run_length(model, 8192, mode, workspace, not args.eager, cfg)
     write_json(path, results)
     for n in args.lengths:
         row = {"n": n}
         results["lengths"].append(row)
-        for mode in ("wgkv", "dense"):
+        for mode in args.modes:
             done = [r for r in results["lengths"] if mode in r and "ttft_s" in r[mode]]
             est = 0.0
             if done:  # quadratic extrapolation from the longest measured length
@@ -328,7 +330,7 @@ def main():
                              "kv_bytes_ratio": w["kv_used_bytes"] / d["kv_used_bytes"]}
             print(n, "ratios", json.dumps(row["ratios"]), flush=True)
         write_json(path, results)
-    plot(results, os.path.join(args.out, "fig8_end_to_end.png"))
+    plot(results, os.path.join(args.out, args.name + ".png"))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,15 @@ def visible_pairs(adm: torch.Tensor, n: int) -> int:
     return int(band * adm.shape[1] + vertical.item())
 
 
+def inputs(n):
+    q = torch.randn(n, HQ, D, device="cuda", dtype=DT)
+    k = torch.randn(n, HKV, D, device="cuda", dtype=DT)
+    v = torch.randn(n, HKV, D, device="cuda", dtype=DT)
+    ind = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+    pos = torch.arange(n, dtype=torch.int32, device="cuda")
+    return q, k, v, ind, pos
+
+
 def prefill_configs():
     from sglang_wgkv.attention.triton_prefill import PrefillConfig
 
@@ -42,19 +51,11 @@ def prefill_configs():
 
 
 def run_prefill(args, deadline, results, path):
-    import flashinfer
-
-    from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
+    from sglang_wgkv.attention.triton_prefill import PrefillConfig, default_config, vertical_slash_attention
     from sglang_wgkv.attention.vertical_slash_plan import build_vertical_slash_plan, compact_admitted
 
-    def inputs(n):
-        q = torch.randn(n, HQ, D, device="cuda", dtype=DT)
-        k = torch.randn(n, HKV, D, device="cuda", dtype=DT)
-        v = torch.randn(n, HKV, D, device="cuda", dtype=DT)
-        ind = torch.tensor([0, n], dtype=torch.int32, device="cuda")
-        pos = torch.arange(n, dtype=torch.int32, device="cuda")
-        return q, k, v, ind, pos
-
+    if args.no_sweep:
+        return _prefill_lengths(args, deadline, results, path, default_config(D))
     # Launch-shape sweep at 64K, 75% rejection; the best one is used below and saved for fig8.
     q, k, v, ind, pos = inputs(65536)
     adm = torch.rand(65536, HKV, device="cuda") < 0.25
@@ -62,7 +63,7 @@ def run_prefill(args, deadline, results, path):
     for cfg in prefill_configs():
         try:
             plan = build_vertical_slash_plan(adm, ind, ind, pos, pos, W, cfg.block_m)
-            comp = (compact_admitted(k, adm, ind), compact_admitted(v, adm, ind))
+            comp = compact_admitted(k, v, adm, ind)
             ms = cuda_ms(lambda: vertical_slash_attention(q, k, v, adm, ind, ind, pos, pos, W, plan=plan,
                                                           compacted=comp, config=cfg), reps=5, warmup=2)
             sweep.append({"config": cfg.__dict__, "ms": sorted(ms)[len(ms) // 2]})
@@ -74,10 +75,17 @@ def run_prefill(args, deadline, results, path):
     results["prefill_config"] = best
     with open("/tmp/wgkv_prefill_config.json", "w") as f:
         json.dump(best, f)
-    from sglang_wgkv.attention.triton_prefill import PrefillConfig
-
-    cfg = PrefillConfig(**best)
     del q, k, v
+    _prefill_lengths(args, deadline, results, path, PrefillConfig(**best))
+
+
+def _prefill_lengths(args, deadline, results, path, cfg):
+    import flashinfer
+
+    from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
+    from sglang_wgkv.attention.vertical_slash_plan import build_vertical_slash_plan, compact_admitted
+
+    results["prefill_config"] = cfg.__dict__
 
     def sdpa(q, k, v):
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -101,8 +109,9 @@ def run_prefill(args, deadline, results, path):
         dense = [("flashinfer_fa3", lambda: flashinfer.single_prefill_with_kv_cache(
                       q, k, v, causal=True, backend="fa3")),
                   ("torch_sdpa_flash", lambda: sdpa(q, k, v))]
+        dense = [(name, fn) for name, fn in dense if name in args.baselines]
         # FA2 (a further JIT build) only when the run has time to spare.
-        if deadline.left() > 200 + 30 * dense_flops / 5e14:
+        if "flashinfer_fa2" in args.baselines and deadline.left() > 200 + 30 * dense_flops / 5e14:
             dense.append(("flashinfer_fa2", lambda: flashinfer.single_prefill_with_kv_cache(
                 q, k, v, causal=True, backend="fa2")))
         for name, fn in dense:
@@ -117,9 +126,9 @@ def run_prefill(args, deadline, results, path):
             pairs = visible_pairs(adm, n)
             flops = 4 * D * (HQ // HKV) * pairs
             plan_ms = cuda_ms(lambda: build_vertical_slash_plan(adm, ind, ind, pos, pos, W, cfg.block_m), reps=3)
-            comp_ms = cuda_ms(lambda: (compact_admitted(k, adm, ind), compact_admitted(v, adm, ind)), reps=3)
+            comp_ms = cuda_ms(lambda: compact_admitted(k, v, adm, ind), reps=3)
             plan = build_vertical_slash_plan(adm, ind, ind, pos, pos, W, cfg.block_m)
-            comp = (compact_admitted(k, adm, ind), compact_admitted(v, adm, ind))
+            comp = compact_admitted(k, v, adm, ind)
             kern = cuda_ms(lambda: vertical_slash_attention(q, k, v, adm, ind, ind, pos, pos, W, plan=plan,
                                                             compacted=comp, config=cfg),
                            reps=reps, warmup=1 if n <= 131072 else 0)
@@ -283,14 +292,17 @@ def plot(results, png):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--name", default="kernel_attention", help="output file stem")
     ap.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072, 262144, 524288])
     ap.add_argument("--rejections", type=float, nargs="+", default=[0.0, 0.5, 0.75, 0.9])
     ap.add_argument("--deadline", type=float, default=3000.0, help="seconds for the whole run")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--no-sweep", action="store_true", help="default launch shape, no sweep")
+    ap.add_argument("--baselines", nargs="+", default=["flashinfer_fa3", "flashinfer_fa2", "torch_sdpa_flash"])
     args = ap.parse_args()
     deadline = Deadline(args.deadline)
-    path = os.path.join(args.out, "kernel_attention.json")
+    path = os.path.join(args.out, args.name + ".json")
     results = {"env": environment(), "shape": {"Hq": HQ, "Hkv": HKV, "head_dim": D, "dtype": "bfloat16",
                                                "local_window": W, "batch": 1}}
     torch.manual_seed(0)
@@ -299,7 +311,7 @@ def main():
     if not args.skip_prefill:
         run_prefill(args, deadline, results, path)
     write_json(path, results)
-    plot(results, os.path.join(args.out, "kernel_attention.png"))
+    plot(results, os.path.join(args.out, args.name + ".png"))
 
 
 if __name__ == "__main__":

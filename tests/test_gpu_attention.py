@@ -82,7 +82,7 @@ def test_triton_prefill_reused_plan_and_configs_and_scale():
     ref = reference.vertical_slash_attention(q, k, v, adm, qo, kv, qp, kp, 64, sm_scale=0.05)
     for cfg in (PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 128, 8, 2), PrefillConfig(64, 64, 4, 3)):
         plan = build_vertical_slash_plan(adm, qo, kv, qp, kp, 64, cfg.block_m)
-        comp = (compact_admitted(k, adm, kv), compact_admitted(v, adm, kv))
+        comp = compact_admitted(k, v, adm, kv)
         out = vertical_slash_attention(q, k, v, adm, qo, kv, qp, kp, 64, 0.05, plan=plan, compacted=comp, config=cfg)
         _close(out, ref, torch.bfloat16)
 

@@ -172,7 +172,7 @@ def vertical_slash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     elif plan.block_m != cfg.block_m:
         raise ValueError(f"plan.block_m {plan.block_m} != config.block_m {cfg.block_m}")
     if compacted is None:
-        kc, vc = compact_admitted(k, admitted, kv_indptr), compact_admitted(v, admitted, kv_indptr)
+        kc, vc = compact_admitted(k, v, admitted, kv_indptr)
     else:
         kc, vc = compacted
     out = torch.empty_like(q)

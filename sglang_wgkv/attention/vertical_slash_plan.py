@@ -34,27 +34,28 @@ class VerticalSlashPlan:
     vertical_len: torch.Tensor  # [NB, Hkv] int32 admitted keys fully visible to the block
 
 
-def compact_admitted(x: torch.Tensor, admitted: torch.Tensor, kv_indptr: torch.Tensor,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+def compact_admitted(k: torch.Tensor, v: torch.Tensor, admitted: torch.Tensor, kv_indptr: torch.Tensor,
+                     out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Admitted rows of each KV head moved to the front of their sequence's range, in position order.
 
     Parameters
     ----------
-    x : ``[Nk, Hkv, D]`` packed keys or values; admitted : ``[Nk, Hkv]`` bool; kv_indptr : ``[B + 1]``.
-    out : optional ``[Hkv, Nk + 1, D]`` buffer whose rows are finite (e.g. zero-filled once).
+    k, v : ``[Nk, Hkv, D]`` packed keys and values; admitted : ``[Nk, Hkv]`` bool; kv_indptr : ``[B + 1]``.
+    out : optional ``([Hkv, Nk + 1, D], [Hkv, Nk + 1, D])`` buffers whose rows are finite (e.g.
+        zero-filled once).
 
-    Returns ``[Hkv, Nk + 1, D]``: for sequence b and head h, rows ``kv_indptr[b] ..`` hold its admitted
-    rows in order; the rest of its range keeps its old (finite) values, row ``Nk`` is scratch. The
-    kernel reads whole tiles past the admitted count and masks their scores, so a NaN there would
-    leak through ``0 * NaN`` in the value product.
+    Returns ``(k_compact, v_compact)``, each ``[Hkv, Nk + 1, D]``: for sequence b and head h, rows
+    ``kv_indptr[b] ..`` hold its admitted rows in order; the rest of its range keeps its old (finite)
+    values, row ``Nk`` is scratch. The kernel reads whole tiles past the admitted count and masks
+    their scores, so a NaN there would leak through ``0 * NaN`` in the value product.
     """
-    Nk, H, D = x.shape
-    rank = _admitted_rank(admitted, kv_indptr)
-    dest = torch.where(admitted, rank, Nk)
+    Nk, H, D = k.shape
+    dest = torch.where(admitted, _admitted_rank(admitted, kv_indptr), Nk)
     if out is None:
-        out = x.new_zeros(H, Nk + 1, D)
-    heads = torch.arange(H, device=x.device)[None, :].expand(Nk, H)
-    out[heads, dest] = x
+        out = (k.new_zeros(H, Nk + 1, D), v.new_zeros(H, Nk + 1, D))
+    heads = torch.arange(H, device=k.device)[None, :].expand(Nk, H)
+    out[0][heads, dest] = k
+    out[1][heads, dest] = v
     return out
 
 
@@ -69,11 +70,13 @@ def _admitted_rank(admitted: torch.Tensor, kv_indptr: torch.Tensor) -> torch.Ten
 
 
 def _exclusive_count(admitted: torch.Tensor) -> torch.Tensor:
-    """``[Nk + 1, Hkv]`` int32, row n = admitted keys among rows < n (over the packed batch)."""
+    """``[Nk + 1, Hkv]`` int32 (a transposed view), row n = admitted keys among rows < n (over the
+    packed batch). The scan runs along the contiguous dim: torch's scan over the outer dim of an
+    ``[Nk, 8]`` tensor runs one thread per column (tens of ms at 128K tokens)."""
     Nk, H = admitted.shape
-    excl = torch.zeros(Nk + 1, H, dtype=torch.int32, device=admitted.device)
-    torch.cumsum(admitted, 0, dtype=torch.int32, out=excl[1:])
-    return excl
+    excl = torch.zeros(H, Nk + 1, dtype=torch.int32, device=admitted.device)
+    excl[:, 1:] = torch.cumsum(admitted.t().contiguous(), 1, dtype=torch.int32)
+    return excl.t()
 
 
 def build_vertical_slash_plan(admitted: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,

@@ -95,9 +95,10 @@ def prefill_write(pool, r: int, layer: int, k: torch.Tensor, v: torch.Tensor, ad
     dev = pool.device
     leaving = max(0, n - W)
     flags = admit[:leaving]
-    fi = flags.to(torch.int64)
-    cnt = fi.sum(0)                                                    # [H]
-    rank = (torch.cumsum(fi, 0) - fi).to(torch.int32)
+    cnt = flags.sum(0)                                                 # [H] int64
+    # Exclusive scan along the contiguous dim (torch scans an [n, 8] outer dim one thread per column).
+    ft = flags.t().contiguous()
+    rank = (torch.cumsum(ft, 1, dtype=torch.int32) - ft.to(torch.int32)).t()
     glen = pool.global_len[r, layer].long()                            # [H]
     old = (glen + PAGE_SIZE - 1) // PAGE_SIZE
     new = (glen + cnt + PAGE_SIZE - 1) // PAGE_SIZE - old
