@@ -228,7 +228,8 @@ class DualCachePool:
             flag = torch.where(p.cand_from_ring[:, None], self.ring_flag[rc, layer, heads, slot],
                                admit[p.cand_src])                           # [C, H]
             fi = flag.to(torch.int64)
-            excl = torch.cumsum(fi, 0) - fi
+            # scan along the contiguous axis: a dim-0 scan of [C, H] runs one GPU thread per column
+            excl = (torch.cumsum(fi.t().contiguous(), 1) - fi.t()).t()
             rank = excl - excl[p.cand_seg_start]
             B = p.req.numel()
             cnt = torch.zeros(B, H, dtype=torch.int64, device=self.device).index_add_(0, p.cand_b, fi)
