@@ -17,6 +17,7 @@ from sglang_wgkv.attention.folded_index import build_folded_indices
 from sglang_wgkv.attention.reference import padded_decode_attention, paged_decode_attention
 from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.memory import DualCachePool, SnapKVEvictor
+from sglang_wgkv.memory.prefix_snapshot import SnapshotStore
 
 from test_evictor_scores import naive_scores
 
@@ -61,9 +62,11 @@ class Req:
 
 
 class Run:
-    def __init__(self, W, window, budget, pages, slots, maxlen, seed):
+    def __init__(self, W, window, budget, pages, slots, maxlen, seed, device="cpu"):
         self.W, self.window, self.budget, self.maxlen = W, window, budget, maxlen
-        self.pool = DualCachePool(L, H, D, pages, slots, maxlen, WGKVConfig(local_window=W), dtype=torch.float32)
+        self.dev = torch.device(device)
+        self.pool = DualCachePool(L, H, D, pages, slots, maxlen, WGKVConfig(local_window=W), dtype=torch.float32,
+                                  device=device)
         self.ev = SnapKVEvictor(self.pool, budget=budget, num_q_heads=H * G, window=window)
         self.gen = torch.Generator().manual_seed(seed)
         self.reqs = {}
@@ -78,7 +81,7 @@ class Run:
         reqs = [self.reqs[s] for s in lens]
         ns = list(lens.values())
         self.pool.begin_extend(list(lens), [r.n for r in reqs], ns)
-        pack = lambda x: torch.cat([getattr(r, x)[:, r.n:r.n + m] for r, m in zip(reqs, ns)], 1)
+        pack = lambda x: torch.cat([getattr(r, x)[:, r.n:r.n + m] for r, m in zip(reqs, ns)], 1).to(self.dev)
         q, k, v, a = pack("q"), pack("k"), pack("v"), pack("admit")
         for layer in range(L):
             self.ev.observe_extend(layer, q[layer])
@@ -92,7 +95,7 @@ class Run:
         self.pool.begin_decode(slots, pos)
         for r in reqs:
             r.advance(1, self.W)
-        at = lambda x: torch.stack([getattr(r, x)[:, p] for r, p in zip(reqs, pos)], 1)
+        at = lambda x: torch.stack([getattr(r, x)[:, p] for r, p in zip(reqs, pos)], 1).to(self.dev)
         q, k, v, a = at("q"), at("k"), at("v"), at("admit")
         for layer in range(L):
             self.pool.write_decode(layer, k[layer], v[layer], a[layer])
@@ -102,7 +105,8 @@ class Run:
             rows, num_pages, last, _ = self.pool.decode_page_rows(layer)
             indptr, indices, last_len = build_folded_indices(rows, num_pages, last)
             got = paged_decode_attention(q[layer], self.pool.k_pages, self.pool.v_pages, indptr, indices, last_len)
-            torch.testing.assert_close(got, self._oracle_decode(reqs, layer, q[layer]), rtol=1e-4, atol=1e-4)
+            want = self._oracle_decode(reqs, layer, q[layer].cpu())
+            torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
 
     def _oracle_decode(self, reqs, layer, q):
         """Attention over the model's cache: surviving global positions + the ring."""
@@ -123,7 +127,7 @@ class Run:
         pool = self.pool
         g = int(pool.global_len[r, layer, h])
         pages = pool.page_table[r, layer, h, pool.ring_cols:].long()
-        vals = pool.v_pages[pages].reshape(-1, D)[:g]
+        vals = pool.v_pages[pages].reshape(-1, D)[:g].cpu()
         assert torch.all(vals[:, 1] == layer) and torch.all(vals[:, 2] == h)
         return [int(x) for x in vals[:, 0].tolist()]
 
@@ -180,15 +184,22 @@ class Run:
         del self.reqs[slot]
 
 
-@pytest.mark.parametrize("W,window,budget,p_admit,seed", [
+RUNS = [  # W_local, observation window, budget, admission probability per request, seed
     (16, 16, 24, [1.0, 1.0, 1.0], 0),     # SnapKV alone (all-admit gates)
     (16, 16, 24, [0.6, 0.3, 1.0], 1),     # admission + eviction
     (32, 8, 40, [0.8, 1.0, 0.5], 2),      # observation window shorter than W_local
     (16, 16, 16, [1.0, 0.7, 0.9], 3),     # budget of one page
-])
+]
+
+
+@pytest.mark.parametrize("W,window,budget,p_admit,seed", RUNS)
 def test_long_random_run_keeps_budget_order_and_pages(W, window, budget, p_admit, seed):
+    long_random_run(W, window, budget, p_admit, seed, "cpu")
+
+
+def long_random_run(W, window, budget, p_admit, seed, device):
     rng = np.random.default_rng(seed)
-    run = Run(W, window, budget, pages=600, slots=4, maxlen=260, seed=seed)
+    run = Run(W, window, budget, pages=600, slots=4, maxlen=260, seed=seed, device=device)
     slots = [3, 0, 2]
     for s, p in zip(slots, p_admit):
         run.new(s, p)
@@ -232,7 +243,7 @@ def test_query_window_holds_last_queries_per_request_and_layer():
     for s, r in run.reqs.items():
         for layer in range(L):
             want = {p % 16: p for p in range(max(0, r.n - 16), r.n)}
-            assert {i: int(p) for i, p in enumerate(ev.q_pos[s, layer]) if p >= 0} == want
+            assert {i: int(p) for i, p in enumerate(ev.q_pos[s]) if p >= 0} == want
             for slot, p in want.items():
                 assert torch.equal(ev.q_buf[s, layer, slot], r.q[layer, p])
 
@@ -285,20 +296,25 @@ def test_admission_reduces_eviction_triggers():
     assert triggers[0.3] < triggers[1.0] / 2
 
 
-def test_pages_shared_with_another_owner_are_copied_not_rewritten():
+def test_pages_shared_with_a_prefix_snapshot_are_copied_not_rewritten():
     run = Run(W=16, window=16, budget=24, pages=300, slots=2, maxlen=260, seed=13)
     run.new(1, 1.0)
     run.extend({1: 60})                                    # 44 global entries per stream: 3 pages
     pool = run.pool
-    held = pool.page_table[1, :, :, pool.ring_cols:pool.ring_cols + 3].reshape(-1).long().clone()
-    pool.allocator.incref(held)                            # a second owner, e.g. a prefix cache
-    pool.register_ref_holder(lambda: held)
-    snapshot = (pool.k_pages[held].clone(), pool.v_pages[held].clone())
-    run.evict_and_check()                                  # checks survivors read back correctly
-    assert torch.equal(pool.k_pages[held], snapshot[0]) and torch.equal(pool.v_pages[held], snapshot[1])
+    store = SnapshotStore(pool)
+    snap = store.take(1)                                   # shares the global pages by refcount
+    before = [[run.pool_global(1, layer, h) for h in range(H)] for layer in range(L)]
+    shared = snap.rows[:, :, pool.ring_cols:].long()
+    shared = shared[shared != pool.dump_page]
+    contents = (pool.k_pages[shared].clone(), pool.v_pages[shared].clone())
+    run.evict_and_check()                                  # checks integrity with the snapshot's refs
+    assert torch.equal(pool.k_pages[shared], contents[0]) and torch.equal(pool.v_pages[shared], contents[1])
+    pool.alloc_request(0)
+    store.restore(0, snap)                                 # the snapshot still holds the pre-eviction cache
+    assert [[run.pool_global(0, layer, h) for h in range(H)] for layer in range(L)] == before
+    pool.free_request(0)
+    store.release(snap)
     run.finish(1)
-    pool.allocator.free(held)
-    held = held[:0]
     pool.check_integrity()
     assert pool.num_free_pages() == 300
 

@@ -36,6 +36,11 @@ Call protocol (the attention backend; every call is cheap when nothing is evicte
     evictor.maybe_evict()             # at a step boundary: after the last layer, or before the
                                       # next begin_* (outside a CUDA graph)
 
+Every forward of a request must be observed in every layer (the window is a ring indexed by position).
+Memory: the query window holds ``max_requests x layers x window x q_heads x head_dim`` elements of the
+pool dtype (Qwen3-4B, 64 request slots, window 256: 4.8 GB in bf16); create an evictor only when a
+budget is set.
+
 Host syncs: observing never syncs. :meth:`maybe_evict` keeps a host upper bound of each request's
 longest global cache (the last exact value plus the tokens that left the ring since, known from the
 pool's host lengths) and looks at the device only for requests whose bound exceeds the budget;
@@ -103,7 +108,9 @@ class SnapKVEvictor:
         R, L, dev = pool.max_requests, pool.num_layers, pool.device
         self.group = self.num_q_heads // H
         self.q_buf = torch.zeros(R, L, self.window, self.num_q_heads, pool.head_dim, dtype=pool.dtype, device=dev)
-        self.q_pos = torch.full((R, L, self.window), -1, dtype=torch.int64, device=dev)
+        # Position of each window slot's query, shared by the layers: written once per forward
+        # (all layers observe the same tokens), read only at step boundaries.
+        self.q_pos = torch.full((R, self.window), -1, dtype=torch.int64, device=dev)
         self.triggers = np.zeros(R, dtype=np.int64)
         self.evicted_tokens = np.zeros(R, dtype=np.int64)
         self.stream_triggers = torch.zeros(R, L, H, dtype=torch.int64, device=dev)
@@ -111,8 +118,8 @@ class SnapKVEvictor:
         # Host bound of max_{l,h} global_len[r]: exact_max + left_ring(now) - left_ring(at exact).
         self._exact_max = np.zeros(R, dtype=np.int64)
         self._left_at_exact = np.zeros(R, dtype=np.int64)
-        self._extend_src = None     # the pool plan the cached extend index was built for
-        self._extend_idx = None
+        self._plan = None           # the pool plan the cached (req, src, slot) index was built for
+        self._plan_idx = None
 
     # -- per-slot state -------------------------------------------------------------------------
     def _refresh_slots(self) -> None:
@@ -143,17 +150,17 @@ class SnapKVEvictor:
         plan = self.pool._extend
         if plan is None:
             raise RuntimeError("observe_extend without pool.begin_extend")
-        if self._extend_src is not plan:
+        if self._plan is not plan:
             self._refresh_slots()
-            self._extend_idx = self._extend_index(plan)
-            self._extend_src = plan
-        req, src, pos = self._extend_idx
+            req, src, pos = self._extend_index(plan)
+            self.q_pos[req, pos % self.window] = pos
+            self._plan, self._plan_idx = plan, (req, src, pos % self.window)
+        req, src, slot = self._plan_idx
         if src.numel():
-            slot = pos % self.window
             self.q_buf[req, layer, slot] = q[src].to(self.q_buf.dtype)
-            self.q_pos[req, layer, slot] = pos
 
     def _extend_index(self, plan):
+        """``(req, src, pos)`` of each request's last ``window`` new tokens (packed index ``src``)."""
         req, src, pos = [], [], []
         off = 0
         for r, S, n in zip(plan.req_slots, plan.prefix_lens, plan.extend_lens):
@@ -170,9 +177,11 @@ class SnapKVEvictor:
         plan = self.pool._decode
         if plan is None:
             raise RuntimeError("observe_decode without pool.begin_decode")
-        slot = plan.pos % self.window
-        self.q_buf[plan.req, layer, slot] = q.to(self.q_buf.dtype)
-        self.q_pos[plan.req, layer, slot] = plan.pos
+        if self._plan is not plan:
+            slot = plan.pos % self.window
+            self.q_pos[plan.req, slot] = plan.pos
+            self._plan, self._plan_idx = plan, slot
+        self.q_buf[plan.req, layer, self._plan_idx] = q.to(self.q_buf.dtype)
 
     # -- eviction -------------------------------------------------------------------------------
     def over_budget_candidates(self) -> np.ndarray:
@@ -230,7 +239,7 @@ class SnapKVEvictor:
         slot = torch.arange(W, device=pool.device)
         r_pos = n[:, None] - 1 - torch.remainder(n[:, None] - 1 - slot, W)     # <0: empty slot
         q = self.q_buf.view(*self.q_buf.shape[:3], pool.num_kv_heads, self.group, D)[r, l, :, h]
-        q_pos = self.q_pos[r, l]
+        q_pos = self.q_pos[r]
         scores = snapkv_scores(q, q_pos, g_keys, glen, r_keys, r_pos, self.sm_scale, self.kernel_size)
         return scores, glen, gpages, g_keys
 

@@ -35,8 +35,10 @@ def snapkv_scores(q: torch.Tensor, q_pos: torch.Tensor, g_keys: torch.Tensor, g_
     ring_vis = (r_pos[:, None, :] >= 0) & (r_pos[:, None, :] <= q_pos[:, :, None])  # [S, Wq, Nr]
     vis = torch.cat([valid[:, None, :].expand(-1, q.shape[1], -1), ring_vis], -1)
     vis = vis & (q_pos >= 0)[:, :, None]
-    logits = logits.masked_fill(~vis[:, :, None, :], float("-inf"))
-    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)    # an empty slot sees no key: all zero
+    # in place: the logits are the largest tensor of an eviction, keep at most two of them alive
+    logits.masked_fill_(~vis[:, :, None, :], float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)    # an empty slot sees no key: all zero
+    del logits
     raw = probs[..., :Ng].amax(2).sum(1)                                              # [S, Ng]
     raw = raw.masked_fill(~valid, float("-inf"))
     pooled = F.max_pool1d(raw[:, None, :], kernel_size, stride=1, padding=kernel_size // 2)[:, 0]
