@@ -385,6 +385,14 @@ class DualCachePool:
         """``[L, H]`` global tokens of slot ``r``."""
         return self.global_len[r].clone()
 
+    def request_cache_sizes(self, r: int) -> dict:
+        """Per-request cache sizes of slot ``r`` (syncs): global tokens per (layer, KV head), mean and
+        max, and ``mean_kv_tokens_per_head`` = ring + global tokens averaged over layers and heads."""
+        glen = self.global_len[r].double()
+        ring = min(int(self.cached_len[r]), self.window)
+        return {"mean_global_tokens_per_head": float(glen.mean()), "max_global_tokens_per_head": int(glen.max()),
+                "mean_kv_tokens_per_head": float(glen.mean()) + ring}
+
     def num_free_pages(self) -> int:
         return self.allocator.sync_free()
 

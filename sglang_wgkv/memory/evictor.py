@@ -286,15 +286,10 @@ class SnapKVEvictor:
     def request_stats(self, r: int) -> dict:
         """Eviction counters and cache sizes of slot ``r`` (syncs; read before the slot is freed)."""
         self._refresh_slots()
-        pool = self.pool
-        glen = pool.global_len[r].double()
-        ring = min(int(pool.cached_len[r]), pool.window)
         return {
+            **self.pool.request_cache_sizes(r),
             "eviction_triggers": int(self.triggers[r]),
             "evicted_tokens": int(self.evicted_tokens[r]),
             "stream_eviction_triggers": int(self.stream_triggers[r].sum()),
             "max_stream_eviction_triggers": int(self.stream_triggers[r].max()),
-            "mean_global_tokens_per_head": float(glen.mean()),
-            "max_global_tokens_per_head": int(glen.max()),
-            "mean_kv_tokens_per_head": float(glen.mean()) + ring,
         }
