@@ -23,9 +23,11 @@ Per stream (request slot r, layer l, KV head h) with global length ``g > budget`
    another owner (refcount > 1, e.g. a prefix cache) are copied before being rewritten.
 
 The ring (the last W_local tokens) is never evicted, so a stream holds at most ``budget + W_local``
-tokens. ``--kv-budget N`` is the paper's "average global tokens per head per request"; it is
-enforced as the per-(layer, head) cap N, which implies the average and is what the paper's per-head
-trigger does when every head fills.
+tokens. ``--kv-budget N`` is the paper's "average global tokens per head per request" (4096 in
+App. K); it is enforced as a cap of N on every (layer, head), which implies the average and is
+stricter than it: the paper triggers when the average exceeds N, so single heads may pass N there.
+Counters: a request's ``eviction_triggers`` counts the steps in which any of its streams was
+evicted from; ``stream_triggers`` counts per stream.
 
 Call protocol (the attention backend; every call is cheap when nothing is evicted)::
 
@@ -262,12 +264,10 @@ class SnapKVEvictor:
         first_changed = torch.argmax((valid & ~keep).long(), 1) // PAGE_SIZE   # first evicted entry's page
         trailing = (col >= new_cols[:, None]) & (col < old_cols[:, None])
         shared = (pool.allocator.ref[gpages] > 1) & (col >= first_changed[:, None]) & (col < new_cols[:, None])
-        release = [gpages[trailing], gpages[shared]]
         out_pages = gpages.clone()
         n_shared = int(shared.sum())
         if n_shared:
-            pool.allocator.free(release[1])      # drop our reference first: the other owner keeps them
-            release[1] = release[1][:0]
+            pool.allocator.free(gpages[shared])     # drop our reference: the other owner keeps them
             out_pages[shared] = pool.allocator.alloc(n_shared)
         g_vals = pool.v_pages[gpages].reshape(S, -1, pool.head_dim)
         dest_page = torch.where(keep, out_pages.gather(1, torch.clamp(dest, min=0) // PAGE_SIZE), pool.dump_page)
@@ -280,7 +280,7 @@ class SnapKVEvictor:
         pool.global_len[r, l, h] = new_len.to(torch.int32)
         evicted = np.bincount(r.cpu().numpy(), weights=n_evict.cpu().numpy(), minlength=pool.max_requests)
         self.evicted_tokens += evicted.astype(np.int64)
-        return torch.cat(release)
+        return gpages[trailing]
 
     # -- reporting ------------------------------------------------------------------------------
     def request_stats(self, r: int) -> dict:
