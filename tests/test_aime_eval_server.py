@@ -1,0 +1,34 @@
+"""evals/aime25.py end to end against the real CPU server (embedded SmolLM2, wgkv backend) on the
+shipped sample: the OpenAI request it sends (chat template, top_k in the extra body) is accepted and
+every sample is scored. The 135M model is not expected to solve anything; accuracy is not asserted."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.serving
+# the serving tests' launcher (tests/serving_support.py) lands with the serving issue's tests
+serving_support = pytest.importorskip("serving_support")
+
+
+def test_eval_cli_runs_against_the_server(tmp_path):
+    server = serving_support.Server(["--kv-budget", "64", "--wgkv-local-window", "32"], tmp_path / "server.log")
+    try:
+        server.wait_healthy()
+        out = tmp_path / "report.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "evals.aime25", "--base-url", server.url + "/v1", "--limit", "2",
+             "--samples", "2", "--max-tokens", "24", "--concurrency", "4", "--no-progress",
+             "--output", str(out)],
+            cwd=serving_support.REPO, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr + server.log_tail()
+        report = json.loads(out.read_text())
+        assert report["errors"] == 0, [s["error"] for s in report["samples"]]
+        assert len(report["samples"]) == 4 and report["num_problems"] == 2
+        assert all(0 < s["completion_tokens"] <= 24 for s in report["samples"])
+        assert 0.0 <= report["accuracy"] <= report["pass@k"] <= 1.0
+        assert server.alive()
+    finally:
+        server.stop()
