@@ -1,0 +1,105 @@
+"""A real ``python -m sglang_wgkv.launch_server`` process for the serving tests.
+
+Servers run on CPU in float32 with a small KV budget (fast start-up, exhaustion reachable), strict
+idle memory checks (SGLang's ``available + evictable == total`` and the dual pool's idle check raise
+inside the scheduler, so a leak kills the server and the next request fails).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+REPO = Path(__file__).resolve().parents[1]
+STARTUP_TIMEOUT_S = float(os.environ.get("WGKV_TEST_STARTUP_TIMEOUT", "420"))
+BASE_ARGS = ("--dtype", "float32", "--max-total-tokens", "2048", "--log-level", "warning")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One server process; ``url`` once :meth:`wait_healthy` returned."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        full_env = {**os.environ, "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", **(env or {})}
+        cmd = [sys.executable, "-m", "sglang_wgkv.launch_server", *BASE_ARGS, "--port", str(self.port), *args]
+        self._log = open(log_path, "w")
+        # Own process group: stop() ends the launcher and the scheduler/detokenizer it spawned.
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def log_tail(self, n: int = 60) -> str:
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(line[:400] for line in lines[-n:])
+
+    def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> "Server":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if requests.get(self.url + "/health_generate", timeout=60).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(2)
+        raise TimeoutError(f"server not healthy after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+    # -- API helpers ----------------------------------------------------------------------------
+    def generate(self, text, max_new_tokens: int = 16, timeout: float = 600, **extra) -> dict | list:
+        body = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0,
+                                                  **extra.pop("sampling_params", {})}, **extra}
+        r = requests.post(self.url + "/generate", json=body, timeout=timeout)
+        r.raise_for_status()
+        return r.json()
+
+    def wgkv_stats(self) -> dict:
+        r = requests.get(self.url + "/server_info", timeout=60)
+        r.raise_for_status()
+        return r.json()["internal_states"][0]["wgkv"]
+
+    def wait_idle_checked(self, timeout: float = 60) -> dict:
+        """Stats once the scheduler ran its idle checks after everything sent so far finished."""
+        start = self.wgkv_stats()["idle_checks"]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            stats = self.wgkv_stats()
+            if stats["idle_checks"] > start and stats["active_requests"] == 0:
+                return stats
+            time.sleep(0.5)
+        raise TimeoutError(f"scheduler not idle after {timeout} s: {stats}")
+
+
+def long_prompt(n_items: int, seed: int = 0) -> str:
+    """A deterministic list-like prompt, about 12 tokens per item."""
+    colors, things = ["red", "blue", "green", "old", "new"], ["car", "house", "tree", "river", "book"]
+    items = [f"Item {i}: the {colors[(i + seed) % 5]} {things[(3 * i + seed) % 5]} number {(7 * i + seed) % 13}."
+             for i in range(n_items)]
+    return " ".join(items) + " Which item mentions a river first?"

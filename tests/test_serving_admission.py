@@ -1,0 +1,92 @@
+"""Admission actually happening inside the server: 75% random rejection (the paper's profiling
+protocol) and per-head decisions of a gate checkpoint, seen through the ``wgkv`` server stats."""
+
+import json
+import threading
+
+import pytest
+import requests
+import torch
+
+from serving_support import Server, long_prompt
+
+pytestmark = pytest.mark.serving
+
+W_LOCAL = 16
+LAYERS, HEADS = 30, 3
+
+
+@pytest.fixture(scope="module")
+def random_server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serving_random")
+    srv = Server(["--wgkv-local-window", str(W_LOCAL), "--wgkv-random-admission", "0.25"], tmp / "server.log")
+    try:
+        yield srv.wait_healthy()
+    finally:
+        srv.stop()
+
+
+def test_random_rejection_keeps_serving(random_server):
+    prompts = [long_prompt(20, seed=i) for i in range(6)]
+    outs = random_server.generate(prompts, max_new_tokens=32, sampling_params={"ignore_eos": True})
+    assert [o["meta_info"]["completion_tokens"] for o in outs] == [32] * 6
+    assert all(o["text"].strip() for o in outs)
+    stats = random_server.wait_idle_checked()
+    assert stats["tokens_left_ring"] > 6 * LAYERS * HEADS * 200
+    assert 0.23 < stats["admitted_fraction"] < 0.27
+    per_head = torch.tensor(stats["admitted_fraction_per_layer_head"])
+    assert per_head.shape == (LAYERS, HEADS) and per_head.min() > 0.1 and per_head.max() < 0.4
+
+
+def test_cache_sizes_reflect_rejection(random_server):
+    """Mid-generation, each (layer, head) holds W_local ring tokens plus ~25% of the older ones."""
+    seen = {}
+
+    def stream():
+        body = {"text": long_prompt(40), "stream": True,
+                "sampling_params": {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}}
+        with requests.post(random_server.url + "/generate", json=body, stream=True, timeout=900) as r:
+            for line in r.iter_lines():
+                if line.startswith(b"data:") and line != b"data: [DONE]":
+                    meta = json.loads(line[len(b"data:"):])["meta_info"]
+                    if meta["completion_tokens"] == 10:
+                        seen["stats"], seen["meta"] = random_server.wgkv_stats(), meta
+
+    t = threading.Thread(target=stream)
+    t.start()
+    t.join(timeout=900)
+    stats, meta = seen["stats"], seen["meta"]
+    assert stats["active_requests"] == 1
+    # cached tokens lie between prompt + 9 and prompt + 11 (the scheduler runs slightly ahead)
+    older = meta["prompt_tokens"] + 9 - W_LOCAL
+    glob = torch.tensor(stats["global_tokens_per_layer_head"], dtype=torch.float64)
+    assert glob.shape == (LAYERS, HEADS)
+    assert 0.18 < glob.mean().item() / older < 0.32
+    assert glob.max().item() < 0.5 * older
+    dense_pages = LAYERS * HEADS * -(-(older + W_LOCAL) // 16)
+    assert stats["used_pages"] < 0.5 * dense_pages
+
+
+@pytest.fixture(scope="module")
+def gated_server(tmp_path_factory):
+    from sglang_wgkv.gate import GateConfig, WriteGates, save_gates
+
+    tmp = tmp_path_factory.mktemp("serving_gated")
+    gates = WriteGates(GateConfig(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=64, local_window=W_LOCAL))
+    with torch.no_grad():
+        for layer in gates.layers:
+            layer.b2.copy_(torch.tensor([-30.0, 30.0, 30.0]))  # KV head 0 never admits, heads 1-2 always
+    save_gates(gates, tmp / "gates")
+    srv = Server(["--wgkv-local-window", str(W_LOCAL), "--wgkv-gates", str(tmp / "gates")], tmp / "server.log")
+    try:
+        yield srv.wait_healthy()
+    finally:
+        srv.stop()
+
+
+def test_gate_checkpoint_decides_per_head(gated_server):
+    out = gated_server.generate(long_prompt(20), max_new_tokens=16)
+    assert out["text"].strip()
+    stats = gated_server.wait_idle_checked()
+    per_head = torch.tensor(stats["admitted_fraction_per_layer_head"])
+    assert torch.equal(per_head, torch.tensor([[0.0, 1.0, 1.0]] * LAYERS, dtype=per_head.dtype))

@@ -1,0 +1,151 @@
+"""The real SGLang server with the wgkv backend on CPU: APIs, frontend programs, concurrency with
+aborts, pool exhaustion, over-long prompts, and the idle invariants after all of it.
+
+One server for the module: W_local 32 and 128-token prefill chunks, so ordinary prompts leave the
+ring, get promoted, and are prefilled in several chunks that read the cached context back.
+"""
+
+import json
+import threading
+import time
+
+import pytest
+import requests
+
+from serving_support import Server, long_prompt
+
+pytestmark = pytest.mark.serving
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("serving_api") / "server.log"
+    srv = Server(["--wgkv-local-window", "32", "--chunked-prefill-size", "128"], log)
+    try:
+        yield srv.wait_healthy()
+    finally:
+        srv.stop()
+
+
+def test_native_generate(server):
+    out = server.generate("The capital of France is", max_new_tokens=8)
+    assert "Paris" in out["text"]
+    assert out["meta_info"]["completion_tokens"] == 8
+
+
+def test_openai_chat_and_completions(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0, max_tokens=16)
+    assert "Paris" in chat.choices[0].message.content
+    assert chat.usage.completion_tokens > 0
+    comp = client.completions.create(model=model, prompt="The capital of France is", temperature=0, max_tokens=8)
+    assert "Paris" in comp.choices[0].text
+
+
+def test_frontend_program_gen_select_run_batch(server):
+    import sglang as sgl
+
+    @sgl.function
+    def country_quiz(s, city):
+        s += f"Question: In which country is the city of {city}?\nAnswer: The city of {city} is in"
+        s += sgl.gen("country", max_tokens=6, temperature=0, stop=["\n", "."])
+        s += "\nQuestion: Is that country in Europe? Answer yes or no.\nAnswer:"
+        s += sgl.select("europe", choices=[" yes", " no"])
+
+    states = country_quiz.run_batch([{"city": "Paris"}, {"city": "Berlin"}, {"city": "Tokyo"}],
+                                    backend=sgl.RuntimeEndpoint(server.url))
+    for state in states:
+        assert state["country"].strip()
+        assert state["europe"] in (" yes", " no")
+    assert "France" in states[0]["country"]
+
+
+def test_long_prompt_is_chunked_and_promoted(server):
+    before = server.wgkv_stats()
+    prompt = long_prompt(40)  # ~500 tokens: four 128-token chunks, most tokens leave the 32-slot ring
+    out = server.generate(prompt, max_new_tokens=24, sampling_params={"ignore_eos": True})
+    assert out["meta_info"]["prompt_tokens"] > 3 * 128
+    after = server.wait_idle_checked()
+    left = after["tokens_left_ring"] - before["tokens_left_ring"]
+    promoted = after["tokens_promoted"] - before["tokens_promoted"]
+    # In each of the 30 x 3 (layer, head) streams, every cached token but the last W_local = 32 left
+    # the ring (the last generated token is never cached); fresh gates admit all of them. The
+    # overlap scheduler may run one more decode step before it sees the request finished.
+    cached = out["meta_info"]["prompt_tokens"] + 24 - 1
+    assert left in (30 * 3 * (cached - 32), 30 * 3 * (cached + 1 - 32))
+    assert promoted == left
+
+
+def _stream(server, rid, prompt, max_new_tokens, abort_after, results):
+    """Stream one request; with ``abort_after`` chunks received, abort it through /abort_request."""
+    body = {"text": prompt, "rid": rid, "stream": True,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
+    chunks, last = 0, None
+    with requests.post(server.url + "/generate", json=body, stream=True, timeout=900) as r:
+        for line in r.iter_lines():
+            if line.startswith(b"data:") and line != b"data: [DONE]":
+                chunks, last = chunks + 1, line
+                if chunks == abort_after:
+                    requests.post(server.url + "/abort_request", json={"rid": rid}, timeout=60).raise_for_status()
+    results[rid] = json.loads(last[len(b"data:"):])["meta_info"]
+
+
+def test_concurrent_requests_with_aborts(server):
+    rids = [f"conc-{i}" for i in range(10)]
+    aborted = set(rids[::3])
+    results = {}
+    threads = [threading.Thread(target=_stream, args=(server, rid, long_prompt(4 + i, seed=i), 48,
+                                                      3 if rid in aborted else None, results))
+               for i, rid in enumerate(rids)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=900)
+    for rid in rids:
+        meta = results[rid]
+        if rid in aborted:
+            assert meta["finish_reason"]["type"] == "abort", meta
+            assert meta["completion_tokens"] < 48
+        else:
+            assert meta["finish_reason"]["type"] == "length", meta
+            assert meta["completion_tokens"] == 48
+    stats = server.wait_idle_checked()
+    assert stats["free_pages"] == stats["total_pages"]
+
+
+def test_pool_exhaustion_queues_and_retracts(server):
+    # 8 requests x (~130 prompt + 120 generated) tokens exceed the 1536 logical tokens of a
+    # 2048-token budget: the scheduler must queue or retract, and every request still finishes.
+    prompts = [long_prompt(10, seed=i) for i in range(8)]
+    outs = server.generate(prompts, max_new_tokens=120, sampling_params={"ignore_eos": True}, timeout=1500)
+    assert [o["meta_info"]["completion_tokens"] for o in outs] == [120] * 8
+    total = sum(o["meta_info"]["prompt_tokens"] + 120 for o in outs)
+    info = requests.get(server.url + "/server_info", timeout=60).json()
+    assert total > info["max_total_num_tokens"]
+    stats = server.wait_idle_checked()
+    assert stats["free_pages"] == stats["total_pages"] and server.alive()
+
+
+def test_prompt_over_context_limit_is_rejected(server):
+    info = requests.get(server.url + "/server_info", timeout=60).json()
+    prompt = long_prompt(400)  # ~5000 tokens, above max_req_input_len of this small server
+    r = requests.post(server.url + "/generate", timeout=120,
+                      json={"text": prompt, "sampling_params": {"max_new_tokens": 4}})
+    assert r.status_code == 400, r.text
+    assert "longer than" in r.json()["message"]
+    assert info["max_req_input_len"] < 5000
+    assert "Paris" in server.generate("The capital of France is", max_new_tokens=8)["text"]
+
+
+def test_idle_invariants_after_the_workload(server):
+    stats = server.wait_idle_checked()
+    assert stats["active_requests"] == 0
+    assert stats["free_pages"] == stats["total_pages"] and stats["used_bytes"] == 0
+    assert stats["requests_started"] == stats["requests_released"] > 0
+    time.sleep(1)
+    assert server.alive(), server.log_tail()

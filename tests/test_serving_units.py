@@ -1,0 +1,159 @@
+"""In-process tests of the serving glue: capacity split, request-slot lifecycle, pre-RoPE capture,
+the sgl_kernel stand-in and the launcher's option handling (no server process)."""
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_wgkv.config import WGKVConfig
+from sglang_wgkv.integration.kv_pool import SLACK_TOKENS, physical_pages, split_capacity
+from sglang_wgkv.integration.settings import ENV_VAR, ServingSettings
+
+pytestmark = pytest.mark.serving
+
+
+def test_split_capacity_reserves_slack_per_request_slot():
+    split = split_capacity(4096, max_running_requests=2048)
+    assert split.physical_tokens == 4096
+    assert split.logical_tokens + SLACK_TOKENS * split.max_requests == 4096
+    assert split.max_requests == 16            # slack limited to a quarter of the budget
+    assert split_capacity(100_000, 8).max_requests == 8
+    assert physical_pages(4096, 30, 3) == 4096 * 90 // 16
+    with pytest.raises(ValueError, match="at least"):
+        split_capacity(200, 8)
+
+
+def test_settings_round_trip_through_the_environment():
+    s = ServingSettings(config=WGKVConfig(local_window=64, tau=0.3, random_admission=0.25, kv_budget=512),
+                        gates_path="/x/gates", seed=7)
+    assert ServingSettings.from_env({ENV_VAR: s.to_env()}) == s
+    assert ServingSettings.from_env({}) == ServingSettings()
+    with pytest.raises(ValueError, match="malformed"):
+        ServingSettings.from_env({ENV_VAR: "{not json"})
+    with pytest.raises(ValueError, match="tau"):
+        ServingSettings.from_env({ENV_VAR: s.to_env().replace('"tau": 0.3', '"tau": 3.0')})
+
+
+def _dual(max_requests=4):
+    from sglang_wgkv.memory import DualCachePool
+
+    return DualCachePool(num_layers=2, num_kv_heads=2, head_dim=8, num_pages=64, max_requests=max_requests,
+                         max_context_len=128, config=WGKVConfig(local_window=16), dtype=torch.float32)
+
+
+def test_req_pool_owns_dual_slot_lifetimes():
+    from sglang_wgkv.integration.req_pool import WGKVReqToTokenPool
+
+    pool = WGKVReqToTokenPool(size=3, max_context_len=128, device="cpu", enable_memory_saver=False)
+    dual = _dual()
+    pool.attach(dual)
+    a, b = SimpleNamespace(req_pool_idx=None), SimpleNamespace(req_pool_idx=None)
+    pool.alloc([a, b])
+    assert dual.active[[a.req_pool_idx, b.req_pool_idx]].all()
+    dual.begin_extend([a.req_pool_idx], [0], [40])
+    dual.write_extend(0, torch.randn(40, 2, 8), torch.randn(40, 2, 8), torch.ones(40, 2, dtype=torch.bool))
+    assert pool.idle_problems()  # a slot is still held
+    slot_a = a.req_pool_idx
+    pool.free(a)
+    assert not dual.active[slot_a] and dual.active[b.req_pool_idx]
+    pool.clear()
+    assert pool.idle_problems() == []
+    assert pool.requests_started == pool.requests_released == 2
+    with pytest.raises(ValueError, match="request slots"):
+        WGKVReqToTokenPool(size=8, max_context_len=128, device="cpu", enable_memory_saver=False).attach(dual)
+
+
+class InPlaceRope(torch.nn.Module):
+    """Rotates q and k in place, as SGLang's CUDA rotary embedding does."""
+
+    def forward(self, positions, query, key):
+        angle = positions[:, None].float()
+        for x in (query, key):
+            a, b = x[..., 0::2].clone(), x[..., 1::2].clone()
+            x[..., 0::2] = a * angle.cos() - b * angle.sin()
+            x[..., 1::2] = a * angle.sin() + b * angle.cos()
+        return query, key
+
+
+def test_pre_rope_capture_sees_the_key_before_rotation():
+    from sglang_wgkv.integration.key_capture import PreRopeKeyCapture
+
+    class Attn(torch.nn.Module):
+        def __init__(self, rope):
+            super().__init__()
+            self.rotary_emb, self.attn = rope, torch.nn.Identity()
+
+        def forward(self, positions, q, k):
+            return self.rotary_emb(positions, q, k)
+
+    shared = InPlaceRope()  # SGLang's get_rope caches modules: layers may share one
+    model = torch.nn.Sequential(Attn(shared), Attn(shared))
+    capture = PreRopeKeyCapture.install(model)
+    assert len(capture._handles) == 1
+    pos = torch.arange(1, 6)
+    for layer in model:
+        q, k = torch.randn(5, 2 * 16), torch.randn(5, 2 * 16)
+        k_in = k.clone()
+        _, k_post = layer(pos, q, k)
+        assert not torch.allclose(k_post, k_in)
+        assert torch.equal(capture.take(k_post.view(5, 2, 16)), k_in.view(5, 2, 16))
+    with pytest.raises(RuntimeError, match="no pre-RoPE key"):
+        capture.take(k_post)
+    with pytest.raises(ValueError, match="rotary_emb"):
+        PreRopeKeyCapture.install(torch.nn.Linear(2, 2))
+
+
+def test_sgl_kernel_standin_is_installed_only_on_the_cpu_engine():
+    code = ("import sys; from sglang_wgkv.integration import cpu_compat as c; c.install_if_needed(); "
+            "m = sys.modules.get('sgl_kernel'); print(bool(m and getattr(m, c.STANDIN_MARKER, False)))")
+
+    def run(cpu: str) -> str:
+        env = {**os.environ, "SGLANG_USE_CPU_ENGINE": cpu}
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    from sglang_wgkv.integration.cpu_compat import CPU_BUILD_NAMES, build_standin, real_sgl_kernel_loads
+
+    expected = "False" if real_sgl_kernel_loads() else "True"
+    assert run("1") == expected
+    assert run("0") == "False"
+    standin = build_standin()
+    assert len(CPU_BUILD_NAMES) == 7 and all(hasattr(standin, n) for n in CPU_BUILD_NAMES)
+    with pytest.raises(NotImplementedError, match="stand-in"):
+        standin.copy_all_layer_kv_cache_cpu()
+
+
+def test_launcher_fills_in_defaults(monkeypatch):
+    from sglang_wgkv.embedded_model import ensure_embedded_model
+    from sglang_wgkv.launch_server import resolve
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    settings, argv, env = resolve(["--wgkv-tau", "0.2", "--port", "1234"])
+    assert argv[:2] == ["--model-path", str(ensure_embedded_model())]
+    assert argv[argv.index("--device") + 1] == "cpu" and env["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert argv[argv.index("--attention-backend") + 1] == "wgkv" and "--port" in argv
+    assert settings.config.tau == 0.2 and ServingSettings.from_env(env) == settings
+    settings, argv, env = resolve(["--disable-wgkv", "--model-path", "/m"])
+    assert settings is None and ENV_VAR not in env
+    assert argv[argv.index("--attention-backend") + 1] == "torch_native"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--wgkv-tau", "2"], "tau must be in"),
+    (["--wgkv-local-window", "20"], "multiple of 16"),
+    (["--wgkv-random-admission", "1.5"], "random_admission"),
+    (["--kv-budget", "3"], "kv_budget"),
+    (["--disable-wgkv", "--wgkv-tau", "0.2"], "drop --disable-wgkv"),
+    (["--attention-backend", "triton"], "--disable-wgkv for plain SGLang"),
+    (["--wgkv-gates", "/nonexistent/gates"], "no such gate checkpoint"),
+])
+def test_launcher_rejects_bad_options(monkeypatch, args, message):
+    from sglang_wgkv.launch_server import resolve
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=message):
+        resolve(args)
