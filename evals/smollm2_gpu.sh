@@ -15,14 +15,14 @@ eval_s=${4:-100}
 run=${RUN_DIR:-/tmp/wgkv_run}
 meta=$(mktemp -d)
 mkdir -p "$out/g"
-timeout $((train_s + 120)) python3 -m sglang_wgkv.training train --model "$model" --corpus .cache/corpus \
+timeout $((train_s + 60)) python3 -m sglang_wgkv.training train --model "$model" --corpus .cache/corpus \
     --out "$run" --lams "${LAMS:-0.003,0.01,0.03,0.1}" --steps "${STEPS:-3000}" --seq-len "${SEQ_LEN:-4096}" \
     --time-budget-s "$train_s" --val-every 150 --val-rows 4 --ckpt-every 100 --log-every 10 \
     --backend "${BACKEND:-sdpa}" --device "${DEVICE:-auto}" --model-id SmolLM2-135M-Instruct 2>&1 \
     | tr '\r' '\n' | grep -v '^gates: ' > "$meta/train.log"
 echo "train rc=${PIPESTATUS[0]}" >> "$meta/train.log"
 gates=$(ls -d "$run"/lam* | paste -sd,)
-timeout $((eval_s + 120)) python3 -m evals.run --model "$model" --gates "$gates" --corpus .cache/corpus \
+timeout $((eval_s + 60)) python3 -m evals.run --model "$model" --gates "$gates" --corpus .cache/corpus \
     --ruler "${RULER:-.cache/ruler.json}" --nll-lengths "${NLL_LENGTHS:-2048,4096,8192}" \
     --nll-rows "${NLL_ROWS:-6}" --device "${DEVICE:-auto}" --out "$meta/results.json" \
     --time-budget-s "$eval_s" > "$meta/eval.log" 2>&1
