@@ -29,7 +29,7 @@ class PolicyAttention:
 
 @torch.no_grad()
 def policy_forward(backbone: Backbone, ids: torch.Tensor, policies: list, prompt_len: int,
-                   max_batch_tokens2: int = 12 * 8192 * 8192):
+                   max_batch_tokens2: int = 6 * 8192 * 8192):
     """ids ``[T]`` -> (final hidden ``[B, T, hidden]``, cache counts ``[B, layers, Hkv]``) for B policies.
 
     Policies run in chunks so that ``chunk * T^2`` (the mask size) stays under ``max_batch_tokens2``.

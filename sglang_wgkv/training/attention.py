@@ -11,9 +11,11 @@ Batch element ``b`` of the student uses gate set ``gates[b]``: the trainer runs 
 """
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sglang_wgkv.attention.reference import soft_gated_attention
 from sglang_wgkv.gate import WriteGates
@@ -60,7 +62,15 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
     qr = q.reshape(B * Hkv, group, T, D)
     kr = k.reshape(B * Hkv, 1, T, D).expand(-1, group, -1, -1)
     vr = v.reshape(B * Hkv, 1, T, D).expand(-1, group, -1, -1)
-    out = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=visible.reshape(B * Hkv, 1, T, -1), scale=scale)
+    mask = visible.reshape(B * Hkv, 1, T, -1)
+    try:
+        out = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask, scale=scale)
+    except RuntimeError as e:
+        if isinstance(e, torch.OutOfMemoryError):
+            raise
+        # A fused kernel refused these strides at run time (see SoftGatedAttention.attend): use math.
+        with sdpa_kernel(SDPBackend.MATH):
+            out = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask, scale=scale)
     return out.reshape(B, Hq, T, D)
 
 
@@ -76,11 +86,16 @@ class SoftGatedAttention:
 
     def __call__(self, layer: int, q, k_pre, k_post, v, scale: float):
         g = gate_values(self.gates, layer, k_pre, k_post)
+        return self.attend(q, k_post, v, g, scale), g
+
+    def attend(self, q, k, v, g, scale: float) -> torch.Tensor:
+        """q ``[B, Hq, T, D]``, k/v ``[B, Hkv, T, D]`` (post-RoPE), g ``[B, Hkv, T]`` -> ``[B, Hq, T, D]``."""
         if self.backend == "flex":
-            out = self._flex_attention(q, k_post, v, torch.log(g + self.eps), scale)
-        else:
-            out = soft_gated_attention(q, k_post, v, g, self.local_window, self.eps, sm_scale=scale)
-        return out, g
+            return self._flex_attention(q, k, v, torch.log(g + self.eps), scale)
+        # On CUDA the memory-efficient kernel's backward with a bias that needs a gradient failed on the
+        # H200 (torch 2.11: "LSE is not correctly aligned (strideH)"); the math kernel is exact.
+        with sdpa_kernel(SDPBackend.MATH) if q.is_cuda else nullcontext():
+            return soft_gated_attention(q, k, v, g, self.local_window, self.eps, sm_scale=scale)
 
     def _flex_attention(self, q, k, v, log_g, scale):
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention

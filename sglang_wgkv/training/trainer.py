@@ -112,14 +112,7 @@ def choose_backend(backbone: Backbone, batch: int, seq_len: int, local_window: i
         att = SoftGatedAttention([], local_window, eps, name)
 
         def run():
-            g = torch.sigmoid(logit)
-            if name == "flex":
-                out = att._flex_attention(q, k, v, torch.log(g + eps), s.head_dim**-0.5)
-            else:
-                from sglang_wgkv.attention.reference import soft_gated_attention
-
-                out = soft_gated_attention(q, k, v, g, local_window, eps)
-            out.float().square().mean().backward()
+            att.attend(q, k, v, torch.sigmoid(logit), s.head_dim**-0.5).float().square().mean().backward()
 
         try:
             run()  # compile / warm up
