@@ -44,13 +44,16 @@ class GateConfig:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
-def save_gates(gates, path: str | Path) -> Path:
-    """Write ``gates`` (a WriteGates) to directory ``path``; returns the directory."""
+def save_gates(gates, path: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Write ``gates`` (a WriteGates) to directory ``path``; returns the directory.
+
+    ``dtype`` is the storage type (float16 halves shipped files); loading always returns float32.
+    """
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {f"layers.{i}.{n}": p.detach().float().cpu().contiguous()
+    tensors = {f"layers.{i}.{n}": p.detach().to(dtype).cpu().contiguous()
                for i, layer in enumerate(gates.layers) for n, p in layer.named_parameters()}
     save_file(tensors, str(path / WEIGHTS_FILE))
     (path / CONFIG_FILE).write_text(json.dumps(asdict(gates.config), indent=2) + "\n")
