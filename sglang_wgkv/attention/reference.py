@@ -28,6 +28,9 @@ def soft_gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     q : ``[B, Hq, T, D]``; k, v : ``[B, Hkv, T, D]``; g : ``[B, Hkv, T]`` gate values in [0, 1].
 
     Returns ``[B, Hq, T, D]`` in q's dtype.
+
+    On CUDA (torch 2.11) the memory-efficient SDPA kernel's backward rejects this broadcast bias
+    ("LSE is not correctly aligned"); the trainer selects the math kernel there.
     """
     B, Hq, T, D = q.shape
     group = Hq // k.shape[1]
