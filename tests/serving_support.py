@@ -19,7 +19,8 @@ import requests
 
 REPO = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = float(os.environ.get("WGKV_TEST_STARTUP_TIMEOUT", "420"))
-BASE_ARGS = ("--dtype", "float32", "--max-total-tokens", "2048", "--log-level", "warning")
+# --sleep-on-idle: an idle scheduler otherwise busy-polls a whole core (two servers share 2 cores).
+BASE_ARGS = ("--dtype", "float32", "--max-total-tokens", "2048", "--log-level", "warning", "--sleep-on-idle")
 
 
 def free_port() -> int:
@@ -86,15 +87,14 @@ class Server:
         return r.json()["internal_states"][0]["wgkv"]
 
     def wait_idle_checked(self, timeout: float = 60) -> dict:
-        """Stats once the scheduler ran its idle checks after everything sent so far finished."""
-        start = self.wgkv_stats()["idle_checks"]
+        """Stats once the scheduler, idle, checked the pool after the last request ended."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             stats = self.wgkv_stats()
-            if stats["idle_checks"] > start and stats["active_requests"] == 0:
+            if stats["active_requests"] == 0 and stats["idle_checked_released"] == stats["requests_released"]:
                 return stats
             time.sleep(0.5)
-        raise TimeoutError(f"scheduler not idle after {timeout} s: {stats}")
+        raise TimeoutError(f"scheduler not idle-checked after {timeout} s: {stats}")
 
 
 def long_prompt(n_items: int, seed: int = 0) -> str:

@@ -1,5 +1,6 @@
 """Admission actually happening inside the server: 75% random rejection (the paper's profiling
-protocol) and per-head decisions of a gate checkpoint, seen through the ``wgkv`` server stats."""
+protocol), per-head decisions of a gate checkpoint, and ``--kv-budget`` eviction on top, seen
+through the ``wgkv`` server stats."""
 
 import json
 import threading
@@ -14,6 +15,7 @@ pytestmark = pytest.mark.serving
 
 W_LOCAL = 16
 LAYERS, HEADS = 30, 3
+KV_BUDGET = 48
 
 
 @pytest.fixture(scope="module")
@@ -38,24 +40,29 @@ def test_random_rejection_keeps_serving(random_server):
     assert per_head.shape == (LAYERS, HEADS) and per_head.min() > 0.1 and per_head.max() < 0.4
 
 
-def test_cache_sizes_reflect_rejection(random_server):
-    """Mid-generation, each (layer, head) holds W_local ring tokens plus ~25% of the older ones."""
+def _stats_mid_generation(server, prompt, at_tokens=10, max_new_tokens=40):
+    """Server stats and the request's meta_info when it has streamed ``at_tokens`` tokens."""
     seen = {}
 
     def stream():
-        body = {"text": long_prompt(40), "stream": True,
-                "sampling_params": {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}}
-        with requests.post(random_server.url + "/generate", json=body, stream=True, timeout=900) as r:
+        body = {"text": prompt, "stream": True,
+                "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
+        with requests.post(server.url + "/generate", json=body, stream=True, timeout=900) as r:
             for line in r.iter_lines():
                 if line.startswith(b"data:") and line != b"data: [DONE]":
                     meta = json.loads(line[len(b"data:"):])["meta_info"]
-                    if meta["completion_tokens"] == 10:
-                        seen["stats"], seen["meta"] = random_server.wgkv_stats(), meta
+                    if meta["completion_tokens"] == at_tokens:
+                        seen["stats"], seen["meta"] = server.wgkv_stats(), meta
 
     t = threading.Thread(target=stream)
     t.start()
     t.join(timeout=900)
-    stats, meta = seen["stats"], seen["meta"]
+    return seen["stats"], seen["meta"]
+
+
+def test_cache_sizes_reflect_rejection(random_server):
+    """Mid-generation, each (layer, head) holds W_local ring tokens plus ~25% of the older ones."""
+    stats, meta = _stats_mid_generation(random_server, long_prompt(40))
     assert stats["active_requests"] == 1
     # cached tokens lie between prompt + 9 and prompt + 11 (the scheduler runs slightly ahead)
     older = meta["prompt_tokens"] + 9 - W_LOCAL
@@ -77,7 +84,8 @@ def gated_server(tmp_path_factory):
         for layer in gates.layers:
             layer.b2.copy_(torch.tensor([-30.0, 30.0, 30.0]))  # KV head 0 never admits, heads 1-2 always
     save_gates(gates, tmp / "gates")
-    srv = Server(["--wgkv-local-window", str(W_LOCAL), "--wgkv-gates", str(tmp / "gates")], tmp / "server.log")
+    srv = Server(["--wgkv-local-window", str(W_LOCAL), "--wgkv-gates", str(tmp / "gates"),
+                  "--kv-budget", str(KV_BUDGET)], tmp / "server.log")
     try:
         yield srv.wait_healthy()
     finally:
@@ -90,3 +98,16 @@ def test_gate_checkpoint_decides_per_head(gated_server):
     stats = gated_server.wait_idle_checked()
     per_head = torch.tensor(stats["admitted_fraction_per_layer_head"])
     assert torch.equal(per_head, torch.tensor([[0.0, 1.0, 1.0]] * LAYERS, dtype=per_head.dtype))
+
+
+def test_kv_budget_bounds_each_admitting_head(gated_server):
+    """Heads 1-2 admit everything, so only the evictor keeps them near the budget: it trims a
+    stream to the budget after the prefill, then by 10% whenever a decode step passes it."""
+    stats, meta = _stats_mid_generation(gated_server, long_prompt(40))
+    assert meta["prompt_tokens"] - W_LOCAL > 5 * KV_BUDGET
+    glob = torch.tensor(stats["global_tokens_per_layer_head"])
+    assert glob[:, 0].eq(0).all()
+    admitting = glob[:, 1:]
+    assert admitting.max() <= KV_BUDGET + 1 and admitting.min() >= 0.8 * KV_BUDGET
+    out = gated_server.generate(long_prompt(30, seed=2), max_new_tokens=16)
+    assert out["text"].strip()

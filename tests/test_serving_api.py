@@ -137,7 +137,7 @@ def test_prompt_over_context_limit_is_rejected(server):
     r = requests.post(server.url + "/generate", timeout=120,
                       json={"text": prompt, "sampling_params": {"max_new_tokens": 4}})
     assert r.status_code == 400, r.text
-    assert "longer than" in r.json()["message"]
+    assert "exceeds the maximum allowed length" in r.json()["error"]["message"]
     assert info["max_req_input_len"] < 5000
     assert "Paris" in server.generate("The capital of France is", max_new_tokens=8)["text"]
 

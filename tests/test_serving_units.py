@@ -29,13 +29,15 @@ def test_split_capacity_reserves_slack_per_request_slot():
 
 def test_settings_round_trip_through_the_environment():
     s = ServingSettings(config=WGKVConfig(local_window=64, tau=0.3, random_admission=0.25, kv_budget=512),
-                        gates_path="/x/gates", seed=7)
+                        gates_path="/x/gates", seed=7, attention="reference")
     assert ServingSettings.from_env({ENV_VAR: s.to_env()}) == s
     assert ServingSettings.from_env({}) == ServingSettings()
     with pytest.raises(ValueError, match="malformed"):
         ServingSettings.from_env({ENV_VAR: "{not json"})
     with pytest.raises(ValueError, match="tau"):
         ServingSettings.from_env({ENV_VAR: s.to_env().replace('"tau": 0.3', '"tau": 3.0')})
+    with pytest.raises(ValueError, match="attention"):
+        ServingSettings(attention="fast")
 
 
 def _dual(max_requests=4):
@@ -56,12 +58,13 @@ def test_req_pool_owns_dual_slot_lifetimes():
     assert dual.active[[a.req_pool_idx, b.req_pool_idx]].all()
     dual.begin_extend([a.req_pool_idx], [0], [40])
     dual.write_extend(0, torch.randn(40, 2, 8), torch.randn(40, 2, 8), torch.ones(40, 2, dtype=torch.bool))
-    assert pool.idle_problems()  # a slot is still held
+    assert pool.idle_check()  # a slot is still held
+    assert pool.idle_check() is None  # nothing changed since
     slot_a = a.req_pool_idx
     pool.free(a)
     assert not dual.active[slot_a] and dual.active[b.req_pool_idx]
     pool.clear()
-    assert pool.idle_problems() == []
+    assert pool.idle_check() == [] and pool.stats()["idle_checks"] == 2
     assert pool.requests_started == pool.requests_released == 2
     with pytest.raises(ValueError, match="request slots"):
         WGKVReqToTokenPool(size=8, max_context_len=128, device="cpu", enable_memory_saver=False).attach(dual)

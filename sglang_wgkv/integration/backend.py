@@ -4,14 +4,19 @@ Per forward (``init_forward_metadata``, once for all layers):
 
 * extend: :meth:`DualCachePool.begin_extend` with the batch's request slots, prefix and extend
   lengths (chunked prefill continues a slot; a new or retracted request starts at prefix 0);
-* decode: :meth:`DualCachePool.begin_decode` (ring pages, lazy promotion of every layer's victim).
+* decode: :meth:`DualCachePool.begin_decode` (ring pages, lazy promotion of every layer's victim);
+* with ``--kv-budget``: first, :meth:`SnapKVEvictor.maybe_evict` (the step boundary), and every layer
+  hands its queries to the evictor's observation window.
 
 Per layer (``forward_extend`` / ``forward_decode``): the gate scores the new keys from the captured
 pre-RoPE key and the post-RoPE key, admission flags follow (``g >= tau`` or random), attention runs
 over what the pool keeps (vertical-slash over cached context + new tokens in extend; ring + global
 pages in decode), and the new K/V are written to the pool.
 
-This is the torch reference path (CPU, and GPU until the kernels land); it syncs in both modes.
+Attention implementations (``ServingSettings.attention``): the torch reference
+(:mod:`sglang_wgkv.attention.reference`, any device) or, on CUDA, the Triton vertical-slash prefill
+and FlashInfer's paged decode over folded heads (same contracts). Both sync with the host once per
+layer (per-request context gathering, page counts for the decode plan); CUDA graphs are off.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from sglang_wgkv.attention.folded_index import build_folded_indices
-from sglang_wgkv.attention.reference import paged_decode_attention, vertical_slash_attention
+from sglang_wgkv.attention import reference
 from sglang_wgkv.gate import GateConfig, WriteGates, load_gates
 from sglang_wgkv.gate.admission import admission_flags, check_gate_output
 from sglang_wgkv.integration.key_capture import PreRopeKeyCapture
@@ -73,12 +78,32 @@ class WGKVAttnBackend(AttentionBackend):
         if self.config.random_admission is not None:
             self.generator = torch.Generator(device=self.device).manual_seed(self.settings.seed)
         self._extend = None   # (slots, prefix_lens, extend_lens) of the current extend forward
+        kernels_fit = self.device.type == "cuda" and model_runner.dtype in (torch.float16, torch.bfloat16)
+        self.use_kernels = self.settings.attention == "kernels" or (self.settings.attention == "auto" and kernels_fit)
+        if self.use_kernels and not kernels_fit:
+            raise ValueError("--wgkv-attention kernels needs a CUDA device and a float16/bfloat16 model")
+        self._prefill = reference.vertical_slash_attention
+        if self.use_kernels:
+            from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
+
+            self._prefill = vertical_slash_attention
+        self._decoder = None  # FoldedPagedDecode, built at the first decode (needs the layer's shapes)
+        self.evictor = None
+        if self.config.kv_budget is not None:
+            from sglang_wgkv.memory.evictor import SnapKVEvictor
+
+            self.evictor = SnapKVEvictor(
+                pool=self.dual, budget=self.config.kv_budget,
+                num_q_heads=model_runner.model_config.get_num_attention_heads(1),
+                window=min(256, self.config.local_window))
 
     # -- per forward ----------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch):
         mode = forward_batch.forward_mode
         if mode.is_idle():
             return
+        if self.evictor is not None:  # step boundary: bound what the previous forward admitted
+            self.evictor.maybe_evict()
         slots = forward_batch.req_pool_indices
         if mode.is_decode():
             self._extend = None
@@ -113,6 +138,8 @@ class WGKVAttnBackend(AttentionBackend):
         Hq, H, D, Dv = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim
         q3, k3, v3 = q.view(-1, Hq, D), k.view(-1, H, D), v.view(-1, H, Dv)
         admit = self._admit(layer, k3, check=True)
+        if self.evictor is not None:
+            self.evictor.observe_extend(layer.layer_id, q3)
         slots, prefix_lens, extend_lens = self._extend
         keys, values, k_pos, admitted, kv_indptr, qo_indptr = [], [], [], [], [0], [0]
         start = 0
@@ -128,7 +155,7 @@ class WGKVAttnBackend(AttentionBackend):
             start += n
             qo_indptr.append(start)
         dev = q.device
-        out = vertical_slash_attention(
+        out = self._prefill(
             q3, torch.cat(keys).to(q.dtype), torch.cat(values).to(q.dtype), torch.cat(admitted),
             torch.tensor(qo_indptr, device=dev), torch.tensor(kv_indptr, device=dev),
             forward_batch.positions, torch.cat(k_pos).to(forward_batch.positions.dtype),
@@ -142,12 +169,31 @@ class WGKVAttnBackend(AttentionBackend):
         Hq, H, D, Dv = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim
         k3, v3 = k.view(-1, H, D), v.view(-1, H, Dv)
         admit = self._admit(layer, k3, check=False)
+        q3 = q.reshape(-1, Hq, D)
+        if self.evictor is not None:
+            self.evictor.observe_decode(layer.layer_id, q3)
         self.dual.write_decode(layer.layer_id, k3, v3, admit)
         rows, num_pages, last_len, _ = self.dual.decode_page_rows(layer.layer_id)
         indptr, indices, last = build_folded_indices(rows, num_pages, last_len)
-        out = paged_decode_attention(q.reshape(-1, Hq, D), self.dual.k_pages, self.dual.v_pages,
-                                     indptr, indices, last, sm_scale=layer.scaling)
+        if self.use_kernels:
+            decoder = self._folded_decoder(layer, q3.dtype)
+            decoder.plan(indptr, indices, last)
+            out = decoder.run(q3, self.dual.k_pages, self.dual.v_pages)
+        else:
+            out = reference.paged_decode_attention(q3, self.dual.k_pages, self.dual.v_pages, indptr, indices,
+                                                   last, sm_scale=layer.scaling)
         return out.reshape(-1, Hq * Dv)
+
+    def _folded_decoder(self, layer: RadixAttention, q_dtype: torch.dtype):
+        if self._decoder is None:
+            from sglang_wgkv.attention.flashinfer_decode import FoldedPagedDecode
+
+            H = layer.tp_k_head_num
+            self._decoder = FoldedPagedDecode(
+                layer.tp_q_head_num, H, layer.qk_head_dim, max_batch_size=self.dual.max_requests,
+                max_pages=self.dual.max_requests * H * self.dual.dump_col, device=self.device,
+                q_dtype=q_dtype, kv_dtype=self.dual.dtype, sm_scale=layer.scaling)
+        return self._decoder
 
     def support_triton(self):
         return False

@@ -148,8 +148,7 @@ def check_idle_pool(result, checker, *args, **kwargs):
     pool = checker.req_to_token_pool
     if not isinstance(pool, WGKVReqToTokenPool):
         return None
-    problems = pool.idle_problems()
-    pool.idle_checks += 1
+    problems = pool.idle_check()
     if problems:
         raise_error_or_warn(checker, envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE.get(),
                             "count_req_pool_leak_warnings", "wgkv: " + "; ".join(problems))

@@ -27,6 +27,7 @@ class WGKVReqToTokenPool(ReqToTokenPool):
     requests_started = 0
     requests_released = 0
     idle_checks = 0
+    _checked_stamp: tuple[int, int] | None = None
 
     def attach(self, dual: DualCachePool) -> None:
         if dual.max_requests < self.req_to_token.shape[0]:
@@ -56,8 +57,15 @@ class WGKVReqToTokenPool(ReqToTokenPool):
                 self.dual.free_request(slot)
                 self.requests_released += 1
 
-    def idle_problems(self) -> list[str]:
-        """What is wrong with the dual pool when SGLang holds no request (empty list = healthy)."""
+    def idle_check(self) -> list[str] | None:
+        """Check the pool while SGLang holds no request: the problems found (empty = healthy), or
+        None when no request started or ended since the last check (the scheduler calls this on
+        every idle loop iteration; the integrity scan is not free)."""
+        stamp = (self.requests_started, self.requests_released)
+        if stamp == self._checked_stamp:
+            return None
+        self._checked_stamp = stamp
+        self.idle_checks += 1
         problems = []
         active = self.dual.active.nonzero()[0].tolist()
         if active:
@@ -81,4 +89,5 @@ class WGKVReqToTokenPool(ReqToTokenPool):
             "page_bytes": self.dual.page_bytes,
             "requests_started": self.requests_started, "requests_released": self.requests_released,
             "idle_checks": self.idle_checks,
+            "idle_checked_released": self._checked_stamp[1] if self._checked_stamp else None,
         }

@@ -16,6 +16,7 @@ from sglang_wgkv.config import WGKVConfig
 
 ENV_VAR = "SGLANG_WGKV_SETTINGS"
 BACKEND_NAME = "wgkv"
+ATTENTION_IMPLS = ("auto", "reference", "kernels")
 
 
 @dataclass(frozen=True)
@@ -26,14 +27,22 @@ class ServingSettings:
     gates_path : gate checkpoint (directory or official ``.pt``); None = fresh gates, which admit
         every token (output bias 3.0, g ~ 0.95 >= tau).
     seed : seeds the fresh gates and the random-admission generator (reproducible runs).
+    attention : ``reference`` (torch, any device), ``kernels`` (Triton prefill + FlashInfer decode,
+        CUDA, fp16/bf16) or ``auto`` (kernels where they fit, reference otherwise).
     """
 
     config: WGKVConfig = field(default_factory=WGKVConfig)
     gates_path: str | None = None
     seed: int = 0
+    attention: str = "auto"
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}")
 
     def to_env(self) -> str:
-        return json.dumps({"config": asdict(self.config), "gates_path": self.gates_path, "seed": self.seed})
+        return json.dumps({"config": asdict(self.config), "gates_path": self.gates_path, "seed": self.seed,
+                           "attention": self.attention})
 
     @classmethod
     def from_env(cls, environ=None) -> "ServingSettings":
@@ -44,6 +53,6 @@ class ServingSettings:
         try:
             data = json.loads(raw)
             return cls(config=WGKVConfig(**data["config"]), gates_path=data.get("gates_path"),
-                       seed=int(data.get("seed", 0)))
+                       seed=int(data.get("seed", 0)), attention=data.get("attention", "auto"))
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"malformed {ENV_VAR}={raw!r}: {e}") from e

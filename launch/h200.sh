@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The WG-KV SGLang server on the H200 (device tool), offline, with ../shared/device-kit.
+#
+# Preparation here (git-ignored copies that travel through `carry`):
+#   mkdir -p .kit .model && cp ../shared/device-kit/wheels/* .kit/ && cp ../shared/device-kit/model/* .model/
+#   printf '/.kit/\n/.model/\n' >> .git/info/exclude
+# Then three device calls in ONE message (they run back to back on the same machine):
+#   1. carry [".kit"]:                                             bash launch/h200.sh setup
+#   2. carry [".model/SmolLM2-135M-Instruct.Q4_1.gguf.part00"]:    bash launch/h200.sh part
+#   3. carry [".model/SmolLM2-135M-Instruct.Q4_1.gguf.part01"]:    bash launch/h200.sh serve-bench [server args]
+# Step 3 joins the GGUF, checks its SHA-256, converts it (sglang_wgkv.embedded_model), starts
+# `python -m sglang_wgkv.launch_server` (WG-KV, real weights), runs launch/bench_serving.py and writes
+# logs and results to $OUT.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+M=/tmp/m
+GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
+case "${1:-}" in
+setup)
+    bash .kit/install.sh | tail -1 > /tmp/pp
+    python3 launch/register_entry_points.py /tmp/site
+    mkdir -p "$M" && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader ;;
+part)
+    cp .model/$GGUF.part00 "$M"/ ;;
+serve-bench)
+    shift
+    cp .model/$GGUF.part01 "$M"/
+    cat "$M"/$GGUF.part00 "$M"/$GGUF.part01 > "$M"/$GGUF
+    (cd "$M" && echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $GGUF" | sha256sum -c -)
+    . /tmp/pp
+    export PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1 SGLANG_WGKV_GGUF="$M/$GGUF" SGLANG_WGKV_CACHE=/tmp/wgkv-cache
+    OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+    python3 -m sglang_wgkv.embedded_model
+    setsid python3 -m sglang_wgkv.launch_server --port 30000 --mem-fraction-static 0.5 "$@" > "$OUT/server.log" 2>&1 &
+    server=$!
+    for _ in $(seq 1 150); do
+        curl -sf localhost:30000/health_generate >/dev/null && break
+        kill -0 $server 2>/dev/null || { tail -50 "$OUT/server.log"; exit 1; }
+        sleep 2
+    done
+    python3 launch/bench_serving.py --url http://127.0.0.1:30000 --out "$OUT/bench.json" || tail -60 "$OUT/server.log"
+    kill -- -$server 2>/dev/null || true ;;
+*)
+    sed -n 2,15p "$0"; exit 2 ;;
+esac
