@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The WG-KV SGLang server on the H200 (device tool), offline, with ../shared/device-kit.
 #
-# Preparation here (git-ignored copies that travel through `carry`):
-#   mkdir -p .kit .model && cp ../shared/device-kit/wheels/* .kit/ && cp ../shared/device-kit/model/* .model/
-#   printf '/.kit/\n/.model/\n' >> .git/info/exclude
+# Preparation here (git-ignored copies that travel through `carry`; one call carries at most 64 MiB
+# with the working tree, so the sglang wheel travels apart from the rest of the kit):
+#   mkdir -p .kit .kit2 .model && cp ../shared/device-kit/wheels/* .kit/ && mv .kit/sglang-*.whl .kit2/
+#   cp ../shared/device-kit/model/* .model/ && printf '/.kit/\n/.kit2/\n/.model/\n' >> .git/info/exclude
 # Then three device calls in ONE message (they run back to back on the same machine):
-#   1. carry [".kit"]:                                             bash launch/h200.sh setup
-#   2. carry [".model/SmolLM2-135M-Instruct.Q4_1.gguf.part00"]:    bash launch/h200.sh part
-#   3. carry [".model/SmolLM2-135M-Instruct.Q4_1.gguf.part01"]:    bash launch/h200.sh serve-bench [server args]
+#   1. carry [".kit"]:                                                 bash launch/h200.sh setup
+#   2. carry [".model/SmolLM2-135M-Instruct.Q4_1.gguf.part00"]:        bash launch/h200.sh part
+#   3. carry [".model/SmolLM2-135M-Instruct.Q4_1.gguf.part01", ".kit2"]: bash launch/h200.sh serve-bench [server args]
 # Step 3 joins the GGUF, checks its SHA-256, converts it (sglang_wgkv.embedded_model), starts
 # `python -m sglang_wgkv.launch_server` (WG-KV, real weights), runs launch/bench_serving.py and writes
 # logs and results to $OUT.
@@ -25,6 +26,7 @@ part)
 serve-bench)
     shift
     cp .model/$GGUF.part01 "$M"/
+    if [ -d .kit2 ]; then bash .kit/install.sh .kit2 >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .kit2/*.whl; fi
     cat "$M"/$GGUF.part00 "$M"/$GGUF.part01 > "$M"/$GGUF
     (cd "$M" && echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $GGUF" | sha256sum -c -)
     . /tmp/pp
@@ -33,8 +35,9 @@ serve-bench)
     python3 -m sglang_wgkv.embedded_model
     setsid python3 -m sglang_wgkv.launch_server --port 30000 --mem-fraction-static 0.5 "$@" > "$OUT/server.log" 2>&1 &
     server=$!
-    for _ in $(seq 1 150); do
-        curl -sf localhost:30000/health_generate >/dev/null && break
+    for _ in $(seq 1 130); do
+        python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:30000/health_generate', timeout=30)" \
+            2>/dev/null && break
         kill -0 $server 2>/dev/null || { tail -50 "$OUT/server.log"; exit 1; }
         sleep 2
     done
