@@ -5,7 +5,7 @@ Every hook is inert unless ``--attention-backend wgkv`` is selected.
 ======================================================  ======  ==========================================
 target (sglang.srt. ...)                                type    effect with wgkv
 ======================================================  ======  ==========================================
-server_args.ServerArgs.__post_init__                    BEFORE  validate options; no radix cache, no graphs
+server_args.ServerArgs.__post_init__                    BEFORE  validate options; radix_ext cache, no graphs
 ...KVCacheConfigurator._derive_pool_sizes               AFTER   split the budget: logical vs physical
 ...KVCacheConfigurator._build_default_req_pool          AROUND  WGKVReqToTokenPool (request lifecycle)
 ...KVCacheConfigurator._build_token_to_kv_pool          AROUND  DualCachePool + WGKVTokenToKVPool
@@ -35,9 +35,10 @@ def wgkv_selected(server_args) -> bool:
 
 
 def prepare_server_args(server_args, *args, **kwargs):
-    """BEFORE ``ServerArgs.__post_init__``: reject what the wgkv backend cannot run, and turn off
-    prefix caching (a prefix shared through the radix tree has no per-request dual-cache copy yet)
-    and CUDA graphs (the reference path syncs)."""
+    """BEFORE ``ServerArgs.__post_init__``: reject what the wgkv backend cannot run, select radix_ext's
+    snapshot radix cache unless ``--disable-radix-cache`` (snapshots are restored into request slots
+    between scheduling and the forward, so the overlap scheduler is off with it), and turn off CUDA
+    graphs (the reference path syncs)."""
     chosen = {server_args.attention_backend, server_args.prefill_attention_backend,
               server_args.decode_attention_backend} - {None}
     if BACKEND_NAME not in chosen:
@@ -64,8 +65,13 @@ def prepare_server_args(server_args, *args, **kwargs):
     if bad:
         raise ValueError(f"--attention-backend {BACKEND_NAME} does not support {', '.join(bad)}")
     if not server_args.disable_radix_cache:
-        logger.warning("wgkv: prefix (radix) caching is turned off")
-        server_args.disable_radix_cache = True
+        from radix_ext.factory import RADIX_BACKEND
+
+        if server_args.radix_cache_backend not in (None, RADIX_BACKEND):
+            raise ValueError(f"--attention-backend {BACKEND_NAME} needs --radix-cache-backend {RADIX_BACKEND} "
+                             f"or --disable-radix-cache, got {server_args.radix_cache_backend!r}")
+        server_args.radix_cache_backend = RADIX_BACKEND
+        server_args.disable_overlap_schedule = True
     server_args.disable_prefill_cuda_graph = True
     server_args.disable_decode_cuda_graph = True
     ServingSettings.from_env()  # fail here, in the launcher, on a malformed settings variable
@@ -78,9 +84,11 @@ def split_pool_sizes(sizes, configurator, *args, **kwargs):
         return None
     from sglang_wgkv.integration.kv_pool import split_capacity
 
-    split = split_capacity(sizes.max_total_num_tokens, sizes.max_running_requests)
-    logger.info("wgkv: KV budget %d tokens -> %d logical tokens, %d request slots",
-                split.physical_tokens, split.logical_tokens, split.max_requests)
+    args = configurator.server_args
+    window = None if args.disable_radix_cache else ServingSettings.from_env().config.local_window
+    split = split_capacity(sizes.max_total_num_tokens, sizes.max_running_requests, prefix_cache_window=window)
+    logger.info("wgkv: KV budget %d tokens -> %d logical tokens, %d request slots, %d prefix-restore slots",
+                split.physical_tokens, split.logical_tokens, split.max_requests, split.restore_slots)
     return msgspec.structs.replace(sizes, max_total_num_tokens=split.logical_tokens,
                                    max_running_requests=split.max_requests)
 
@@ -108,7 +116,7 @@ def build_kv_pool(original, configurator, *, sizes, is_dsa_model, is_dsv4_model,
                         req_to_token_pool=req_to_token_pool)
     from sglang.srt.runtime_context import get_parallel
 
-    from sglang_wgkv.integration.kv_pool import SLACK_TOKENS, WGKVTokenToKVPool, physical_pages
+    from sglang_wgkv.integration.kv_pool import SLACK_TOKENS, WGKVTokenToKVPool, physical_pages, recover_split
     from sglang_wgkv.integration.req_pool import WGKVReqToTokenPool
     from sglang_wgkv.memory import DualCachePool
 
@@ -123,6 +131,11 @@ def build_kv_pool(original, configurator, *, sizes, is_dsa_model, is_dsv4_model,
     num_layers = configurator.layer_info.num_effective_layers
     num_kv_heads = mc.get_num_kv_heads(get_parallel().attn_tp_size)
     physical_tokens = sizes.max_total_num_tokens + SLACK_TOKENS * sizes.max_running_requests
+    restore_slots = 0
+    if not configurator.server_args.disable_radix_cache:
+        split = recover_split(sizes.max_total_num_tokens, sizes.max_running_requests,
+                              ServingSettings.from_env().config.local_window)
+        physical_tokens, restore_slots = split.physical_tokens, split.restore_slots
     dual = DualCachePool(
         num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=mc.head_dim,
         num_pages=physical_pages(physical_tokens, num_layers, num_kv_heads),
@@ -134,7 +147,8 @@ def build_kv_pool(original, configurator, *, sizes, is_dsa_model, is_dsv4_model,
     req_to_token_pool.attach(dual)
     return configurator._build_mha_kv_pool(
         max_total_num_tokens=sizes.max_total_num_tokens,
-        mha_pool_class=functools.partial(WGKVTokenToKVPool, dual=dual),
+        mha_pool_class=functools.partial(WGKVTokenToKVPool, dual=dual,
+                                         prefix_restore_slots=restore_slots),
     )
 
 

@@ -25,6 +25,12 @@ page space per request across its streams. Hence::
 ``--max-total-tokens``): the dual pool gets the whole budget, the logical pool the remainder, and
 ``PoolExhausted`` cannot happen during a forward. Admission makes the physical use smaller than the
 logical one; turning that headroom into more concurrent requests is the evictor/scale work.
+
+With prefix caching (:mod:`radix_ext`) a request restored from a snapshot holds a private copy of a
+ring whose tokens the tree already counts: up to ``W_local + 16`` tokens per stream more. The split
+then also reserves that much for ``restore_slots`` requests (:func:`restore_reserve`), and the radix
+cache lets no more restored requests run at once. Snapshot pages need no reserve: the cache drops
+them whenever a step would not fit.
 """
 
 from __future__ import annotations
@@ -47,10 +53,25 @@ class CapacitySplit:
     logical_tokens: int       # SGLang's max_total_num_tokens
     max_requests: int         # SGLang's max_running_requests (request slots)
     physical_tokens: int      # dual-pool capacity, in tokens of all layers and heads
+    restore_slots: int = 0    # prefix-restored requests that may run at once
 
 
-def split_capacity(budget_tokens: int, max_running_requests: int) -> CapacitySplit:
-    """Split SGLang's KV budget (in dense tokens) between the logical and the physical pool.
+# At most this fraction of the budget is reserved for the ring copies of prefix-restored requests.
+MAX_RESTORE_FRACTION = 0.125
+
+
+def restore_reserve(budget_tokens: int, max_requests: int, local_window: int) -> tuple[int, int]:
+    """``(restore_slots, reserved tokens)`` for prefix caching: at least one restored request, at
+    most half the request slots, within :data:`MAX_RESTORE_FRACTION` of the budget where possible."""
+    ring = local_window + PAGE_SIZE
+    slots = max(1, min(max(1, max_requests // 2), int(budget_tokens * MAX_RESTORE_FRACTION) // ring))
+    return slots, slots * ring
+
+
+def split_capacity(budget_tokens: int, max_running_requests: int,
+                   prefix_cache_window: int | None = None) -> CapacitySplit:
+    """Split SGLang's KV budget (in dense tokens) between the logical and the physical pool;
+    ``prefix_cache_window`` (W_local) when the radix cache is on.
 
     Raises ValueError when the budget cannot hold one request's slack plus a useful remainder.
     """
@@ -60,7 +81,27 @@ def split_capacity(budget_tokens: int, max_running_requests: int) -> CapacitySpl
             f"WG-KV needs a KV budget of at least {int(SLACK_TOKENS / MAX_SLACK_FRACTION)} tokens "
             f"(got {budget_tokens}); raise --max-total-tokens or the memory fraction"
         )
-    return CapacitySplit(budget_tokens - SLACK_TOKENS * requests, requests, budget_tokens)
+    slots, reserve = 0, 0
+    if prefix_cache_window is not None:
+        slots, reserve = restore_reserve(budget_tokens, requests, prefix_cache_window)
+    logical = budget_tokens - SLACK_TOKENS * requests - reserve
+    if logical < budget_tokens // 2:
+        raise ValueError(f"WG-KV with prefix caching needs a larger KV budget than {budget_tokens} tokens "
+                         f"for W_local = {prefix_cache_window}; raise --max-total-tokens or pass "
+                         f"--disable-radix-cache")
+    return CapacitySplit(logical, requests, budget_tokens, slots)
+
+
+def recover_split(logical_tokens: int, max_requests: int, prefix_cache_window: int) -> CapacitySplit:
+    """The :func:`split_capacity` result that gave ``logical_tokens`` and ``max_requests`` (SGLang
+    hands the KV-pool builder only the split sizes)."""
+    ring = prefix_cache_window + PAGE_SIZE
+    for slots in range(1, max(1, max_requests // 2) + 1):
+        budget = logical_tokens + SLACK_TOKENS * max_requests + slots * ring
+        split = split_capacity(budget, max_requests, prefix_cache_window)
+        if (split.logical_tokens, split.max_requests, split.restore_slots) == (logical_tokens, max_requests, slots):
+            return split
+    raise ValueError(f"no KV budget splits into {logical_tokens} logical tokens and {max_requests} requests")
 
 
 def physical_pages(physical_tokens: int, num_layers: int, num_kv_heads: int) -> int:
@@ -76,8 +117,9 @@ class WGKVTokenToKVPool(MHATokenToKVPool):
     ``wgkv`` attention backend may touch the K/V: the token-slot accessors raise.
     """
 
-    def __init__(self, size: int, *args, dual: DualCachePool, **kwargs):
+    def __init__(self, size: int, *args, dual: DualCachePool, prefix_restore_slots: int = 0, **kwargs):
         self.dual = dual
+        self.prefix_restore_slots = prefix_restore_slots  # read by radix_ext's cache factory
         super().__init__(size, *args, **kwargs)
 
     def _create_buffers_normal(self):

@@ -21,9 +21,12 @@ def load_plugin() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
 
+    from radix_ext import factory as radix_factory
+
     from sglang_wgkv.integration import hooks
 
     register_attention_backend(BACKEND_NAME)(create_wgkv_backend)
+    radix_factory.register()
     if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([BACKEND_NAME])
     for target, fn, kind in (

@@ -28,6 +28,9 @@ class WGKVReqToTokenPool(ReqToTokenPool):
     requests_released = 0
     idle_checks = 0
     _checked_stamp: tuple[int, int] | None = None
+    # radix_ext's SnapshotRadixCache when prefix caching is on: restores matched prefixes into
+    # fresh slots and holds snapshot pages while idle.
+    prefix_cache = None
 
     def attach(self, dual: DualCachePool) -> None:
         if dual.max_requests < self.req_to_token.shape[0]:
@@ -42,6 +45,8 @@ class WGKVReqToTokenPool(ReqToTokenPool):
             for req in fresh:
                 self.dual.alloc_request(req.req_pool_idx)
             self.requests_started += len(fresh)
+            if self.prefix_cache is not None:
+                self.prefix_cache.restore_prefixes(fresh)
         return slots
 
     def free(self, req):
@@ -71,10 +76,14 @@ class WGKVReqToTokenPool(ReqToTokenPool):
         if active:
             problems.append(f"dual-cache pool still holds request slots {active[:8]}")
         free, total = self.dual.num_free_pages(), self.dual.allocator.num_pages
-        if free != total:
-            problems.append(f"dual-cache pool leaks pages: free={free}, total={total}")
+        held = self.dual.num_ref_holder_pages()  # prefix snapshots
+        if free + held != total:
+            problems.append(f"dual-cache pool leaks pages: free={free}, held by snapshots={held}, total={total}")
         try:
-            self.dual.check_integrity()
+            if self.prefix_cache is not None:
+                self.prefix_cache.check_integrity()
+            else:
+                self.dual.check_integrity()
         except RuntimeError as e:
             problems.append(f"dual-cache pool integrity: {e}")
         return problems
@@ -90,4 +99,5 @@ class WGKVReqToTokenPool(ReqToTokenPool):
             "requests_started": self.requests_started, "requests_released": self.requests_released,
             "idle_checks": self.idle_checks,
             "idle_checked_released": self._checked_stamp[1] if self._checked_stamp else None,
+            **({"radix": self.prefix_cache.stats()} if self.prefix_cache is not None else {}),
         }

@@ -141,6 +141,14 @@ class DualCachePool:
         """``fn() -> LongTensor`` of page ids held outside request rows (e.g. a prefix cache)."""
         self._ref_holders.append(fn)
 
+    def num_ref_holder_pages(self) -> int:
+        """Distinct pages held outside request rows (what an idle pool may still hold)."""
+        held = [fn().reshape(-1).to(self.device) for fn in self._ref_holders]
+        if not held:
+            return 0
+        pages = torch.cat(held).long()
+        return int(torch.unique(pages[pages != self.dump_page]).numel())
+
     # -- extend (prefill) -----------------------------------------------------------------------
     def begin_extend(self, req_slots, prefix_lens, extend_lens) -> _ExtendPlan:
         """Prepare an extend of ``extend_lens[b]`` tokens after ``prefix_lens[b]`` cached ones.

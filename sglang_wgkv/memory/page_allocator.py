@@ -32,6 +32,9 @@ class PageAllocator:
         self.num_free = torch.tensor(num_pages, dtype=torch.int64, device=self.device)
         self.ref = torch.zeros(num_pages + 1, dtype=torch.int32, device=self.device)
         self.free_floor = num_pages
+        # Optional ``fn(worst_case)`` that releases pages it can spare (a prefix cache dropping
+        # snapshots) before :meth:`ensure` gives up; it must not allocate.
+        self.reclaimer = None
 
     # -- capacity -------------------------------------------------------------------------------
     def sync_free(self) -> int:
@@ -43,7 +46,10 @@ class PageAllocator:
         return worst_case <= self.free_floor or worst_case <= self.sync_free()
 
     def ensure(self, worst_case: int) -> None:
-        """Raise :class:`PoolExhausted` unless ``worst_case`` pages can be handed out."""
+        """Raise :class:`PoolExhausted` unless ``worst_case`` pages can be handed out (after the
+        reclaimer, if any, released what it could)."""
+        if not self.can_allocate(worst_case) and self.reclaimer is not None:
+            self.reclaimer(worst_case)
         if not self.can_allocate(worst_case):
             raise PoolExhausted(worst_case, self.free_floor)
 

@@ -1,0 +1,178 @@
+"""SGLang's RadixCache whose matches resume from dual-cache prefix snapshots.
+
+Nodes keep SGLang's logical token slots (so ``evictable_size`` stays in logical tokens and the idle
+invariant ``available + evictable == total`` holds unchanged). On top, a node may own a
+:class:`~sglang_wgkv.memory.prefix_snapshot.PrefixSnapshot` of the dual-cache state of a request at
+exactly the node's depth (global pages shared by refcount, ring and flags copied)::
+
+    where                              what
+    ---------------------------------  ----------------------------------------------------------
+    cache_unfinished_req / _finished   after SGLang's insert, split the path at the request's cached
+                                       length S and snapshot its slot there (chunked prefill: every
+                                       chunk boundary; a finished prefill: the prompt; finish: all)
+    match_prefix                       SGLang's match, cut back to the deepest node with a snapshot
+                                       (the snapshot is pinned until the request pool's next alloc)
+    WGKVReqToTokenPool.alloc           a fresh slot with prefix S > 0 restores that snapshot
+    _delete_leaf (LRU evict) / reset   release the node's snapshot
+    allocator.ensure shortfall         drop unpinned snapshots, least recently used first
+
+Physical pages. After a restore the request's global pages are shared, but its ring is a private
+copy of tokens the tree already counts, up to ``W_local + 16`` tokens per stream beyond the capacity
+rule of :mod:`sglang_wgkv.integration.kv_pool`. The dual pool is sized with that much extra for
+``restore_slots`` requests, and a match only hits while fewer restored requests run (and are pending).
+Snapshot pages themselves are never needed by a forward: they are dropped when a step would not fit.
+"""
+
+from __future__ import annotations
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+from sglang_wgkv.memory.page_allocator import PoolExhausted
+from sglang_wgkv.memory.prefix_snapshot import SnapshotStore
+
+
+class SnapshotRadixCache(RadixCache):
+    """Parameters
+    ----------
+    params : SGLang's ``CacheInitParams`` (its request pool must be a ``WGKVReqToTokenPool``).
+    restore_slots : restored requests that may run at once (the dual pool's extra ring capacity).
+    """
+
+    def __init__(self, params, restore_slots: int):
+        self.dual = params.req_to_token_pool.dual
+        self.store = SnapshotStore(self.dual)
+        self.restore_slots = restore_slots
+        self._snap_nodes = set()       # nodes that own a snapshot
+        self._pinned = {}              # id(snapshot) -> snapshot matched since the last alloc
+        self._restored = {}            # request slot -> pool generation at restore
+        self._raw_match = False
+        self.hits = self.hit_tokens = self.snapshots_taken = self.snapshots_dropped = 0
+        super().__init__(params)
+        self.dual.allocator.reclaimer = self._reclaim
+        params.req_to_token_pool.prefix_cache = self
+
+    # -- snapshots on nodes -----------------------------------------------------------------------
+    def _drop(self, node) -> None:
+        self.store.release(node.snapshot)
+        node.snapshot = None
+        self._snap_nodes.discard(node)
+        self.snapshots_dropped += 1
+
+    def _reclaim(self, worst_case: int) -> None:
+        allocator = self.dual.allocator
+        victims = sorted((n for n in self._snap_nodes if id(n.snapshot) not in self._pinned),
+                         key=lambda n: n.last_access_time)
+        for node in victims:
+            if allocator.can_allocate(worst_case):
+                return
+            self._drop(node)
+
+    def _snapshot_request(self, req, priority: int) -> None:
+        """Snapshot ``req``'s slot at its cached length S on the node ending at S (split if needed);
+        the path up to S is already in the tree (SGLang just inserted at least S tokens)."""
+        r = req.req_pool_idx
+        S = int(self.dual.cached_len[r])
+        if S == 0:
+            return
+        token_ids = (req.origin_input_ids + req.output_ids)[:S]
+        key = RadixKey(token_ids, req.extra_key)
+        placeholder = torch.zeros(S, dtype=torch.int64)  # never stored: the whole path already exists
+        prefix_len, node = self._insert_helper(self.root_node, key, placeholder, priority, chunked=True)
+        if prefix_len != S:
+            raise RuntimeError(f"radix path of request slot {r} is shorter ({prefix_len}) than its cache ({S})")
+        if getattr(node, "snapshot", None) is not None:
+            return
+        try:
+            node.snapshot = self.store.take(r)
+        except PoolExhausted:
+            return  # no room even after dropping snapshots: this prefix is simply not cached
+        self._snap_nodes.add(node)
+        self.snapshots_taken += 1
+
+    def restore_prefixes(self, reqs) -> None:
+        """Called by the request pool with the requests that just got a fresh slot."""
+        for req in reqs:
+            S = len(req.prefix_indices)
+            if S == 0:
+                continue
+            snap = getattr(req.last_node, "snapshot", None)
+            if snap is None or snap.length != S:
+                raise RuntimeError(f"request {req.rid}: matched prefix {S} has no snapshot at its node")
+            self.store.restore(req.req_pool_idx, snap)
+            self._restored[req.req_pool_idx] = int(self.dual.generation[req.req_pool_idx])
+            self.hits += 1
+            self.hit_tokens += S
+        self._pinned.clear()
+
+    def _restored_running(self) -> int:
+        dual = self.dual
+        return sum(1 for r, gen in self._restored.items() if dual.active[r] and dual.generation[r] == gen)
+
+    # -- SGLang's prefix-cache interface ----------------------------------------------------------
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        result = super().match_prefix(params)
+        if self._raw_match or self.disable:
+            return result
+        node = result.last_device_node
+        while node is not self.root_node and getattr(node, "snapshot", None) is None:
+            node = node.parent
+        if node is not self.root_node and id(node.snapshot) not in self._pinned:
+            if self._restored_running() + len(self._pinned) >= self.restore_slots:
+                node = self.root_node
+            else:
+                self._pinned[id(node.snapshot)] = node.snapshot
+        depth = node.snapshot.length if node is not self.root_node else 0
+        return result._replace(device_indices=result.device_indices[:depth], last_device_node=node,
+                               last_host_node=node, best_match_node=node)
+
+    def cache_unfinished_req(self, req, chunked=False):
+        if self.disable:
+            return
+        self._raw_match = True  # SGLang re-matches its own insert and expects the full length
+        try:
+            super().cache_unfinished_req(req, chunked=chunked)
+        finally:
+            self._raw_match = False
+        self._snapshot_request(req, getattr(req, "priority", 0) or 0)
+
+    def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
+        super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
+        if (is_insert and not self.disable and not self.disable_finished_insert
+                and int(self.dual.cached_len[req.req_pool_idx]) <= kv_len_to_handle):
+            self._snapshot_request(req, getattr(req, "priority", 0) or 0)
+
+    def _delete_leaf(self, node):
+        if getattr(node, "snapshot", None) is not None:
+            self._drop(node)
+        super()._delete_leaf(node)
+
+    def reset(self):
+        if hasattr(self, "_snap_nodes"):  # RadixCache.__init__ calls reset() before ours finished
+            for node in list(self._snap_nodes):
+                self._drop(node)
+            self._pinned.clear()
+            self._restored.clear()
+        super().reset()
+
+    # -- checks and stats -------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise RuntimeError when a snapshot disagrees with its node or the store."""
+        if len(self.store) != len(self._snap_nodes):
+            raise RuntimeError(f"{len(self.store)} live snapshots, {len(self._snap_nodes)} nodes own one")
+        for node in self._snap_nodes:
+            depth, n = 0, node
+            while n is not self.root_node:
+                if n.parent is None:
+                    raise RuntimeError("a node with a snapshot is no longer in the tree")
+                depth, n = depth + len(n.key), n.parent
+            if depth != node.snapshot.length:
+                raise RuntimeError(f"snapshot of length {node.snapshot.length} on a node at depth {depth}")
+        self.dual.check_integrity()
+
+    def stats(self) -> dict:
+        return {"snapshots": len(self.store), "snapshots_taken": self.snapshots_taken,
+                "snapshots_dropped": self.snapshots_dropped, "prefix_hits": self.hits,
+                "prefix_hit_tokens": self.hit_tokens, "restore_slots": self.restore_slots,
+                "evictable_tokens": self.evictable_size(), "protected_tokens": self.protected_size()}
