@@ -172,7 +172,8 @@ class SnapshotRadixCache(RadixCache):
         self.dual.check_integrity()
 
     def stats(self) -> dict:
-        return {"snapshots": len(self.store), "snapshots_taken": self.snapshots_taken,
+        return {"snapshots": len(self.store), "snapshot_pages": self.dual.num_ref_holder_pages(),
+                "snapshots_taken": self.snapshots_taken,
                 "snapshots_dropped": self.snapshots_dropped, "prefix_hits": self.hits,
                 "prefix_hit_tokens": self.hit_tokens, "restore_slots": self.restore_slots,
                 "evictable_tokens": self.evictable_size(), "protected_tokens": self.protected_size()}
