@@ -62,6 +62,20 @@ class WriteGates(nn.Module):
     def forward(self, layer_id: int, k_pre: torch.Tensor, k_post: torch.Tensor) -> torch.Tensor:
         return self.layers[layer_id](k_pre, k_post)
 
+    def select_heads(self, heads: list[int]) -> "WriteGates":
+        """The gates of KV heads ``heads`` only (a tensor-parallel rank's share), same parameters."""
+        from dataclasses import replace
+
+        out = WriteGates(replace(self.config, num_kv_heads=len(heads)))
+        idx = torch.as_tensor(heads, dtype=torch.long)
+        with torch.no_grad():
+            for src, dst in zip(self.layers, out.layers):
+                dst.to(src.b2.dtype)
+                dst.pre_norm.copy_(src.pre_norm), dst.post_norm.copy_(src.post_norm)
+                for name in ("w1", "b1", "w2", "b2"):
+                    getattr(dst, name).copy_(getattr(src, name).detach().cpu()[idx])
+        return out.to(self.layers[0].b2.device)
+
     def check_model(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
         """Raise ValueError naming expected vs found when the gates do not fit the model."""
         c = self.config

@@ -41,8 +41,9 @@ if TYPE_CHECKING:
 
 
 def build_gates(settings: ServingSettings, num_layers: int, num_kv_heads: int, head_dim: int,
-                device) -> WriteGates:
-    """The checkpoint at ``settings.gates_path`` or fresh (admit-all) gates; checked against the model.
+                device, heads: list[int] | None = None) -> WriteGates:
+    """The checkpoint at ``settings.gates_path`` or fresh (admit-all) gates; checked against the model
+    (``num_kv_heads``: all of its KV heads), then cut to ``heads`` (a tensor-parallel rank's) if given.
 
     Raises ValueError naming the file and the mismatch.
     """
@@ -56,7 +57,18 @@ def build_gates(settings: ServingSettings, num_layers: int, num_kv_heads: int, h
             gates.check_model(num_layers, num_kv_heads, head_dim)
         except ValueError as e:
             raise ValueError(f"{settings.gates_path}: {e}") from e
+    if heads is not None and list(heads) != list(range(num_kv_heads)):
+        gates = gates.select_heads(heads)
     return gates.to(device).eval().requires_grad_(False)
+
+
+def rank_kv_heads(total_kv_heads: int, tp_size: int, tp_rank: int) -> list[int]:
+    """The KV heads SGLang's ``QKVParallelLinear`` gives ``tp_rank``: a contiguous block, or one
+    replicated head when there are more ranks than KV heads."""
+    if tp_size >= total_kv_heads:
+        return [tp_rank * total_kv_heads // tp_size]
+    per_rank = total_kv_heads // tp_size
+    return list(range(tp_rank * per_rank, (tp_rank + 1) * per_rank))
 
 
 class WGKVAttnBackend(AttentionBackend):
@@ -71,8 +83,17 @@ class WGKVAttnBackend(AttentionBackend):
         self.config = self.dual.config
         self.settings = ServingSettings.from_env()
         self.device = self.dual.device
-        self.gates = build_gates(self.settings, self.dual.num_layers, self.dual.num_kv_heads,
-                                 self.dual.head_dim, self.device)
+        from sglang.srt.runtime_context import get_parallel
+
+        par = get_parallel()
+        self.kv_heads = rank_kv_heads(model_runner.model_config.get_total_num_kv_heads(),
+                                      par.attn_tp_size, par.attn_tp_rank)
+        if len(self.kv_heads) != self.dual.num_kv_heads:
+            raise ValueError(f"rank {par.attn_tp_rank} holds KV heads {self.kv_heads}, "
+                             f"its pool {self.dual.num_kv_heads}")
+        self.gates = build_gates(self.settings, self.dual.num_layers,
+                                 model_runner.model_config.get_total_num_kv_heads(),
+                                 self.dual.head_dim, self.device, heads=self.kv_heads)
         self.capture = PreRopeKeyCapture.install(model_runner.model)
         self.generator = None
         if self.config.random_admission is not None:
@@ -94,8 +115,17 @@ class WGKVAttnBackend(AttentionBackend):
 
             self.evictor = SnapKVEvictor(
                 pool=self.dual, budget=self.config.kv_budget,
-                num_q_heads=model_runner.model_config.get_num_attention_heads(1),
+                num_q_heads=model_runner.model_config.get_num_attention_heads(par.attn_tp_size),
                 window=min(256, self.config.local_window))
+        self.req_pool = model_runner.req_to_token_pool  # per-slot tau (request_control); usage at free
+        self.req_pool.evictor = self.evictor
+        if par.attn_tp_size > 1:
+            from sglang_wgkv.integration.req_pool import tp_usage_reducer
+
+            earlier = rank_kv_heads(model_runner.model_config.get_total_num_kv_heads(), par.attn_tp_size,
+                                    par.attn_tp_rank - 1) if par.attn_tp_rank else []
+            self.req_pool.reduce_usage = tp_usage_reducer(counts_heads=self.kv_heads != earlier)
+        self._row_tau = None  # [tokens, 1] admission threshold of each row of the current forward
 
     # -- per forward ----------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch):
@@ -110,10 +140,13 @@ class WGKVAttnBackend(AttentionBackend):
             positions = forward_batch.seq_lens - 1
             self.dual.begin_decode(slots.tolist(), (forward_batch.seq_lens_cpu - 1).tolist(),
                                    req_slots_dev=slots, seq_lens_dev=positions)
+            self._row_tau = self.req_pool.slot_tau[slots][:, None]
         elif mode.is_extend() and not mode.is_mixed():
             prefix, extend = forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
             self._extend = (slots.tolist(), list(prefix), list(extend))
             self.dual.begin_extend(*self._extend)
+            self._row_tau = torch.repeat_interleave(self.req_pool.slot_tau[slots],
+                                                    forward_batch.extend_seq_lens)[:, None]
         else:
             raise NotImplementedError(f"the {BACKEND_NAME} backend does not run forward mode {mode.name}")
 
@@ -123,7 +156,11 @@ class WGKVAttnBackend(AttentionBackend):
         g = self.gates(layer.layer_id, k_pre, k)
         if check:
             check_gate_output(g, layer.layer_id)
-        return admission_flags(g, self.config.tau, self.config.random_admission, self.generator)
+        tau = self._row_tau.to(g.dtype)  # g's dtype: the same rounding as a scalar tau
+        admit = admission_flags(g, tau, self.config.random_admission, self.generator)
+        if self.config.random_admission is not None:
+            admit |= torch.isneginf(tau)  # requests with admission off keep every token
+        return admit
 
     @staticmethod
     def _check_layer(layer: RadixAttention, save_kv_cache: bool) -> None:

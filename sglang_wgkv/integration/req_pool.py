@@ -11,9 +11,34 @@ so no extra scheduler hook is needed and a retracted request simply starts over 
 
 from __future__ import annotations
 
+import torch
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
+from sglang_wgkv.integration.request_control import RequestAdmission, attach_usage, request_usage
 from sglang_wgkv.memory import DualCachePool
+
+
+def tp_usage_reducer(counts_heads: bool):
+    """Under attention tensor parallelism, a ``reduce`` for :func:`request_usage` that sums the
+    per-rank counts over the ranks' CPU group (``counts_heads`` False on a rank whose KV head an
+    earlier rank already holds, so each head counts once) and takes the maxima; None on one rank.
+    Every rank frees the same requests in the same order (SGLang's TP schedulers run in lockstep),
+    so the collective cannot deadlock."""
+    from sglang.srt.distributed.parallel_state import get_attn_tp_group
+
+    group = get_attn_tp_group()
+    if group.world_size == 1:
+        return None
+    weight = 1 if counts_heads else 0
+
+    def reduce(sums, maxes):
+        s = torch.tensor(sums, dtype=torch.float64) * weight
+        m = torch.tensor(maxes, dtype=torch.float64)
+        torch.distributed.all_reduce(s, group=group.cpu_group)
+        torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group.cpu_group)
+        return [int(x) for x in s.tolist()], [int(x) for x in m.tolist()]
+
+    return reduce
 
 
 class WGKVReqToTokenPool(ReqToTokenPool):
@@ -37,13 +62,25 @@ class WGKVReqToTokenPool(ReqToTokenPool):
             raise ValueError(f"dual pool has {dual.max_requests} request slots, "
                              f"SGLang uses {self.req_to_token.shape[0]}")
         self.dual = dual
+        # ``[R]`` admission threshold of each slot's request (-inf: admission off), read per row by
+        # the backend; the server's tau unless the request overrides it (request_control).
+        self.slot_tau = torch.full((dual.max_requests,), dual.config.tau, dtype=torch.float32, device=dual.device)
+        self.slot_admission = [RequestAdmission()] * dual.max_requests
+        self.evictor = None  # set by the backend when --kv-budget is on (per-request eviction counters)
+        self.eviction_triggers_released = 0
+        self.evicted_tokens_released = 0
+        self.reduce_usage = None  # set by the backend under tensor parallelism (tp_usage_reducer)
 
     def alloc(self, reqs):
         fresh = [req for req in reqs if req.req_pool_idx is None]
         slots = super().alloc(reqs)
         if slots is not None:
             for req in fresh:
-                self.dual.alloc_request(req.req_pool_idx)
+                slot = req.req_pool_idx
+                self.dual.alloc_request(slot)
+                admission = RequestAdmission.of_request(req)
+                self.slot_admission[slot] = admission
+                self.slot_tau[slot] = admission.effective_tau(self.dual.config.tau)
             self.requests_started += len(fresh)
             if self.prefix_cache is not None:
                 self.prefix_cache.restore_prefixes(fresh)
@@ -51,6 +88,11 @@ class WGKVReqToTokenPool(ReqToTokenPool):
 
     def free(self, req):
         slot = req.req_pool_idx
+        usage = request_usage(self.dual, slot, self.slot_admission[slot], self.evictor, self.reduce_usage)
+        self.eviction_triggers_released += usage["eviction_triggers"]
+        self.evicted_tokens_released += usage["evicted_tokens"]
+        if req.finished():  # not on retraction: the request starts over in a new slot
+            attach_usage(req, usage)
         super().free(req)
         self.dual.free_request(slot)
         self.requests_released += 1
@@ -88,6 +130,16 @@ class WGKVReqToTokenPool(ReqToTokenPool):
             problems.append(f"dual-cache pool integrity: {e}")
         return problems
 
+    def eviction_totals(self) -> dict:
+        """Cumulative evictor counters since start (released requests + the active ones)."""
+        triggers, tokens = self.eviction_triggers_released, self.evicted_tokens_released
+        if self.evictor is not None:
+            for slot in self.dual.active.nonzero()[0].tolist():
+                usage = self.evictor.request_stats(slot)
+                triggers += usage["eviction_triggers"]
+                tokens += usage["evicted_tokens"]
+        return {"eviction_triggers_total": triggers, "evicted_tokens_total": tokens}
+
     def stats(self) -> dict:
         """Dual-pool occupancy and admission (:meth:`DualCachePool.stats`) plus lifecycle counters."""
         config = self.dual.config
@@ -100,4 +152,5 @@ class WGKVReqToTokenPool(ReqToTokenPool):
             "idle_checks": self.idle_checks,
             "idle_checked_released": self._checked_stamp[1] if self._checked_stamp else None,
             **({"radix": self.prefix_cache.stats()} if self.prefix_cache is not None else {}),
+            **self.eviction_totals(),
         }

@@ -1,0 +1,177 @@
+"""Per-request admission control and per-request usage, end to end through SGLang's own fields.
+
+Request → scheduler: the client puts ``{"wgkv": {"tau": T}}`` or ``{"wgkv": {"admission": false}}``
+in the sampling parameters' ``custom_params`` (``/generate``: ``sampling_params.custom_params``;
+OpenAI: ``extra_body={"custom_params": {...}}``). :func:`validate_sampling_params` runs after
+``SamplingParams.verify`` in the tokenizer manager, so a bad value is SGLang's usual 400.
+:class:`~sglang_wgkv.integration.req_pool.WGKVReqToTokenPool` reads it when it gives the request a
+slot and writes the slot's row of ``slot_tau`` (``-inf`` = admission off), which the backend gathers
+per token. Such a request also gets its own prefix-cache namespace (:func:`isolate_prefix_cache`).
+
+Scheduler → response: when the request pool frees a finished request's slot it computes
+:func:`request_usage` and stores it in ``Req.customized_info["wgkv"]`` at the last output token
+(SGLang's per-token channel: scheduler → detokenizer → tokenizer manager ``meta_info``). So
+``/generate`` returns ``meta_info["wgkv"]``, a list aligned with the output tokens whose last entry
+is the usage dict (earlier entries null); the OpenAI non-streaming responses get it as
+``usage["wgkv"]`` (:func:`add_openai_usage`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+PARAM_KEY = "wgkv"
+USAGE_KEY = "wgkv"
+ADMISSION_OFF_TAU = -math.inf
+
+
+@dataclass(frozen=True)
+class RequestAdmission:
+    """Per-request admission override. ``tau`` None = the server's τ; ``admission`` False = keep
+    every token (dense within the request; the server's budget/evictor still applies)."""
+
+    tau: float | None = None
+    admission: bool = True
+
+    @classmethod
+    def parse(cls, raw) -> "RequestAdmission":
+        """From the ``custom_params["wgkv"]`` value; ValueError with the offending field."""
+        if raw is None:
+            return cls()
+        if not isinstance(raw, dict):
+            raise ValueError(f"custom_params.{PARAM_KEY} must be an object like {{\"tau\": 0.3}}, got {raw!r}")
+        unknown = set(raw) - {"tau", "admission"}
+        if unknown:
+            raise ValueError(f"custom_params.{PARAM_KEY}: unknown field(s) {sorted(unknown)}; "
+                             "allowed: tau (number in [0, 1]), admission (bool)")
+        tau, admission = raw.get("tau"), raw.get("admission", True)
+        if not isinstance(admission, bool):
+            raise ValueError(f"custom_params.{PARAM_KEY}.admission must be true or false, got {admission!r}")
+        if tau is not None:
+            if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.0 <= tau <= 1.0:
+                raise ValueError(f"custom_params.{PARAM_KEY}.tau must be a number in [0, 1], got {tau!r}")
+            if not admission:
+                raise ValueError(f"custom_params.{PARAM_KEY}: tau has no effect with admission false")
+            tau = float(tau)
+        return cls(tau=tau, admission=admission)
+
+    @classmethod
+    def of_request(cls, req) -> "RequestAdmission":
+        params = getattr(req.sampling_params, "custom_params", None)
+        return cls.parse(params.get(PARAM_KEY) if isinstance(params, dict) else None)
+
+    def cache_key(self) -> str:
+        """What separates this request's prefix-cache entries from others' ("" for the server's
+        setting): a prefix admitted under one threshold is not the prefix another would keep."""
+        if not self.admission:
+            return "wgkv:admission=off"
+        return "" if self.tau is None else f"wgkv:tau={self.tau!r}"
+
+    def effective_tau(self, server_tau: float) -> float:
+        """The threshold the backend applies to this request's rows."""
+        if not self.admission:
+            return ADMISSION_OFF_TAU
+        return server_tau if self.tau is None else self.tau
+
+
+def validate_sampling_params(result, sampling_params, *args, **kwargs):
+    """AFTER ``SamplingParams.verify`` (tokenizer manager): reject a malformed ``custom_params.wgkv``."""
+    params = sampling_params.custom_params
+    if isinstance(params, dict) and PARAM_KEY in params:
+        RequestAdmission.parse(params[PARAM_KEY])
+    return None
+
+
+def isolate_prefix_cache(result, req, *args, **kwargs):
+    """AFTER ``Req.__init__`` (scheduler): a request that overrides admission gets its own prefix-cache
+    namespace through SGLang's ``extra_key`` (which the radix cache keys on, as for LoRA)."""
+    key = RequestAdmission.of_request(req).cache_key()
+    if key:
+        req.extra_key = (req.extra_key or "") + "|" + key
+    return None
+
+
+def request_usage(dual, slot: int, admission: RequestAdmission, evictor=None, reduce=None) -> dict:
+    """Usage of the request in dual-pool ``slot`` (read before the slot is freed; syncs).
+
+    ``mean_kv_tokens_per_head``: ring + global tokens per (layer, KV head) at the end;
+    ``admitted_fraction``: tokens admitted to the global cache over tokens that left the ring, summed
+    over streams (evicted tokens count as admitted; None when no token left the ring);
+    ``eviction_triggers``: evictor passes that cut one of its streams (0 without ``--kv-budget``).
+    ``reduce(sums, maxes) -> (sums, maxes)`` combines the per-rank counts under tensor parallelism
+    (each rank's pool holds its own KV heads), so every rank reports the whole model's usage.
+    """
+    glen = dual.global_len[slot].long()
+    streams = dual.num_layers * dual.num_kv_heads
+    cached = int(dual.cached_len[slot])
+    triggers = evicted = 0
+    if evictor is not None:
+        ev = evictor.request_stats(slot)
+        triggers, evicted = ev["eviction_triggers"], ev["evicted_tokens"]
+    kept = int(glen.sum())
+    sums = [kept, evicted, max(cached - dual.window, 0) * streams, streams]
+    maxes = [triggers, int(glen.max())]
+    if reduce is not None:
+        sums, maxes = reduce(sums, maxes)
+    kept, evicted, left, streams = sums
+    triggers, max_global = maxes
+    mean_global = kept / streams
+    return {
+        "mean_kv_tokens_per_head": mean_global + min(cached, dual.window),
+        "mean_global_tokens_per_head": mean_global,
+        "max_global_tokens_per_head": max_global,
+        "eviction_triggers": triggers,
+        "evicted_tokens": evicted,
+        "cached_tokens": cached,
+        "admitted_fraction": (kept + evicted) / left if left else None,
+        "admission": admission.admission,
+        "tau": admission.effective_tau(dual.config.tau) if admission.admission else None,
+    }
+
+
+def attach_usage(req, usage: dict) -> None:
+    """Put ``usage`` at the request's last output token in ``Req.customized_info[USAGE_KEY]``."""
+    n = len(req.output_ids)
+    if n == 0:
+        return
+    info = dict(req.customized_info or {})
+    info[USAGE_KEY] = [None] * (n - 1) + [usage]
+    req.customized_info = info
+
+
+def usage_of(meta_info: dict) -> dict | None:
+    """The usage dict carried in ``meta_info[USAGE_KEY]`` (its last non-null entry), if any."""
+    values = meta_info.get(USAGE_KEY)
+    if not isinstance(values, list):
+        return None
+    return next((v for v in reversed(values) if v is not None), None)
+
+
+def merge_usage(per_response: list[dict]) -> dict:
+    """One ``usage["wgkv"]`` for a response with several choices: means of the per-head sizes and
+    the admitted fraction, sums of the counters, the per-choice dicts under ``choices``."""
+    if len(per_response) == 1:
+        return per_response[0]
+    merged = {"choices": per_response}
+    for key in ("mean_kv_tokens_per_head", "mean_global_tokens_per_head"):
+        merged[key] = sum(u[key] for u in per_response) / len(per_response)
+    for key in ("eviction_triggers", "evicted_tokens"):
+        merged[key] = sum(u[key] for u in per_response)
+    fractions = [u["admitted_fraction"] for u in per_response if u["admitted_fraction"] is not None]
+    merged["admitted_fraction"] = sum(fractions) / len(fractions) if fractions else None
+    return merged
+
+
+def add_openai_usage(response, serving, request, ret, *args, **kwargs):
+    """AFTER ``OpenAIServingChat._build_chat_response`` / ``OpenAIServingCompletion._build_completion_response``:
+    ``usage["wgkv"]`` from the responses' ``meta_info``. ``UsageInfo`` has no extra fields, so the
+    response goes out as the same JSON with the one key added."""
+    from fastapi.responses import ORJSONResponse
+
+    usages = [u for u in (usage_of(r.get("meta_info", {})) for r in ret) if u is not None]
+    if not usages or getattr(response, "usage", None) is None:
+        return None
+    body = response.model_dump(mode="json")
+    body["usage"][USAGE_KEY] = merge_usage(usages)
+    return ORJSONResponse(content=body)
