@@ -3,8 +3,9 @@
 WG-KV options (all others go to SGLang unchanged)::
 
     --kv-budget N                 global tokens kept per (request, layer, KV head) by the SnapKV evictor
-    --wgkv-gates PATH             gate checkpoint: directory (gates.safetensors + gates.json) or official .pt;
-                                  default: fresh gates, which admit every token
+    --wgkv-gates PATH|fresh       gate checkpoint: directory (gates.safetensors + gates.json) or official .pt;
+                                  ``fresh``: untrained gates, which admit every token. Default: the gates
+                                  shipped for the embedded model when it is served, else fresh
     --wgkv-tau T                  admission threshold (default 0.1)
     --wgkv-local-window W         W_local, a multiple of 16 (default 256)
     --wgkv-random-admission P     admit each (token, head) with probability P; the gate still runs
@@ -25,6 +26,7 @@ import sys
 from importlib.metadata import entry_points
 
 from sglang_wgkv.config import WGKVConfig
+from sglang_wgkv.embedded_model import SHIPPED_GATES
 from sglang_wgkv.integration.settings import ATTENTION_IMPLS, BACKEND_NAME, ENV_VAR, ServingSettings
 
 WGKV_FLAGS = ("--kv-budget", "--wgkv-gates", "--wgkv-tau", "--wgkv-local-window",
@@ -96,7 +98,8 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
     ours, sglang_argv = build_parser().parse_known_args(argv)
     env: dict[str, str] = {}
     model_path = _option(sglang_argv, "--model-path", "--model")
-    if model_path is None:
+    embedded = model_path is None
+    if embedded:
         from sglang_wgkv.embedded_model import ensure_embedded_model
 
         model_path = str(ensure_embedded_model())
@@ -129,7 +132,9 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
     elif backend != BACKEND_NAME:
         raise ValueError(f"WG-KV runs with --attention-backend {BACKEND_NAME}, got {backend} "
                          "(use --disable-wgkv for plain SGLang)")
-    if ours.wgkv_gates is not None:
+    if ours.wgkv_gates is None and embedded:
+        ours.wgkv_gates = str(SHIPPED_GATES)
+    if ours.wgkv_gates not in (None, "fresh"):
         check_gates(ours.wgkv_gates, model_path)
         gates_path = os.path.abspath(ours.wgkv_gates)
     else:

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.serving
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serving_api") / "server.log"
-    srv = Server(["--wgkv-local-window", "32", "--chunked-prefill-size", "128"], log)
+    srv = Server(["--wgkv-local-window", "32", "--chunked-prefill-size", "128", "--wgkv-gates", "fresh"], log)
     try:
         yield srv.wait_healthy()
     finally:

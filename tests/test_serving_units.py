@@ -140,6 +140,10 @@ def test_launcher_fills_in_defaults(monkeypatch):
     assert argv[argv.index("--device") + 1] == "cpu" and env["SGLANG_USE_CPU_ENGINE"] == "1"
     assert argv[argv.index("--attention-backend") + 1] == "wgkv" and "--port" in argv
     assert settings.config.tau == 0.2 and ServingSettings.from_env(env) == settings
+    # the embedded model is served with the gates trained for it; "fresh" opts out
+    from sglang_wgkv.embedded_model import SHIPPED_GATES
+    assert settings.gates_path == str(SHIPPED_GATES.resolve())
+    assert resolve(["--wgkv-gates", "fresh"])[0].gates_path is None
     settings, argv, env = resolve(["--disable-wgkv", "--model-path", "/m"])
     assert settings is None and ENV_VAR not in env
     assert argv[argv.index("--attention-backend") + 1] == "torch_native"
