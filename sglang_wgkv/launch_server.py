@@ -11,7 +11,8 @@ WG-KV options (all others go to SGLang unchanged)::
     --wgkv-random-admission P     admit each (token, head) with probability P; the gate still runs
     --wgkv-seed S                 seed of fresh gates and random admission (default 0)
     --wgkv-attention IMPL         auto (kernels on CUDA), reference (torch) or kernels
-    --disable-wgkv                plain SGLang (dense attention) with the same defaults
+    --disable-wgkv                plain SGLang (dense attention) with the same defaults; with --kv-budget,
+                                  the SnapKV-only baseline (admit every token, evict to the budget)
 
 Defaults filled in when absent: ``--model-path`` = the embedded SmolLM2-135M-Instruct
 (:mod:`sglang_wgkv.embedded_model`); without CUDA ``SGLANG_USE_CPU_ENGINE=1`` and ``--device cpu``;
@@ -112,7 +113,8 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
         env["SGLANG_USE_CPU_ENGINE"] = "1"
     backend = _option(sglang_argv, "--attention-backend")
 
-    if ours.disable_wgkv:
+    snapkv_only = ours.disable_wgkv and ours.kv_budget is not None
+    if ours.disable_wgkv and not snapkv_only:
         given = [flag for flag in WGKV_FLAGS if any(a == flag or a.startswith(flag + "=") for a in argv)]
         if given:
             raise ValueError(f"{', '.join(given)} configure WG-KV; drop them or drop --disable-wgkv")
@@ -122,6 +124,14 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
             sglang_argv += ["--attention-backend", "torch_native"]
         return None, sglang_argv, env
 
+    if snapkv_only:
+        # The paper's SnapKV-only baseline: every token is written (admission off), the evictor
+        # alone enforces the budget. It needs the dual pool, so it runs on the wgkv backend.
+        given = [flag for flag in WGKV_FLAGS if flag != "--kv-budget"
+                 and any(a == flag or a.startswith(flag + "=") for a in argv)]
+        if given:
+            raise ValueError(f"{', '.join(given)} configure admission; --disable-wgkv --kv-budget is SnapKV alone")
+        ours.wgkv_random_admission, ours.wgkv_gates = 1.0, "fresh"
     try:
         config = WGKVConfig(local_window=ours.wgkv_local_window, tau=ours.wgkv_tau,
                             random_admission=ours.wgkv_random_admission, kv_budget=ours.kv_budget)

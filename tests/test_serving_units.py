@@ -144,6 +144,10 @@ def test_launcher_fills_in_defaults(monkeypatch):
     from sglang_wgkv.embedded_model import SHIPPED_GATES
     assert settings.gates_path == str(SHIPPED_GATES.resolve())
     assert resolve(["--wgkv-gates", "fresh"])[0].gates_path is None
+    # SnapKV alone: every token admitted, the evictor enforces the budget
+    settings = resolve(["--disable-wgkv", "--kv-budget", "64"])[0]
+    assert settings.config.random_admission == 1.0 and settings.config.kv_budget == 64
+    assert settings.gates_path is None
     settings, argv, env = resolve(["--disable-wgkv", "--model-path", "/m"])
     assert settings is None and ENV_VAR not in env
     assert argv[argv.index("--attention-backend") + 1] == "torch_native"
@@ -155,6 +159,7 @@ def test_launcher_fills_in_defaults(monkeypatch):
     (["--wgkv-random-admission", "1.5"], "random_admission"),
     (["--kv-budget", "3"], "kv_budget"),
     (["--disable-wgkv", "--wgkv-tau", "0.2"], "drop --disable-wgkv"),
+    (["--disable-wgkv", "--kv-budget", "64", "--wgkv-tau", "0.2"], "SnapKV alone"),
     (["--attention-backend", "triton"], "--disable-wgkv for plain SGLang"),
     (["--wgkv-gates", "/nonexistent/gates"], "no such gate checkpoint"),
 ])
