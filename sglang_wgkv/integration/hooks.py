@@ -53,7 +53,6 @@ def prepare_server_args(server_args, *args, **kwargs):
         "--enable-two-batch-overlap": server_args.enable_two_batch_overlap,
         "--enable-pdmux": server_args.enable_pdmux,
         "--enable-hierarchical-cache": server_args.enable_hierarchical_cache,
-        "--tp-size > 1": server_args.tp_size > 1,
         "--pp-size > 1": server_args.pp_size > 1,
         "--dp-size > 1": server_args.dp_size > 1,
         "--page-size > 1 (SGLang's pages are logical here; the dual pool pages itself)":

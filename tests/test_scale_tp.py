@@ -1,0 +1,77 @@
+"""Tensor parallelism on CPU (gloo): the embedded model's 3 KV heads on 3 ranks, one dual pool and
+one slice of the gates per rank, against the same server at TP=1.
+
+The gates make the ranks differ (KV head 0 never admits, heads 1-2 always, W_local = 16), so a rank
+running another head's gate, or a pool holding the wrong head, changes the greedy tokens. The two
+servers run one after the other (two cores).
+"""
+
+import pytest
+
+from serving_support import Server, long_prompt
+
+pytestmark = pytest.mark.scale
+
+W_LOCAL = 16
+LAYERS, HEADS = 30, 3
+PROMPTS = [long_prompt(10, seed=s) for s in range(2)] + ["The capital of France is"]
+
+
+def test_rank_kv_heads():
+    from sglang_wgkv.integration.backend import rank_kv_heads
+
+    assert [rank_kv_heads(3, 3, r) for r in range(3)] == [[0], [1], [2]]
+    assert [rank_kv_heads(8, 2, r) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [rank_kv_heads(2, 4, r) for r in range(4)] == [[0], [0], [1], [1]]
+
+
+def test_select_heads_matches_full_gates():
+    import torch
+
+    from sglang_wgkv.gate import GateConfig, WriteGates
+
+    torch.manual_seed(0)
+    full = WriteGates(GateConfig(num_layers=2, num_kv_heads=3, head_dim=8))
+    k_pre, k_post = torch.randn(5, 3, 8), torch.randn(5, 3, 8)
+    for heads in ([0], [1, 2], [2]):
+        part = full.select_heads(heads)
+        assert part.config.num_kv_heads == len(heads)
+        torch.testing.assert_close(part(1, k_pre[:, heads], k_post[:, heads]), full(1, k_pre, k_post)[:, heads])
+
+
+def _run(tmp, gates, tp: int) -> tuple[list, list]:
+    # SGLang's CPU engine wants one core set per rank when there are more ranks than NUMA nodes (it
+    # binds threads to them only with AMX/arm64 kernels; here they are just a label per rank). The
+    # venv's CUDA build of torch ships libnccl, which SGLang would then try to use on the CPU: point
+    # it at no library so the TP group falls back to torch.distributed over gloo.
+    env = {"SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(r % 2) for r in range(tp)),
+           "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2"} if tp > 1 else None
+    srv = Server(["--wgkv-local-window", str(W_LOCAL), "--wgkv-gates", str(gates), "--tp-size", str(tp)],
+                 tmp / f"server_tp{tp}.log", env=env)
+    try:
+        srv.wait_healthy()
+        outs = srv.generate(PROMPTS, max_new_tokens=12)
+        stats = srv.wait_idle_checked()
+        assert stats["active_requests"] == 0 and stats["global_tokens"] == 0  # rank 0's pool, idle-checked
+        return [o["output_ids"] for o in outs], [o["meta_info"]["wgkv"][-1] for o in outs]
+    finally:
+        srv.stop()
+
+
+def test_tp3_greedy_equals_tp1(tmp_path):
+    import torch
+
+    from sglang_wgkv.gate import GateConfig, WriteGates, save_gates
+
+    gates = WriteGates(GateConfig(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=64, local_window=W_LOCAL))
+    with torch.no_grad():
+        for layer in gates.layers:
+            layer.b2.copy_(torch.tensor([-30.0, 30.0, 30.0]))
+    save_gates(gates, tmp_path / "gates")
+    ids1, usage1 = _run(tmp_path, tmp_path / "gates", tp=1)
+    ids3, usage3 = _run(tmp_path, tmp_path / "gates", tp=3)
+    assert ids3 == ids1
+    for u1, u3 in zip(usage1, usage3):  # rank 0 holds head 0 only; usage is reduced over the ranks
+        assert u3["admitted_fraction"] == pytest.approx(u1["admitted_fraction"])
+        assert u3["mean_kv_tokens_per_head"] == pytest.approx(u1["mean_kv_tokens_per_head"])
+    assert usage1[0]["admitted_fraction"] == pytest.approx(2 / 3)
