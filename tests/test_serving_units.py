@@ -53,9 +53,14 @@ def test_req_pool_owns_dual_slot_lifetimes():
     pool = WGKVReqToTokenPool(size=3, max_context_len=128, device="cpu", enable_memory_saver=False)
     dual = _dual()
     pool.attach(dual)
-    a, b = SimpleNamespace(req_pool_idx=None), SimpleNamespace(req_pool_idx=None)
+    def req(custom_params):
+        return SimpleNamespace(req_pool_idx=None, sampling_params=SimpleNamespace(custom_params=custom_params),
+                               output_ids=[5, 6, 7], customized_info=None, finished=lambda: True)
+
+    a, b = req({"wgkv": {"tau": 0.5}}), req(None)
     pool.alloc([a, b])
     assert dual.active[[a.req_pool_idx, b.req_pool_idx]].all()
+    assert pool.slot_tau[[a.req_pool_idx, b.req_pool_idx]].tolist() == pytest.approx([0.5, dual.config.tau])
     dual.begin_extend([a.req_pool_idx], [0], [40])
     dual.write_extend(0, torch.randn(40, 2, 8), torch.randn(40, 2, 8), torch.ones(40, 2, dtype=torch.bool))
     assert pool.idle_check()  # a slot is still held
@@ -63,6 +68,11 @@ def test_req_pool_owns_dual_slot_lifetimes():
     slot_a = a.req_pool_idx
     pool.free(a)
     assert not dual.active[slot_a] and dual.active[b.req_pool_idx]
+    usage = a.customized_info["wgkv"]  # at the last output token
+    assert usage[:2] == [None, None] and usage[2]["tau"] == 0.5 and usage[2]["cached_tokens"] == 40
+    # layer 0 admitted the 24 tokens that left its 16-token window on both heads; layer 1 was not written
+    assert usage[2]["admitted_fraction"] == pytest.approx(0.5)
+    assert usage[2]["mean_kv_tokens_per_head"] == pytest.approx(16 + 12) and usage[2]["eviction_triggers"] == 0
     pool.clear()
     assert pool.idle_check() == [] and pool.stats()["idle_checks"] == 2
     assert pool.requests_started == pool.requests_released == 2
