@@ -28,6 +28,8 @@ def test_eval_cli_runs_against_the_server(tmp_path):
         assert report["errors"] == 0, [s["error"] for s in report["samples"]]
         assert len(report["samples"]) == 4 and report["num_problems"] == 2
         assert all(0 < s["completion_tokens"] <= 24 for s in report["samples"])
+        # the server's usage["wgkv"] reaches the report: ring (32) + global tokens per KV head
+        assert report["mean_kv_tokens_per_head"] > 32 and report["mean_eviction_triggers"] >= 0
         assert 0.0 <= report["accuracy"] <= report["pass@k"] <= 1.0
         assert server.alive()
     finally:
