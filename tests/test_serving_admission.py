@@ -21,7 +21,10 @@ KV_BUDGET = 48
 @pytest.fixture(scope="module")
 def random_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serving_random")
-    srv = Server(["--wgkv-local-window", str(W_LOCAL), "--wgkv-random-admission", "0.25"], tmp / "server.log")
+    # no prefix cache: the page counts below are of the running request alone (snapshots of earlier
+    # prompts sharing its prefix would be restored and counted too)
+    srv = Server(["--wgkv-local-window", str(W_LOCAL), "--wgkv-random-admission", "0.25", "--disable-radix-cache"],
+                 tmp / "server.log")
     try:
         yield srv.wait_healthy()
     finally:
