@@ -111,6 +111,14 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
         sglang_argv += ["--device", "cpu"]
     if device == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
+        tp = int(_option(sglang_argv, "--tp-size", "--tp") or 1)
+        if tp > 1:
+            # SGLang's CPU engine binds one OpenMP core set per rank (default: one NUMA node per rank),
+            # and with torch's CUDA build it would pick up the bundled libnccl on a CPU device.
+            cores = os.cpu_count() or 1
+            env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", os.environ.get(
+                "SGLANG_CPU_OMP_THREADS_BIND", "|".join(str(r % cores) for r in range(tp))))
+            env.setdefault("SGLANG_NCCL_SO_PATH", os.environ.get("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl.so.2"))
     backend = _option(sglang_argv, "--attention-backend")
 
     snapkv_only = ours.disable_wgkv and ours.kv_budget is not None

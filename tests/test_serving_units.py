@@ -154,6 +154,12 @@ def test_launcher_fills_in_defaults(monkeypatch):
     from sglang_wgkv.embedded_model import SHIPPED_GATES
     assert settings.gates_path == str(SHIPPED_GATES.resolve())
     assert resolve(["--wgkv-gates", "fresh"])[0].gates_path is None
+    # CPU tensor parallelism: one OpenMP core set per rank, no CUDA NCCL
+    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
+    env = resolve(["--tp-size", "3"])[2]
+    cores = os.cpu_count()
+    assert env["SGLANG_CPU_OMP_THREADS_BIND"] == "|".join(str(r % cores) for r in range(3))
+    assert env["SGLANG_NCCL_SO_PATH"].startswith("/nonexistent")
     # SnapKV alone: every token admitted, the evictor enforces the budget
     settings = resolve(["--disable-wgkv", "--kv-budget", "64"])[0]
     assert settings.config.random_admission == 1.0 and settings.config.kv_budget == 64
