@@ -114,3 +114,17 @@ def test_kv_budget_bounds_each_admitting_head(gated_server):
     assert admitting.max() <= KV_BUDGET + 1 and admitting.min() >= 0.8 * KV_BUDGET
     out = gated_server.generate(long_prompt(30, seed=2), max_new_tokens=16)
     assert out["text"].strip()
+
+
+def test_kv_budget_holds_for_concurrent_requests(gated_server):
+    """Four requests batched together: each one's admitting heads end within the budget (one forward
+    may add one promoted token past it), each was evicted, and the pool is intact afterwards."""
+    prompts = [long_prompt(n, seed=s) for n, s in ((24, 3), (32, 4), (40, 5), (28, 6))]
+    outs = gated_server.generate(prompts, max_new_tokens=12)
+    assert len(outs) == 4
+    for out in outs:
+        usage = [u for u in out["meta_info"]["wgkv"] if u][-1]
+        assert out["meta_info"]["prompt_tokens"] - W_LOCAL > KV_BUDGET
+        assert 0 < usage["max_global_tokens_per_head"] <= KV_BUDGET + 1
+        assert usage["eviction_triggers"] > 0
+    gated_server.wait_idle_checked()
