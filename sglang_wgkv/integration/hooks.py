@@ -84,12 +84,31 @@ def split_pool_sizes(sizes, configurator, *args, **kwargs):
     from sglang_wgkv.integration.kv_pool import split_capacity
 
     args = configurator.server_args
-    window = None if args.disable_radix_cache else ServingSettings.from_env().config.local_window
+    config = ServingSettings.from_env().config
+    window = None if args.disable_radix_cache else config.local_window
+    if config.kv_budget is not None:
+        sizes = _carve_evictor_windows(sizes, configurator.model_config, config)
     split = split_capacity(sizes.max_total_num_tokens, sizes.max_running_requests, prefix_cache_window=window)
     logger.info("wgkv: KV budget %d tokens -> %d logical tokens, %d request slots, %d prefix-restore slots",
                 split.physical_tokens, split.logical_tokens, split.max_requests, split.restore_slots)
     return msgspec.structs.replace(sizes, max_total_num_tokens=split.logical_tokens,
                                    max_running_requests=split.max_requests)
+
+
+def _carve_evictor_windows(sizes, model_config, config):
+    """With ``--kv-budget`` the evictor keeps ``min(256, W_local)`` queries per (request slot, layer):
+    that memory comes out of SGLang's KV budget, and at most a quarter of the budget goes to it (fewer
+    request slots past that), so the process stays inside the memory SGLang planned for."""
+    from sglang_wgkv.integration.kv_pool import evictor_window_tokens
+
+    per_request = evictor_window_tokens(model_config.num_attention_heads,
+                                        model_config.num_key_value_heads, min(256, config.local_window))
+    budget = sizes.max_total_num_tokens
+    requests = min(sizes.max_running_requests, max(1, budget // 4 // per_request))
+    logger.info("wgkv: evictor query windows take %d tokens of the KV budget (%d request slots)",
+                requests * per_request, requests)
+    return msgspec.structs.replace(sizes, max_total_num_tokens=budget - requests * per_request,
+                                   max_running_requests=requests)
 
 
 def build_req_pool(original, configurator, *, max_num_reqs: int, extra_max_context_len: int):

@@ -104,6 +104,12 @@ def recover_split(logical_tokens: int, max_requests: int, prefix_cache_window: i
     raise ValueError(f"no KV budget splits into {logical_tokens} logical tokens and {max_requests} requests")
 
 
+def evictor_window_tokens(num_q_heads: int, num_kv_heads: int, window: int) -> int:
+    """The evictor's query window of one request slot (``window`` queries of every query head and
+    layer), in dense-token equivalents of KV memory (one token = K and V of every KV head and layer)."""
+    return -(-num_q_heads * window // (2 * num_kv_heads))
+
+
 def physical_pages(physical_tokens: int, num_layers: int, num_kv_heads: int) -> int:
     """Pages that hold ``physical_tokens`` dense tokens of every layer and KV head."""
     return physical_tokens * num_layers * num_kv_heads // PAGE_SIZE
