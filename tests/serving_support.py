@@ -103,3 +103,17 @@ def long_prompt(n_items: int, seed: int = 0) -> str:
     items = [f"Item {i}: the {colors[(i + seed) % 5]} {things[(3 * i + seed) % 5]} number {(7 * i + seed) % 13}."
              for i in range(n_items)]
     return " ".join(items) + " Which item mentions a river first?"
+
+
+def save_head_gates(path: Path, head_bias, local_window: int) -> Path:
+    """Gates for the embedded model (30 layers, 3 KV heads, head_dim 64) whose output bias per KV head
+    is ``head_bias`` in every layer: +30 admits every token (sigmoid = 1), -30 none."""
+    import torch
+
+    from sglang_wgkv.gate import GateConfig, WriteGates, save_gates
+
+    gates = WriteGates(GateConfig(num_layers=30, num_kv_heads=3, head_dim=64, local_window=local_window))
+    with torch.no_grad():
+        for layer in gates.layers:
+            layer.b2.copy_(torch.tensor(head_bias, dtype=torch.float32))
+    return save_gates(gates, path)

@@ -10,14 +10,12 @@ import time
 
 import pytest
 import requests
-import torch
 
-from serving_support import Server, long_prompt
+from serving_support import Server, long_prompt, save_head_gates
 
 pytestmark = pytest.mark.scale
 
 W_LOCAL = 16
-LAYERS, HEADS = 30, 3
 KV_BUDGET = 48
 
 
@@ -39,14 +37,8 @@ def test_request_admission_parse():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from sglang_wgkv.gate import GateConfig, WriteGates, save_gates
-
     tmp = tmp_path_factory.mktemp("scale_serving")
-    gates = WriteGates(GateConfig(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=64, local_window=W_LOCAL))
-    with torch.no_grad():
-        for layer in gates.layers:
-            layer.b2.copy_(torch.tensor([-30.0, 30.0, 30.0]))
-    save_gates(gates, tmp / "gates")
+    save_head_gates(tmp / "gates", [-30.0, 30.0, 30.0], W_LOCAL)
     srv = Server(["--wgkv-local-window", str(W_LOCAL), "--wgkv-gates", str(tmp / "gates"),
                   "--kv-budget", str(KV_BUDGET), "--enable-metrics"], tmp / "server.log")
     try:

@@ -8,12 +8,11 @@ servers run one after the other (two cores).
 
 import pytest
 
-from serving_support import Server, long_prompt
+from serving_support import Server, long_prompt, save_head_gates
 
 pytestmark = pytest.mark.scale
 
 W_LOCAL = 16
-LAYERS, HEADS = 30, 3
 PROMPTS = [long_prompt(10, seed=s) for s in range(2)] + ["The capital of France is"]
 
 
@@ -59,15 +58,7 @@ def _run(tmp, gates, tp: int) -> tuple[list, list]:
 
 
 def test_tp3_greedy_equals_tp1(tmp_path):
-    import torch
-
-    from sglang_wgkv.gate import GateConfig, WriteGates, save_gates
-
-    gates = WriteGates(GateConfig(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=64, local_window=W_LOCAL))
-    with torch.no_grad():
-        for layer in gates.layers:
-            layer.b2.copy_(torch.tensor([-30.0, 30.0, 30.0]))
-    save_gates(gates, tmp_path / "gates")
+    save_head_gates(tmp_path / "gates", [-30.0, 30.0, 30.0], W_LOCAL)
     ids1, usage1 = _run(tmp_path, tmp_path / "gates", tp=1)
     ids3, usage3 = _run(tmp_path, tmp_path / "gates", tp=3)
     assert ids3 == ids1

@@ -9,7 +9,7 @@ import pytest
 import requests
 import torch
 
-from serving_support import Server, long_prompt
+from serving_support import Server, long_prompt, save_head_gates
 
 pytestmark = pytest.mark.serving
 
@@ -79,14 +79,8 @@ def test_cache_sizes_reflect_rejection(random_server):
 
 @pytest.fixture(scope="module")
 def gated_server(tmp_path_factory):
-    from sglang_wgkv.gate import GateConfig, WriteGates, save_gates
-
     tmp = tmp_path_factory.mktemp("serving_gated")
-    gates = WriteGates(GateConfig(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=64, local_window=W_LOCAL))
-    with torch.no_grad():
-        for layer in gates.layers:
-            layer.b2.copy_(torch.tensor([-30.0, 30.0, 30.0]))  # KV head 0 never admits, heads 1-2 always
-    save_gates(gates, tmp / "gates")
+    save_head_gates(tmp / "gates", [-30.0, 30.0, 30.0], W_LOCAL)  # KV head 0 never admits, heads 1-2 always
     srv = Server(["--wgkv-local-window", str(W_LOCAL), "--wgkv-gates", str(tmp / "gates"),
                   "--kv-budget", str(KV_BUDGET)], tmp / "server.log")
     try:

@@ -8,9 +8,8 @@ tokens' logprobs within 1e-3 (float32 summation-order noise; measured ~1e-5).
 """
 
 import pytest
-import torch
 
-from serving_support import Server, long_prompt
+from serving_support import Server, long_prompt, save_head_gates
 
 pytestmark = pytest.mark.serving
 
@@ -25,14 +24,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    from sglang_wgkv.gate import GateConfig, WriteGates, save_gates
-
     tmp = tmp_path_factory.mktemp("serving_equivalence")
-    gates = WriteGates(GateConfig(num_layers=30, num_kv_heads=3, head_dim=64, local_window=32))
-    with torch.no_grad():
-        for layer in gates.layers:
-            layer.b2.fill_(30.0)  # sigmoid(30) = 1: every token admitted
-    save_gates(gates, tmp / "all_admit")
+    save_head_gates(tmp / "all_admit", [30.0, 30.0, 30.0], 32)  # sigmoid(30) = 1: every token admitted
     common = ["--chunked-prefill-size", "128"]
     wgkv = Server([*common, "--wgkv-local-window", "32", "--wgkv-gates", str(tmp / "all_admit")], tmp / "wgkv.log")
     dense = Server([*common, "--disable-wgkv"], tmp / "dense.log")
