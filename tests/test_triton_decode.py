@@ -1,0 +1,161 @@
+"""Triton split-KV decode over the dual-cache pool (:mod:`sglang_wgkv.attention.triton_decode`)
+against the reference paged decode: on the CPU through Triton's interpreter (core), on CUDA at
+larger sizes and under CUDA-graph capture/replay (gpu)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from interp_decode_check import CASES, PoolCase, close
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device)")
+
+
+# -- CPU: Triton interpreter (one process per case: TRITON_INTERPRET=1 must precede the import) -----
+@pytest.mark.core
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_interpreted_decode_matches_reference(name):
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "interp_decode_check.py"), name], env=env,
+                          capture_output=True, text=True, timeout=300)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    c = CASES[name]
+    assert len(rows) == c["steps"] * 2 * len(c["launches"]), proc.stdout[-2000:] + proc.stderr[-3000:]
+    bad = [r for r in rows if not r["ok"]]
+    assert proc.returncode == 0 and not bad, bad or proc.stderr[-3000:]
+    # The comparisons covered ring-only and ring + global streams, and a 1-token stream when asked.
+    lens = [n for r in rows for per_req in r["kv_len"] for n in per_req]
+    assert max(lens) > c["W"] and min(lens) < c["W"]
+    if c["late"]:
+        assert min(lens) == 1
+
+
+@pytest.mark.core
+def test_choose_num_splits_and_validation():
+    from sglang_wgkv.attention.triton_decode import MAX_SPLITS, FoldedDecodeWorkspace, choose_num_splits, folded_decode
+
+    # Batch 1 x 8 heads at long context: several programs per SM; large batches: few splits.
+    assert choose_num_splits(1, 8, 131072) >= 32
+    assert choose_num_splits(64, 8, 131072) <= 2
+    assert choose_num_splits(1, 8, 100) == 1
+    assert 1 <= choose_num_splits(1, 1, 10**7) <= MAX_SPLITS
+    ws = FoldedDecodeWorkspace(2, 8, 64, 4, "cpu")
+    assert ws.part_out.shape == (2, 8, 4, 64) and ws.part_lse.shape == (2, 8, 4)
+    case = PoolCase(64, 8, 2, torch.float16, 32, [40, 5], 0, 0.5, "cpu", num_layers=1)
+    next(case.step())
+    p = case.pool
+    args = (case.query(), p.k_pages, p.v_pages, p.page_table, p.global_len, case.plan.req, case.plan.ring_tokens, 0)
+    with pytest.raises(ValueError, match="workspace"):
+        folded_decode(*args, num_splits=5, workspace=ws)
+    with pytest.raises(ValueError, match="layer"):
+        folded_decode(*args[:-1], 1)
+    with pytest.raises(ValueError, match="dtype"):
+        folded_decode(args[0].bfloat16(), *args[1:])
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(ValueError, match="CUDA"):
+            folded_decode(*args)
+
+
+# -- CUDA ------------------------------------------------------------------------------------
+GPU_CASES = [
+    # D, Hq, Hkv, dtype, W, prefill lengths, late joiners, admit prob
+    (128, 32, 8, torch.bfloat16, 256, [6000, 300, 2500, 40], 1, 0.5),
+    (64, 9, 3, torch.float16, 64, [3000, 10, 900], 1, 0.9),
+    (128, 8, 8, torch.float16, 128, [1500, 129], 0, 0.25),     # group 1
+    (64, 16, 8, torch.bfloat16, 64, [2000, 700], 0, 0.5),      # group 2
+    (128, 32, 4, torch.bfloat16, 256, [4000, 17], 1, 0.1),     # group 8
+]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("case_args", GPU_CASES, ids=lambda c: f"d{c[0]}_hq{c[1]}_hkv{c[2]}_{str(c[3])[6:]}")
+def test_gpu_decode_matches_reference(case_args):
+    from sglang_wgkv.attention.triton_decode import DecodeConfig, folded_decode
+
+    D, Hq, Hkv, dtype, W, plens, late, p = case_args
+    case = PoolCase(D, Hq, Hkv, dtype, W, plens, late, p, "cuda", num_layers=2, seed=D + Hq)
+    launches = [(None, None), (1, DecodeConfig()), (7, DecodeConfig(32, 4, 2)), (64, DecodeConfig(64, 8, 3)),
+                (128, DecodeConfig(16, 4, 2)), (16, DecodeConfig(128, 8, 2))]
+    for _ in range(3):
+        for layer in case.step():
+            q = case.query()
+            ref = case.reference(q, layer)
+            for splits, cfg in launches:
+                out = folded_decode(q, case.pool.k_pages, case.pool.v_pages, case.pool.page_table,
+                                    case.pool.global_len, case.plan.req, case.plan.ring_tokens, layer,
+                                    num_splits=splits, config=cfg)
+                ok, rel, mx = close(out, ref, dtype)
+                assert ok, f"layer {layer} splits {splits} {cfg}: rel {rel:.2e} max {mx:.2e}"
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_decode_batch16_long_streams():
+    from sglang_wgkv.attention.triton_decode import choose_num_splits, folded_decode
+
+    plens = [8000, 1, 4000, 600, 12000, 33, 256, 257, 3000, 7000, 100, 2048, 5000, 64, 9000, 1500]
+    case = PoolCase(128, 32, 8, torch.bfloat16, 256, plens, 0, 0.6, "cuda", num_layers=1, seed=16)
+    for layer in case.step():
+        q = case.query()
+        ref = case.reference(q, layer)
+        for splits in (choose_num_splits(16, 8, 12288), 1, 3, 32, 128):
+            out = folded_decode(q, case.pool.k_pages, case.pool.v_pages, case.pool.page_table, case.pool.global_len,
+                                case.plan.req, case.plan.ring_tokens, layer, num_splits=splits)
+            ok, rel, mx = close(out, ref, torch.bfloat16)
+            assert ok, f"splits {splits}: rel {rel:.2e} max {mx:.2e}"
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_decode_cuda_graph_replay_after_pool_changes(dtype):
+    """Capture one decode (all layers) with static buffers, decode more steps (more global tokens,
+    new pages, a ring page crossing), replay, compare each layer with the reference."""
+    from sglang_wgkv.attention.triton_decode import FoldedDecodeWorkspace, choose_num_splits, folded_decode
+
+    D, Hq, Hkv, L = 128, 32, 8, 2
+    case = PoolCase(D, Hq, Hkv, dtype, 64, [3000, 700, 20], 1, 0.8, "cuda", num_layers=L, max_context=3200, seed=7)
+    p, B = case.pool, len(case.slots)
+    splits = choose_num_splits(B, Hkv, p.max_context_len, "cuda")
+    ws = FoldedDecodeWorkspace(B, Hq, D, splits, "cuda")
+    q = torch.zeros(L, B, Hq, D, device="cuda", dtype=dtype)
+    req = torch.zeros(B, dtype=torch.int64, device="cuda")
+    ring = torch.zeros(B, dtype=torch.int64, device="cuda")
+    out = torch.zeros(L, B, Hq, D, device="cuda", dtype=dtype)
+
+    def decode_all_layers():
+        for layer in range(L):
+            folded_decode(q[layer], p.k_pages, p.v_pages, p.page_table, p.global_len, req, ring, layer,
+                          num_splits=splits, workspace=ws, out=out[layer])
+
+    for _ in case.step():
+        pass
+    req.copy_(case.plan.req)
+    ring.copy_(case.plan.ring_tokens)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        decode_all_layers()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_all_layers()
+    glen_before = p.global_len.sum().item()
+    for step in range(40):
+        for _ in case.step():
+            pass
+        if step % 13 == 12:
+            req.copy_(case.plan.req)
+            ring.copy_(case.plan.ring_tokens)
+            q.copy_(torch.randn_like(q))
+            graph.replay()
+            for layer in range(L):
+                ok, rel, mx = close(out[layer], case.reference(q[layer], layer), dtype)
+                assert ok, f"step {step} layer {layer}: rel {rel:.2e} max {mx:.2e}"
+    assert p.global_len.sum().item() > glen_before
