@@ -68,3 +68,93 @@ def check_prefill_then_decode(n, W, p, dtype, dev, steps=40, L=3, H=4, D=128):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_pool_writes_match_torch(n, W, p, dtype):
     check_prefill_then_decode(n, W, p, dtype, "cuda")
+
+
+def _twin_decode_run(seed, dev, L=4, H=8, D=128, W=64, steps=48):
+    """Torch-promotion and Triton-promotion pools (CUDA) through one schedule: four requests of
+    mixed lengths and admission rates (some inside their ring), batched decode steps."""
+    torch.manual_seed(seed)
+    pools = [DualCachePool(L, H, D, num_pages=3000, max_requests=6, max_context_len=1200,
+                           config=WGKVConfig(local_window=W), device=dev, triton_decode=t) for t in (False, True)]
+    reqs = {1: (700, 0.5), 3: (40, 0.9), 4: (333, 0.1), 5: (64, 1.0)}
+    for r, (n, p) in reqs.items():
+        k, v, admit = torch.randn(L, n, H, D, device=dev), torch.randn(L, n, H, D, device=dev), \
+            torch.rand(L, n, H, device=dev) < p
+        for pool in pools:
+            pool.alloc_request(r)
+            pool.begin_extend([r], [0], [n])
+            for layer in range(L):
+                pool.write_extend(layer, k[layer], v[layer], admit[layer])
+    batch = [4, 1, 5, 3]
+    for step in range(steps):
+        seq = [int(pools[0].cached_len[r]) for r in batch]
+        req, pos = torch.tensor(batch, device=dev), torch.tensor(seq, device=dev)
+        plans = [pool.begin_decode(batch, seq, req, pos) for pool in pools]
+        assert_same_pool(*pools)
+        assert pools[0].allocator.free_floor == pools[1].allocator.free_floor
+        for name in ("ring_tokens", "ring_page", "ring_off"):
+            assert torch.equal(getattr(plans[0], name), getattr(plans[1], name)), name
+        k, v = torch.randn(L, 4, H, D, device=dev), torch.randn(L, 4, H, D, device=dev)
+        admit = torch.rand(L, 4, H, device=dev) < 0.5
+        for pool in pools:
+            for layer in range(L):
+                pool.write_decode(layer, k[layer], v[layer], admit[layer])
+    for pool in pools:
+        pool.check_integrity()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_triton_decode_promote_matches_torch(seed):
+    assert DualCachePool(1, 1, 16, 4, 1, 64, config=WGKVConfig(local_window=16), device="cuda").triton_decode
+    _twin_decode_run(seed, "cuda")
+
+
+def test_triton_decode_promote_graph_replay():
+    """decode_promote captured in a CUDA graph: replays (req/pos updated in place, free_floor
+    lowered by hand as its docstring says) match eager torch promotion step by step."""
+    from sglang_wgkv.memory.triton_pool import decode_promote
+
+    dev, L, H, D, W = "cuda", 3, 8, 128, 64
+    torch.manual_seed(3)
+    pools = [DualCachePool(L, H, D, num_pages=2000, max_requests=2, max_context_len=1000,
+                           config=WGKVConfig(local_window=W), device=dev, triton_decode=False) for _ in range(2)]
+    n = 300
+    k, v, admit = torch.randn(L, n, H, D, device=dev), torch.randn(L, n, H, D, device=dev), \
+        torch.rand(L, n, H, device=dev) < 0.4
+    for pool in pools:
+        pool.alloc_request(1)
+        pool.begin_extend([1], [0], [n])
+        for layer in range(L):
+            pool.write_extend(layer, k[layer], v[layer], admit[layer])
+    ref, tri = pools
+    req, pos = torch.tensor([1], device=dev), torch.tensor([n], device=dev)
+    graph = None
+    for step in range(40):
+        seq = n + step
+        pos.fill_(seq)
+        ref.begin_decode([1], [seq])
+        tri.allocator.ensure(L * H)
+        if graph is None:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):  # warm-up (Triton compile) on a twin, then capture
+                scratch = DualCachePool(L, H, D, num_pages=64, max_requests=2, max_context_len=1000,
+                                        config=WGKVConfig(local_window=W), device=dev)
+                decode_promote(scratch, req, pos)
+            torch.cuda.current_stream().wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                decode_promote(tri, req, pos, lower_floor=False)
+        graph.replay()
+        tri.allocator.free_floor -= L * H
+        tri.cached_len[1] = seq + 1
+        assert_same_pool(ref, tri)
+        kk, vv = torch.randn(L, 1, H, D, device=dev), torch.randn(L, 1, H, D, device=dev)
+        aa = torch.rand(L, 1, H, device=dev) < 0.4
+        for layer in range(L):
+            ref.write_decode(layer, kk[layer], vv[layer], aa[layer])
+        tri._decode = ref._decode  # write_decode reads the plan: same slots and positions
+        for layer in range(L):
+            tri.write_decode(layer, kk[layer], vv[layer], aa[layer])
+    assert ref.allocator.free_floor == tri.allocator.free_floor
+    tri.check_integrity()

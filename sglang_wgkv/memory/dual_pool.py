@@ -77,17 +77,22 @@ class DualCachePool:
     num_pages : physical pages (16 tokens each) shared by every stream.
     max_requests : request slots (SGLang's ``req_pool_idx`` range).
     max_context_len : longest sequence a request may reach.
+    triton_decode : :meth:`begin_decode` promotes with the Triton kernels of
+        :func:`~sglang_wgkv.memory.triton_pool.decode_promote` (same resulting state as the torch
+        ops of :meth:`_promote`, two launches); default: on CUDA devices.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
                  max_requests: int, max_context_len: int, config: WGKVConfig = WGKVConfig(),
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+                 triton_decode: bool | None = None):
         self.config = config
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.max_requests, self.max_context_len = max_requests, max_context_len
         self.window = config.local_window
         self.device = torch.device(device)
         self.dtype = dtype
+        self.triton_decode = self.device.type == "cuda" if triton_decode is None else triton_decode
         self.allocator = PageAllocator(num_pages, self.device)
         self.dump_page = self.allocator.dump_page
         self.ring_cols = self.window // PAGE_SIZE
@@ -311,6 +316,11 @@ class DualCachePool:
         Allocates ring pages crossing a page boundary (host-known), reserves one page per stream for
         promotion, and promotes the ring victim of every (request, layer, head) at once.
         ``*_dev`` are optional device copies of the host lists (avoid a host-to-device copy).
+
+        No host sync unless :meth:`PageAllocator.ensure` needs one (its free-page floor ran out).
+        With ``triton_decode``: promotion and the plan's ring page / offset / length come from two
+        Triton launches (plus three small ``torch.empty``), the only other device work being the
+        ring-page allocation of a request whose ring crosses a page boundary (``seq_len < W``).
         """
         req_slots, seq_lens = np.asarray(req_slots, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64)
         W, LH = self.window, self.num_layers * self.num_kv_heads
@@ -332,14 +342,23 @@ class DualCachePool:
                             cols[:, None, None]] = pages
         req = req_slots_dev.long() if req_slots_dev is not None else torch.as_tensor(req_slots, device=self.device)
         pos = seq_lens_dev.long() if seq_lens_dev is not None else torch.as_tensor(seq_lens, device=self.device)
-        if promoting:
-            self._promote(req, pos)
         self.cached_len[req_slots] = seq_lens + 1
-        slot = pos % W
-        ring_page = self.page_table[req[:, None, None], self._layers[None, :, None], self._heads[None, None, :],
-                                    (slot // PAGE_SIZE)[:, None, None]].long()
-        self._decode = _DecodePlan(req=req, pos=pos, ring_tokens=torch.clamp(pos + 1, max=W),
-                                   ring_page=ring_page, ring_off=(slot % PAGE_SIZE)[:, None])
+        if self.triton_decode:
+            from sglang_wgkv.memory.triton_pool import decode_promote
+
+            B, i64 = len(req_slots), torch.int64
+            plan = (torch.empty(B, self.num_layers, self.num_kv_heads, dtype=i64, device=self.device),
+                    torch.empty(B, 1, dtype=i64, device=self.device), torch.empty(B, dtype=i64, device=self.device))
+            decode_promote(self, req, pos, plan_out=plan, lower_floor=promoting > 0)
+            self._decode = _DecodePlan(req=req, pos=pos, ring_tokens=plan[2], ring_page=plan[0], ring_off=plan[1])
+        else:
+            if promoting:
+                self._promote(req, pos)
+            slot = pos % W
+            ring_page = self.page_table[req[:, None, None], self._layers[None, :, None], self._heads[None, None, :],
+                                        (slot // PAGE_SIZE)[:, None, None]].long()
+            self._decode = _DecodePlan(req=req, pos=pos, ring_tokens=torch.clamp(pos + 1, max=W),
+                                       ring_page=ring_page, ring_off=(slot % PAGE_SIZE)[:, None])
         self._extend = None
         return self._decode
 

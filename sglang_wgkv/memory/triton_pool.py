@@ -9,6 +9,8 @@ flags and page contents; only the never-read dump page may differ):
   once (which needs a dense-sized pool at 400K tokens), and one kernel moves the tokens.
 * :func:`decode_write` = ``write_decode`` with the batch's slots and positions passed explicitly,
   so that a captured CUDA graph can replay it (the step's tensors stay the caller's).
+* :func:`decode_promote` = ``_promote`` (a decode step's lazy promotion, every layer and head) in two
+  launches without a host sync; ``DualCachePool.begin_decode`` uses it on CUDA.
 """
 
 import torch
@@ -16,6 +18,8 @@ import triton
 import triton.language as tl
 
 from sglang_wgkv.config import PAGE_SIZE
+
+PROMOTE_SCAN_BLOCK = 1024  # items per iteration of the single-program promotion scan (carry across blocks)
 
 
 @triton.jit
@@ -144,3 +148,102 @@ def decode_write(pool, layer: int, req: torch.Tensor, pos: torch.Tensor, k: torc
                                  k.stride(0), k.stride(1), pt.stride(0), pt.stride(1), pt.stride(2),
                                  rf.stride(0), rf.stride(1), rf.stride(2), adm.stride(0),
                                  HEAD_DIM=D, num_warps=1)
+
+
+@triton.jit
+def _promote_alloc_kernel(Req, Pos, RingFlag, GlobalLen, PageTable, FreeStack, NumFree, Ref, LeftRing, Promoted,
+                          n_items, LH, window, ring_cols, cols, BLOCK: tl.constexpr):
+    # One program, items i = b * LH + (l * H + h) in order: the allocation order of alloc_where.
+    num_free = tl.load(NumFree)
+    taken = num_free * 0
+    for start in range(0, n_items, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        valid = i < n_items
+        b = i // LH
+        lh = i % LH
+        r = tl.load(Req + b, mask=valid, other=0).to(tl.int64)
+        p = tl.load(Pos + b, mask=valid, other=0).to(tl.int64)
+        row = r * LH + lh
+        leaving = valid & (p >= window)
+        flag = leaving & (tl.load(RingFlag + row * window + p % window, mask=leaving, other=0) != 0)
+        g = tl.load(GlobalLen + row, mask=valid, other=0)
+        need = flag & (g % 16 == 0)
+        rank = taken + tl.cumsum(need.to(tl.int64), 0) - 1
+        page = tl.load(FreeStack + (num_free - 1 - rank), mask=need, other=0)
+        tl.store(PageTable + row * cols + ring_cols + g // 16, page.to(tl.int32), mask=need)
+        tl.store(Ref + page, tl.full([BLOCK], 1, tl.int32), mask=need)
+        tl.store(GlobalLen + row, g + 1, mask=flag)
+        tl.atomic_add(Promoted + lh, flag.to(tl.int64), mask=valid)
+        tl.atomic_add(LeftRing + lh, leaving.to(tl.int64), mask=valid)
+        taken += tl.sum(need.to(tl.int64), 0)
+    tl.store(NumFree, num_free - taken)
+
+
+@triton.jit
+def _promote_move_kernel(Req, Pos, RingFlag, GlobalLen, PageTable, KPages, VPages, RingPage, RingOff, RingTokens,
+                         LH, window, ring_cols, cols,
+                         HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, WRITE_PLAN: tl.constexpr):
+    # Runs after _promote_alloc_kernel: global_len is the new length, so a promoted token goes to old = new - 1.
+    b = tl.program_id(1)
+    lh = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.arange(0, HEAD_DIM)
+    valid = lh < LH
+    r = tl.load(Req + b).to(tl.int64)
+    p = tl.load(Pos + b).to(tl.int64)
+    slot = p % window
+    row = r * LH + lh
+    flag = valid & (p >= window) & (tl.load(RingFlag + row * window + slot, mask=valid, other=0) != 0)
+    g = tl.load(GlobalLen + row, mask=flag, other=1).to(tl.int64) - 1
+    dest = tl.load(PageTable + row * cols + ring_cols + g // 16, mask=flag, other=0).to(tl.int64)
+    src = tl.load(PageTable + row * cols + slot // 16, mask=valid, other=0).to(tl.int64)
+    src_off = ((src * 16 + slot % 16) * HEAD_DIM)[:, None] + d[None, :]
+    dst_off = ((dest * 16 + g % 16) * HEAD_DIM)[:, None] + d[None, :]
+    tl.store(KPages + dst_off, tl.load(KPages + src_off, mask=flag[:, None]), mask=flag[:, None])
+    tl.store(VPages + dst_off, tl.load(VPages + src_off, mask=flag[:, None]), mask=flag[:, None])
+    if WRITE_PLAN:
+        tl.store(RingPage + b * LH + lh, src, mask=valid)
+        if tl.program_id(0) == 0:
+            tl.store(RingOff + b, slot % 16)
+            tl.store(RingTokens + b, tl.minimum(p + 1, window))
+
+
+def decode_promote(pool, req: torch.Tensor, pos: torch.Tensor, plan_out=None, lower_floor: bool = True) -> None:
+    """Lazy promotion of every (request, layer, head) of a decode batch: the pool ends exactly as
+    after ``pool._promote(req, pos)`` (same pages from the free stack in the same order, page table,
+    global lengths, refcounts, ``num_free``, ``free_floor``, counters, moved K/V rows; only the
+    never-read dump page differs). req, pos ``[B]`` int64 device tensors (distinct slots); the
+    caller has called ``pool.allocator.ensure`` for ``B * L * H`` pages.
+
+    Two kernel launches (one single-program allocation scan, one grid that moves the rows), no host
+    sync, no allocation: capturable in a CUDA graph (the values of ``req`` / ``pos`` at replay are
+    used). The host-side ``free_floor`` bookkeeping (``-= B * L * H``, skipped with
+    ``lower_floor=False``) happens at call time only, so a caller that replays a captured promotion
+    must call ``ensure`` and lower ``pool.allocator.free_floor`` itself before each replay.
+
+    ``plan_out = (ring_page [B, L, H], ring_off [B, 1], ring_tokens [B])`` int64, if given, receive
+    the decode plan of :meth:`DualCachePool.begin_decode` (ring page / offset of slot ``pos % W``,
+    ``min(pos + 1, W)``) from the same launch.
+    """
+    B = req.shape[0]
+    L, H, W = pool.num_layers, pool.num_kv_heads, pool.window
+    LH = L * H
+    alloc = pool.allocator
+    for t in (pool.page_table, pool.global_len, pool.ring_flag, pool.k_pages, pool.v_pages, alloc.free_stack):
+        if not t.is_contiguous():
+            raise ValueError("decode_promote needs the pool's contiguous tensors")
+    if B == 0:
+        return
+    cols = pool.page_table.shape[-1]
+    flags = pool.ring_flag.view(torch.uint8)
+    _promote_alloc_kernel[(1,)](req, pos, flags, pool.global_len, pool.page_table, alloc.free_stack,
+                                alloc.num_free, alloc.ref, pool.left_ring, pool.promoted,
+                                B * LH, LH, W, pool.ring_cols, cols, BLOCK=min(PROMOTE_SCAN_BLOCK, triton.next_power_of_2(B * LH)),
+                                num_warps=4)
+    if lower_floor:
+        alloc.free_floor -= B * LH
+    block_r = min(64, triton.next_power_of_2(LH))
+    plan = plan_out if plan_out is not None else (req, req, req)  # unused pointers when WRITE_PLAN is off
+    _promote_move_kernel[(triton.cdiv(LH, block_r), B)](
+        req, pos, flags, pool.global_len, pool.page_table, pool.k_pages, pool.v_pages, *plan,
+        LH, W, pool.ring_cols, cols, HEAD_DIM=pool.head_dim, BLOCK_R=block_r,
+        WRITE_PLAN=plan_out is not None, num_warps=4)

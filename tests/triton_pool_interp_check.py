@@ -1,0 +1,146 @@
+"""Run as a script with ``TRITON_INTERPRET=1`` (set before Triton is imported) by
+``test_triton_pool_interp.py``: Triton decode promotion vs the torch reference on CPU.
+
+``python tests/triton_pool_interp_check.py SEED [SCAN_BLOCK]`` exits non-zero on the first difference.
+"""
+
+import os
+import random
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from sglang_wgkv.config import WGKVConfig  # noqa: E402
+from sglang_wgkv.memory import DualCachePool  # noqa: E402
+from sglang_wgkv.memory import triton_pool  # noqa: E402
+from sglang_wgkv.memory.page_allocator import PoolExhausted  # noqa: E402
+
+L, H, D, W, R, CTX = 2, 3, 16, 32, 5, 200
+
+
+def make_pool(num_pages, triton_decode):
+    return DualCachePool(L, H, D, num_pages=num_pages, max_requests=R, max_context_len=CTX,
+                         config=WGKVConfig(local_window=W), dtype=torch.bfloat16, triton_decode=triton_decode)
+
+
+def assert_same(a, b, where, plans=None):
+    """Equal pool state (page contents on every page but the dump page) and decode plans."""
+    def check(ok, what):
+        if not ok:
+            raise AssertionError(f"{where}: {what} differs")
+    for name in ("page_table", "global_len", "ring_flag", "left_ring", "promoted"):
+        check(torch.equal(getattr(a, name), getattr(b, name)), name)
+    check(torch.equal(a.k_pages[:-1], b.k_pages[:-1]), "k_pages")
+    check(torch.equal(a.v_pages[:-1], b.v_pages[:-1]), "v_pages")
+    check(np.array_equal(a.cached_len, b.cached_len), "cached_len")
+    for name in ("num_free", "free_stack", "ref"):
+        check(torch.equal(getattr(a.allocator, name), getattr(b.allocator, name)), f"allocator.{name}")
+    check(a.allocator.free_floor == b.allocator.free_floor, "allocator.free_floor")
+    if plans is not None:
+        pa, pb = plans
+        for name in ("req", "pos", "ring_tokens", "ring_page", "ring_off"):
+            x, y = getattr(pa, name), getattr(pb, name)
+            check(x.dtype == y.dtype and torch.equal(x, y), f"plan.{name}")
+
+
+def scenario(seed):
+    """Twin pools driven by one random schedule: extends with mixed admission, decode batches
+    mixing requests inside and past the ring (ring page crossings, promotions at global page
+    boundaries), frees and re-allocations (a shuffled free stack), a pool run close to empty."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    num_pages = rng.choice([90, 120, 160])
+    ref, tri = make_pool(num_pages, False), make_pool(num_pages, True)
+    pools = (ref, tri)
+    live = {}
+    min_free, promoted_any = num_pages, False
+    for step in range(60):
+        free_slots = [r for r in range(R) if r not in live]
+        if free_slots and (len(live) < 2 or rng.random() < 0.15):
+            r = rng.choice(free_slots)
+            n = rng.choice([1, 15, 16, 17, W - 1, W, W + 1, rng.randrange(1, 90)])
+            p = rng.choice([0.0, 0.3, 0.7, 1.0])
+            k, v = torch.randn(L, n, H, D), torch.randn(L, n, H, D)
+            admit = torch.rand(L, n, H) < p
+            try:
+                for pool in pools:
+                    pool.alloc_request(r)
+                    pool.begin_extend([r], [0], [n])
+                    for layer in range(L):
+                        pool.write_extend(layer, k[layer], v[layer], admit[layer])
+                live[r] = p
+            except PoolExhausted:
+                for pool in pools:
+                    if pool.active[r]:
+                        pool.free_request(r)
+        elif live and rng.random() < 0.08:
+            r = rng.choice(sorted(live))
+            for pool in pools:
+                pool.free_request(r)
+            del live[r]
+        else:
+            batch = [r for r in sorted(live) if rng.random() < 0.8 and ref.cached_len[r] < CTX - 1]
+            rng.shuffle(batch)
+            if not batch:
+                continue
+            seq = [int(ref.cached_len[r]) for r in batch]
+            req_dev, pos_dev = torch.tensor(batch), torch.tensor(seq)
+            plans = []
+            for pool in pools:
+                try:
+                    plans.append(pool.begin_decode(batch, seq, req_dev, pos_dev))
+                except PoolExhausted:
+                    plans.append(None)
+            if None in plans:  # both pools must refuse, unchanged
+                assert plans == [None, None], f"seed {seed} step {step}: one pool exhausted"
+                assert_same(ref, tri, f"seed {seed} step {step} (exhausted)")
+                break
+            promoted_any |= any(s >= W for s in seq)
+            assert_same(ref, tri, f"seed {seed} step {step} begin_decode {batch} at {seq}", plans)
+            k, v = torch.randn(L, len(batch), H, D), torch.randn(L, len(batch), H, D)
+            admit = torch.rand(L, len(batch), H) < torch.tensor([live[r] for r in batch])[:, None]
+            for pool in pools:
+                for layer in range(L):
+                    pool.write_decode(layer, k[layer], v[layer], admit[layer])
+        min_free = min(min_free, int(ref.allocator.num_free))
+    assert_same(ref, tri, f"seed {seed} end")
+    ref.check_integrity()
+    tri.check_integrity()
+    return min_free, num_pages, promoted_any
+
+
+def direct(seed):
+    """``decode_promote`` itself against ``_promote`` on one batch (every request past its ring)."""
+    torch.manual_seed(seed)
+    ref, tri = make_pool(400, False), make_pool(400, False)
+    for pool in (ref, tri):
+        for r, n in ((0, 40), (2, 47), (3, 64), (4, 100)):
+            pool.alloc_request(r)
+    for r, n in ((0, 40), (2, 47), (3, 64), (4, 100)):
+        k, v, admit = torch.randn(n, H, D), torch.randn(n, H, D), torch.rand(n, H) < 0.6
+        for pool in (ref, tri):
+            pool.begin_extend([r], [0], [n])
+            for layer in range(L):
+                pool.write_extend(layer, k, v, admit)
+    req, pos = torch.tensor([4, 0, 3, 2]), torch.tensor([100, 40, 64, 47])
+    ref._promote(req, pos)
+    triton_pool.decode_promote(tri, req, pos)
+    assert_same(ref, tri, f"direct seed {seed}")
+
+
+def main():
+    seed = int(sys.argv[1])
+    if len(sys.argv) > 2:
+        triton_pool.PROMOTE_SCAN_BLOCK = int(sys.argv[2])
+    direct(seed)
+    min_free, num_pages, promoted_any = scenario(seed)
+    print(f"ok seed {seed}: min free pages {min_free}/{num_pages}, promoted {promoted_any}")
+
+
+if __name__ == "__main__":
+    main()
