@@ -1,0 +1,307 @@
+"""Decode-kernel benchmark: Triton plan-free folded decode vs FlashInfer, one Llama-3.1-8B layer shape.
+
+Hq=32, Hkv=8, D=128, bf16, W_local=256, batch 1 (and 8 with ``--batches 1 8``). For each context n
+and rejection rate, every (request, layer, KV head) stream holds the full ring (256 tokens) plus
+``Binomial(n - 256, 1 - rejection)`` global tokens, on pages drawn in random order from one big pool
+(as in a used :class:`~sglang_wgkv.memory.DualCachePool`). Timed, per layer, under CUDA-graph replay
+(cudaEvent around many replays of several layers with distinct pages, so the working set exceeds L2):
+
+* ``dense_flashinfer``: ``BatchDecodeWithPagedKVCacheWrapper`` over all n tokens (random page order);
+* ``folded_flashinfer``: :class:`FoldedPagedDecode` run (its host ``plan`` and the per-layer index
+  build are outside the timed graph: they favour FlashInfer here);
+* ``triton``: :func:`folded_decode` reading the page table directly (nothing outside the graph).
+
+Effective TB/s = K+V bytes the kernel must read / time. A small launch-shape sweep (block_n, warps,
+stages, splits) runs first at one shape and is reported; the timed runs use the defaults unless
+``--use-best``.
+
+usage: python benchmarks/kernel_decode.py [--out DIR] [--lengths ...] [--rejections ...] [--batches 1 8]
+                                          [--deadline S] [--no-sweep] [--use-best]
+"""
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import Deadline, cuda_ms, environment, write_json  # noqa: E402
+
+HQ, HKV, D, W, PAGE = 32, 8, 128, 256, 16
+DT = torch.bfloat16
+TOKEN_BYTES = D * 2 * 2          # K + V of one token of one KV head, bf16
+WORKING_SET = 256 << 20          # bytes each timed graph reads at least (L2 is 50 MB)
+SWEEP_CONFIGS = [(64, 4, 2), (64, 8, 2), (32, 4, 2), (128, 8, 2), (64, 4, 3), (64, 4, 4)]
+
+
+def layers_for(bytes_per_layer: int, cap: int) -> int:
+    return max(1, min(cap, math.ceil(WORKING_SET / max(bytes_per_layer, 1))))
+
+
+def global_lengths(batch: int, layers: int, n: int, rejection: float, gen) -> torch.Tensor:
+    """``[batch, layers, HKV]`` global tokens: each token past the ring admitted w.p. 1 - rejection."""
+    total = torch.full((batch, layers, HKV), float(max(n - W, 0)))
+    return torch.binomial(total, torch.full_like(total, 1.0 - rejection), generator=gen).to(torch.int32)
+
+
+class FoldedPool:
+    """Pool tensors as :class:`DualCachePool` lays them out, pages shuffled; ring full (n >= W)."""
+
+    def __init__(self, glen: torch.Tensor, gen, device="cuda"):
+        B, L, H = glen.shape
+        npages = W // PAGE + (glen.long() + PAGE - 1) // PAGE                        # [B, L, H]
+        total = int(npages.sum())
+        cols = int(npages.max())
+        self.k_pages = torch.randn(total + 1, PAGE, D, device=device, dtype=DT)
+        self.v_pages = torch.randn_like(self.k_pages)
+        perm = torch.randperm(total, generator=gen).to(torch.int32)
+        valid = torch.arange(cols)[None, None, None, :] < npages[..., None]
+        table = torch.full((B, L, H, cols), total, dtype=torch.int32)
+        table[valid] = perm
+        self.page_table = table.to(device)
+        self.global_len = glen.to(device)
+        self.npages, self.glen = npages, glen
+        self.req = torch.arange(B, device=device)
+        self.ring = torch.full((B,), W, dtype=torch.int64, device=device)
+        self.kv_bytes_per_layer = int((glen.long() + W).sum()) * TOKEN_BYTES / L
+
+    def flashinfer_plans(self, workspace):
+        """One :class:`FoldedPagedDecode` per layer, planned (host page counts) outside the graph."""
+        from sglang_wgkv.attention.flashinfer_decode import FoldedPagedDecode
+        from sglang_wgkv.attention.folded_index import build_folded_indices
+
+        B, L, H, _ = self.page_table.shape
+        decs = []
+        for layer in range(L):
+            n = self.npages[:, layer].cuda()
+            last = torch.where(self.glen[:, layer] > 0, (self.glen[:, layer] - 1) % PAGE + 1, PAGE).cuda()
+            indptr, indices, last = build_folded_indices(self.page_table[:, layer], n, last.to(torch.int32))
+            dec = FoldedPagedDecode(HQ, HKV, D, B, int(indptr[-1]), "cuda", DT, float_workspace=workspace)
+            dec.plan(indptr.cpu(), indices, last)
+            decs.append(dec)
+        return decs
+
+
+def graph_ms(fn, inner: int = 20, reps: int = 7) -> float:
+    """Median ms of one ``fn()`` under CUDA-graph replay (``inner`` replays per event pair)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+
+    def replays():
+        for _ in range(inner):
+            graph.replay()
+    ms = sorted(cuda_ms(replays, reps=reps, warmup=2))
+    return ms[len(ms) // 2] / inner
+
+
+def triton_fn(pool, q, out, splits, cfg):
+    from sglang_wgkv.attention.triton_decode import FoldedDecodeWorkspace, folded_decode
+
+    B, L = q.shape[0], pool.page_table.shape[1]
+    ws = FoldedDecodeWorkspace(B, HQ, D, splits, "cuda")
+
+    def run():
+        for layer in range(L):
+            folded_decode(q, pool.k_pages, pool.v_pages, pool.page_table, pool.global_len, pool.req, pool.ring,
+                          layer, num_splits=splits, workspace=ws, out=out, config=cfg)
+    return run
+
+
+def sweep(args, results, gen):
+    """Launch shapes at batch 1, 128K tokens, 75% rejection (or the first given length)."""
+    from sglang_wgkv.attention.triton_decode import MAX_SPLITS, DecodeConfig, choose_num_splits
+
+    n = 131072 if 131072 in args.lengths else args.lengths[0]
+    glen = global_lengths(1, 1, n, 0.75, gen)
+    L = layers_for(int((glen.long() + W).sum()) * TOKEN_BYTES, 16)
+    pool = FoldedPool(global_lengths(1, L, n, 0.75, gen), gen)
+    q = torch.randn(1, HQ, D, device="cuda", dtype=DT)
+    out = torch.empty_like(q)
+    base = choose_num_splits(1, HKV, n, "cuda")
+    rows = []
+    for bn, warps, stages in SWEEP_CONFIGS:
+        for splits in sorted({max(1, base // 2), base, min(MAX_SPLITS, base * 2)}):
+            cfg = DecodeConfig(bn, warps, stages)
+            try:
+                t = graph_ms(triton_fn(pool, q, out, splits, cfg)) / L
+                rows.append({"block_n": bn, "num_warps": warps, "num_stages": stages, "splits": splits,
+                             "ms_per_layer": t, "tbps": pool.kv_bytes_per_layer / t / 1e9})
+            except Exception as exc:
+                rows.append({"block_n": bn, "num_warps": warps, "num_stages": stages, "splits": splits,
+                             "error": repr(exc)[:300]})
+    ok = [r for r in rows if "ms_per_layer" in r]
+    best = min(ok, key=lambda r: r["ms_per_layer"]) if ok else None
+    results["sweep"] = {"n": n, "rejection": 0.75, "batch": 1, "default_splits": base, "rows": rows, "best": best}
+    print("sweep best:", best, flush=True)
+    del pool
+    torch.cuda.empty_cache()
+    return best
+
+
+def run(args, deadline, results, path, best):
+    import flashinfer
+
+    from sglang_wgkv.attention.triton_decode import DecodeConfig, choose_num_splits
+
+    gen = torch.Generator().manual_seed(0)
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    rows = results.setdefault("decode", [])
+    for B in args.batches:
+        for n in args.lengths:
+            if B * n * HKV * TOKEN_BYTES > args.max_dense_gb * 2**30:
+                rows.append({"batch": B, "n": n, "skipped": "dense KV over --max-dense-gb"})
+                continue
+            if deadline.left() < 15:
+                rows.append({"batch": B, "n": n, "skipped": "deadline"})
+                continue
+            entry = {"batch": B, "n": n}
+            q = torch.randn(B, HQ, D, device="cuda", dtype=DT)
+            out = torch.empty_like(q)
+            # Dense: HKV heads per token, all n tokens, one page list per request in random order.
+            pages = -(-n // PAGE)
+            dense_bytes = B * n * HKV * TOKEN_BYTES
+            L = layers_for(dense_bytes, 4)
+            kv = [torch.randn(B * pages, 2, PAGE, HKV, D, device="cuda", dtype=DT) for _ in range(L)]
+            dense = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                workspace, "NHD", use_cuda_graph=True,
+                paged_kv_indptr_buffer=torch.zeros(B + 1, dtype=torch.int32, device="cuda"),
+                paged_kv_indices_buffer=torch.zeros(B * pages, dtype=torch.int32, device="cuda"),
+                paged_kv_last_page_len_buffer=torch.zeros(B, dtype=torch.int32, device="cuda"))
+            dense.plan(torch.arange(B + 1, dtype=torch.int32) * pages,
+                       torch.randperm(B * pages, device="cuda").to(torch.int32),
+                       torch.full((B,), n - (pages - 1) * PAGE, dtype=torch.int32), HQ, HKV, D, PAGE,
+                       q_data_type=DT, kv_data_type=DT)
+
+            def dense_run():
+                for layer_kv in kv:
+                    dense.run(q, layer_kv, out=out)
+            try:
+                t = graph_ms(dense_run) / L
+                entry["dense_flashinfer"] = {"ms": t, "tbps": dense_bytes / t / 1e9, "layers": L}
+            except Exception as exc:
+                entry["dense_flashinfer"] = {"error": repr(exc)[:300]}
+            del kv, dense
+            torch.cuda.empty_cache()
+            splits = best["splits"] if args.use_best and best else choose_num_splits(B, HKV, n, "cuda")
+            cfg = DecodeConfig(best["block_n"], best["num_warps"], best["num_stages"]) \
+                if args.use_best and best else DecodeConfig()
+            entry["triton_launch"] = {"splits": splits, **cfg.__dict__}
+            for rej in args.rejections:
+                if deadline.left() < 8:
+                    entry.setdefault("folded", []).append({"rejection": rej, "skipped": "deadline"})
+                    continue
+                per_layer = B * HKV * (W + (1 - rej) * max(n - W, 0)) * TOKEN_BYTES
+                L = layers_for(int(per_layer), 16)
+                pool = FoldedPool(global_lengths(B, L, n, rej, gen), gen)
+                res = {"rejection": rej, "layers": L, "kv_bytes_per_layer": pool.kv_bytes_per_layer,
+                       "kv_bytes_vs_dense": pool.kv_bytes_per_layer / dense_bytes}
+                try:
+                    decs = pool.flashinfer_plans(workspace)
+
+                    def fi_run():
+                        for dec in decs:
+                            dec.run(q, pool.k_pages, pool.v_pages, out=out)
+                    t = graph_ms(fi_run) / L
+                    res["folded_flashinfer"] = {"ms": t, "tbps": pool.kv_bytes_per_layer / t / 1e9}
+                    del decs
+                except Exception as exc:
+                    res["folded_flashinfer"] = {"error": repr(exc)[:300]}
+                try:
+                    t = graph_ms(triton_fn(pool, q, out, splits, cfg)) / L
+                    res["triton"] = {"ms": t, "tbps": pool.kv_bytes_per_layer / t / 1e9}
+                except Exception as exc:
+                    res["triton"] = {"error": repr(exc)[:300]}
+                for base in ("dense_flashinfer", "folded_flashinfer"):
+                    ref = entry.get(base) if base == "dense_flashinfer" else res.get(base)
+                    if "ms" in (ref or {}) and "ms" in res["triton"]:
+                        res["triton"][f"speedup_vs_{base}"] = ref["ms"] / res["triton"]["ms"]
+                if "ms" in res["folded_flashinfer"] and "ms" in entry.get("dense_flashinfer", {}):
+                    res["folded_flashinfer"]["speedup_vs_dense_flashinfer"] = \
+                        entry["dense_flashinfer"]["ms"] / res["folded_flashinfer"]["ms"]
+                entry.setdefault("folded", []).append(res)
+                print(B, n, res, flush=True)
+                del pool
+                torch.cuda.empty_cache()
+            rows.append(entry)
+            write_json(path, results)
+
+
+def plot(results, png):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results.get("decode", []) if "skipped" not in r]
+    batches = sorted({r["batch"] for r in rows})
+    if not batches:
+        return
+    fig, axes = plt.subplots(len(batches), 2, figsize=(13, 4.5 * len(batches)), squeeze=False)
+    for i, B in enumerate(batches):
+        rb = [r for r in rows if r["batch"] == B]
+        ax_ms, ax_bw = axes[i]
+        pts = [(r["n"], r["dense_flashinfer"]["ms"], r["dense_flashinfer"]["tbps"]) for r in rb
+               if "ms" in r.get("dense_flashinfer", {})]
+        if pts:
+            ax_ms.plot([p[0] for p in pts], [p[1] for p in pts], "ko--", label="dense FlashInfer")
+            ax_bw.plot([p[0] for p in pts], [p[2] for p in pts], "ko--", label="dense FlashInfer")
+        rejs = sorted({f["rejection"] for r in rb for f in r.get("folded", []) if "skipped" not in f})
+        for j, rej in enumerate(rejs):
+            color = plt.cm.viridis(j / max(1, len(rejs) - 1))
+            for kern, style in (("folded_flashinfer", "s:"), ("triton", "o-")):
+                pts = [(r["n"], f[kern]["ms"], f[kern]["tbps"]) for r in rb for f in r.get("folded", [])
+                       if f.get("rejection") == rej and "ms" in f.get(kern, {})]
+                if pts:
+                    label = f"{'Triton' if kern == 'triton' else 'FlashInfer folded'} {int(rej * 100)}% rej."
+                    ax_ms.plot([p[0] for p in pts], [p[1] for p in pts], style, color=color, label=label)
+                    ax_bw.plot([p[0] for p in pts], [p[2] for p in pts], style, color=color, label=label)
+        ax_ms.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="ms per layer",
+                  title=f"Decode, batch {B}, one Llama-3.1-8B layer (CUDA graph)")
+        ax_bw.set(xscale="log", xlabel="context tokens", ylabel="effective TB/s (K+V read / time)",
+                  title=f"Decode bandwidth, batch {B}")
+        ax_ms.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--name", default="kernel_decode", help="output file stem")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072, 262144, 524288])
+    ap.add_argument("--rejections", type=float, nargs="+", default=[0.0, 0.5, 0.75, 0.9])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1])
+    ap.add_argument("--deadline", type=float, default=90.0, help="seconds for the whole run")
+    ap.add_argument("--max-dense-gb", type=float, default=24.0, help="skip shapes whose dense KV per layer is larger")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the launch-shape sweep")
+    ap.add_argument("--use-best", action="store_true", help="time the sweep's best launch shape, not the default")
+    args = ap.parse_args(argv)
+    if any(n < W for n in args.lengths) or any(not 0.0 <= r <= 1.0 for r in args.rejections):
+        ap.error(f"lengths must be >= {W} and rejections in [0, 1]")
+    return args
+
+
+def main():
+    args = parse_args()
+    deadline = Deadline(args.deadline)
+    path = os.path.join(args.out, args.name + ".json")
+    results = {"env": environment(), "shape": {"Hq": HQ, "Hkv": HKV, "head_dim": D, "dtype": "bfloat16",
+                                               "local_window": W, "page_size": PAGE}}
+    torch.manual_seed(0)
+    best = None if args.no_sweep else sweep(args, results, torch.Generator().manual_seed(1))
+    run(args, deadline, results, path, best)
+    write_json(path, results)
+    plot(results, os.path.join(args.out, args.name + ".png"))
+
+
+if __name__ == "__main__":
+    main()
