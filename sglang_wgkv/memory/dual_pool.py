@@ -347,6 +347,7 @@ class DualCachePool:
             from sglang_wgkv.memory.triton_pool import decode_promote
 
             B, i64 = len(req_slots), torch.int64
+            req, pos = req.contiguous(), pos.contiguous()
             plan = (torch.empty(B, self.num_layers, self.num_kv_heads, dtype=i64, device=self.device),
                     torch.empty(B, 1, dtype=i64, device=self.device), torch.empty(B, dtype=i64, device=self.device))
             decode_promote(self, req, pos, plan_out=plan, lower_floor=promoting > 0)

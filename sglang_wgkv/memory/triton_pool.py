@@ -211,7 +211,7 @@ def decode_promote(pool, req: torch.Tensor, pos: torch.Tensor, plan_out=None, lo
     """Lazy promotion of every (request, layer, head) of a decode batch: the pool ends exactly as
     after ``pool._promote(req, pos)`` (same pages from the free stack in the same order, page table,
     global lengths, refcounts, ``num_free``, ``free_floor``, counters, moved K/V rows; only the
-    never-read dump page differs). req, pos ``[B]`` int64 device tensors (distinct slots); the
+    never-read dump page differs). req, pos ``[B]`` contiguous integer device tensors (distinct slots); the
     caller has called ``pool.allocator.ensure`` for ``B * L * H`` pages.
 
     Two kernel launches (one single-program allocation scan, one grid that moves the rows), no host
@@ -231,6 +231,8 @@ def decode_promote(pool, req: torch.Tensor, pos: torch.Tensor, plan_out=None, lo
     for t in (pool.page_table, pool.global_len, pool.ring_flag, pool.k_pages, pool.v_pages, alloc.free_stack):
         if not t.is_contiguous():
             raise ValueError("decode_promote needs the pool's contiguous tensors")
+    if req.shape != (B,) or pos.shape != (B,) or req.stride(0) != 1 or pos.stride(0) != 1:
+        raise ValueError(f"req and pos must be contiguous [B], got {tuple(req.shape)}, {tuple(pos.shape)}")
     if B == 0:
         return
     cols = pool.page_table.shape[-1]
