@@ -14,13 +14,32 @@ over what the pool keeps (vertical-slash over cached context + new tokens in ext
 pages in decode), and the new K/V are written to the pool.
 
 Attention implementations (``ServingSettings.attention``): the torch reference
-(:mod:`sglang_wgkv.attention.reference`, any device) or, on CUDA, the Triton vertical-slash prefill
-and FlashInfer's paged decode over folded heads (same contracts). Both sync with the host once per
-layer (per-request context gathering, page counts for the decode plan); CUDA graphs are off.
+(:mod:`sglang_wgkv.attention.reference`, any device; syncs per layer, no CUDA graphs) or, on CUDA,
+the kernels: Triton vertical-slash prefill (syncs per layer: per-request context gathering) and a
+decode of device work only: gate, admission, :func:`~sglang_wgkv.memory.triton_pool.decode_write`,
+:func:`~sglang_wgkv.attention.triton_decode.folded_decode` (split-KV over ring + global pages).
+
+CUDA graphs (decode only, kernels path). SGLang's decode graph runner calls
+``init_forward_metadata_out_graph`` eagerly before capture (``in_capture=True``) and before every
+replay; per-layer work reads the step's rows from static device buffers (:class:`_DecodeRows`
+views of ``[max_bs]`` tensors). Replay preparation runs the step's host bookkeeping and
+:meth:`DualCachePool.begin_decode` (ring pages, promotion) for the real rows and points the padded
+rows at :data:`SCRATCH_SLOT`, SGLang's padding request row (index 0, never given to a request), whose
+page-table rows are all dump pages: their writes land on the dump page and the evictor's window of
+a slot nobody owns. Capture and SGLang's warm-up runs see only padded rows, so they cannot touch a
+live request. Random admission draws the step's ``[B, L, H]`` uniforms eagerly with its own
+generator (nothing random is recorded in the graph).
+
+Host request slots: SGLang's ForwardBatch has no host copy of ``req_pool_indices``;
+:func:`record_batch_slots` (a ``ForwardBatch.init_new`` hook) records ``[req.req_pool_idx for req in
+batch.reqs]`` on the batch and on the backend, so no step reads the device tensor back
+(a batch built elsewhere, e.g. a unit test's, falls back to ``.tolist()``).
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,6 +57,42 @@ if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
     from sglang.srt.model_executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# SGLang's request row 0 pads CUDA-graph batches and is never allocated to a request.
+SCRATCH_SLOT = 0
+
+
+@dataclass
+class _DecodeRows:
+    """One decode step's rows, read by every layer (views of static buffers under CUDA graphs).
+
+    req, pos : ``[B]`` int64 request slot and position of the token being decoded;
+    ring : ``[B]`` int64 ring tokens after this step's write (``min(pos + 1, W)``);
+    tau : ``[B, 1]`` float32 admission threshold; uniform : ``[B, L, H]`` random-admission draws or None;
+    num_splits, workspace : :func:`folded_decode` launch parameters (kernels path).
+    """
+
+    req: torch.Tensor
+    pos: torch.Tensor
+    ring: torch.Tensor
+    tau: torch.Tensor
+    uniform: torch.Tensor | None
+    num_splits: int | None = None
+    workspace: object = None
+
+
+def record_batch_slots(result, cls, batch, model_runner, *args, **kwargs):
+    """AFTER ``ForwardBatch.init_new``: the batch's host request slots, on the batch
+    (``wgkv_req_slots``) and on a wgkv backend (``batch_slots``: CUDA-graph replay sees only a view
+    of the batch). The scheduler builds each ForwardBatch right before running it."""
+    backend = getattr(model_runner, "attn_backend", None)
+    if isinstance(backend, WGKVAttnBackend):
+        slots = [req.req_pool_idx for req in batch.reqs]
+        result.wgkv_req_slots = slots
+        backend.batch_slots = slots
+    return None
 
 
 def build_gates(settings: ServingSettings, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -108,7 +163,6 @@ class WGKVAttnBackend(AttentionBackend):
             from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
 
             self._prefill = vertical_slash_attention
-        self._decoder = None  # FoldedPagedDecode, built at the first decode (needs the layer's shapes)
         self.evictor = None
         if self.config.kv_budget is not None:
             from sglang_wgkv.memory.evictor import SnapKVEvictor
@@ -125,9 +179,20 @@ class WGKVAttnBackend(AttentionBackend):
             earlier = rank_kv_heads(model_runner.model_config.get_total_num_kv_heads(), par.attn_tp_size,
                                     par.attn_tp_rank - 1) if par.attn_tp_rank else []
             self.req_pool.reduce_usage = tp_usage_reducer(counts_heads=self.kv_heads != earlier)
-        self._row_tau = None  # [tokens, 1] admission threshold of each row of the current forward
+        self.num_q_heads = model_runner.model_config.get_num_attention_heads(par.attn_tp_size)
+        self._row_tau = None  # [tokens, 1] admission threshold of each extend row
+        self._rows: _DecodeRows | None = None  # the current decode step
+        self.batch_slots: list[int] | None = None  # record_batch_slots
+        self._graph: _DecodeRows | None = None  # [max_bs] static buffers (init_cuda_graph_state)
+        self._graph_launch = {}  # captured batch size -> (num_splits, FoldedDecodeWorkspace)
 
     # -- per forward ----------------------------------------------------------------------------
+    def _host_slots(self, forward_batch: ForwardBatch) -> list[int]:
+        slots = getattr(forward_batch, "wgkv_req_slots", None)
+        if slots is None or len(slots) != forward_batch.batch_size:
+            slots = forward_batch.req_pool_indices.tolist()  # a batch not built by init_new (syncs)
+        return slots
+
     def init_forward_metadata(self, forward_batch: ForwardBatch):
         mode = forward_batch.forward_mode
         if mode.is_idle():
@@ -137,27 +202,105 @@ class WGKVAttnBackend(AttentionBackend):
         slots = forward_batch.req_pool_indices
         if mode.is_decode():
             self._extend = None
-            positions = forward_batch.seq_lens - 1
-            self.dual.begin_decode(slots.tolist(), (forward_batch.seq_lens_cpu - 1).tolist(),
-                                   req_slots_dev=slots, seq_lens_dev=positions)
-            self._row_tau = self.req_pool.slot_tau[slots][:, None]
+            host = (forward_batch.seq_lens_cpu - 1).tolist()
+            plan = self.dual.begin_decode(self._host_slots(forward_batch), host,
+                                          req_slots_dev=slots, seq_lens_dev=forward_batch.seq_lens - 1)
+            self._rows = _DecodeRows(plan.req, plan.pos, plan.ring_tokens, self.req_pool.slot_tau[slots][:, None],
+                                     self._draw_uniform(len(host)))
+            if self.use_kernels:
+                from sglang_wgkv.attention.triton_decode import choose_num_splits
+
+                self._rows.num_splits = choose_num_splits(len(host), self.dual.num_kv_heads, max(host) + 1,
+                                                          self.device)
         elif mode.is_extend() and not mode.is_mixed():
             prefix, extend = forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
-            self._extend = (slots.tolist(), list(prefix), list(extend))
+            self._extend = (self._host_slots(forward_batch), list(prefix), list(extend))
+            self._rows = None
             self.dual.begin_extend(*self._extend)
             self._row_tau = torch.repeat_interleave(self.req_pool.slot_tau[slots],
                                                     forward_batch.extend_seq_lens)[:, None]
         else:
             raise NotImplementedError(f"the {BACKEND_NAME} backend does not run forward mode {mode.name}")
 
+    def _draw_uniform(self, batch: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The step's ``[B, L, H]`` random-admission draws on the kernels path (drawn eagerly, so a
+        CUDA graph records no random op); None otherwise (the reference path draws per layer)."""
+        if self.config.random_admission is None or not self.use_kernels:
+            return None
+        shape = (batch, self.dual.num_layers, self.dual.num_kv_heads)
+        if out is None:
+            return torch.rand(shape, device=self.device, generator=self.generator)
+        return torch.rand(shape, device=self.device, generator=self.generator, out=out)
+
+    # -- CUDA graphs (decode) -------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        if not self.use_kernels:
+            raise ValueError(f"the {BACKEND_NAME} reference attention syncs with the host every layer and cannot "
+                             "run under CUDA graphs: pass --wgkv-attention kernels (CUDA, fp16/bf16) or "
+                             "--disable-decode-cuda-graph")
+        if self.dual.active[SCRATCH_SLOT]:
+            raise RuntimeError(f"request slot {SCRATCH_SLOT} (CUDA-graph padding) is held by a request")
+        i64 = dict(dtype=torch.int64, device=self.device)
+        self._graph = _DecodeRows(
+            req=torch.full((max_bs,), SCRATCH_SLOT, **i64), pos=torch.zeros(max_bs, **i64),
+            ring=torch.ones(max_bs, **i64), tau=torch.zeros(max_bs, 1, dtype=torch.float32, device=self.device),
+            uniform=(torch.zeros(max_bs, self.dual.num_layers, self.dual.num_kv_heads, device=self.device)
+                     if self.config.random_admission is not None else None))
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return 1
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        """Decode-graph capture (``in_capture``: every row is padding) or replay preparation: the real
+        rows' step (:meth:`DualCachePool.begin_decode`, evictor boundary) into the static buffers,
+        padded rows pointed at :data:`SCRATCH_SLOT`."""
+        from sglang_wgkv.attention.triton_decode import FoldedDecodeWorkspace, choose_num_splits
+
+        if not forward_batch.forward_mode.is_decode():
+            raise NotImplementedError(f"the {BACKEND_NAME} backend captures decode graphs only")
+        g, bs = self._graph, forward_batch.batch_size
+        raw = 0 if in_capture else bs - forward_batch.num_padding
+        if raw:
+            slots = self.batch_slots
+            if slots is None or len(slots) != raw:
+                raise RuntimeError(f"CUDA-graph replay of {raw} requests, but the last ForwardBatch built "
+                                   f"recorded request slots {slots}")
+            if self.evictor is not None:
+                self.evictor.maybe_evict()
+            plan = self.dual.begin_decode(slots, (forward_batch.seq_lens_cpu[:raw] - 1).tolist(),
+                                          req_slots_dev=forward_batch.req_pool_indices[:raw],
+                                          seq_lens_dev=forward_batch.seq_lens[:raw] - 1)
+            g.req[:raw].copy_(plan.req)
+            g.pos[:raw].copy_(plan.pos)
+            g.ring[:raw].copy_(plan.ring_tokens)
+            g.tau[:raw, 0].copy_(self.req_pool.slot_tau[plan.req])
+        g.req[raw:bs].fill_(SCRATCH_SLOT)
+        g.pos[raw:bs].zero_()
+        g.ring[raw:bs].fill_(1)
+        g.tau[raw:bs].zero_()
+        uniform = None
+        if g.uniform is not None:
+            uniform = self._draw_uniform(bs, out=g.uniform[:bs]) if raw else g.uniform[:bs].zero_()
+        if bs not in self._graph_launch:
+            splits = choose_num_splits(bs, self.dual.num_kv_heads, self.dual.max_context_len, self.device)
+            self._graph_launch[bs] = (splits, FoldedDecodeWorkspace(bs, self.num_q_heads, self.dual.head_dim,
+                                                                    splits, self.device))
+        splits, workspace = self._graph_launch[bs]
+        self._extend = None
+        self._rows = _DecodeRows(g.req[:bs], g.pos[:bs], g.ring[:bs], g.tau[:bs], uniform, splits, workspace)
+
     # -- per layer ------------------------------------------------------------------------------
-    def _admit(self, layer: RadixAttention, k: torch.Tensor, check: bool) -> torch.Tensor:
+    def _admit(self, layer: RadixAttention, k: torch.Tensor, tau: torch.Tensor, check: bool,
+               uniform: torch.Tensor | None = None) -> torch.Tensor:
         k_pre = self.capture.take(k)
         g = self.gates(layer.layer_id, k_pre, k)
         if check:
             check_gate_output(g, layer.layer_id)
-        tau = self._row_tau.to(g.dtype)  # g's dtype: the same rounding as a scalar tau
-        admit = admission_flags(g, tau, self.config.random_admission, self.generator)
+        tau = tau.to(g.dtype)  # g's dtype: the same rounding as a scalar tau
+        if uniform is not None:
+            admit = uniform[:, layer.layer_id] < self.config.random_admission
+        else:
+            admit = admission_flags(g, tau, self.config.random_admission, self.generator)
         if self.config.random_admission is not None:
             admit |= torch.isneginf(tau)  # requests with admission off keep every token
         return admit
@@ -174,7 +317,7 @@ class WGKVAttnBackend(AttentionBackend):
         self._check_layer(layer, save_kv_cache)
         Hq, H, D, Dv = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim
         q3, k3, v3 = q.view(-1, Hq, D), k.view(-1, H, D), v.view(-1, H, Dv)
-        admit = self._admit(layer, k3, check=True)
+        admit = self._admit(layer, k3, self._row_tau, check=True)
         if self.evictor is not None:
             self.evictor.observe_extend(layer.layer_id, q3)
         slots, prefix_lens, extend_lens = self._extend
@@ -205,32 +348,28 @@ class WGKVAttnBackend(AttentionBackend):
         self._check_layer(layer, save_kv_cache)
         Hq, H, D, Dv = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim
         k3, v3 = k.view(-1, H, D), v.view(-1, H, Dv)
-        admit = self._admit(layer, k3, check=False)
         q3 = q.reshape(-1, Hq, D)
-        if self.evictor is not None:
-            self.evictor.observe_decode(layer.layer_id, q3)
-        self.dual.write_decode(layer.layer_id, k3, v3, admit)
-        rows, num_pages, last_len, _ = self.dual.decode_page_rows(layer.layer_id)
-        indptr, indices, last = build_folded_indices(rows, num_pages, last_len)
-        if self.use_kernels:
-            decoder = self._folded_decoder(layer, q3.dtype)
-            decoder.plan(indptr, indices, last)
-            out = decoder.run(q3, self.dual.k_pages, self.dual.v_pages)
-        else:
+        rows = self._rows
+        admit = self._admit(layer, k3, rows.tau, check=False, uniform=rows.uniform)
+        if not self.use_kernels:
+            if self.evictor is not None:
+                self.evictor.observe_decode(layer.layer_id, q3)
+            self.dual.write_decode(layer.layer_id, k3, v3, admit)
+            pages, num_pages, last_len, _ = self.dual.decode_page_rows(layer.layer_id)
+            indptr, indices, last = build_folded_indices(pages, num_pages, last_len)
             out = reference.paged_decode_attention(q3, self.dual.k_pages, self.dual.v_pages, indptr, indices,
                                                    last, sm_scale=layer.scaling)
-        return out.reshape(-1, Hq * Dv)
+            return out.reshape(-1, Hq * Dv)
+        from sglang_wgkv.attention.triton_decode import folded_decode
+        from sglang_wgkv.memory.triton_pool import decode_write
 
-    def _folded_decoder(self, layer: RadixAttention, q_dtype: torch.dtype):
-        if self._decoder is None:
-            from sglang_wgkv.attention.flashinfer_decode import FoldedPagedDecode
-
-            H = layer.tp_k_head_num
-            self._decoder = FoldedPagedDecode(
-                layer.tp_q_head_num, H, layer.qk_head_dim, max_batch_size=self.dual.max_requests,
-                max_pages=self.dual.max_requests * H * self.dual.dump_col, device=self.device,
-                q_dtype=q_dtype, kv_dtype=self.dual.dtype, sm_scale=layer.scaling)
-        return self._decoder
+        if self.evictor is not None:
+            self.evictor.observe_decode(layer.layer_id, q3, req=rows.req, pos=rows.pos)
+        decode_write(self.dual, layer.layer_id, rows.req, rows.pos, k3, v3, admit)
+        out = folded_decode(q3.to(self.dual.dtype), self.dual.k_pages, self.dual.v_pages, self.dual.page_table,
+                            self.dual.global_len, rows.req, rows.ring, layer.layer_id, sm_scale=layer.scaling,
+                            num_splits=rows.num_splits, workspace=rows.workspace)
+        return out.to(q.dtype).reshape(-1, Hq * Dv)
 
     def support_triton(self):
         return False

@@ -5,7 +5,7 @@ Every hook is inert unless ``--attention-backend wgkv`` is selected.
 ======================================================  ======  ==========================================
 target (sglang.srt. ...)                                type    effect with wgkv
 ======================================================  ======  ==========================================
-server_args.ServerArgs.__post_init__                    BEFORE  validate options; radix_ext cache, no graphs
+server_args.ServerArgs.__post_init__                    BEFORE  validate options; radix_ext cache, graphs
 ...KVCacheConfigurator._derive_pool_sizes               AFTER   split the budget: logical vs physical
 ...KVCacheConfigurator._build_default_req_pool          AROUND  WGKVReqToTokenPool (request lifecycle)
 ...KVCacheConfigurator._build_token_to_kv_pool          AROUND  DualCachePool + WGKVTokenToKVPool
@@ -37,8 +37,9 @@ def wgkv_selected(server_args) -> bool:
 def prepare_server_args(server_args, *args, **kwargs):
     """BEFORE ``ServerArgs.__post_init__``: reject what the wgkv backend cannot run, select radix_ext's
     snapshot radix cache unless ``--disable-radix-cache`` (snapshots are restored into request slots
-    between scheduling and the forward, so the overlap scheduler is off with it), and turn off CUDA
-    graphs (the reference path syncs)."""
+    between scheduling and the forward, so the overlap scheduler is off with it), turn off prefill
+    CUDA graphs (extend gathers context on the host) and decode CUDA graphs where the backend cannot
+    run under them (:meth:`ServingSettings.decode_graph_blocker`: CPU, reference attention)."""
     chosen = {server_args.attention_backend, server_args.prefill_attention_backend,
               server_args.decode_attention_backend} - {None}
     if BACKEND_NAME not in chosen:
@@ -72,8 +73,10 @@ def prepare_server_args(server_args, *args, **kwargs):
         server_args.radix_cache_backend = RADIX_BACKEND
         server_args.disable_overlap_schedule = True
     server_args.disable_prefill_cuda_graph = True
-    server_args.disable_decode_cuda_graph = True
-    ServingSettings.from_env()  # fail here, in the launcher, on a malformed settings variable
+    blocker = ServingSettings.from_env().decode_graph_blocker(server_args.device, server_args.dtype)
+    if blocker:  # (also fails here, in the launcher, on a malformed settings variable)
+        logger.info("wgkv: decode CUDA graphs off: %s", blocker)
+        server_args.disable_decode_cuda_graph = True
     return None
 
 

@@ -24,6 +24,7 @@ def load_plugin() -> None:
     from radix_ext import factory as radix_factory
 
     from sglang_wgkv.integration import hooks, metrics, request_control
+    from sglang_wgkv.integration.backend import record_batch_slots
 
     register_attention_backend(BACKEND_NAME)(create_wgkv_backend)
     radix_factory.register()
@@ -38,12 +39,17 @@ def load_plugin() -> None:
         ("sglang.srt.managers.scheduler.Scheduler.get_internal_state", hooks.add_internal_state,
          HookType.AFTER),
         ("sglang.srt.utils.common.support_triton", hooks.support_triton, HookType.AROUND),
+        ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", record_batch_slots, HookType.AFTER),
         ("sglang.srt.sampling.sampling_params.SamplingParams.verify", request_control.validate_sampling_params,
          HookType.AFTER),
         ("sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._build_chat_response",
          request_control.add_openai_usage, HookType.AFTER),
         ("sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion._build_completion_response",
          request_control.add_openai_usage, HookType.AFTER),
+        ("sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._generate_chat_stream",
+         request_control.stream_openai_usage, HookType.AROUND),
+        ("sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion._generate_completion_stream",
+         request_control.stream_openai_usage, HookType.AROUND),
         ("sglang.srt.managers.schedule_batch.Req.__init__", request_control.isolate_prefix_cache, HookType.AFTER),
         ("sglang.srt.managers.scheduler.Scheduler.init_metrics_reporter", metrics.install, HookType.AFTER),
         ("sglang.srt.observability.metrics_collector.SchedulerMetricsCollector.log_stats", metrics.log_stats,

@@ -27,8 +27,9 @@ class ServingSettings:
     gates_path : gate checkpoint (directory or official ``.pt``); None = fresh gates, which admit
         every token (output bias 3.0, g ~ 0.95 >= tau).
     seed : seeds the fresh gates and the random-admission generator (reproducible runs).
-    attention : ``reference`` (torch, any device), ``kernels`` (Triton prefill + FlashInfer decode,
-        CUDA, fp16/bf16) or ``auto`` (kernels where they fit, reference otherwise).
+    attention : ``reference`` (torch, any device), ``kernels`` (Triton prefill and decode, CUDA,
+        fp16/bf16; decode runs under SGLang's CUDA graphs) or ``auto`` (kernels where they fit,
+        reference otherwise).
     """
 
     config: WGKVConfig = field(default_factory=WGKVConfig)
@@ -39,6 +40,17 @@ class ServingSettings:
     def __post_init__(self):
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}")
+
+    def decode_graph_blocker(self, device: str | None, dtype: str | None = None) -> str | None:
+        """Why the ``wgkv`` decode cannot run under SGLang's CUDA graphs with SGLang's ``--device`` and
+        ``--dtype`` (None: auto-detected), or None when it can (kernels path on CUDA)."""
+        import torch
+
+        if device not in (None, "cuda") or (device is None and not torch.cuda.is_available()):
+            return f"device {device or 'cpu'}"
+        if self.attention == "reference" or (self.attention == "auto" and dtype in ("float32", "float")):
+            return "the reference attention syncs with the host every layer"
+        return None
 
     def to_env(self) -> str:
         return json.dumps({"config": asdict(self.config), "gates_path": self.gates_path, "seed": self.seed,

@@ -32,7 +32,7 @@ evicted from; ``stream_triggers`` counts per stream.
 Call protocol (the attention backend; every call is cheap when nothing is evicted)::
 
     pool.begin_extend(...)            | pool.begin_decode(...)
-    per layer: evictor.observe_extend |   per layer: evictor.observe_decode(layer, q)
+    per layer: evictor.observe_extend |   per layer: evictor.observe_decode(layer, q[, req, pos])
                (layer, q)             |
     ... forward ends ...
     evictor.maybe_evict()             # at a step boundary: after the last layer, or before the
@@ -174,8 +174,19 @@ class SnapKVEvictor:
         dev = self.pool.device
         return tuple(torch.as_tensor(np.concatenate(x), dtype=torch.int64, device=dev) for x in (req, src, pos))
 
-    def observe_decode(self, layer: int, q: torch.Tensor) -> None:
-        """Record the queries ``[B, Hq, D]`` of the pool's current decode step for ``layer`` (no sync)."""
+    def observe_decode(self, layer: int, q: torch.Tensor, req: torch.Tensor | None = None,
+                       pos: torch.Tensor | None = None) -> None:
+        """Record the queries ``[B, Hq, D]`` of the pool's current decode step for ``layer`` (no sync).
+
+        ``req``, ``pos`` (``[B]`` int64): the rows' request slots and positions, given explicitly
+        under a CUDA graph (device indexing only, so the call can be captured; the graph's padded
+        rows point at a slot no request owns).
+        """
+        if req is not None:
+            slot = pos % self.window
+            self.q_pos[req, slot] = pos
+            self.q_buf[req, layer, slot] = q.to(self.q_buf.dtype)
+            return
         plan = self.pool._decode
         if plan is None:
             raise RuntimeError("observe_decode without pool.begin_decode")

@@ -1,0 +1,163 @@
+"""The ``wgkv`` backend's CUDA-graph decode bookkeeping against its eager reference decode, on CPU.
+
+Run as a script under the Triton interpreter (``TRITON_INTERPRET=1`` must precede the kernel
+imports), by :mod:`tests.test_backend_graph_cpu`::
+
+    TRITON_INTERPRET=1 python tests/backend_graph_check.py
+
+Two identical pools hold three prefilled requests (one past W_local, so with global pages; slot 0 is
+SGLang's padding row). Backend A decodes them eagerly on the reference path; backend B runs what a
+decode CUDA graph runs: capture preparation (every row padding) plus two warm-up forwards, then the
+replay preparation for a batch of 3 padded to 5 and the per-layer kernels path (gate -> admission ->
+``decode_write`` -> ``folded_decode``). Checks: capture and warm-up leave every live request's pool
+state untouched; the replay gives A's attention outputs and pool state (per-request tau included);
+the evictor's window records the same queries. Prints ``OK`` or raises.
+"""
+
+import copy
+from types import SimpleNamespace
+
+import torch
+
+from sglang_wgkv.config import WGKVConfig
+from sglang_wgkv.integration.backend import SCRATCH_SLOT, WGKVAttnBackend, _DecodeRows
+from sglang_wgkv.memory import DualCachePool
+from sglang_wgkv.memory.evictor import SnapKVEvictor
+
+L, H, HQ, D, W = 2, 2, 4, 64, 32
+DT = torch.bfloat16
+SLOTS, PLENS = [3, 1, 2], [45, 20, 33]   # batch order != slot order
+TAU = {1: float("-inf"), 2: 0.5, 3: 0.3}  # per-request thresholds (slot 1: admission off)
+
+
+class Mode:
+    def __init__(self, decode: bool):
+        self.decode = decode
+
+    def is_idle(self):
+        return False
+
+    def is_decode(self):
+        return self.decode
+
+    def is_extend(self):
+        return not self.decode
+
+    def is_mixed(self):
+        return False
+
+
+class Capture:
+    def take(self, k):
+        return k
+
+
+def gates(layer_id, k_pre, k):
+    """Deterministic stand-in for the write gate: values in (0, 1) from the key."""
+    return torch.sigmoid(k.float().sum(-1) * (layer_id + 1))
+
+
+def make_backend(pool: DualCachePool, use_kernels: bool) -> WGKVAttnBackend:
+    b = object.__new__(WGKVAttnBackend)
+    slot_tau = torch.full((pool.max_requests,), pool.config.tau)
+    for r, t in TAU.items():
+        slot_tau[r] = t
+    b.__dict__.update(
+        dual=pool, config=pool.config, device=pool.device, use_kernels=use_kernels, generator=None,
+        capture=Capture(), gates=gates, req_pool=SimpleNamespace(slot_tau=slot_tau), num_q_heads=HQ,
+        evictor=SnapKVEvictor(pool=pool, budget=10_000, num_q_heads=HQ, window=16), _extend=None,
+        _rows=None, _row_tau=None, batch_slots=None, _graph=None, _graph_launch={})
+    return b
+
+
+def build_pool() -> DualCachePool:
+    pool = DualCachePool(L, H, D, num_pages=200, max_requests=5, max_context_len=96,
+                         config=WGKVConfig(local_window=W, tau=0.1), dtype=DT)
+    gen = torch.Generator().manual_seed(0)
+    for r in SLOTS:
+        pool.alloc_request(r)
+    pool.begin_extend(SLOTS, [0, 0, 0], PLENS)
+    n = sum(PLENS)
+    for layer in range(L):
+        k, v = torch.randn(n, H, D, generator=gen), torch.randn(n, H, D, generator=gen)
+        pool.write_extend(layer, k, v, torch.rand(n, H, generator=gen) < 0.5)
+    return pool
+
+
+def layer_of(i):
+    return SimpleNamespace(layer_id=i, tp_q_head_num=HQ, tp_k_head_num=H, qk_head_dim=D, v_head_dim=D,
+                           scaling=D ** -0.5, sliding_window_size=None)
+
+
+def run_layers(backend, fb, q, k, v):
+    return [backend.forward_decode(q[i], k[i], v[i], layer_of(i), fb) for i in range(L)]
+
+
+def live_state(pool):
+    """Pool state of the live request slots and the allocator (the dump page excluded)."""
+    live = torch.tensor(SLOTS)
+    return {"page_table": pool.page_table[live].clone(), "global_len": pool.global_len[live].clone(),
+            "ring_flag": pool.ring_flag[live].clone(), "k": pool.k_pages[:-1].clone(),
+            "v": pool.v_pages[:-1].clone(), "ref": pool.allocator.ref.clone(),
+            "num_free": pool.allocator.num_free.clone(), "cached_len": pool.cached_len.copy()}
+
+
+def assert_same(a, b, what):
+    for key in a:
+        same = (a[key] == b[key]).all() if isinstance(a[key], torch.Tensor) else (a[key] == b[key]).all()
+        assert bool(same), f"{what}: {key} differs"
+
+
+def main():
+    pool_a = build_pool()
+    pool_b = copy.deepcopy(pool_a)
+    a, b = make_backend(pool_a, use_kernels=False), make_backend(pool_b, use_kernels=True)
+    gen = torch.Generator().manual_seed(1)
+    B, BS = len(SLOTS), 5
+
+    # -- capture: every row padding; the forwards of warm-up and capture must not touch live state
+    b.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
+    before = live_state(pool_b)
+    cap = SimpleNamespace(forward_mode=Mode(True), batch_size=BS, num_padding=0,
+                          req_pool_indices=torch.zeros(BS, dtype=torch.int64), seq_lens=torch.ones(BS, dtype=torch.int64),
+                          seq_lens_cpu=torch.ones(BS, dtype=torch.int64))
+    b.init_forward_metadata_out_graph(cap, in_capture=True)
+    assert (b._rows.req == SCRATCH_SLOT).all() and (b._rows.ring == 1).all()
+    for _ in range(2):
+        out = run_layers(b, cap, *(torch.randn(L, BS, n * D, generator=gen).to(DT) for n in (HQ, H, H)))
+        assert all(torch.isfinite(o.float()).all() for o in out)
+    assert_same(before, live_state(pool_b), "capture/warm-up")
+    assert not pool_b.active[SCRATCH_SLOT] and bool((pool_b.page_table[SCRATCH_SLOT] == pool_b.dump_page).all())
+
+    # -- one step: A eager reference, B replay preparation of 3 rows padded to 5 + kernels path
+    seq = torch.tensor(PLENS) + 1
+    q, k, v = (torch.randn(L, B, n * D, generator=gen).to(DT) for n in (HQ, H, H))
+    fb_a = SimpleNamespace(forward_mode=Mode(True), batch_size=B, req_pool_indices=torch.tensor(SLOTS),
+                           seq_lens=seq, seq_lens_cpu=seq, wgkv_req_slots=list(SLOTS))
+    a.init_forward_metadata(fb_a)
+    out_a = run_layers(a, fb_a, q, k, v)
+
+    pad = lambda t, fill: torch.cat([t, torch.full((BS - B,), fill, dtype=t.dtype)])  # noqa: E731
+    view = SimpleNamespace(forward_mode=Mode(True), batch_size=BS, num_padding=BS - B,
+                           req_pool_indices=pad(torch.tensor(SLOTS), 0), seq_lens=pad(seq, 1),
+                           seq_lens_cpu=pad(seq, 1))
+    b.batch_slots = list(SLOTS)
+    b.init_forward_metadata_out_graph(view)
+    rows: _DecodeRows = b._rows
+    assert rows.req.tolist() == SLOTS + [SCRATCH_SLOT] * 2
+    assert torch.equal(rows.tau[:B, 0], torch.tensor([TAU[r] for r in SLOTS]))
+    junk = lambda t, n: torch.cat([t, torch.randn(L, BS - B, n * D, generator=gen).to(DT)], 1)  # noqa: E731
+    out_b = run_layers(b, view, junk(q, HQ), junk(k, H), junk(v, H))
+    assert_same(live_state(pool_a), live_state(pool_b), "replay vs eager")
+    for i in range(L):
+        err = (out_b[i][:B].float() - out_a[i].float()).abs().max().item()
+        assert err < 5e-2, f"layer {i}: graph-path output differs from the reference by {err}"
+    ev_a, ev_b = a.evictor, b.evictor
+    live = torch.tensor(SLOTS)
+    assert torch.equal(ev_a.q_pos[live], ev_b.q_pos[live]) and torch.equal(ev_a.q_buf[live], ev_b.q_buf[live])
+    pool_b.check_integrity()
+    print("OK")
+
+
+if __name__ == "__main__":
+    main()

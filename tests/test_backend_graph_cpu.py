@@ -1,0 +1,19 @@
+"""The wgkv backend's CUDA-graph decode path (capture/replay preparation, padded rows on the scratch
+slot, kernels path per layer) against its eager reference decode, under the Triton interpreter.
+
+One subprocess (``TRITON_INTERPRET=1`` must be set before the kernels are imported); see
+:mod:`backend_graph_check` for what is checked.
+"""
+
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_graph_decode_path_matches_eager_reference():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "backend_graph_check.py")], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=os.path.dirname(HERE))
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-3000:] + proc.stderr[-3000:]
