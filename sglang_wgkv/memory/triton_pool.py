@@ -239,8 +239,8 @@ def decode_promote(pool, req: torch.Tensor, pos: torch.Tensor, plan_out=None, lo
     flags = pool.ring_flag.view(torch.uint8)
     _promote_alloc_kernel[(1,)](req, pos, flags, pool.global_len, pool.page_table, alloc.free_stack,
                                 alloc.num_free, alloc.ref, pool.left_ring, pool.promoted,
-                                B * LH, LH, W, pool.ring_cols, cols, BLOCK=min(PROMOTE_SCAN_BLOCK, triton.next_power_of_2(B * LH)),
-                                num_warps=4)
+                                B * LH, LH, W, pool.ring_cols, cols,
+                                BLOCK=min(PROMOTE_SCAN_BLOCK, triton.next_power_of_2(B * LH)), num_warps=4)
     if lower_floor:
         alloc.free_floor -= B * LH
     block_r = min(64, triton.next_power_of_2(LH))
