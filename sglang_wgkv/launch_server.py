@@ -10,7 +10,9 @@ WG-KV options (all others go to SGLang unchanged)::
     --wgkv-local-window W         W_local, a multiple of 16 (default 256)
     --wgkv-random-admission P     admit each (token, head) with probability P; the gate still runs
     --wgkv-seed S                 seed of fresh gates and random admission (default 0)
-    --wgkv-attention IMPL         auto (kernels on CUDA), reference (torch) or kernels
+    --wgkv-attention IMPL         auto (kernels on CUDA), reference (torch) or kernels; the kernels' decode
+                                  runs under SGLang's decode CUDA graphs (off with --disable-decode-cuda-graph;
+                                  always off on CPU and with reference)
     --disable-wgkv                plain SGLang (dense attention) with the same defaults; with --kv-budget,
                                   the SnapKV-only baseline (admit every token, evict to the budget)
 

@@ -365,6 +365,8 @@ class WGKVAttnBackend(AttentionBackend):
 
         if self.evictor is not None:
             self.evictor.observe_decode(layer.layer_id, q3, req=rows.req, pos=rows.pos)
+        if k3.stride() != v3.stride() or k3.stride(2) != 1:  # decode_write reads both with k's strides
+            k3, v3 = k3.contiguous(), v3.contiguous()
         decode_write(self.dual, layer.layer_id, rows.req, rows.pos, k3, v3, admit)
         out = folded_decode(q3.to(self.dual.dtype), self.dual.k_pages, self.dual.v_pages, self.dual.page_table,
                             self.dual.global_len, rows.req, rows.ring, layer.layer_id, sm_scale=layer.scaling,

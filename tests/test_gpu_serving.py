@@ -1,0 +1,147 @@
+"""WG-KV serving on the GPU: the kernels path with decode CUDA graphs against the torch reference path.
+
+Two servers on the embedded SmolLM2 (its real weights, bfloat16; skipped when its GGUF is not
+installed), same gates: per-KV-head fixed biases (head 0 admits nothing at the default tau, heads 1
+and 2 everything) and W_local = 64, so decode steps promote ring victims and drop head 0's:
+
+* ``kernels``: Triton prefill, ``decode_write`` + ``folded_decode`` decode under SGLang's decode
+  CUDA graphs (small capture set, padded batches);
+* ``reference``: the torch reference attention, no CUDA graphs.
+
+Checks: greedy continuations agree (up to a divergence at a near-tie of the reference's top-2
+logprobs, which bfloat16 noise may flip) and the chosen tokens' logprobs are close, one by one and
+as one concurrent batch of different lengths (prompts shorter and longer than W_local, one crossing
+it while decoding); the kernels server logs decode batches run on CUDA graphs; per-request tau holds
+under graphs; after aborted streams the idle check (no slot or page leaked, integrity) passes.
+"""
+
+import json
+import threading
+
+import pytest
+import requests
+import torch
+
+from serving_support import Server, long_prompt, save_head_gates
+
+pytestmark = [pytest.mark.gpu, pytest.mark.serving,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device)")]
+
+W_LOCAL = 64
+NEW_TOKENS = 48
+LOGPROB_TOL = 0.15   # bf16, Triton vs torch attention and graph vs eager GEMMs
+TIE_GAP = 0.3        # a greedy divergence is accepted where the reference's top-2 are this close
+PROMPTS = [
+    "The capital of France is",
+    long_prompt(4),              # ~50 tokens: crosses W_local while decoding
+    long_prompt(25, seed=1),     # ~300 tokens
+    long_prompt(45, seed=3),     # ~560 tokens
+]
+
+
+def _model_dir():
+    from sglang_wgkv.embedded_model import ensure_embedded_model, find_gguf
+
+    try:
+        find_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(f"embedded model not installed: {e}")
+    return str(ensure_embedded_model())
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gpu_serving")
+    save_head_gates(tmp / "gates", [-30.0, 30.0, 30.0], W_LOCAL)
+    common = ["--model-path", _model_dir(), "--dtype", "bfloat16", "--max-total-tokens", "40000",
+              "--mem-fraction-static", "0.3", "--sampling-backend", "pytorch", "--log-level", "info",
+              "--decode-log-interval", "4", "--wgkv-local-window", str(W_LOCAL), "--wgkv-gates", str(tmp / "gates")]
+    kernels = Server([*common, "--wgkv-attention", "kernels", "--cuda-graph-max-bs-decode", "8"],
+                     tmp / "kernels.log")
+    reference = Server([*common, "--wgkv-attention", "reference"], tmp / "reference.log")
+    try:
+        yield kernels.wait_healthy(), reference.wait_healthy()
+    finally:
+        kernels.stop()
+        reference.stop()
+
+
+def _run(server, prompts):
+    outs = server.generate(prompts, max_new_tokens=NEW_TOKENS, return_logprob=True, top_logprobs_num=2,
+                           sampling_params={"ignore_eos": True})
+    return [(o["output_ids"], [lp[0] for lp in o["meta_info"]["output_token_logprobs"]],
+             [[lp[0] for lp in top] for top in o["meta_info"]["output_top_logprobs"]]) for o in outs]
+
+
+def _agree(got, want, prompt):
+    """Same tokens and close logprobs up to the first divergence, which must be a near-tie."""
+    ids, lps, _ = got
+    ref_ids, ref_lps, ref_top = want
+    n = next((i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), len(ref_ids))
+    if n < len(ref_ids):
+        gap = ref_top[n][0] - ref_top[n][1]
+        assert gap < TIE_GAP, f"{prompt[:50]!r}: token {n} differs ({ids[n]} vs {ref_ids[n]}), top-2 gap {gap:.3f}"
+    err = max((abs(a - b) for a, b in zip(lps[:n + 1], ref_lps[:n + 1])), default=0.0)
+    assert err < LOGPROB_TOL, f"{prompt[:50]!r}: logprobs differ by {err:.3f} within the first {n + 1} tokens"
+    return n
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["one_by_one", "batched"])
+def test_kernels_with_cuda_graphs_match_reference(servers, batched):
+    kernels, reference = servers
+    if batched:
+        got, want = _run(kernels, PROMPTS), _run(reference, PROMPTS)
+    else:
+        got = [_run(kernels, [p])[0] for p in PROMPTS]
+        want = [_run(reference, [p])[0] for p in PROMPTS]
+    agreed = [_agree(g, w, p) for p, g, w in zip(PROMPTS, got, want)]
+    assert sum(agreed) >= len(PROMPTS) * NEW_TOKENS // 2, f"greedy prefixes too short: {agreed}"
+    assert "cuda graph: True" in kernels.log_path.read_text(), "no decode batch ran on a CUDA graph"
+    stats = kernels.wait_idle_checked()
+    assert stats["tokens_left_ring"] > 0
+
+
+def test_per_request_tau_under_cuda_graphs(servers):
+    """One batch, three thresholds: head 0 admits nothing at tau 0.1, everything at tau 0 or with
+    admission off. Decoding 96 tokens past W_local = 64 puts graph-decoded tokens through the ring."""
+    kernels, _ = servers
+    params = [{"max_new_tokens": 96, "temperature": 0, "ignore_eos": True, **extra} for extra in
+              ({}, {"custom_params": {"wgkv": {"tau": 0.0}}}, {"custom_params": {"wgkv": {"admission": False}}})]
+    r = requests.post(kernels.url + "/generate", json={"text": ["Hi"] * 3, "sampling_params": params}, timeout=600)
+    r.raise_for_status()
+    default, tau0, off = (o["meta_info"]["wgkv"][-1] for o in r.json())
+    assert default["admitted_fraction"] == pytest.approx(2 / 3, abs=1e-6)
+    assert tau0["admitted_fraction"] == pytest.approx(1.0) and off["admitted_fraction"] == pytest.approx(1.0)
+    kernels.wait_idle_checked()
+
+
+def _stream(server, rid, prompt, abort_after, results):
+    body = {"text": prompt, "rid": rid, "stream": True,
+            "sampling_params": {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}}
+    chunks, last = 0, None
+    with requests.post(server.url + "/generate", json=body, stream=True, timeout=600) as r:
+        for line in r.iter_lines():
+            if line.startswith(b"data:") and line != b"data: [DONE]":
+                chunks, last = chunks + 1, line
+                if chunks == abort_after:
+                    requests.post(server.url + "/abort_request", json={"rid": rid}, timeout=60).raise_for_status()
+    results[rid] = json.loads(last[len(b"data:"):])["meta_info"]
+
+
+def test_aborts_under_cuda_graphs_leave_pool_intact(servers):
+    kernels, _ = servers
+    rids = [f"gpu-abort-{i}" for i in range(6)]
+    results = {}
+    threads = [threading.Thread(target=_stream, args=(kernels, rid, long_prompt(3 + 5 * i, seed=i),
+                                                      4 if i % 2 == 0 else None, results))
+               for i, rid in enumerate(rids)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    for i, rid in enumerate(rids):
+        reason = results[rid]["finish_reason"]["type"]
+        assert reason == ("abort" if i % 2 == 0 else "length"), results[rid]
+    stats = kernels.wait_idle_checked()
+    assert stats["free_pages"] + stats["radix"]["snapshot_pages"] == stats["total_pages"]
+    assert kernels.alive()
