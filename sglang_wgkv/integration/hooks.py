@@ -6,7 +6,7 @@ Every hook is inert unless ``--attention-backend wgkv`` is selected.
 target (sglang.srt. ...)                                type    effect with wgkv
 ======================================================  ======  ==========================================
 server_args.ServerArgs.__post_init__                    BEFORE  validate options; radix_ext cache, graphs
-...KVCacheConfigurator._derive_pool_sizes               AFTER   split the budget: logical vs physical
+...KVCacheConfigurator._derive_pool_sizes               AFTER   capacity split (bounded with --kv-budget)
 ...KVCacheConfigurator._build_default_req_pool          AROUND  WGKVReqToTokenPool (request lifecycle)
 ...KVCacheConfigurator._build_token_to_kv_pool          AROUND  DualCachePool + WGKVTokenToKVPool
 ...SchedulerInvariantChecker._check_req_pool            AFTER   idle: no slot, no page held, integrity
@@ -27,6 +27,9 @@ from sglang_wgkv.integration.settings import BACKEND_NAME, ServingSettings
 logger = logging.getLogger(__name__)
 
 CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+# capacity split of each KV-cache configurator, from _derive_pool_sizes to _build_token_to_kv_pool
+# (the configurator takes no new attributes)
+_SPLITS: dict = {}
 INVARIANT_CHECKER = "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker"
 
 
@@ -81,37 +84,45 @@ def prepare_server_args(server_args, *args, **kwargs):
 
 
 def split_pool_sizes(sizes, configurator, *args, **kwargs):
-    """AFTER ``_derive_pool_sizes``: SGLang's logical pool gets the budget minus per-request slack."""
+    """AFTER ``_derive_pool_sizes``: with ``--kv-budget`` and chunked prefill, the bounded split
+    (request slots from the per-request bound, logical pool = slots x context length; see
+    :mod:`~sglang_wgkv.integration.kv_pool`); otherwise the logical pool is the budget minus
+    per-request slack. The split is kept for :func:`build_kv_pool` (same configurator, same process)."""
     if not wgkv_selected(configurator.server_args):
         return None
-    from sglang_wgkv.integration.kv_pool import split_capacity
+    from sglang_wgkv.integration.kv_pool import bounded_split, evictor_window_tokens, split_capacity
 
-    args = configurator.server_args
+    args, mc = configurator.server_args, configurator.model_config
     config = ServingSettings.from_env().config
-    window = None if args.disable_radix_cache else config.local_window
-    if config.kv_budget is not None:
-        sizes = _carve_evictor_windows(sizes, configurator.model_config, config)
-    split = split_capacity(sizes.max_total_num_tokens, sizes.max_running_requests, prefix_cache_window=window)
-    logger.info("wgkv: KV budget %d tokens -> %d logical tokens, %d request slots, %d prefix-restore slots",
-                split.physical_tokens, split.logical_tokens, split.max_requests, split.restore_slots)
+    split = None
+    chunk = args.chunked_prefill_size
+    if config.kv_budget is not None and chunk is not None and chunk > 0:
+        window = evictor_window_tokens(mc.num_attention_heads, mc.num_key_value_heads,
+                                       min(256, config.local_window))
+        split = bounded_split(sizes.max_total_num_tokens, sizes.max_running_requests,
+                              kv_budget=config.kv_budget, local_window=config.local_window, chunk_tokens=chunk,
+                              context_len=mc.context_len, window_tokens=window,
+                              prefix_cache=not args.disable_radix_cache)
+        if split is None:
+            logger.warning("wgkv: KV budget %d tokens cannot hold one request under --kv-budget %d plus a "
+                           "prefill chunk of %d; using the dense-equivalent split (lower "
+                           "--chunked-prefill-size for the bounded one)", sizes.max_total_num_tokens,
+                           config.kv_budget, chunk)
+        else:
+            logger.info("wgkv: bounded mode: KV budget %d tokens -> %d request slots of at most %d tokens "
+                        "each, %d logical tokens, %d prefix-restore slots", sizes.max_total_num_tokens,
+                        split.max_requests, config.local_window + config.kv_budget, split.logical_tokens,
+                        split.restore_slots)
+    if split is None:
+        if config.kv_budget is not None:
+            sizes = _carve_evictor_windows(sizes, mc, config)
+        window = None if args.disable_radix_cache else config.local_window
+        split = split_capacity(sizes.max_total_num_tokens, sizes.max_running_requests, prefix_cache_window=window)
+        logger.info("wgkv: KV budget %d tokens -> %d logical tokens, %d request slots, %d prefix-restore slots",
+                    split.physical_tokens, split.logical_tokens, split.max_requests, split.restore_slots)
+    _SPLITS[id(configurator)] = split
     return msgspec.structs.replace(sizes, max_total_num_tokens=split.logical_tokens,
                                    max_running_requests=split.max_requests)
-
-
-def _carve_evictor_windows(sizes, model_config, config):
-    """With ``--kv-budget`` the evictor keeps ``min(256, W_local)`` queries per (request slot, layer):
-    that memory comes out of SGLang's KV budget, and at most a quarter of the budget goes to it (fewer
-    request slots past that), so the process stays inside the memory SGLang planned for."""
-    from sglang_wgkv.integration.kv_pool import evictor_window_tokens
-
-    per_request = evictor_window_tokens(model_config.num_attention_heads,
-                                        model_config.num_key_value_heads, min(256, config.local_window))
-    budget = sizes.max_total_num_tokens
-    requests = min(sizes.max_running_requests, max(1, budget // 4 // per_request))
-    logger.info("wgkv: evictor query windows take %d tokens of the KV budget (%d request slots)",
-                requests * per_request, requests)
-    return msgspec.structs.replace(sizes, max_total_num_tokens=budget - requests * per_request,
-                                   max_running_requests=requests)
 
 
 def build_req_pool(original, configurator, *, max_num_reqs: int, extra_max_context_len: int):
@@ -137,7 +148,7 @@ def build_kv_pool(original, configurator, *, sizes, is_dsa_model, is_dsv4_model,
                         req_to_token_pool=req_to_token_pool)
     from sglang.srt.runtime_context import get_parallel
 
-    from sglang_wgkv.integration.kv_pool import SLACK_TOKENS, WGKVTokenToKVPool, physical_pages, recover_split
+    from sglang_wgkv.integration.kv_pool import WGKVTokenToKVPool, physical_pages
     from sglang_wgkv.integration.req_pool import WGKVReqToTokenPool
     from sglang_wgkv.memory import DualCachePool
 
@@ -151,12 +162,10 @@ def build_kv_pool(original, configurator, *, sizes, is_dsa_model, is_dsv4_model,
                          f"got {type(req_to_token_pool).__name__}")
     num_layers = configurator.layer_info.num_effective_layers
     num_kv_heads = mc.get_num_kv_heads(get_parallel().attn_tp_size)
-    physical_tokens = sizes.max_total_num_tokens + SLACK_TOKENS * sizes.max_running_requests
-    restore_slots = 0
-    if not configurator.server_args.disable_radix_cache:
-        split = recover_split(sizes.max_total_num_tokens, sizes.max_running_requests,
-                              ServingSettings.from_env().config.local_window)
-        physical_tokens, restore_slots = split.physical_tokens, split.restore_slots
+    split = _SPLITS.pop(id(configurator))  # set by split_pool_sizes
+    if (split.logical_tokens, split.max_requests) != (sizes.max_total_num_tokens, sizes.max_running_requests):
+        raise RuntimeError(f"wgkv: pool sizes {sizes} differ from the capacity split {split}")
+    physical_tokens, restore_slots = split.physical_tokens, split.restore_slots
     dual = DualCachePool(
         num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=mc.head_dim,
         num_pages=physical_pages(physical_tokens, num_layers, num_kv_heads),

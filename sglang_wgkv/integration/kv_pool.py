@@ -23,8 +23,24 @@ page space per request across its streams. Hence::
 
 :func:`split_capacity` applies this to the token count SGLang derived from its memory budget (or
 ``--max-total-tokens``): the dual pool gets the whole budget, the logical pool the remainder, and
-``PoolExhausted`` cannot happen during a forward. Admission makes the physical use smaller than the
-logical one; turning that headroom into more concurrent requests is the evictor/scale work.
+``PoolExhausted`` cannot happen during a forward. Admission alone makes the physical use smaller
+than the logical one but, the scheduler counting logical tokens, admits no more requests than a dense
+pool would; the bounded mode below turns the headroom into concurrency.
+
+Bounded mode (``--kv-budget B`` with chunked prefill). The SnapKV evictor cuts every stream back to
+``B`` global tokens at each step boundary, so a request's physical footprint no longer grows with its
+context: between steps a stream holds its ring (``W_local/16`` pages) and at most ``ceil(B/16)``
+global pages. One step adds at most, per stream, one page per decoding request, or ``ceil(n/16) + 1``
+pages per extending request of ``n`` new tokens, and SGLang puts at most ``chunked_prefill_size`` (C)
+new tokens into one extend batch. In dense-token units (one token = ``layers x KV heads / 16``
+pages)::
+
+    physical tokens >= R * (W_local + 16 ceil(B/16) + 32 + evictor window) + 16 ceil(C/16)
+
+holds for ``R`` request slots whatever their lengths, so :func:`bounded_split` gives SGLang ``R`` slots
+and a logical pool of ``R x context length`` tokens: admission is limited by request slots only (more
+concurrent requests than a dense pool of the same memory whenever contexts exceed the per-request
+bound), and ``PoolExhausted`` still cannot happen during a forward; requests beyond ``R`` queue.
 
 With prefix caching (:mod:`radix_ext`) a request restored from a snapshot holds a private copy of a
 ring whose tokens the tree already counts: up to ``W_local + 16`` tokens per stream more. The split
@@ -92,16 +108,35 @@ def split_capacity(budget_tokens: int, max_running_requests: int,
     return CapacitySplit(logical, requests, budget_tokens, slots)
 
 
-def recover_split(logical_tokens: int, max_requests: int, prefix_cache_window: int) -> CapacitySplit:
-    """The :func:`split_capacity` result that gave ``logical_tokens`` and ``max_requests`` (SGLang
-    hands the KV-pool builder only the split sizes)."""
-    ring = prefix_cache_window + PAGE_SIZE
-    for slots in range(1, max(1, max_requests // 2) + 1):
-        budget = logical_tokens + SLACK_TOKENS * max_requests + slots * ring
-        split = split_capacity(budget, max_requests, prefix_cache_window)
-        if (split.logical_tokens, split.max_requests, split.restore_slots) == (logical_tokens, max_requests, slots):
-            return split
-    raise ValueError(f"no KV budget splits into {logical_tokens} logical tokens and {max_requests} requests")
+def request_bound_tokens(kv_budget: int, local_window: int) -> int:
+    """Dense-token equivalent of one request's pages between steps in bounded mode (ring + budget)."""
+    return local_window + PAGE_SIZE * -(-kv_budget // PAGE_SIZE)
+
+
+def bounded_split(budget_tokens: int, max_running_requests: int, *, kv_budget: int, local_window: int,
+                  chunk_tokens: int, context_len: int, window_tokens: int = 0,
+                  prefix_cache: bool = False) -> CapacitySplit | None:
+    """The bounded-mode split (module docstring) of SGLang's KV budget, or None when the budget cannot
+    hold one request plus the extend reserve. ``window_tokens``: the evictor's query window per request
+    slot (also carved from the budget); ``physical_tokens`` is what is left for the dual pool. With
+    ``prefix_cache``, snapshots pinned between a match and their restore (at most ``restore_slots``)
+    get a reserve of one request bound each (unpinned snapshots are dropped when a step needs room)."""
+    steady = request_bound_tokens(kv_budget, local_window)
+    per_request = steady + 2 * PAGE_SIZE + window_tokens
+    fixed = PAGE_SIZE * -(-chunk_tokens // PAGE_SIZE)
+
+    def fit(reserve: int) -> int:
+        return min(max_running_requests, (budget_tokens - fixed - reserve) // per_request)
+
+    requests, slots = fit(0), 0
+    if prefix_cache and requests >= 1:
+        cap = max(1, int(budget_tokens * MAX_RESTORE_FRACTION) // (steady + PAGE_SIZE))
+        slots = max(1, min(requests // 2, cap))
+        requests = fit(slots * (steady + PAGE_SIZE))
+    if requests < 1:
+        return None
+    return CapacitySplit(logical_tokens=requests * context_len, max_requests=requests,
+                         physical_tokens=budget_tokens - requests * window_tokens, restore_slots=slots)
 
 
 def evictor_window_tokens(num_q_heads: int, num_kv_heads: int, window: int) -> int:

@@ -52,6 +52,7 @@ class WGKVReqToTokenPool(ReqToTokenPool):
     requests_started = 0
     requests_released = 0
     idle_checks = 0
+    peak_active = 0  # most requests holding a slot at once since start
     _checked_stamp: tuple[int, int] | None = None
     # radix_ext's SnapshotRadixCache when prefix caching is on: restores matched prefixes into
     # fresh slots and holds snapshot pages while idle.
@@ -82,6 +83,7 @@ class WGKVReqToTokenPool(ReqToTokenPool):
                 self.slot_admission[slot] = admission
                 self.slot_tau[slot] = admission.effective_tau(self.dual.config.tau)
             self.requests_started += len(fresh)
+            self.peak_active = max(self.peak_active, int(self.dual.active.sum()))
             if self.prefix_cache is not None:
                 self.prefix_cache.restore_prefixes(fresh)
         return slots
@@ -149,7 +151,7 @@ class WGKVReqToTokenPool(ReqToTokenPool):
             "random_admission": config.random_admission, "kv_budget": config.kv_budget,
             "page_bytes": self.dual.page_bytes,
             "requests_started": self.requests_started, "requests_released": self.requests_released,
-            "idle_checks": self.idle_checks,
+            "idle_checks": self.idle_checks, "peak_active_requests": self.peak_active,
             "idle_checked_released": self._checked_stamp[1] if self._checked_stamp else None,
             **({"radix": self.prefix_cache.stats()} if self.prefix_cache is not None else {}),
             **self.eviction_totals(),

@@ -12,12 +12,14 @@ Scheduler → response: when the request pool frees a finished request's slot it
 :func:`request_usage` and stores it in ``Req.customized_info["wgkv"]`` at the last output token
 (SGLang's per-token channel: scheduler → detokenizer → tokenizer manager ``meta_info``). So
 ``/generate`` returns ``meta_info["wgkv"]``, a list aligned with the output tokens whose last entry
-is the usage dict (earlier entries null); the OpenAI non-streaming responses get it as
-``usage["wgkv"]`` (:func:`add_openai_usage`).
+is the usage dict (earlier entries null); the OpenAI responses get it as ``usage["wgkv"]``:
+non-streaming ones in their body (:func:`add_openai_usage`), streaming ones in the final usage chunk
+that ``stream_options: {"include_usage": true}`` asks for (:func:`stream_openai_usage`).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -175,3 +177,46 @@ def add_openai_usage(response, serving, request, ret, *args, **kwargs):
     body = response.model_dump(mode="json")
     body["usage"][USAGE_KEY] = merge_usage(usages)
     return ORJSONResponse(content=body)
+
+
+class _UsageTap:
+    """Stands in for the tokenizer manager of one streaming call: passes everything through and
+    records the usage in each choice's ``meta_info`` as ``generate_request`` yields it."""
+
+    def __init__(self, manager):
+        self._manager = manager
+        self.usages: dict[int, dict] = {}
+
+    def __getattr__(self, name):
+        return getattr(self._manager, name)
+
+    async def generate_request(self, *args, **kwargs):
+        async for content in self._manager.generate_request(*args, **kwargs):
+            usage = usage_of(content.get("meta_info", {}))
+            if usage is not None:
+                self.usages[content.get("index", 0)] = usage
+            yield content
+
+
+class _ServingView:
+    """The OpenAI serving object with its ``tokenizer_manager`` replaced (other attributes delegate)."""
+
+    def __init__(self, serving, manager):
+        self._serving, self.tokenizer_manager = serving, manager
+
+    def __getattr__(self, name):
+        return getattr(self._serving, name)
+
+
+async def stream_openai_usage(original, serving, *args, **kwargs):
+    """AROUND ``OpenAIServingChat._generate_chat_stream`` / ``OpenAIServingCompletion._generate_completion_stream``:
+    the stream unchanged except for its usage chunk (``choices == []``, ``usage`` set), which gets
+    ``usage["wgkv"]`` from the streamed ``meta_info`` (merged over choices like :func:`add_openai_usage`)."""
+    tap = _UsageTap(serving.tokenizer_manager)
+    async for chunk in original(_ServingView(serving, tap), *args, **kwargs):
+        if tap.usages and chunk.startswith("data: {") and '"usage"' in chunk:
+            body = json.loads(chunk[len("data: "):])
+            if body.get("choices") == [] and isinstance(body.get("usage"), dict):
+                body["usage"][USAGE_KEY] = merge_usage([tap.usages[i] for i in sorted(tap.usages)])
+                chunk = f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+        yield chunk
