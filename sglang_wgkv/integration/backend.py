@@ -25,10 +25,12 @@ replay; per-layer work reads the step's rows from static device buffers (:class:
 views of ``[max_bs]`` tensors). Replay preparation runs the step's host bookkeeping and
 :meth:`DualCachePool.begin_decode` (ring pages, promotion) for the real rows and points the padded
 rows at :data:`SCRATCH_SLOT`, SGLang's padding request row (index 0, never given to a request), whose
-page-table rows are all dump pages: their writes land on the dump page and the evictor's window of
-a slot nobody owns. Capture and SGLang's warm-up runs see only padded rows, so they cannot touch a
-live request. Random admission draws the step's ``[B, L, H]`` uniforms eagerly with its own
-generator (nothing random is recorded in the graph).
+page-table rows are all dump pages: their K/V land on the dump page, their flags and (``--kv-budget``)
+queries in state of a slot nobody owns. Capture and SGLang's warm-up runs see only padded rows, so
+they cannot touch a live request. Random admission draws the step's ``[B, L, H]`` uniforms eagerly
+with its own generator (nothing random is recorded in the graph). The evictor's per-layer
+observation indexes the static rows (captured); its step-boundary eviction runs in replay
+preparation, outside the graph.
 
 Host request slots: SGLang's ForwardBatch has no host copy of ``req_pool_indices``;
 :func:`record_batch_slots` (a ``ForwardBatch.init_new`` hook) records ``[req.req_pool_idx for req in
