@@ -7,7 +7,8 @@ send a warm-up request, then ``--num-requests`` streaming ``/generate`` requests
 ``--prompt-tokens`` random token ids (``input_ids``: works with ``--skip-tokenizer-init``) and
 ``--output-tokens`` greedy tokens with EOS ignored; record output tokens/s over the whole run, TTFT
 and TPOT per request (p50/p99), and the most requests seen running at once (the largest
-``#running-req`` in the server's log; WG-KV also reports ``peak_active_requests``). Then stop it.
+``#running-req`` of the server's batch log lines; WG-KV also reports ``wgkv.peak_active_requests``,
+requests holding a slot, prefilling ones included). Then stop it.
 
     # H200, one device call per server (each writes a part), then merge here
     python benchmarks/serving_throughput.py --server upstream --part-out $OUT/serving_throughput.upstream.json
@@ -145,8 +146,8 @@ def run_server(a, server: str, log_dir: Path) -> dict:
                 pass
             time.sleep(2)
         rng = random.Random(a.seed)
-        warm = requests.post(url + "/generate", timeout=1800, json={
-            "input_ids": [rng.randrange(100, a.vocab_hi) for _ in range(64)],
+        warm = requests.post(url + "/generate", timeout=1800, json={  # compiles kernels before timing
+            "input_ids": [rng.randrange(100, a.vocab_hi) for _ in range(min(a.prompt_tokens, 8192))],
             "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}})
         warm.raise_for_status()
         result["startup_s"] = time.perf_counter() - t_launch
@@ -176,8 +177,7 @@ def run_server(a, server: str, log_dir: Path) -> dict:
         wgkv = info["internal_states"][0].get("wgkv")
         if wgkv is not None:
             result["wgkv"] = {k: v for k, v in wgkv.items() if not k.endswith("per_layer_head")}
-        result["max_running_seen"] = max(filter(None, [max_running_in_log(log_path.read_text(errors="replace")),
-                                                       (wgkv or {}).get("peak_active_requests")]), default=None)
+        result["max_running_seen"] = max_running_in_log(log_path.read_text(errors="replace"))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -202,7 +202,9 @@ def merge(parts: list[dict], label: str | None) -> dict:
             raise ValueError(f"parts ran different workloads: {p['workload']} vs {first['workload']}")
     merged = {"label": label or first.get("label"), "workload": first["workload"],
               "environment": [p["environment"] for p in parts], "runs": runs,
-              "summary": {s: {k: r.get(k) for k in SUMMARY_KEYS} for s, r in runs.items()}}
+              "summary": {s: {**{k: r.get(k) for k in SUMMARY_KEYS},
+                              "wgkv_peak_active_requests": (r.get("wgkv") or {}).get("peak_active_requests")}
+                          for s, r in runs.items()}}
     if "upstream" in runs and "wgkv" in runs and runs["upstream"].get("output_tok_s"):
         merged["wgkv_over_upstream_output_tok_s"] = runs["wgkv"]["output_tok_s"] / runs["upstream"]["output_tok_s"]
     return merged
