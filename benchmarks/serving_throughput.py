@@ -201,7 +201,8 @@ def merge(parts: list[dict], label: str | None) -> dict:
         if p["workload"] != first["workload"]:
             raise ValueError(f"parts ran different workloads: {p['workload']} vs {first['workload']}")
     merged = {"label": label or first.get("label"), "workload": first["workload"],
-              "environment": [p["environment"] for p in parts], "runs": runs,
+              "environment": [p["environment"] for p in parts],
+              "bench_commands": [p.get("bench_command") for p in parts], "runs": runs,
               "summary": {s: {**{k: r.get(k) for k in SUMMARY_KEYS},
                               "wgkv_peak_active_requests": (r.get("wgkv") or {}).get("peak_active_requests")}
                           for s, r in runs.items()}}
@@ -233,7 +234,7 @@ def plot(merged: dict, png: str) -> None:
         if len(keys) > 1:
             ax.legend(fontsize=7)
     w = merged["workload"]
-    fig.suptitle(f"{merged.get('label') or ''} {w['num_requests']} x ({w['prompt_tokens']} prompt + "
+    fig.suptitle(f"{merged.get('label') or 'serving throughput'}: {w['num_requests']} x ({w['prompt_tokens']} prompt + "
                  f"{w['output_tokens']} output) tokens, mem fraction {w['mem_fraction_static']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
@@ -275,11 +276,17 @@ def main(argv=None):
                                                "mem_fraction_static", "model_path", "seed")}
         log_dir = Path(a.part_out or a.out or "benchmarks/results/x").resolve().parent
         log_dir.mkdir(parents=True, exist_ok=True)
-        runs = [run_server(a, s, log_dir) for s in (a.server or ["upstream", "wgkv"])]
+        runs = []
+        for server in a.server or ["upstream", "wgkv"]:
+            try:
+                runs.append(run_server(a, server, log_dir))
+            except Exception as exc:  # recorded in the part (with its log beside it); the next server runs
+                runs.append({"server": server, "error": f"{type(exc).__name__}: {exc}"[-4000:]})
         part = {"label": a.label, "workload": workload, "environment": env,
                 "bench_command": shlex.join([Path(sys.executable).name, *sys.argv]), "runs": runs}
         for r in runs:
-            print(json.dumps({"server": r["server"], **{k: r.get(k) for k in SUMMARY_KEYS}}), flush=True)
+            print(json.dumps({"server": r["server"], "error": r.get("error"),
+                              **{k: r.get(k) for k in SUMMARY_KEYS}}), flush=True)
         if a.part_out:
             write(a.part_out, part)
         if not a.out:
