@@ -20,7 +20,7 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 @pytest.mark.core
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_interpreted_decode_matches_reference(name):
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")  # CPU even on a GPU host
     proc = subprocess.run([sys.executable, os.path.join(HERE, "interp_decode_check.py"), name], env=env,
                           capture_output=True, text=True, timeout=300)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
