@@ -125,6 +125,22 @@ def split_pool_sizes(sizes, configurator, *args, **kwargs):
                                    max_running_requests=split.max_requests)
 
 
+def _carve_evictor_windows(sizes, model_config, config):
+    """With ``--kv-budget`` the evictor keeps ``min(256, W_local)`` queries per (request slot, layer):
+    that memory comes out of SGLang's KV budget, and at most a quarter of the budget goes to it (fewer
+    request slots past that), so the process stays inside the memory SGLang planned for."""
+    from sglang_wgkv.integration.kv_pool import evictor_window_tokens
+
+    per_request = evictor_window_tokens(model_config.num_attention_heads,
+                                        model_config.num_key_value_heads, min(256, config.local_window))
+    budget = sizes.max_total_num_tokens
+    requests = min(sizes.max_running_requests, max(1, budget // 4 // per_request))
+    logger.info("wgkv: evictor query windows take %d tokens of the KV budget (%d request slots)",
+                requests * per_request, requests)
+    return msgspec.structs.replace(sizes, max_total_num_tokens=budget - requests * per_request,
+                                   max_running_requests=requests)
+
+
 def build_req_pool(original, configurator, *, max_num_reqs: int, extra_max_context_len: int):
     """AROUND ``_build_default_req_pool``: the request pool that owns dual-cache slot lifetimes."""
     if not wgkv_selected(configurator.server_args):
