@@ -94,8 +94,11 @@ def test_kernels_with_cuda_graphs_match_reference(servers, batched):
     else:
         got = [_run(kernels, [p])[0] for p in PROMPTS]
         want = [_run(reference, [p])[0] for p in PROMPTS]
-    agreed = [_agree(g, w, p) for p, g, w in zip(PROMPTS, got, want)]
-    assert sum(agreed) >= len(PROMPTS) * NEW_TOKENS // 2, f"greedy prefixes too short: {agreed}"
+    # Each prompt: identical tokens with logprobs within LOGPROB_TOL up to its first divergence, which
+    # must be a near-tie of the reference (bf16 rounding differs between the paths). No length bar:
+    # on the H200 a 300-token prompt legitimately split at token 5 on a 0.3-gap tie.
+    for p, g, w in zip(PROMPTS, got, want):
+        _agree(g, w, p)
     assert "cuda graph: True" in kernels.log_path.read_text(), "no decode batch ran on a CUDA graph"
     stats = kernels.wait_idle_checked()
     assert stats["tokens_left_ring"] > 0
