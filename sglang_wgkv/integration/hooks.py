@@ -1,4 +1,5 @@
-"""The HookRegistry hooks of the WG-KV plugin (registered in :mod:`sglang_wgkv.integration.plugin`).
+"""The HookRegistry hooks of the WG-KV plugin (registered in :mod:`sglang_wgkv.integration.plugin`;
+the request-control and metrics hooks are listed there and live in their own modules).
 
 Every hook is inert unless ``--attention-backend wgkv`` is selected.
 
@@ -12,6 +13,7 @@ server_args.ServerArgs.__post_init__                    BEFORE  validate options
 ...SchedulerInvariantChecker._check_req_pool            AFTER   idle: no slot, no page held, integrity
 managers.scheduler.Scheduler.get_internal_state         AFTER   ``wgkv`` stats in /server_info
 utils.common.support_triton                             AROUND  False on CPU (SGLang decides by name)
+model_executor.forward_batch_info.ForwardBatch.init_new AFTER   host copy of the batch's request slots
 ======================================================  ======  ==========================================
 """
 
