@@ -10,6 +10,9 @@ WG-KV options (all others go to SGLang unchanged)::
     --wgkv-local-window W         W_local, a multiple of 16 (default 256)
     --wgkv-random-admission P     admit each (token, head) with probability P; the gate still runs
     --wgkv-seed S                 seed of fresh gates and random admission (default 0)
+    --wgkv-overcommit F           F > 1: SGLang's token pool and request slots are F times the dense-equivalent
+                                  ones; the scheduler admits and retracts by the physical pool's free pages
+                                  (needs --disable-radix-cache; not with --kv-budget)
     --wgkv-attention IMPL         auto (kernels on CUDA), reference (torch) or kernels; the kernels' decode
                                   runs under SGLang's decode CUDA graphs (off with --disable-decode-cuda-graph;
                                   always off on CPU and with reference)
@@ -33,7 +36,7 @@ from sglang_wgkv.embedded_model import SHIPPED_GATES
 from sglang_wgkv.integration.settings import ATTENTION_IMPLS, BACKEND_NAME, ENV_VAR, ServingSettings
 
 WGKV_FLAGS = ("--kv-budget", "--wgkv-gates", "--wgkv-tau", "--wgkv-local-window",
-              "--wgkv-random-admission", "--wgkv-seed", "--wgkv-attention")
+              "--wgkv-random-admission", "--wgkv-seed", "--wgkv-attention", "--wgkv-overcommit")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--wgkv-random-admission", type=float, default=None)
     parser.add_argument("--wgkv-seed", type=int, default=0)
     parser.add_argument("--wgkv-attention", choices=ATTENTION_IMPLS, default="auto")
+    parser.add_argument("--wgkv-overcommit", type=float, default=None)
     parser.add_argument("--disable-wgkv", action="store_true")
     return parser
 
@@ -159,8 +163,11 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
         gates_path = os.path.abspath(ours.wgkv_gates)
     else:
         gates_path = None
-    settings = ServingSettings(config=config, gates_path=gates_path, seed=ours.wgkv_seed,
-                               attention=ours.wgkv_attention)
+    try:
+        settings = ServingSettings(config=config, gates_path=gates_path, seed=ours.wgkv_seed,
+                                   attention=ours.wgkv_attention, overcommit=ours.wgkv_overcommit)
+    except ValueError as e:
+        raise ValueError(f"invalid WG-KV option: {e}") from e
     env[ENV_VAR] = settings.to_env()
     return settings, sglang_argv, env
 

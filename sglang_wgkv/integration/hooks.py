@@ -14,6 +14,10 @@ server_args.ServerArgs.__post_init__                    BEFORE  validate options
 managers.scheduler.Scheduler.get_internal_state         AFTER   ``wgkv`` stats in /server_info
 utils.common.support_triton                             AROUND  False on CPU (SGLang decides by name)
 model_executor.forward_batch_info.ForwardBatch.init_new AFTER   host copy of the batch's request slots
+managers.scheduler.Scheduler.init_model_worker          AFTER   overcommit: cap one request's length
+managers.schedule_batch.ScheduleBatch.check_decode_mem  AFTER   overcommit: the dual pool holds the step
+managers.schedule_policy.PrefillAdder.add_one_req       AROUND  overcommit: the dual pool holds the prompt
+managers.schedule_policy.PrefillAdder.add_chunked_req   AROUND  overcommit: reserve the chunked prompt
 ======================================================  ======  ==========================================
 """
 
@@ -75,6 +79,8 @@ def prepare_server_args(server_args, *args, **kwargs):
         if server_args.radix_cache_backend not in (None, RADIX_BACKEND):
             raise ValueError(f"--attention-backend {BACKEND_NAME} needs --radix-cache-backend {RADIX_BACKEND} "
                              f"or --disable-radix-cache, got {server_args.radix_cache_backend!r}")
+        if ServingSettings.from_env().overcommit is not None:
+            raise ValueError("--wgkv-overcommit needs --disable-radix-cache")
         server_args.radix_cache_backend = RADIX_BACKEND
         server_args.disable_overlap_schedule = True
     server_args.disable_prefill_cuda_graph = True
@@ -86,7 +92,8 @@ def prepare_server_args(server_args, *args, **kwargs):
 
 
 def split_pool_sizes(sizes, configurator, *args, **kwargs):
-    """AFTER ``_derive_pool_sizes``: with ``--kv-budget`` and chunked prefill, the bounded split
+    """AFTER ``_derive_pool_sizes``: with ``--wgkv-overcommit``, the overcommit split
+    (:mod:`~sglang_wgkv.integration.overcommit`); with ``--kv-budget`` and chunked prefill, the bounded split
     (request slots from the per-request bound, logical pool = slots x context length; see
     :mod:`~sglang_wgkv.integration.kv_pool`); otherwise the logical pool is the budget minus
     per-request slack. The split is kept for :func:`build_kv_pool` (same configurator, same process)."""
@@ -95,10 +102,18 @@ def split_pool_sizes(sizes, configurator, *args, **kwargs):
     from sglang_wgkv.integration.kv_pool import bounded_split, evictor_window_tokens, split_capacity
 
     args, mc = configurator.server_args, configurator.model_config
-    config = ServingSettings.from_env().config
+    settings = ServingSettings.from_env()
+    config = settings.config
     split = None
     chunk = args.chunked_prefill_size
-    if config.kv_budget is not None and chunk is not None and chunk > 0:
+    if settings.overcommit is not None:
+        from sglang_wgkv.integration.overcommit import overcommit_split
+
+        split = overcommit_split(sizes.max_total_num_tokens, sizes.max_running_requests, settings.overcommit)
+        logger.info("wgkv: overcommit x%g: KV budget %d tokens -> %d logical tokens, %d request slots, "
+                    "requests of at most %d tokens", settings.overcommit, split.physical_tokens,
+                    split.logical_tokens, split.max_requests, split.max_request_tokens)
+    elif config.kv_budget is not None and chunk is not None and chunk > 0:
         window = evictor_window_tokens(mc.num_attention_heads, mc.num_key_value_heads,
                                        min(256, config.local_window))
         split = bounded_split(sizes.max_total_num_tokens, sizes.max_running_requests,
@@ -195,8 +210,8 @@ def build_kv_pool(original, configurator, *, sizes, is_dsa_model, is_dsv4_model,
     req_to_token_pool.attach(dual)
     return configurator._build_mha_kv_pool(
         max_total_num_tokens=sizes.max_total_num_tokens,
-        mha_pool_class=functools.partial(WGKVTokenToKVPool, dual=dual,
-                                         prefix_restore_slots=restore_slots),
+        mha_pool_class=functools.partial(WGKVTokenToKVPool, dual=dual, prefix_restore_slots=restore_slots,
+                                         overcommit_request_tokens=split.max_request_tokens),
     )
 
 

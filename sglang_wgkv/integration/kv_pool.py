@@ -25,7 +25,8 @@ page space per request across its streams. Hence::
 ``--max-total-tokens``): the dual pool gets the whole budget, the logical pool the remainder, and
 ``PoolExhausted`` cannot happen during a forward. Admission alone makes the physical use smaller
 than the logical one but, the scheduler counting logical tokens, admits no more requests than a dense
-pool would; the bounded mode below turns the headroom into concurrency.
+pool would; the bounded mode below and the overcommit mode (:mod:`.overcommit`: a larger logical
+pool, the scheduler checking the physical pool before each forward) turn the headroom into concurrency.
 
 Bounded mode (``--kv-budget B`` with chunked prefill). The SnapKV evictor cuts every stream back to
 ``B`` global tokens at each step boundary, so a request's physical footprint no longer grows with its
@@ -70,6 +71,7 @@ class CapacitySplit:
     max_requests: int         # SGLang's max_running_requests (request slots)
     physical_tokens: int      # dual-pool capacity, in tokens of all layers and heads
     restore_slots: int = 0    # prefix-restored requests that may run at once
+    max_request_tokens: int | None = None  # overcommit: longest request (integration/overcommit.py)
 
 
 # At most this fraction of the budget is reserved for the ring copies of prefix-restored requests.
@@ -158,9 +160,12 @@ class WGKVTokenToKVPool(MHATokenToKVPool):
     ``wgkv`` attention backend may touch the K/V: the token-slot accessors raise.
     """
 
-    def __init__(self, size: int, *args, dual: DualCachePool, prefix_restore_slots: int = 0, **kwargs):
+    def __init__(self, size: int, *args, dual: DualCachePool, prefix_restore_slots: int = 0,
+                 overcommit_request_tokens: int | None = None, **kwargs):
         self.dual = dual
         self.prefix_restore_slots = prefix_restore_slots  # read by radix_ext's cache factory
+        # set in overcommit mode: the scheduler-side guard (integration/overcommit.py) is on
+        self.overcommit_request_tokens = overcommit_request_tokens
         super().__init__(size, *args, **kwargs)
 
     def _create_buffers_normal(self):

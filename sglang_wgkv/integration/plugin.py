@@ -23,7 +23,7 @@ def load_plugin() -> None:
 
     from radix_ext import factory as radix_factory
 
-    from sglang_wgkv.integration import hooks, metrics, request_control
+    from sglang_wgkv.integration import hooks, metrics, overcommit, request_control
     from sglang_wgkv.integration.backend import record_batch_slots
 
     register_attention_backend(BACKEND_NAME)(create_wgkv_backend)
@@ -40,6 +40,12 @@ def load_plugin() -> None:
          HookType.AFTER),
         ("sglang.srt.utils.common.support_triton", hooks.support_triton, HookType.AROUND),
         ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", record_batch_slots, HookType.AFTER),
+        ("sglang.srt.managers.scheduler.Scheduler.init_model_worker", overcommit.cap_request_length, HookType.AFTER),
+        ("sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem", overcommit.check_decode_mem,
+         HookType.AFTER),
+        ("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", overcommit.add_one_req, HookType.AROUND),
+        ("sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req", overcommit.add_chunked_req,
+         HookType.AROUND),
         ("sglang.srt.sampling.sampling_params.SamplingParams.verify", request_control.validate_sampling_params,
          HookType.AFTER),
         ("sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._build_chat_response",

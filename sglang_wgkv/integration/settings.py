@@ -30,16 +30,23 @@ class ServingSettings:
     attention : ``reference`` (torch, any device), ``kernels`` (Triton prefill and decode, CUDA,
         fp16/bf16; decode runs under SGLang's CUDA graphs) or ``auto`` (kernels where they fit,
         reference otherwise).
+    overcommit : if set (> 1), the logical pool and request slots are this many times the
+        dense-equivalent ones and the scheduler guards the physical pool (:mod:`.overcommit`).
     """
 
     config: WGKVConfig = field(default_factory=WGKVConfig)
     gates_path: str | None = None
     seed: int = 0
     attention: str = "auto"
+    overcommit: float | None = None
 
     def __post_init__(self):
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}")
+        if self.overcommit is not None and not self.overcommit > 1:
+            raise ValueError(f"overcommit must be > 1, got {self.overcommit}")
+        if self.overcommit is not None and self.config.kv_budget is not None:
+            raise ValueError("overcommit and kv_budget exclude each other (kv_budget has its own bounded split)")
 
     def decode_graph_blocker(self, device: str | None, dtype: str | None = None) -> str | None:
         """Why the ``wgkv`` decode cannot run under SGLang's CUDA graphs with SGLang's ``--device`` and
@@ -54,7 +61,7 @@ class ServingSettings:
 
     def to_env(self) -> str:
         return json.dumps({"config": asdict(self.config), "gates_path": self.gates_path, "seed": self.seed,
-                           "attention": self.attention})
+                           "attention": self.attention, "overcommit": self.overcommit})
 
     @classmethod
     def from_env(cls, environ=None) -> "ServingSettings":
@@ -65,6 +72,7 @@ class ServingSettings:
         try:
             data = json.loads(raw)
             return cls(config=WGKVConfig(**data["config"]), gates_path=data.get("gates_path"),
-                       seed=int(data.get("seed", 0)), attention=data.get("attention", "auto"))
+                       seed=int(data.get("seed", 0)), attention=data.get("attention", "auto"),
+                       overcommit=data.get("overcommit"))
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"malformed {ENV_VAR}={raw!r}: {e}") from e

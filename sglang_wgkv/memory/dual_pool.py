@@ -309,6 +309,24 @@ class DualCachePool:
         return torch.cat([gk, rk]), torch.cat([gv, rv]), k_pos, torch.cat([g_adm, r_adm])
 
     # -- decode ---------------------------------------------------------------------------------
+    def decode_worst_case(self, seq_lens) -> int:
+        """Pages :meth:`begin_decode` reserves for requests at cached lengths ``seq_lens``: one per
+        stream of a request whose ring crosses a page boundary, one per stream of a promoting one."""
+        seq_lens, W = np.asarray(seq_lens, dtype=np.int64), self.window
+        steps = ((seq_lens < W) & (seq_lens % PAGE_SIZE == 0)) | (seq_lens >= W)
+        return self.num_layers * self.num_kv_heads * int(steps.sum())
+
+    def extend_bound(self, prefix_len: int, extend_len: int) -> int:
+        """Upper bound on the pages that extending a request from ``prefix_len`` cached tokens by
+        ``extend_len`` needs, in one or any number of chunks: what the chunks allocate plus the
+        reserve :meth:`begin_extend` checks for the last one. Per stream: the new ring pages,
+        ``ceil(leaving / 16)`` global pages for the tokens leaving the ring, and two pages for the
+        partial pages (rounding of chunk reserves and of the last global page)."""
+        W, S, n = self.window, prefix_len, extend_len
+        ring = -(-min(S + n, W) // PAGE_SIZE) - -(-min(S, W) // PAGE_SIZE)
+        leaving = max(0, S + n - W) - max(0, S - W)
+        return self.num_layers * self.num_kv_heads * (ring + -(-leaving // PAGE_SIZE) + 2)
+
     def begin_decode(self, req_slots, seq_lens, req_slots_dev: torch.Tensor | None = None,
                      seq_lens_dev: torch.Tensor | None = None) -> _DecodePlan:
         """Prepare a decode step: token ``b`` is written at position ``seq_lens[b]`` (= cached length).
@@ -333,7 +351,7 @@ class DualCachePool:
         new_ring = (seq_lens < W) & (seq_lens % PAGE_SIZE == 0)
         promoting = int((seq_lens >= W).sum())
         ring_total = LH * int(new_ring.sum())
-        self.allocator.ensure(ring_total + LH * promoting)
+        self.allocator.ensure(self.decode_worst_case(seq_lens))
         if ring_total:
             pages = self.allocator.alloc(ring_total).to(torch.int32).view(-1, self.num_layers, self.num_kv_heads)
             rows = torch.as_tensor(req_slots[new_ring], device=self.device)

@@ -45,12 +45,16 @@ class PageAllocator:
     def can_allocate(self, worst_case: int) -> bool:
         return worst_case <= self.free_floor or worst_case <= self.sync_free()
 
-    def ensure(self, worst_case: int) -> None:
-        """Raise :class:`PoolExhausted` unless ``worst_case`` pages can be handed out (after the
-        reclaimer, if any, released what it could)."""
+    def fits(self, worst_case: int) -> bool:
+        """Whether ``worst_case`` pages can be handed out, after the reclaimer (if any) released what
+        it could; syncs only when ``free_floor`` is too low."""
         if not self.can_allocate(worst_case) and self.reclaimer is not None:
             self.reclaimer(worst_case)
-        if not self.can_allocate(worst_case):
+        return self.can_allocate(worst_case)
+
+    def ensure(self, worst_case: int) -> None:
+        """Raise :class:`PoolExhausted` unless :meth:`fits` ``worst_case``."""
+        if not self.fits(worst_case):
             raise PoolExhausted(worst_case, self.free_floor)
 
     # -- allocation -----------------------------------------------------------------------------

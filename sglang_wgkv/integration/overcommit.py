@@ -1,0 +1,127 @@
+"""Overcommit capacity (``--wgkv-overcommit F``): admission alone, no evictor, runs more requests at
+once than a dense pool of the same memory, because the scheduler guards the physical pool itself.
+
+Split. :func:`overcommit_split` gives SGLang ``F`` times the dense-equivalent logical pool and request
+slots of :func:`~sglang_wgkv.integration.kv_pool.split_capacity` (slots capped by SGLang's own
+``max_running_requests``), and the dual pool the whole KV budget. SGLang then admits by logical
+tokens as usual, so its own checks no longer imply that the physical pool can hold a step.
+
+Guard. Before every forward SGLang checks memory in two places, and both also check the dual pool
+(hooks below, host-side: the allocator's free-page floor, one host sync when it is too low):
+
+* decode (``ScheduleBatch.check_decode_mem``, called by the scheduler's ``update_running_batch`` and
+  by ``retract_decode``): the step fits only if the free pages cover
+  :meth:`DualCachePool.decode_worst_case` of the batch (one page per stream of a request that
+  promotes or whose ring crosses a page boundary). Otherwise SGLang retracts requests (fewest outputs
+  first) until it fits; a retracted request frees its slot, hence its pages
+  (:class:`~sglang_wgkv.integration.req_pool.WGKVReqToTokenPool`), and is re-run from its prompt.
+* prefill (``PrefillAdder.add_one_req`` / ``add_chunked_req``): a new request is admitted only if the
+  free pages cover :meth:`DualCachePool.extend_bound` of its whole remaining prompt (every future
+  chunk, not only this one) for it and for every request already in the batch, plus one decode step
+  of every running request (so that admitting it does not force an immediate retraction). Otherwise
+  the adder reports ``NO_TOKEN`` and the request waits. A chunked request in flight is always
+  continued (SGLang requires it); nothing but the requests of the same prefill batches allocates
+  while it is chunked (no mixed chunks), and those were admitted only within the reserve of its whole
+  prompt, so its later chunks fit.
+
+Hence ``PoolExhausted`` cannot happen in a forward. Why not catch ``PoolExhausted`` in the backend
+instead: the backend sees it inside ``init_forward_metadata``, after SGLang committed the batch
+(logical slots allocated, outputs expected); SGLang cannot abort a forward midway.
+
+Per-request limit. One request's prompt plus output is capped at the dense-equivalent logical pool
+(:func:`cap_request_length`), which the physical pool always holds alone (it holds that pool plus
+per-request slack): so a request never waits forever for pages nor is aborted by ``retract_decode``
+(SGLang aborts the last request of a batch when even it alone does not fit).
+
+Limits: needs ``--disable-radix-cache`` (prefix restores allocate ring copies outside these checks)
+and excludes ``--kv-budget`` (its bounded split is a different capacity rule); under a workload whose
+admitted KV exceeds the physical pool, requests are retracted and recomputed (throughput, not
+correctness, suffers); SGLang's data-parallel and pipeline modes are rejected anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from sglang_wgkv.integration.kv_pool import CapacitySplit, split_capacity
+
+logger = logging.getLogger(__name__)
+
+
+def overcommit_split(budget_tokens: int, max_running_requests: int, factor: float) -> CapacitySplit:
+    """``factor`` times the dense-equivalent logical pool and request slots (slots at most
+    ``max_running_requests``); the physical pool keeps the whole budget."""
+    dense = split_capacity(budget_tokens, max_running_requests)
+    return CapacitySplit(logical_tokens=int(factor * dense.logical_tokens),
+                         max_requests=min(max_running_requests, math.ceil(factor * dense.max_requests)),
+                         physical_tokens=budget_tokens, max_request_tokens=dense.logical_tokens)
+
+
+def _guarded(kv):
+    return kv if getattr(kv, "overcommit_request_tokens", None) is not None else None
+
+
+def _guarded_pool(token_to_kv_pool_allocator):
+    """The :class:`WGKVTokenToKVPool` behind an allocator when overcommit is on, else None."""
+    return _guarded(token_to_kv_pool_allocator.get_kvcache() if token_to_kv_pool_allocator is not None else None)
+
+
+def check_decode_mem(result, batch, selected_indices=None):
+    """AFTER ``ScheduleBatch.check_decode_mem``: also False when the dual pool cannot hold the step."""
+    pool = _guarded_pool(batch.token_to_kv_pool_allocator)
+    if not result or pool is None:
+        return None
+    reqs = batch.reqs if selected_indices is None else [batch.reqs[i] for i in selected_indices]
+    dual = pool.dual
+    need = dual.decode_worst_case(dual.cached_len[[r.req_pool_idx for r in reqs]])
+    return None if dual.allocator.fits(need) else False
+
+
+def _extend_bound(dual, req) -> int:
+    prefix = len(req.prefix_indices)
+    return dual.extend_bound(prefix, len(req.full_untruncated_fill_ids) - prefix)
+
+
+def add_one_req(original, adder, req, *args, **kwargs):
+    """AROUND ``PrefillAdder.add_one_req``: ``NO_TOKEN`` unless the dual pool holds the request's whole
+    remaining prompt on top of what this batch reserved, plus a decode step of every running request."""
+    pool = _guarded_pool(adder.token_to_kv_pool_allocator)
+    if pool is None:
+        return original(adder, req, *args, **kwargs)
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    dual = pool.dual
+    need = _extend_bound(dual, req)
+    running = len(adder.running_batch.reqs) if adder.running_batch is not None else 0
+    step = dual.num_layers * dual.num_kv_heads * (running + len(adder.can_run_list) + 1)
+    reserved = getattr(adder, "wgkv_reserved_pages", 0)
+    if not dual.allocator.fits(reserved + need + step):
+        return AddReqResult.NO_TOKEN
+    result = original(adder, req, *args, **kwargs)
+    if adder.can_run_list and adder.can_run_list[-1] is req:
+        adder.wgkv_reserved_pages = reserved + need
+    return result
+
+
+def add_chunked_req(original, adder, req):
+    """AROUND ``PrefillAdder.add_chunked_req``: the chunked request always runs; its whole remaining
+    prompt is reserved before other requests join the batch."""
+    pool = _guarded_pool(adder.token_to_kv_pool_allocator)
+    if pool is not None:
+        adder.wgkv_reserved_pages = getattr(adder, "wgkv_reserved_pages", 0) + _extend_bound(pool.dual, req)
+    return original(adder, req)
+
+
+def cap_request_length(result, scheduler, *args, **kwargs):
+    """AFTER ``Scheduler.init_model_worker``: cap one request (prompt + output) at the dense-equivalent
+    logical pool, which the physical pool holds alone."""
+    pool = _guarded(getattr(scheduler.tp_worker.model_runner, "token_to_kv_pool", None))
+    if pool is None:
+        return None
+    limit = pool.overcommit_request_tokens
+    if scheduler.max_req_len > limit:
+        logger.info("wgkv overcommit: longest request %d -> %d tokens", scheduler.max_req_len, limit)
+        scheduler.max_req_input_len -= scheduler.max_req_len - limit
+        scheduler.max_req_len = limit
+    return None
