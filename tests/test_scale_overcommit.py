@@ -11,13 +11,13 @@ import pytest
 import requests
 import torch
 
-from serving_support import BASE_ARGS, Server, long_prompt, save_head_gates
+from serving_support import Server, save_head_gates
 from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.memory import DualCachePool
 
 pytestmark = pytest.mark.scale
 
-BUDGET = int(BASE_ARGS[BASE_ARGS.index("--max-total-tokens") + 1])  # dense tokens of KV memory
+BUDGET = 512       # --max-total-tokens: dense tokens of KV memory
 FACTOR = 2.0
 W_LOCAL = 16
 
@@ -94,7 +94,7 @@ def test_decode_worst_case_matches_begin_decode():
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("overcommit")
     gates = save_head_gates(tmp / "gates", [30.0, -30.0, -30.0], W_LOCAL)  # 1 of 3 heads admits
-    srv = Server(["--wgkv-gates", str(gates), "--wgkv-local-window", str(W_LOCAL),
+    srv = Server(["--max-total-tokens", str(BUDGET), "--wgkv-gates", str(gates), "--wgkv-local-window", str(W_LOCAL),
                   "--wgkv-overcommit", str(FACTOR), "--disable-radix-cache"], tmp / "server.log")
     try:
         yield srv.wait_healthy()
@@ -102,48 +102,56 @@ def server(tmp_path_factory):
         srv.stop()
 
 
-def _generate(server, prompt, out, admission=True):
-    params = {"ignore_eos": True}
+def _prompts(n, length, seed):
+    """``n`` token-id prompts of exactly ``length`` tokens (equal lengths: the requests cross page
+    boundaries at the same steps, so the physical demand is known)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 30000) for _ in range(length)] for _ in range(n)]
+
+
+def _generate(server, input_ids, out, admission):
+    params = {"max_new_tokens": out, "temperature": 0, "ignore_eos": True}
     if not admission:
         params["custom_params"] = {"wgkv": {"admission": False}}
-    return server.generate(prompt, max_new_tokens=out, sampling_params=params)
+    r = requests.post(server.url + "/generate", json={"input_ids": input_ids, "sampling_params": params},
+                      timeout=900)
+    r.raise_for_status()
+    return r.json()
 
 
 def _run_together_and_alone(server, prompts, out, admission):
-    with cf.ThreadPoolExecutor(len(prompts)) as ex:
-        together = list(ex.map(lambda p: _generate(server, p, out, admission), prompts))
+    """One batched call (all requests reach the scheduler together), then each request alone."""
+    together = _generate(server, prompts, out, admission)
     stats = server.wait_idle_checked()
-    alone = [_generate(server, p, out, admission) for p in prompts]
-    for t, a in zip(together, alone):
+    for t, p in zip(together, prompts):
         assert t["meta_info"]["completion_tokens"] == out
-        assert t["output_ids"] == a["output_ids"]
-    return together, stats
+        assert t["output_ids"] == _generate(server, p, out, admission)["output_ids"]
+    return stats
 
 
 def test_more_concurrent_requests_than_dense(server):
-    from sglang_wgkv.integration.kv_pool import split_capacity
     from sglang_wgkv.integration.overcommit import overcommit_split
 
-    info = requests.get(server.url + "/get_server_info", timeout=60).json()
+    info = requests.get(server.url + "/server_info", timeout=60).json()
     expect = overcommit_split(BUDGET, 10**6, FACTOR)
     slots = info["internal_states"][0]["effective_max_running_requests_per_dp"]
-    assert info["max_total_num_tokens"] == expect.logical_tokens and slots == expect.max_requests
+    assert info["max_total_num_tokens"] == expect.logical_tokens and slots == expect.max_requests == 4
 
-    prompts = [long_prompt(24, seed=i) for i in range(12)]
-    together, stats = _run_together_and_alone(server, prompts, 8, admission=True)
-    prompt_tokens = min(o["meta_info"]["prompt_tokens"] for o in together)
-    # a dense pool of the same budget holds every token of a running request
-    dense_fit = split_capacity(BUDGET, 10**6).logical_tokens // prompt_tokens
-    assert stats["peak_active_requests"] > dense_fit
+    prompt, out = 200, 4
+    stats = _run_together_and_alone(server, _prompts(4, prompt, seed=1), out, admission=True)
+    # a dense pool of the same memory holds every token of a running request: BUDGET // 204 = 2
+    assert stats["peak_active_requests"] > BUDGET // (prompt + out)
     assert server.alive()
 
 
 def test_physical_exhaustion_retracts_and_recovers(server):
-    """Admission off (every token kept): the logical pool admits about twice what the physical pool
-    holds; the decode guard makes SGLang retract, the prefill guard makes requests wait."""
-    log_before = server.log_path.read_text(errors="replace").count("Retract requests")
-    prompts = [long_prompt(24, seed=100 + i) for i in range(8)]
-    _, stats = _run_together_and_alone(server, prompts, 40, admission=False)
-    assert server.log_path.read_text(errors="replace").count("Retract requests") > log_before
-    stats = server.wait_idle_checked()
-    assert stats["active_requests"] == 0 and server.alive()
+    """Admission off (every token kept). The prefill guard admits 4 requests of 96 tokens (3 in the
+    first batch, the 4th in a second one: 720 pages of worst case each plus a decode step each, of
+    2880 pages), the 5th waits; 720 pages stay free. Each request then takes 90 pages every 16 tokens
+    (one global page per stream, at steps 1 and 17): at step 18 the decode guard makes SGLang retract
+    a request, which frees its pages and runs again once the others finished."""
+    log = server.log_path
+    retractions = log.read_text(errors="replace").count("Retract requests")
+    stats = _run_together_and_alone(server, _prompts(5, 96, seed=2), 24, admission=False)
+    assert log.read_text(errors="replace").count("Retract requests") > retractions
+    assert stats["active_requests"] == 0 and stats["free_pages"] == stats["total_pages"] and server.alive()

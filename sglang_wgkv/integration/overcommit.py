@@ -19,7 +19,8 @@ Guard. Before every forward SGLang checks memory in two places, and both also ch
   free pages cover :meth:`DualCachePool.extend_bound` of its whole remaining prompt (every future
   chunk, not only this one) for it and for every request already in the batch, plus one decode step
   of every running request (so that admitting it does not force an immediate retraction). Otherwise
-  the adder reports ``NO_TOKEN`` and the request waits. A chunked request in flight is always
+  the request waits: the batch is closed (``OTHER``) when the request would fit in a batch of its
+  own, else the adder reports ``NO_TOKEN`` (SGLang then tries no prefill until a request leaves). A chunked request in flight is always
   continued (SGLang requires it); nothing but the requests of the same prefill batches allocates
   while it is chunked (no mixed chunks), and those were admitted only within the reserve of its whole
   prompt, so its later chunks fit.
@@ -97,7 +98,9 @@ def add_one_req(original, adder, req, *args, **kwargs):
     step = dual.num_layers * dual.num_kv_heads * (running + len(adder.can_run_list) + 1)
     reserved = getattr(adder, "wgkv_reserved_pages", 0)
     if not dual.allocator.fits(reserved + need + step):
-        return AddReqResult.NO_TOKEN
+        # NO_TOKEN marks SGLang's running batch full until a request leaves it; only right when the
+        # request would not fit even as the batch's first one
+        return AddReqResult.OTHER if reserved and dual.allocator.fits(need + step) else AddReqResult.NO_TOKEN
     result = original(adder, req, *args, **kwargs)
     if adder.can_run_list and adder.can_run_list[-1] is req:
         adder.wgkv_reserved_pages = reserved + need
