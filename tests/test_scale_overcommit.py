@@ -147,11 +147,12 @@ def test_more_concurrent_requests_than_dense(server):
 def test_physical_exhaustion_retracts_and_recovers(server):
     """Admission off (every token kept). The prefill guard admits 4 requests of 96 tokens (3 in the
     first batch, the 4th in a second one: 720 pages of worst case each plus a decode step each, of
-    2880 pages), the 5th waits; 720 pages stay free. Each request then takes 90 pages every 16 tokens
-    (one global page per stream, at steps 1 and 17): at step 18 the decode guard makes SGLang retract
-    a request, which frees its pages and runs again once the others finished."""
+    2880 pages), the 5th waits (4 slots); 720 pages stay free. Each request then takes 90 pages every
+    16 tokens (one global page per stream, at decode steps 1 and 17): at step 18 (of 19) the decode
+    guard makes SGLang retract a request, which frees its pages and runs again once the others
+    finished. The logical pool (768 tokens) alone would never retract here."""
     log = server.log_path
     retractions = log.read_text(errors="replace").count("Retract requests")
-    stats = _run_together_and_alone(server, _prompts(5, 96, seed=2), 24, admission=False)
+    stats = _run_together_and_alone(server, _prompts(5, 96, seed=2), 20, admission=False)
     assert log.read_text(errors="replace").count("Retract requests") > retractions
     assert stats["active_requests"] == 0 and stats["free_pages"] == stats["total_pages"] and server.alive()
