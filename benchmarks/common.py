@@ -51,6 +51,19 @@ def cuda_ms(fn, reps: int = 3, warmup: int = 1) -> list:
     return times
 
 
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """Run ``fn()`` once on a side stream (warm-up: compiles, allocator pools), then capture it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 class Deadline:
     """Skip work that would not finish inside the run's time limit (results so far are kept)."""
 

@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import Deadline, environment, write_json  # noqa: E402
+from benchmarks.common import Deadline, capture_graph, environment, write_json  # noqa: E402
 from benchmarks.fig8_model import HKV, HQ, LAYERS, VOCAB, D, RandomLlama  # noqa: E402
 
 WINDOW, P_ADMIT, STEPS, WARMUP = 256, 0.25, 100, 5
@@ -83,15 +83,7 @@ class Engine:
         if self.graph is not None:
             self.graph.replay()
         elif self.use_graph:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self._step_body()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self._step_body()
-            self.graph = graph
+            self.graph = capture_graph(self._step_body)
         else:
             self._step_body()
         self.seq += 1

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import Deadline, cuda_ms, environment, write_json  # noqa: E402
+from benchmarks.common import Deadline, capture_graph, cuda_ms, environment, write_json  # noqa: E402
 
 HQ, HKV, D, W = 32, 8, 128, 256
 DT = torch.bfloat16
@@ -236,14 +236,7 @@ def _time_layers(fn, bytes_per_layer, layers):
     t = sorted(ms)[len(ms) // 2] / layers
     res["eager"] = {"ms_per_layer": t, "tbps": bytes_per_layer / t / 1e9}
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph = capture_graph(fn)
         ms = cuda_ms(graph.replay, reps=30, warmup=3)
         t = sorted(ms)[len(ms) // 2] / layers
         res["graph"] = {"ms_per_layer": t, "tbps": bytes_per_layer / t / 1e9}

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import Deadline, cuda_ms, environment, write_json  # noqa: E402
+from benchmarks.common import Deadline, capture_graph, cuda_ms, environment, write_json  # noqa: E402
 
 HQ, HKV, D, W, PAGE = 32, 8, 128, 256, 16
 DT = torch.bfloat16
@@ -87,14 +87,7 @@ class FoldedPool:
 
 def graph_ms(fn, inner: int = 20, reps: int = 7) -> float:
     """Median ms of one ``fn()`` under CUDA-graph replay (``inner`` replays per event pair)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = capture_graph(fn)
 
     def replays():
         for _ in range(inner):
