@@ -7,6 +7,7 @@ inside the scheduler, so a leak kills the server and the next request fails).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -95,6 +96,21 @@ class Server:
                 return stats
             time.sleep(0.5)
         raise TimeoutError(f"scheduler not idle-checked after {timeout} s: {stats}")
+
+
+def stream_generate(server, rid, prompt, max_new_tokens, abort_after, results, timeout=900):
+    """Stream one greedy ``/generate`` request into ``results[rid]`` (its last ``meta_info``); with
+    ``abort_after`` chunks received, abort it through ``/abort_request``."""
+    body = {"text": prompt, "rid": rid, "stream": True,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
+    chunks, last = 0, None
+    with requests.post(server.url + "/generate", json=body, stream=True, timeout=timeout) as r:
+        for line in r.iter_lines():
+            if line.startswith(b"data:") and line != b"data: [DONE]":
+                chunks, last = chunks + 1, line
+                if chunks == abort_after:
+                    requests.post(server.url + "/abort_request", json={"rid": rid}, timeout=60).raise_for_status()
+    results[rid] = json.loads(last[len(b"data:"):])["meta_info"]
 
 
 def long_prompt(n_items: int, seed: int = 0) -> str:

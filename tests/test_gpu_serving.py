@@ -15,14 +15,13 @@ it while decoding); the kernels server logs decode batches run on CUDA graphs; p
 under graphs; after aborted streams the idle check (no slot or page leaked, integrity) passes.
 """
 
-import json
 import threading
 
 import pytest
 import requests
 import torch
 
-from serving_support import Server, long_prompt, save_head_gates
+from serving_support import Server, long_prompt, save_head_gates, stream_generate
 
 pytestmark = [pytest.mark.gpu, pytest.mark.serving,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device)")]
@@ -118,25 +117,12 @@ def test_per_request_tau_under_cuda_graphs(servers):
     kernels.wait_idle_checked()
 
 
-def _stream(server, rid, prompt, abort_after, results):
-    body = {"text": prompt, "rid": rid, "stream": True,
-            "sampling_params": {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}}
-    chunks, last = 0, None
-    with requests.post(server.url + "/generate", json=body, stream=True, timeout=600) as r:
-        for line in r.iter_lines():
-            if line.startswith(b"data:") and line != b"data: [DONE]":
-                chunks, last = chunks + 1, line
-                if chunks == abort_after:
-                    requests.post(server.url + "/abort_request", json={"rid": rid}, timeout=60).raise_for_status()
-    results[rid] = json.loads(last[len(b"data:"):])["meta_info"]
-
-
 def test_aborts_under_cuda_graphs_leave_pool_intact(servers):
     kernels, _ = servers
     rids = [f"gpu-abort-{i}" for i in range(6)]
     results = {}
-    threads = [threading.Thread(target=_stream, args=(kernels, rid, long_prompt(3 + 5 * i, seed=i),
-                                                      4 if i % 2 == 0 else None, results))
+    threads = [threading.Thread(target=stream_generate, args=(kernels, rid, long_prompt(3 + 5 * i, seed=i), 64,
+                                                              4 if i % 2 == 0 else None, results, 600))
                for i, rid in enumerate(rids)]
     for t in threads:
         t.start()

@@ -5,14 +5,13 @@ One server for the module: W_local 32 and 128-token prefill chunks, so ordinary 
 ring, get promoted, and are prefilled in several chunks that read the cached context back.
 """
 
-import json
 import threading
 import time
 
 import pytest
 import requests
 
-from serving_support import Server, long_prompt
+from serving_support import Server, long_prompt, stream_generate
 
 pytestmark = pytest.mark.serving
 
@@ -81,25 +80,11 @@ def test_long_prompt_is_chunked_and_promoted(server):
     assert promoted == left
 
 
-def _stream(server, rid, prompt, max_new_tokens, abort_after, results):
-    """Stream one request; with ``abort_after`` chunks received, abort it through /abort_request."""
-    body = {"text": prompt, "rid": rid, "stream": True,
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
-    chunks, last = 0, None
-    with requests.post(server.url + "/generate", json=body, stream=True, timeout=900) as r:
-        for line in r.iter_lines():
-            if line.startswith(b"data:") and line != b"data: [DONE]":
-                chunks, last = chunks + 1, line
-                if chunks == abort_after:
-                    requests.post(server.url + "/abort_request", json={"rid": rid}, timeout=60).raise_for_status()
-    results[rid] = json.loads(last[len(b"data:"):])["meta_info"]
-
-
 def test_concurrent_requests_with_aborts(server):
     rids = [f"conc-{i}" for i in range(10)]
     aborted = set(rids[::3])
     results = {}
-    threads = [threading.Thread(target=_stream, args=(server, rid, long_prompt(4 + i, seed=i), 48,
+    threads = [threading.Thread(target=stream_generate, args=(server, rid, long_prompt(4 + i, seed=i), 48,
                                                       3 if rid in aborted else None, results))
                for i, rid in enumerate(rids)]
     for t in threads:
