@@ -8,8 +8,8 @@ imports), by :mod:`tests.test_backend_graph_cpu`::
 Two identical pools hold three prefilled requests (one past W_local, so with global pages; slot 0 is
 SGLang's padding row). Backend A decodes them eagerly on the reference path; backend B runs what a
 decode CUDA graph runs: capture preparation (every row padding) plus two warm-up forwards, then the
-replay preparation for a batch of 3 padded to 5 and the per-layer kernels path (gate -> admission ->
-``decode_write`` -> ``folded_decode``). Checks: capture and warm-up leave every live request's pool
+replay preparation for a batch of 3 padded to 5 and the per-layer kernels path (fused gate +
+admission -> ``decode_write`` -> ``folded_decode``; the reference path runs the torch gate). Checks: capture and warm-up leave every live request's pool
 state untouched; the replay gives A's attention outputs and pool state (per-request tau included);
 the evictor's window records the same queries. Prints ``OK`` or raises.
 """
@@ -19,7 +19,9 @@ from types import SimpleNamespace
 
 import torch
 
+from interp_gate_check import make_gates
 from sglang_wgkv.config import WGKVConfig
+from sglang_wgkv.gate.triton_gate import DecodeGate
 from sglang_wgkv.integration.backend import SCRATCH_SLOT, WGKVAttnBackend, _DecodeRows
 from sglang_wgkv.memory import DualCachePool
 from sglang_wgkv.memory.evictor import SnapKVEvictor
@@ -52,9 +54,7 @@ class Capture:
         return k
 
 
-def gates(layer_id, k_pre, k):
-    """Deterministic stand-in for the write gate: values in (0, 1) from the key."""
-    return torch.sigmoid(k.float().sum(-1) * (layer_id + 1))
+GATES = make_gates(D, H, 2 * D, seed=5, device="cpu")  # real write gates with varied decisions
 
 
 def make_backend(pool: DualCachePool, use_kernels: bool) -> WGKVAttnBackend:
@@ -64,7 +64,8 @@ def make_backend(pool: DualCachePool, use_kernels: bool) -> WGKVAttnBackend:
         slot_tau[r] = t
     b.__dict__.update(
         dual=pool, config=pool.config, device=pool.device, use_kernels=use_kernels, generator=None,
-        capture=Capture(), gates=gates, req_pool=SimpleNamespace(slot_tau=slot_tau), num_q_heads=HQ,
+        capture=Capture(), gates=GATES, req_pool=SimpleNamespace(slot_tau=slot_tau), num_q_heads=HQ,
+        decode_gate=DecodeGate(GATES, max_rows=8 * H) if use_kernels else None, _sms=4,
         evictor=SnapKVEvictor(pool=pool, budget=10_000, num_q_heads=HQ, window=16), _extend=None,
         _rows=None, _row_tau=None, batch_slots=None, _graph=None, _graph_launch={})
     return b

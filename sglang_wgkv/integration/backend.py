@@ -16,7 +16,8 @@ pages in decode), and the new K/V are written to the pool.
 Attention implementations (``ServingSettings.attention``): the torch reference
 (:mod:`sglang_wgkv.attention.reference`, any device; syncs per layer, no CUDA graphs) or, on CUDA,
 the kernels: Triton vertical-slash prefill (syncs per layer: per-request context gathering) and a
-decode of device work only: gate, admission, :func:`~sglang_wgkv.memory.triton_pool.decode_write`,
+decode of device work only: gate + admission in one launch
+(:class:`~sglang_wgkv.gate.triton_gate.DecodeGate`), :func:`~sglang_wgkv.memory.triton_pool.decode_write`,
 :func:`~sglang_wgkv.attention.triton_decode.folded_decode` (split-KV over ring + global pages).
 
 CUDA graphs (decode only, kernels path). SGLang's decode graph runner calls
@@ -73,7 +74,8 @@ class _DecodeRows:
     req, pos : ``[B]`` int64 request slot and position of the token being decoded;
     ring : ``[B]`` int64 ring tokens after this step's write (``min(pos + 1, W)``);
     tau : ``[B, 1]`` float32 admission threshold; uniform : ``[B, L, H]`` random-admission draws or None;
-    num_splits, workspace : :func:`folded_decode` launch parameters (kernels path).
+    num_splits, workspace : :func:`folded_decode` launch parameters (kernels path);
+    gate_splits : slices of the gate's hidden width per (row, head) (:class:`DecodeGate`, kernels path).
     """
 
     req: torch.Tensor
@@ -83,6 +85,7 @@ class _DecodeRows:
     uniform: torch.Tensor | None
     num_splits: int | None = None
     workspace: object = None
+    gate_splits: int = 1
 
 
 def record_batch_slots(result, cls, batch, model_runner, *args, **kwargs):
@@ -161,10 +164,14 @@ class WGKVAttnBackend(AttentionBackend):
         if self.use_kernels and not kernels_fit:
             raise ValueError("--wgkv-attention kernels needs a CUDA device and a float16/bfloat16 model")
         self._prefill = reference.vertical_slash_attention
+        self.decode_gate = None
         if self.use_kernels:
             from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
+            from sglang_wgkv.gate.triton_gate import DecodeGate
 
             self._prefill = vertical_slash_attention
+            self.decode_gate = DecodeGate(self.gates, max_rows=model_runner.req_to_token_pool.size * len(self.kv_heads))
+            self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.evictor = None
         if self.config.kv_budget is not None:
             from sglang_wgkv.memory.evictor import SnapKVEvictor
@@ -214,6 +221,7 @@ class WGKVAttnBackend(AttentionBackend):
 
                 self._rows.num_splits = choose_num_splits(len(host), self.dual.num_kv_heads, max(host) + 1,
                                                           self.device)
+                self._rows.gate_splits = self.decode_gate.num_splits(len(host) * self.dual.num_kv_heads, self._sms)
         elif mode.is_extend() and not mode.is_mixed():
             prefix, extend = forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
             self._extend = (self._host_slots(forward_batch), list(prefix), list(extend))
@@ -286,10 +294,12 @@ class WGKVAttnBackend(AttentionBackend):
         if bs not in self._graph_launch:
             splits = choose_num_splits(bs, self.dual.num_kv_heads, self.dual.max_context_len, self.device)
             self._graph_launch[bs] = (splits, FoldedDecodeWorkspace(bs, self.num_q_heads, self.dual.head_dim,
-                                                                    splits, self.device))
-        splits, workspace = self._graph_launch[bs]
+                                                                    splits, self.device),
+                                      self.decode_gate.num_splits(bs * self.dual.num_kv_heads, self._sms))
+        splits, workspace, gate_splits = self._graph_launch[bs]
         self._extend = None
-        self._rows = _DecodeRows(g.req[:bs], g.pos[:bs], g.ring[:bs], g.tau[:bs], uniform, splits, workspace)
+        self._rows = _DecodeRows(g.req[:bs], g.pos[:bs], g.ring[:bs], g.tau[:bs], uniform, splits, workspace,
+                                 gate_splits)
 
     # -- per layer ------------------------------------------------------------------------------
     def _admit(self, layer: RadixAttention, k: torch.Tensor, tau: torch.Tensor, check: bool,
@@ -352,8 +362,8 @@ class WGKVAttnBackend(AttentionBackend):
         k3, v3 = k.view(-1, H, D), v.view(-1, H, Dv)
         q3 = q.reshape(-1, Hq, D)
         rows = self._rows
-        admit = self._admit(layer, k3, rows.tau, check=False, uniform=rows.uniform)
         if not self.use_kernels:
+            admit = self._admit(layer, k3, rows.tau, check=False, uniform=rows.uniform)
             if self.evictor is not None:
                 self.evictor.observe_decode(layer.layer_id, q3)
             self.dual.write_decode(layer.layer_id, k3, v3, admit)
@@ -367,6 +377,9 @@ class WGKVAttnBackend(AttentionBackend):
 
         if self.evictor is not None:
             self.evictor.observe_decode(layer.layer_id, q3, req=rows.req, pos=rows.pos)
+        uniform = rows.uniform[:, layer.layer_id] if rows.uniform is not None else None
+        admit = self.decode_gate(layer.layer_id, self.capture.take(k3), k3, rows.tau, uniform,
+                                 self.config.random_admission if uniform is not None else None, rows.gate_splits)
         if k3.stride() != v3.stride() or k3.stride(2) != 1:  # decode_write reads both with k's strides
             k3, v3 = k3.contiguous(), v3.contiguous()
         decode_write(self.dual, layer.layer_id, rows.req, rows.pos, k3, v3, admit)

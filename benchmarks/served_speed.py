@@ -1,0 +1,369 @@
+"""Served speed: WG-KV against upstream SGLang (FlashInfer backend) on the same GPU and memory,
+measured with SGLang's own client, ``python -m sglang.bench_serving --backend sglang --dataset-name
+random-ids`` (offline token ids).
+
+Workloads (``WORKLOADS``; 25% random admission on the WG-KV side, the paper's profiling protocol for
+dummy weights, the gate still evaluated):
+
+====  =====================================  ==========================================
+W0    1 x (126,976 + 128), every token kept   TPOT within 3% of upstream (``admission: false``)
+W1    1 x (126,976 + 128)                     TTFT >= 3x, TPOT >= 1.6x
+W2    32 x (32,768 + 256)                     output tok/s >= 1.5x
+W3    128 x (2,048 + 2,048), mem 0.3          output tok/s >= 2.5x (upstream KV-bound)
+W4    64 x (1,024 + 4,096), ``--kv-budget``   output tok/s >= 4x (the evictor fires)
+====  =====================================  ==========================================
+
+``run`` starts one server per distinct server configuration of the workloads asked for, runs a short
+warm-up ``bench_serving`` (another seed: no prefix shared with the timed prompts) and the timed one,
+records bench_serving's JSON line, the commands, the server's capacity and (WG-KV) its ``wgkv``
+stats, then stops the server. ``merge`` turns part files into ``benchmarks/results/serving/``:
+one JSON per workload, ``summary.json`` (``{"rows": [{"workload", "metric", "upstream", "wgkv",
+"ratio", "goal", "command"}]}``) and ``summary.png``.
+
+    python benchmarks/served_speed.py run --server upstream --workloads W1,W0 --out-dir $OUT
+    python benchmarks/served_speed.py merge PARTS... --out-dir benchmarks/results/serving
+
+The model directory is the Llama-3.1-8B configuration plus a word-level tokenizer of the same
+vocabulary (``t0 .. tN``: every id decodes to a non-empty word, so bench_serving's streamed text
+counts every token; built at run time, nothing downloaded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG_DIR = REPO / "launch" / "configs" / "llama-3.1-8b"
+COMMON = ("--load-format dummy --disable-radix-cache --sampling-backend pytorch --disable-prefill-cuda-graph "
+          "--log-level info")
+WGKV_ADMISSION = "--wgkv-random-admission 0.25"
+
+
+@dataclass(frozen=True)
+class Workload:
+    id: str
+    prompts: int
+    input_len: int
+    output_len: int
+    server: str          # extra arguments of both servers (context length, graphs, memory)
+    wgkv: str            # extra arguments of the WG-KV server
+    metric: str          # ttft_s | tpot_ms | output_tok_s (what the goal is about)
+    goal: str
+    request_body: dict = field(default_factory=dict)  # WG-KV only: extra /generate body
+
+
+LONG = "--context-length 131072 --cuda-graph-max-bs-decode 8 --max-running-requests 8 --mem-fraction-static 0.5"
+WORKLOADS = {w.id: w for w in [
+    Workload("W1", 1, 126976, 128, LONG, WGKV_ADMISSION, "tpot_ms", "TTFT >= 3x and TPOT >= 1.6x upstream"),
+    Workload("W0", 1, 126976, 128, LONG, WGKV_ADMISSION, "tpot_ms", "TPOT <= 1.03 x upstream, every token kept",
+             request_body={"admission": False}),
+    Workload("W2", 32, 32768, 256,
+             "--context-length 34816 --cuda-graph-max-bs-decode 64 --max-running-requests 64 --mem-fraction-static 0.5",
+             f"{WGKV_ADMISSION} --wgkv-overcommit 4", "output_tok_s", "output tok/s >= 1.5x upstream"),
+    Workload("W3", 128, 2048, 2048,
+             "--context-length 8192 --cuda-graph-max-bs-decode 128 --max-running-requests 128 --mem-fraction-static 0.3",
+             f"{WGKV_ADMISSION} --wgkv-overcommit 4", "output_tok_s", "output tok/s >= 2.5x upstream"),
+    Workload("W4", 64, 1024, 4096,
+             "--context-length 8192 --cuda-graph-max-bs-decode 64 --max-running-requests 64 --mem-fraction-static 0.18",
+             f"{WGKV_ADMISSION} --kv-budget 512", "output_tok_s", "output tok/s >= 4x upstream"),
+]}
+
+
+def environment() -> dict:
+    env = {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "python": platform.python_version()}
+    for mod in ("torch", "sglang", "triton", "flashinfer"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception as exc:  # recorded, not fatal
+            env[mod] = f"unavailable: {type(exc).__name__}"
+    try:
+        import torch
+
+        env["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    except Exception:
+        env["gpu"] = None
+    return env
+
+
+def model_dir(dest: Path) -> Path:
+    """The Llama-3.1-8B configuration with a word-level tokenizer over its whole vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy(CONFIG_DIR / "config.json", dest / "config.json")
+    vocab_size = json.loads((CONFIG_DIR / "config.json").read_text())["vocab_size"]
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="\x00", cleanup=False)  # joins words with spaces
+    tok.save(str(dest / "tokenizer.json"))
+    (dest / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20,
+        "bos_token": None, "eos_token": "t0", "unk_token": "t0"}))
+    return dest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(server: str, w: Workload, model: Path, port: int, upstream_backend: str) -> list[str]:
+    args = ["--model-path", str(model), "--port", str(port), *shlex.split(COMMON), *shlex.split(w.server)]
+    if server == "upstream":
+        return [sys.executable, "-m", "sglang.launch_server", "--attention-backend", upstream_backend, *args]
+    return [sys.executable, "-m", "sglang_wgkv.launch_server", *args, *shlex.split(w.wgkv)]
+
+
+def bench_command(w: Workload, url: str, out_file: Path, seed: int, prompts: int, output_len: int,
+                  body: dict | None) -> list[str]:
+    cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url", url,
+           "--dataset-name", "random-ids", "--tokenize-prompt", "--random-input-len", str(w.input_len),
+           "--random-output-len", str(output_len), "--random-range-ratio", "1", "--num-prompts", str(prompts),
+           "--request-rate", "inf", "--warmup-requests", "0", "--seed", str(seed), "--disable-tqdm",
+           "--output-file", str(out_file)]
+    if body:
+        # bench_serving merges this at the top level of /generate: repeat its sampling parameters.
+        cmd += ["--extra-request-body", json.dumps({"sampling_params": {
+            "max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
+            "custom_params": {"wgkv": body}}})]
+    return cmd
+
+
+class ServerProcess:
+    def __init__(self, cmd: list[str], log_path: Path, env: dict):
+        self.cmd, self.log_path = cmd, log_path
+        self.port = int(cmd[cmd.index("--port") + 1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = open(log_path, "w")
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, cwd="/tmp", env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait_healthy(self, timeout: float) -> float:
+        import requests
+
+        while time.perf_counter() - self.t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if requests.get(self.url + "/health", timeout=10).status_code == 200:
+                    return time.perf_counter() - self.t0
+            except requests.RequestException:
+                pass
+            time.sleep(2)
+        raise TimeoutError(f"server not healthy after {timeout} s:\n{self.tail()}")
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+def server_state(url: str) -> dict:
+    import requests
+
+    info = requests.get(url + "/server_info", timeout=60).json()
+    state = info["internal_states"][0]
+    out = {"max_total_num_tokens": info.get("max_total_num_tokens"),
+           "max_running_requests": state.get("effective_max_running_requests_per_dp")}
+    if "wgkv" in state:
+        out["wgkv"] = {k: v for k, v in state["wgkv"].items() if not k.endswith("per_layer_head")}
+    return out
+
+
+def run_bench(cmd: list[str], out_file: Path, timeout: float) -> dict:
+    out_file.unlink(missing_ok=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 or not out_file.exists():
+        raise RuntimeError(f"bench_serving failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(out_file.read_text().splitlines()[-1])
+
+
+def run(a) -> None:
+    out_dir = Path(a.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = model_dir(Path(a.model_dir))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if a.profile_dir:
+        env["SGLANG_TORCH_PROFILER_DIR"] = a.profile_dir
+    part = {"server": a.server, "environment": environment(), "runs": []}
+    by_config: dict[tuple, list[Workload]] = {}
+    for wid in a.workloads.split(","):
+        w = WORKLOADS[wid]
+        by_config.setdefault((w.server, w.wgkv if a.server == "wgkv" else ""), []).append(w)
+    for workloads in by_config.values():
+        cmd = server_command(a.server, workloads[0], model, free_port(), a.upstream_backend)
+        srv = ServerProcess(cmd, out_dir / f"server.{a.server}.{'_'.join(w.id for w in workloads)}.log", env)
+        try:
+            startup = srv.wait_healthy(a.startup_timeout)
+            for w in workloads:
+                rec = {"workload": w.id, "server_command": shlex.join(cmd), "startup_s": startup}
+                try:
+                    body = w.request_body if a.server == "wgkv" else None
+                    warm = bench_command(w, srv.url, out_dir / "warmup.jsonl", 7, 2, 16, body)
+                    run_bench(warm, out_dir / "warmup.jsonl", a.bench_timeout)
+                    timed = bench_command(w, srv.url, out_dir / f"bench.{a.server}.{w.id}.jsonl", 1,
+                                          w.prompts, w.output_len, body)
+                    rec["bench_command"] = shlex.join(timed)
+                    rec["result"] = run_bench(timed, out_dir / f"bench.{a.server}.{w.id}.jsonl", a.bench_timeout)
+                    if a.profile_dir and w.id in a.profile_workloads.split(","):
+                        rec["profile"] = profile_decode(srv.url, w, body, a, Path(a.profile_dir) / w.id)
+                    rec.update(server_state(srv.url))
+                    rec["max_running_seen"] = max((int(m) for m in re.findall(
+                        r"#running-req: (\d+)", srv.log_path.read_text(errors="replace"))), default=None)
+                except Exception as exc:  # recorded; the next workload still runs
+                    rec["error"] = f"{type(exc).__name__}: {exc}"[-4000:]
+                part["runs"].append(rec)
+                print(json.dumps({k: rec.get(k) for k in ("workload", "error")} | summarize(rec)), flush=True)
+        except Exception as exc:
+            part["runs"].append({"workloads": [w.id for w in workloads], "server_command": shlex.join(cmd),
+                                 "error": f"{type(exc).__name__}: {exc}"[-4000:]})
+            print(part["runs"][-1]["error"][-2000:], flush=True)
+        finally:
+            srv.stop()
+    (out_dir / f"part.{a.server}.{a.tag}.json").write_text(json.dumps(part, indent=1))
+
+
+def profile_decode(url: str, w: Workload, body: dict | None, a, trace_dir: Path) -> dict:
+    """One streamed request of ``w``'s prompt length with ``--profile-steps`` x 4 output tokens; at its
+    first token, SGLang's torch profiler records the next ``--profile-steps`` forward steps (decode
+    only). Returns the trace summary (:mod:`trace_summary`) and the request's inter-token gaps."""
+    import random
+
+    import requests
+
+    rng = random.Random(3)
+    params = {"max_new_tokens": 4 * a.profile_steps, "temperature": 0.0, "ignore_eos": True}
+    if body:
+        params["custom_params"] = {"wgkv": body}
+    req = {"input_ids": [rng.randrange(1000, 100000) for _ in range(w.input_len)], "stream": True,
+           "sampling_params": params}
+    started, stamps = None, []
+    with requests.post(url + "/generate", json=req, stream=True, timeout=a.bench_timeout) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            stamps.append(time.perf_counter())
+            if started is None:
+                started = requests.post(url + "/start_profile", timeout=60, json={
+                    "output_dir": str(trace_dir), "num_steps": a.profile_steps, "activities": ["CPU", "GPU"]}).text
+    time.sleep(10)  # the trace is written after the last profiled step
+    from trace_summary import summarize_dir
+
+    gaps = sorted(b - a_ for a_, b in zip(stamps[1:], stamps[2:]))
+    return {"start_profile": started, "tokens": len(stamps),
+            "median_gap_ms": 1000 * gaps[len(gaps) // 2] if gaps else None,
+            **summarize_dir(str(trace_dir), a.profile_steps)}
+
+
+def summarize(rec: dict) -> dict:
+    r = rec.get("result") or {}
+    return {"ttft_s": (r.get("median_ttft_ms") or 0) / 1000 or None, "tpot_ms": r.get("median_tpot_ms"),
+            "output_tok_s": r.get("output_throughput"), "completed": r.get("completed"),
+            "max_running_seen": rec.get("max_running_seen")}
+
+
+def merge(a) -> None:
+    runs: dict[str, dict[str, dict]] = {}
+    envs = []
+    for path in a.parts:
+        part = json.loads(Path(path).read_text())
+        envs.append(part["environment"])
+        for rec in part["runs"]:
+            if "workload" in rec:
+                runs.setdefault(rec["workload"], {})[part["server"]] = rec
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for wid, by_server in sorted(runs.items()):
+        w = WORKLOADS[wid]
+        (out / f"{wid}.json").write_text(json.dumps({
+            "workload": {"id": wid, "prompts": w.prompts, "input_len": w.input_len, "output_len": w.output_len,
+                         "server_args": w.server, "wgkv_args": w.wgkv, "wgkv_request": w.request_body,
+                         "goal": w.goal},
+            "environment": envs, "runs": by_server}, indent=1))
+        metrics = ["ttft_s", "tpot_ms"] if wid == "W1" else [w.metric]
+        for metric in metrics:
+            up = summarize(by_server.get("upstream", {})).get(metric)
+            wg = summarize(by_server.get("wgkv", {})).get(metric)
+            ratio = None
+            if up and wg:
+                ratio = up / wg if metric in ("ttft_s", "tpot_ms") else wg / up
+            rows.append({"workload": wid, "metric": metric, "upstream": up, "wgkv": wg, "ratio": ratio,
+                         "goal": w.goal, "command": {s: {"server": r.get("server_command"), "bench": r.get("bench_command")}
+                                                     for s, r in by_server.items()}})
+    (out / "summary.json").write_text(json.dumps({"rows": rows, "ratio": "upstream/wgkv for times, wgkv/upstream "
+                                                  "for throughput: > 1 means WG-KV is faster"}, indent=1))
+    plot(rows, out / "summary.png")
+    for row in rows:
+        print(json.dumps({k: row[k] for k in ("workload", "metric", "upstream", "wgkv", "ratio")}))
+
+
+def plot(rows: list[dict], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r["ratio"]]
+    fig, ax = plt.subplots(figsize=(1.4 * max(3, len(rows)) + 2, 3.6))
+    labels = [f"{r['workload']}\n{r['metric']}" for r in rows]
+    bars = ax.bar(labels, [r["ratio"] for r in rows], color="tab:blue")
+    ax.bar_label(bars, fmt="%.2fx", fontsize=8)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_ylabel("WG-KV speed / upstream FlashInfer")
+    ax.set_title("Served speed on one H200 (Llama-3.1-8B config, dummy weights, 25% random admission)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--server", choices=("upstream", "wgkv"), required=True)
+    r.add_argument("--workloads", default="W1,W0")
+    r.add_argument("--upstream-backend", default="flashinfer")
+    r.add_argument("--out-dir", required=True)
+    r.add_argument("--tag", default="a")
+    r.add_argument("--model-dir", default="/tmp/served_speed_model")
+    r.add_argument("--startup-timeout", type=float, default=480)
+    r.add_argument("--bench-timeout", type=float, default=540)
+    r.add_argument("--profile-dir", default=None, help="after timing them, profile the decode of --profile-workloads")
+    r.add_argument("--profile-workloads", default="W1,W0")
+    r.add_argument("--profile-steps", type=int, default=12)
+    m = sub.add_parser("merge")
+    m.add_argument("parts", nargs="+")
+    m.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results" / "serving"))
+    a = p.parse_args(argv)
+    run(a) if a.cmd == "run" else merge(a)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    main()

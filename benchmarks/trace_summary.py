@@ -1,0 +1,95 @@
+"""Summarise torch-profiler traces (Chrome JSON, optionally gzipped) of a server's decode steps:
+GPU kernel time by phase and by kernel, GPU busy time against the traced span (the idle rest is time
+the GPU waited for the host), per profiled step.
+
+    python benchmarks/trace_summary.py TRACE_DIR [--steps N]
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+# (phase, regex on the kernel name), first match wins.
+PHASES = [
+    ("wgkv_gate", r"decode_gate"),
+    ("wgkv_ring_write", r"decode_write|prefill_write"),
+    ("wgkv_promotion", r"promote"),
+    ("wgkv_decode_attention", r"_split_kernel|_merge_kernel|folded"),
+    ("wgkv_evictor", r"snapkv|evict|observe"),
+    ("flashinfer_attention", r"BatchDecode|BatchPrefill|flashinfer|PersistentVariableLength|Paged"),
+    ("kv_append", r"append|store_kv|set_kv|copy_kv|kv_buffer"),
+    ("gemm", r"gemm|nvjet|cutlass|sm90_xmma|ampere_|cublas|Kernel2|splitK|dot_kernel"),
+    ("rmsnorm", r"rms|norm"),
+    ("rope", r"rope|rotary"),
+    ("activation", r"silu|act_and_mul|gelu"),
+    ("sampling_logits", r"argmax|softmax|sampl|topk|top_k|logit|reduce"),
+    ("copy_fill_elementwise", r"copy|fill|elementwise|vectorized|Memcpy|Memset|index|scatter|gather|cat"),
+]
+
+
+def phase_of(name: str) -> str:
+    for phase, pattern in PHASES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return phase
+    return "other"
+
+
+def load_events(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f).get("traceEvents", [])
+
+
+def summarize_events(events: list[dict], steps: int | None = None) -> dict:
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not kernels:
+        return {"kernels": 0}
+    by_phase, by_name, count = defaultdict(float), defaultdict(float), defaultdict(int)
+    for e in kernels:
+        by_phase[phase_of(e["name"])] += e["dur"]
+        by_name[e["name"][:140]] += e["dur"]
+        count[e["name"][:140]] += 1
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
+    busy, cur_s, cur_e = 0.0, *spans[0]
+    for s, t in spans[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, t
+        else:
+            cur_e = max(cur_e, t)
+    busy += cur_e - cur_s
+    span = spans[-1][1] - spans[0][0]
+    runtime = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "cuda_runtime":
+            runtime[e["name"]][0] += 1
+            runtime[e["name"]][1] += e["dur"]
+    per = steps or 1
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:30]
+    return {
+        "steps": steps, "kernels": len(kernels), "kernels_per_step": len(kernels) / per,
+        "span_us_per_step": span / per, "gpu_busy_us_per_step": busy / per,
+        "gpu_idle_us_per_step": (span - busy) / per,
+        "phase_us_per_step": {k: v / per for k, v in sorted(by_phase.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [{"name": n, "us_per_step": t / per, "calls_per_step": count[n] / per} for n, t in top],
+        "cuda_runtime_calls": {k: {"calls": c, "us": round(t, 1)}
+                               for k, (c, t) in sorted(runtime.items(), key=lambda kv: -kv[1][1])[:12]},
+    }
+
+
+def summarize_dir(trace_dir: str, steps: int | None = None) -> dict:
+    paths = sorted(Path(trace_dir).rglob("*.json*"))
+    if not paths:
+        return {"error": f"no trace under {trace_dir}"}
+    return {"traces": [p.name for p in paths],
+            "summary": [summarize_events(load_events(p), steps) for p in paths]}
+
+
+if __name__ == "__main__":
+    steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else None
+    print(json.dumps(summarize_dir(sys.argv[1], steps), indent=1))
