@@ -297,6 +297,8 @@ def merge(a) -> None:
         for rec in part["runs"]:
             if "workload" in rec:
                 runs.setdefault(rec["workload"], {})[part["server"]] = rec
+    if "W0" in runs and "W1" in runs and "upstream" not in runs["W0"] and "upstream" in runs["W1"]:
+        runs["W0"]["upstream"] = runs["W1"]["upstream"]  # upstream keeps every token in W1 already
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = []

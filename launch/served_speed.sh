@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Served speed on the H200 (device tool): WG-KV against upstream SGLang --attention-backend flashinfer,
+# measured with `python -m sglang.bench_serving` (benchmarks/served_speed.py; workloads W0-W4 there).
+#
+# Preparation here (git-ignored folders that travel through `carry`):
+#   mkdir -p .kit .kit2 && cp ../shared/device-kit/wheels/* .kit/ && mv .kit/sglang-*.whl .kit2/
+#   printf '/.kit/\n/.kit2/\n/.fi/\n' >> .git/info/exclude
+# Device calls, in ONE message (same machine, back to back; /tmp and ~/.cache survive between them):
+#   1. carry [".kit"]:         bash launch/served_speed.sh setup
+#   2. carry [".kit2", ".fi"]: bash launch/served_speed.sh run wgkv W1,W0 [served_speed.py run args]
+#   3.                         bash launch/served_speed.sh run upstream W1 [...]
+# `run` writes part.<server>.<tag>.json, bench_serving's JSON lines and the server logs to $OUT. The
+# first upstream run on a machine compiles FlashInfer's kernels (~3.5 min) and leaves the cache as
+# $OUT/fi_cache.tgz: unpack it here into .fi/ (tar xzf fi_cache.tgz -C .fi) and carry .fi later, so
+# later machines skip the compile. Then, here:
+#   python benchmarks/served_speed.py merge <part files> --out-dir benchmarks/results/serving
+set -euo pipefail
+cd "$(dirname "$0")/.."
+case "${1:-}" in
+setup)
+    bash .kit/install.sh | tail -1 > /tmp/pp
+    python3 launch/register_entry_points.py /tmp/site
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader ;;
+run)
+    server=$2 workloads=$3; shift 3
+    if [ -d .kit2 ] && [ ! -e /tmp/sglang-wheel-installed ]; then
+        bash .kit/install.sh .kit2 >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .kit2/*.whl
+        touch /tmp/sglang-wheel-installed
+    fi
+    if [ -d .fi/flashinfer ] && [ ! -d ~/.cache/flashinfer ]; then mkdir -p ~/.cache && cp -r .fi/flashinfer ~/.cache/; fi
+    had_cache=$([ -d ~/.cache/flashinfer ] && echo 1 || echo 0)
+    . /tmp/pp
+    export PYTHONPATH="$PWD:/tmp/site:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+    OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+    python3 benchmarks/served_speed.py run --server "$server" --workloads "$workloads" --out-dir "$OUT" "$@"
+    if [ "$had_cache" = 0 ] && [ -d ~/.cache/flashinfer ]; then tar czf "$OUT/fi_cache.tgz" -C ~/.cache flashinfer; fi ;;
+*)
+    sed -n 2,18p "$0"; exit 2 ;;
+esac
