@@ -28,12 +28,13 @@ run)
         touch /tmp/sglang-wheel-installed
     fi
     if [ -d .fi/flashinfer ] && [ ! -d ~/.cache/flashinfer ]; then mkdir -p ~/.cache && cp -r .fi/flashinfer ~/.cache/; fi
-    had_cache=$([ -d ~/.cache/flashinfer ] && echo 1 || echo 0)
+    cache_before=$(du -s ~/.cache/flashinfer 2>/dev/null | cut -f1 || true)
     . /tmp/pp
     export PYTHONPATH="$PWD:/tmp/site:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
     OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
     python3 benchmarks/served_speed.py run --server "$server" --workloads "$workloads" --out-dir "$OUT" "$@"
-    if [ "$had_cache" = 0 ] && [ -d ~/.cache/flashinfer ]; then tar czf "$OUT/fi_cache.tgz" -C ~/.cache flashinfer; fi ;;
+    cache_after=$(du -s ~/.cache/flashinfer 2>/dev/null | cut -f1 || true)
+    if [ -n "$cache_after" ] && [ "$cache_after" != "$cache_before" ]; then tar czf "$OUT/fi_cache.tgz" -C ~/.cache flashinfer; fi ;;
 *)
     sed -n 2,18p "$0"; exit 2 ;;
 esac
