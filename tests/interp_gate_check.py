@@ -24,7 +24,7 @@ G_TOL = 2e-5     # gate values: float32 sums in another order
 CASES = [
     (64, 3, 256, 4, 1, torch.float32, None),
     (64, 3, 256, 4, 3, torch.float16, None),
-    (64, 2, 96, 5, 16, torch.bfloat16, None),     # I not a multiple of the 32-unit block; more splits than blocks
+    (64, 2, 96, 5, 32, torch.bfloat16, None),     # I not a multiple of the 32-unit block; more splits than blocks
     (128, 2, 192, 3, 2, torch.float16, None),      # the Qwen3 layout's I = 1.5 * D
     (64, 3, 256, 6, 4, torch.float32, 0.4),        # random admission, some rows with admission off
 ]
