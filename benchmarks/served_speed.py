@@ -353,7 +353,7 @@ def plot(rows: list[dict], png: Path) -> None:
     ax.bar_label(bars, fmt="%.2fx", fontsize=8)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_ylabel("WG-KV speed / upstream FlashInfer")
-    ax.set_title("Served speed on one H200 (Llama-3.1-8B config, dummy weights, 25% random admission)", fontsize=9)
+    ax.set_title("Served speed on one H200 (Llama-3.1-8B config, dummy weights; WG-KV admits 25% at random, W0 keeps every token)", fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
 
