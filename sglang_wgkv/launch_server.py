@@ -6,8 +6,9 @@ WG-KV options (all others go to SGLang unchanged)::
     --wgkv-gates PATH|fresh       gate checkpoint: directory (gates.safetensors + gates.json) or official .pt;
                                   ``fresh``: untrained gates, which admit every token. Default: the gates
                                   shipped for the embedded model when it is served, else fresh
-    --wgkv-tau T                  admission threshold (default 0.1)
-    --wgkv-local-window W         W_local, a multiple of 16 (default 256)
+    --wgkv-tau T                  admission threshold (default: config.DEFAULT_TAU)
+    --wgkv-local-window W         W_local, a multiple of 16 (default: config.DEFAULT_LOCAL_WINDOW); a gate
+                                  checkpoint trained with another W_local is refused
     --wgkv-random-admission P     admit each (token, head) with probability P; the gate still runs
     --wgkv-seed S                 seed of fresh gates and random admission (default 0)
     --wgkv-overcommit F           F > 1: SGLang's token pool and request slots are F times the dense-equivalent
@@ -31,7 +32,7 @@ import os
 import sys
 from importlib.metadata import entry_points
 
-from sglang_wgkv.config import WGKVConfig
+from sglang_wgkv.config import DEFAULT_LOCAL_WINDOW, DEFAULT_TAU, WGKVConfig
 from sglang_wgkv.embedded_model import SHIPPED_GATES
 from sglang_wgkv.integration.settings import ATTENTION_IMPLS, BACKEND_NAME, ENV_VAR, ServingSettings
 
@@ -45,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="SGLang server with Write-Gated KV. Unknown arguments are passed to SGLang.")
     parser.add_argument("--kv-budget", type=int, default=None)
     parser.add_argument("--wgkv-gates", default=None)
-    parser.add_argument("--wgkv-tau", type=float, default=WGKVConfig.tau)
-    parser.add_argument("--wgkv-local-window", type=int, default=WGKVConfig.local_window)
+    parser.add_argument("--wgkv-tau", type=float, default=DEFAULT_TAU)
+    parser.add_argument("--wgkv-local-window", type=int, default=DEFAULT_LOCAL_WINDOW)
     parser.add_argument("--wgkv-random-admission", type=float, default=None)
     parser.add_argument("--wgkv-seed", type=int, default=0)
     parser.add_argument("--wgkv-attention", choices=ATTENTION_IMPLS, default="auto")
@@ -79,13 +80,16 @@ def _model_shape(model_path: str) -> tuple[int, int, int] | None:
     return cfg.num_hidden_layers, kv_heads, head_dim
 
 
-def check_gates(path: str, model_path: str) -> None:
-    """Load the gate checkpoint and check it against the model; ValueError with the reason."""
+def check_gates(path: str, model_path: str, local_window: int) -> None:
+    """Load the gate checkpoint and check it against the model and the served W_local; ValueError
+    with the reason."""
     from sglang_wgkv.gate import load_gates
+    from sglang_wgkv.gate.checkpoint import check_served_window
 
     if not os.path.exists(path):
         raise ValueError(f"{path}: no such gate checkpoint")
     gates = load_gates(path)
+    check_served_window(path, gates.config, local_window)
     shape = _model_shape(model_path)
     if shape is not None:
         try:
@@ -159,7 +163,7 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
     if ours.wgkv_gates is None and embedded:
         ours.wgkv_gates = str(SHIPPED_GATES)
     if ours.wgkv_gates not in (None, "fresh"):
-        check_gates(ours.wgkv_gates, model_path)
+        check_gates(ours.wgkv_gates, model_path, config.local_window)
         gates_path = os.path.abspath(ours.wgkv_gates)
     else:
         gates_path = None
