@@ -22,6 +22,8 @@ WG-KV options (all others go to SGLang unchanged)::
 
 Defaults filled in when absent: ``--model-path`` = the embedded SmolLM2-135M-Instruct
 (:mod:`sglang_wgkv.embedded_model`); without CUDA ``SGLANG_USE_CPU_ENGINE=1`` and ``--device cpu``;
+on CPU (also with ``--disable-wgkv``) ``--max-total-tokens`` for a KV cache of 1/8 of the RAM
+(:func:`cpu_default_kv_tokens`) unless ``--max-total-tokens`` or ``--mem-fraction-static`` is given;
 ``--attention-backend wgkv`` (``torch_native`` on CPU with ``--disable-wgkv``).
 """
 
@@ -36,6 +38,8 @@ from sglang_wgkv.config import DEFAULT_LOCAL_WINDOW, DEFAULT_TAU, WGKVConfig
 from sglang_wgkv.embedded_model import SHIPPED_GATES
 from sglang_wgkv.integration.settings import ATTENTION_IMPLS, BACKEND_NAME, ENV_VAR, ServingSettings
 
+# Default KV budget on CPU, as a fraction of the machine's RAM (see cpu_default_kv_tokens).
+CPU_KV_RAM_FRACTION = 0.125
 WGKV_FLAGS = ("--kv-budget", "--wgkv-gates", "--wgkv-tau", "--wgkv-local-window",
               "--wgkv-random-admission", "--wgkv-seed", "--wgkv-attention", "--wgkv-overcommit")
 
@@ -78,6 +82,27 @@ def _model_shape(model_path: str) -> tuple[int, int, int] | None:
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     return cfg.num_hidden_layers, kv_heads, head_dim
+
+
+def cpu_default_kv_tokens(model_path: str, sglang_argv: list[str], ram_bytes: int | None = None) -> int | None:
+    """The CPU default KV budget: the tokens whose K/V fill :data:`CPU_KV_RAM_FRACTION` of the RAM
+    (None for a model that is not a local directory: SGLang's own default then).
+
+    SGLang sizes a CPU KV cache from the memory available when it starts, less a slack for
+    activations: on a 24 GB machine 16-17 GB of KV for a 135M model, and the server's processes
+    and a long prompt's activations then come within ~2 GB of the RAM (upstream's peak 21.5 GB of
+    23). A fixed fraction of the RAM leaves the rest to the processes, the activations and the
+    machine's other users; ``--max-total-tokens`` or ``--mem-fraction-static`` override it."""
+    shape = _model_shape(model_path)
+    if shape is None:
+        return None
+    layers, kv_heads, head_dim = shape
+    dtype = _option(sglang_argv, "--kv-cache-dtype")
+    if dtype in (None, "auto"):
+        dtype = _option(sglang_argv, "--dtype")
+    dtype_bytes = 4 if dtype in ("float32", "float") else 2
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if ram_bytes is None else ram_bytes
+    return int(ram * CPU_KV_RAM_FRACTION) // (2 * layers * kv_heads * head_dim * dtype_bytes)
 
 
 def check_gates(path: str, model_path: str, local_window: int) -> None:
@@ -129,6 +154,10 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
             env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", os.environ.get(
                 "SGLANG_CPU_OMP_THREADS_BIND", "|".join(str(r % cores) for r in range(tp))))
             env.setdefault("SGLANG_NCCL_SO_PATH", os.environ.get("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl.so.2"))
+        if _option(sglang_argv, "--max-total-tokens", "--mem-fraction-static") is None:
+            tokens = cpu_default_kv_tokens(model_path, sglang_argv)
+            if tokens is not None:
+                sglang_argv += ["--max-total-tokens", str(tokens)]
     backend = _option(sglang_argv, "--attention-backend")
 
     snapkv_only = ours.disable_wgkv and ours.kv_budget is not None

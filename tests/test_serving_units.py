@@ -204,6 +204,28 @@ def test_launcher_fills_in_defaults(monkeypatch):
     assert argv[argv.index("--attention-backend") + 1] == "torch_native"
 
 
+def test_cpu_default_kv_budget_is_a_fraction_of_ram(monkeypatch):
+    """On CPU the launcher caps the KV cache at 1/8 of the RAM (SGLang's own default takes nearly all
+    the memory available at start), for WG-KV and the --disable-wgkv baseline alike; an explicit
+    --max-total-tokens or --mem-fraction-static wins."""
+    from sglang_wgkv.embedded_model import ensure_embedded_model
+    from sglang_wgkv.launch_server import CPU_KV_RAM_FRACTION, cpu_default_kv_tokens, resolve
+
+    model = str(ensure_embedded_model())
+    token_bytes = 2 * 30 * 3 * 64 * 2  # bf16 K and V of the embedded model's 30 layers x 3 KV heads
+    assert cpu_default_kv_tokens(model, [], ram_bytes=24 << 30) == int((24 << 30) * CPU_KV_RAM_FRACTION) // token_bytes
+    assert cpu_default_kv_tokens(model, ["--dtype", "float32"], ram_bytes=24 << 30) == \
+        int((24 << 30) * CPU_KV_RAM_FRACTION) // (2 * token_bytes)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    expected = str(cpu_default_kv_tokens(model, []))
+    for args in ([], ["--disable-wgkv"]):
+        argv = resolve(args)[1]
+        assert argv[argv.index("--max-total-tokens") + 1] == expected
+    for given in (["--max-total-tokens", "4096"], ["--mem-fraction-static", "0.3"]):
+        argv = resolve(given)[1]
+        assert argv.count("--max-total-tokens") == given.count("--max-total-tokens")
+
+
 @pytest.mark.parametrize("args, message", [
     (["--wgkv-tau", "2"], "tau must be in"),
     (["--wgkv-local-window", "20"], "multiple of 16"),

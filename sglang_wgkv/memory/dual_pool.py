@@ -39,11 +39,11 @@ import torch
 
 from sglang_wgkv.config import PAGE_SIZE, WGKVConfig
 from sglang_wgkv.memory.decode_step import DecodePlan, DecodeStep
-from sglang_wgkv.memory.extend_step import FAR_POSITION, ExtendPlan, ExtendStep
+from sglang_wgkv.memory.extend_step import ExtendPlan, ExtendStep
 from sglang_wgkv.memory.page_allocator import PageAllocator
 from sglang_wgkv.memory.prefix_snapshot import PrefixSnapshot
 
-__all__ = ["FAR_POSITION", "DecodePlan", "DualCachePool", "ExtendPlan", "PoolIntegrityError"]
+__all__ = ["DecodePlan", "DualCachePool", "ExtendPlan", "PoolIntegrityError"]
 
 
 # Page-table entries the integrity check handles at once (bounds its temporaries: ~16 MB of int32).
