@@ -55,12 +55,12 @@ def test_validation():
 @pytest.mark.core
 def test_num_splits():
     from interp_gate_check import make_gates
-    from sglang_wgkv.gate.triton_gate import MAX_SPLITS, DecodeGate
+    from sglang_wgkv.gate.triton_gate import MAX_SPLIT_COUNT, DecodeGate
 
     fused = DecodeGate(make_gates(128, 2, 512, 0, "cpu"), max_rows=4)
-    assert fused.num_splits(8, 132) == MAX_SPLITS // 2       # batch 1 x 8 heads: I = 512 in 8 slices of 64
+    assert fused.num_splits(8, 132) == MAX_SPLIT_COUNT // 2       # batch 1 x 8 heads: I = 512 in 8 slices of 64
     assert fused.num_splits(256, 132) == 1
-    assert 1 <= fused.num_splits(1, 10_000) <= MAX_SPLITS
+    assert 1 <= fused.num_splits(1, 10_000) <= MAX_SPLIT_COUNT
 
 
 @pytest.mark.gpu
