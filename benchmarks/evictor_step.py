@@ -8,7 +8,7 @@ Measures (CUDA if available, else CPU):
 * ``observe_decode`` for one layer of a decode batch;
 * one eviction of every stream of 1 and of all requests, each stream at ``budget + 1`` global tokens
   (the pool state is restored between repetitions), with the peak extra device memory.
-Writes benchmarks/results/evictor_step.json.
+Writes benchmarks/results/kernels/evictor_step.json.
 """
 
 import argparse
@@ -68,7 +68,7 @@ def main():
     ap.add_argument("--budget", type=int, default=4096)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "evictor_step.json"))
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "kernels" / "evictor_step.json"))
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)

@@ -389,7 +389,7 @@ def plot(results, png):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="benchmarks/results/paper_fig8")
     ap.add_argument("--lengths", type=int, nargs="+", default=[131072, 262144, 409600, 512000])
     ap.add_argument("--deadline", type=float, default=3000.0)
     ap.add_argument("--layers", type=int, default=LAYERS)

@@ -284,7 +284,7 @@ def plot(results, png):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="benchmarks/results/kernels")
     ap.add_argument("--name", default="kernel_attention", help="output file stem")
     ap.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072, 262144, 524288])
     ap.add_argument("--rejections", type=float, nargs="+", default=[0.0, 0.5, 0.75, 0.9])

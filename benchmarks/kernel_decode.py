@@ -111,7 +111,7 @@ def triton_fn(pool, q, out, splits, cfg):
 
 def sweep(args, results, gen):
     """Launch shapes at batch 1, 128K tokens, 75% rejection (or the first given length)."""
-    from sglang_wgkv.attention.triton_decode import MAX_SPLITS, DecodeConfig, choose_num_splits
+    from sglang_wgkv.attention.triton_decode import MAX_SPLIT_COUNT, DecodeConfig, choose_num_splits
 
     n = 131072 if 131072 in args.lengths else args.lengths[0]
     glen = global_lengths(1, 1, n, 0.75, gen)
@@ -122,7 +122,7 @@ def sweep(args, results, gen):
     base = choose_num_splits(1, HKV, n, "cuda")
     rows = []
     for bn, warps, stages in SWEEP_CONFIGS:
-        for splits in sorted({max(1, base // 2), base, min(MAX_SPLITS, base * 2)}):
+        for splits in sorted({max(1, base // 2), base, min(MAX_SPLIT_COUNT, base * 2)}):
             cfg = DecodeConfig(bn, warps, stages)
             try:
                 t = graph_ms(triton_fn(pool, q, out, splits, cfg)) / L
@@ -268,7 +268,7 @@ def plot(results, png):
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="benchmarks/results/kernels")
     ap.add_argument("--name", default="kernel_decode", help="output file stem")
     ap.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072, 262144, 524288])
     ap.add_argument("--rejections", type=float, nargs="+", default=[0.0, 0.5, 0.75, 0.9])

@@ -1,7 +1,7 @@
 """Time one decode-step pool update (promotion for all layers + ring writes per layer) on this CPU.
 
 python benchmarks/pool_update_cpu.py [--requests 32 --layers 30 --kv-heads 3 --head-dim 64 --context 1024]
-Writes benchmarks/results/pool_update_cpu.json.
+Writes benchmarks/results/kernels/pool_update_cpu.json.
 """
 
 import argparse
@@ -25,7 +25,7 @@ def main():
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "pool_update_cpu.json"))
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "kernels" / "pool_update_cpu.json"))
     a = ap.parse_args()
     torch.manual_seed(0)
     B, L, H, D = a.requests, a.layers, a.kv_heads, a.head_dim

@@ -13,7 +13,7 @@ requests holding a slot, prefilling ones included). Then stop it.
     # H200, one device call per server (each writes a part), then merge here
     python benchmarks/serving_throughput.py --server upstream --part-out $OUT/serving_throughput.upstream.json
     python benchmarks/serving_throughput.py --server wgkv --part-out $OUT/serving_throughput.wgkv.json
-    python benchmarks/serving_throughput.py --merge A.json B.json --out benchmarks/results/serving_throughput.json
+    python benchmarks/serving_throughput.py --merge A.json B.json --out benchmarks/results/serving/serving_throughput.json
 
 ``--out`` (without ``--merge``) runs all servers and writes the merged JSON and its PNG directly.
 Defaults: the Llama-3.1-8B configuration in ``launch/configs/llama-3.1-8b`` with dummy weights,
@@ -265,6 +265,8 @@ def main(argv=None):
     p.add_argument("--label", default=None)
     p.add_argument("--part-out", default=None, help="write this run's part (for --merge)")
     p.add_argument("--out", default=None, help="merged JSON (its PNG next to it)")
+    p.add_argument("--log-dir", default="/tmp/wgkv_serving_logs",
+                   help="server logs (kept out of benchmarks/results/)")
     p.add_argument("--merge", nargs="+", default=None, help="merge these part files into --out")
     a = p.parse_args(argv)
     if a.merge:
@@ -274,7 +276,7 @@ def main(argv=None):
         env = environment()
         workload = {k: getattr(a, k) for k in ("num_requests", "prompt_tokens", "output_tokens",
                                                "mem_fraction_static", "model_path", "seed")}
-        log_dir = Path(a.part_out or a.out or "benchmarks/results/x").resolve().parent
+        log_dir = Path(a.log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         runs = []
         for server in a.server or ["upstream", "wgkv"]:

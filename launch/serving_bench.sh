@@ -11,7 +11,7 @@
 #   2. carry [".kit2"]: bash launch/serving_bench.sh run upstream [bench args]   (~3-4 min)
 #   3.                  bash launch/serving_bench.sh run wgkv [bench args]       (~3-5 min)
 # Each run writes $OUT/serving_throughput.<server>.json and the server log; then, here:
-#   python benchmarks/serving_throughput.py --merge <part files> --out benchmarks/results/serving_throughput_h200.json
+#   python benchmarks/serving_throughput.py --merge <part files> --out benchmarks/results/serving/serving_throughput_h200.json
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in

@@ -10,18 +10,17 @@ def create_cache(ctx):
     from sglang.srt.mem_cache.registry import default_radix_cache_factory
 
     from radix_ext.snapshot_radix_cache import SnapshotRadixCache
-    from sglang_wgkv.integration.kv_pool import WGKVTokenToKVPool
-    from sglang_wgkv.integration.req_pool import WGKVReqToTokenPool
+    from sglang_wgkv.integration.runtime import get_runtime, has_runtime
 
     if ctx.disable_radix_cache:
         return default_radix_cache_factory(ctx)
     params = ctx.params
-    kv = params.token_to_kv_pool_allocator.get_kvcache()
-    if not isinstance(params.req_to_token_pool, WGKVReqToTokenPool) or not isinstance(kv, WGKVTokenToKVPool):
+    runtime = get_runtime() if has_runtime() else None
+    if runtime is None or getattr(params.req_to_token_pool, "runtime", None) is not runtime:
         raise ValueError(f"--radix-cache-backend {RADIX_BACKEND} needs --attention-backend wgkv")
     if params.page_size != 1:
         raise ValueError(f"--radix-cache-backend {RADIX_BACKEND} needs --page-size 1")
-    return SnapshotRadixCache(params, restore_slots=kv.prefix_restore_slots)
+    return SnapshotRadixCache(params, runtime)
 
 
 def register() -> None:

@@ -15,10 +15,11 @@ exactly the node's depth (global pages shared by refcount, ring and flags copied
     WGKVReqToTokenPool.alloc           a fresh slot with prefix S > 0 restores that snapshot
     _delete_leaf (LRU evict) / reset   release the node's snapshot
     allocator.ensure shortfall         drop unpinned snapshots, least recently used first
+                                       (:meth:`reclaim`, through the runtime)
 
 Physical pages. After a restore the request's global pages are shared, but its ring is a private
 copy of tokens the tree already counts, up to ``W_local + 16`` tokens per stream beyond the capacity
-rule of :mod:`sglang_wgkv.integration.kv_pool`. The dual pool is sized with that much extra for
+rule of :mod:`sglang_wgkv.integration.capacity`. The dual pool is sized with that much extra for
 ``restore_slots`` requests, and a match only hits while fewer restored requests run (and are pending).
 Snapshot pages themselves are never needed by a forward: they are dropped when a step would not fit.
 """
@@ -36,22 +37,23 @@ from sglang_wgkv.memory.prefix_snapshot import SnapshotStore
 class SnapshotRadixCache(RadixCache):
     """Parameters
     ----------
-    params : SGLang's ``CacheInitParams`` (its request pool must be a ``WGKVReqToTokenPool``).
-    restore_slots : restored requests that may run at once (the dual pool's extra ring capacity).
+    params : SGLang's ``CacheInitParams`` (its request pool is the runtime's ``WGKVReqToTokenPool``).
+    runtime : the process's :class:`~sglang_wgkv.integration.runtime.WGKVRuntime`: its dual pool, and
+        its capacity plan's ``restore_slots`` (restored requests that may run at once: the dual
+        pool's extra ring capacity). The cache attaches itself to the runtime.
     """
 
-    def __init__(self, params, restore_slots: int):
-        self.dual = params.req_to_token_pool.dual
+    def __init__(self, params, runtime):
+        self.dual = runtime.dual
         self.store = SnapshotStore(self.dual)
-        self.restore_slots = restore_slots
+        self.restore_slots = runtime.plan.restore_slots
         self._snap_nodes = set()       # nodes that own a snapshot
         self._pinned = {}              # id(snapshot) -> snapshot matched since the last alloc
         self._restored = {}            # request slot -> pool generation at restore
         self._raw_match = False
         self.hits = self.hit_tokens = self.snapshots_taken = self.snapshots_dropped = 0
         super().__init__(params)
-        self.dual.allocator.reclaimer = self._reclaim
-        params.req_to_token_pool.prefix_cache = self
+        runtime.attach_prefix_cache(self)
 
     # -- snapshots on nodes -----------------------------------------------------------------------
     def _drop(self, node) -> None:
@@ -60,7 +62,8 @@ class SnapshotRadixCache(RadixCache):
         self._snap_nodes.discard(node)
         self.snapshots_dropped += 1
 
-    def _reclaim(self, worst_case: int) -> None:
+    def reclaim(self, worst_case: int) -> None:
+        """Drop unpinned snapshots, least recently used first, until ``worst_case`` pages fit."""
         allocator = self.dual.allocator
         victims = sorted((n for n in self._snap_nodes if id(n.snapshot) not in self._pinned),
                          key=lambda n: n.last_access_time)

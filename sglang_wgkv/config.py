@@ -3,6 +3,11 @@
 from dataclasses import dataclass
 
 PAGE_SIZE = 16
+# The one definition of each default (the gate checkpoint format, the trainer and the launcher read these).
+DEFAULT_TAU = 0.1
+DEFAULT_LOCAL_WINDOW = 256
+# SnapKV's observation window (queries kept per request and layer); at most W_local.
+DEFAULT_EVICTOR_WINDOW = 256
 
 
 @dataclass(frozen=True)
@@ -18,8 +23,8 @@ class WGKVConfig:
     kv_budget : average global tokens per head per request enforced by the evictor (None = unbounded).
     """
 
-    local_window: int = 256
-    tau: float = 0.1
+    local_window: int = DEFAULT_LOCAL_WINDOW
+    tau: float = DEFAULT_TAU
     random_admission: float | None = None
     kv_budget: int | None = None
     page_size: int = PAGE_SIZE
@@ -37,3 +42,9 @@ class WGKVConfig:
             raise ValueError(f"random_admission must be in [0, 1], got {self.random_admission}")
         if self.kv_budget is not None and self.kv_budget < self.page_size:
             raise ValueError(f"kv_budget must be >= {self.page_size} tokens, got {self.kv_budget}")
+
+    @property
+    def evictor_window(self) -> int:
+        """Queries per (request, layer) the evictor keeps with ``kv_budget``: its window, capped at
+        W_local (global entries must precede every window query)."""
+        return min(DEFAULT_EVICTOR_WINDOW, self.local_window)

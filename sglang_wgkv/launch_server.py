@@ -6,8 +6,9 @@ WG-KV options (all others go to SGLang unchanged)::
     --wgkv-gates PATH|fresh       gate checkpoint: directory (gates.safetensors + gates.json) or official .pt;
                                   ``fresh``: untrained gates, which admit every token. Default: the gates
                                   shipped for the embedded model when it is served, else fresh
-    --wgkv-tau T                  admission threshold (default 0.1)
-    --wgkv-local-window W         W_local, a multiple of 16 (default 256)
+    --wgkv-tau T                  admission threshold (default: config.DEFAULT_TAU)
+    --wgkv-local-window W         W_local, a multiple of 16 (default: config.DEFAULT_LOCAL_WINDOW); a gate
+                                  checkpoint trained with another W_local is refused
     --wgkv-random-admission P     admit each (token, head) with probability P; the gate still runs
     --wgkv-seed S                 seed of fresh gates and random admission (default 0)
     --wgkv-overcommit F           F > 1: SGLang's token pool and request slots are F times the dense-equivalent
@@ -21,6 +22,8 @@ WG-KV options (all others go to SGLang unchanged)::
 
 Defaults filled in when absent: ``--model-path`` = the embedded SmolLM2-135M-Instruct
 (:mod:`sglang_wgkv.embedded_model`); without CUDA ``SGLANG_USE_CPU_ENGINE=1`` and ``--device cpu``;
+on CPU (also with ``--disable-wgkv``) ``--max-total-tokens`` for a KV cache of 1/8 of the RAM
+(:func:`cpu_default_kv_tokens`) unless ``--max-total-tokens`` or ``--mem-fraction-static`` is given;
 ``--attention-backend wgkv`` (``torch_native`` on CPU with ``--disable-wgkv``).
 """
 
@@ -31,10 +34,12 @@ import os
 import sys
 from importlib.metadata import entry_points
 
-from sglang_wgkv.config import WGKVConfig
+from sglang_wgkv.config import DEFAULT_LOCAL_WINDOW, DEFAULT_TAU, WGKVConfig
 from sglang_wgkv.embedded_model import SHIPPED_GATES
 from sglang_wgkv.integration.settings import ATTENTION_IMPLS, BACKEND_NAME, ENV_VAR, ServingSettings
 
+# Default KV budget on CPU, as a fraction of the machine's RAM (see cpu_default_kv_tokens).
+CPU_KV_RAM_FRACTION = 0.125
 WGKV_FLAGS = ("--kv-budget", "--wgkv-gates", "--wgkv-tau", "--wgkv-local-window",
               "--wgkv-random-admission", "--wgkv-seed", "--wgkv-attention", "--wgkv-overcommit")
 
@@ -45,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="SGLang server with Write-Gated KV. Unknown arguments are passed to SGLang.")
     parser.add_argument("--kv-budget", type=int, default=None)
     parser.add_argument("--wgkv-gates", default=None)
-    parser.add_argument("--wgkv-tau", type=float, default=WGKVConfig.tau)
-    parser.add_argument("--wgkv-local-window", type=int, default=WGKVConfig.local_window)
+    parser.add_argument("--wgkv-tau", type=float, default=DEFAULT_TAU)
+    parser.add_argument("--wgkv-local-window", type=int, default=DEFAULT_LOCAL_WINDOW)
     parser.add_argument("--wgkv-random-admission", type=float, default=None)
     parser.add_argument("--wgkv-seed", type=int, default=0)
     parser.add_argument("--wgkv-attention", choices=ATTENTION_IMPLS, default="auto")
@@ -79,13 +84,37 @@ def _model_shape(model_path: str) -> tuple[int, int, int] | None:
     return cfg.num_hidden_layers, kv_heads, head_dim
 
 
-def check_gates(path: str, model_path: str) -> None:
-    """Load the gate checkpoint and check it against the model; ValueError with the reason."""
+def cpu_default_kv_tokens(model_path: str, sglang_argv: list[str], ram_bytes: int | None = None) -> int | None:
+    """The CPU default KV budget: the tokens whose K/V fill :data:`CPU_KV_RAM_FRACTION` of the RAM
+    (None for a model that is not a local directory: SGLang's own default then).
+
+    SGLang sizes a CPU KV cache from the memory available when it starts, less a slack for
+    activations: on a 24 GB machine 16-17 GB of KV for a 135M model, and the server's processes
+    and a long prompt's activations then come within ~2 GB of the RAM (upstream's peak 21.5 GB of
+    23). A fixed fraction of the RAM leaves the rest to the processes, the activations and the
+    machine's other users; ``--max-total-tokens`` or ``--mem-fraction-static`` override it."""
+    shape = _model_shape(model_path)
+    if shape is None:
+        return None
+    layers, kv_heads, head_dim = shape
+    dtype = _option(sglang_argv, "--kv-cache-dtype")
+    if dtype in (None, "auto"):
+        dtype = _option(sglang_argv, "--dtype")
+    dtype_bytes = 4 if dtype in ("float32", "float") else 2
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if ram_bytes is None else ram_bytes
+    return int(ram * CPU_KV_RAM_FRACTION) // (2 * layers * kv_heads * head_dim * dtype_bytes)
+
+
+def check_gates(path: str, model_path: str, local_window: int) -> None:
+    """Load the gate checkpoint and check it against the model and the served W_local; ValueError
+    with the reason."""
     from sglang_wgkv.gate import load_gates
+    from sglang_wgkv.gate.checkpoint import check_served_window
 
     if not os.path.exists(path):
         raise ValueError(f"{path}: no such gate checkpoint")
     gates = load_gates(path)
+    check_served_window(path, gates.config, local_window)
     shape = _model_shape(model_path)
     if shape is not None:
         try:
@@ -125,6 +154,10 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
             env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", os.environ.get(
                 "SGLANG_CPU_OMP_THREADS_BIND", "|".join(str(r % cores) for r in range(tp))))
             env.setdefault("SGLANG_NCCL_SO_PATH", os.environ.get("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl.so.2"))
+        if _option(sglang_argv, "--max-total-tokens", "--mem-fraction-static") is None:
+            tokens = cpu_default_kv_tokens(model_path, sglang_argv)
+            if tokens is not None:
+                sglang_argv += ["--max-total-tokens", str(tokens)]
     backend = _option(sglang_argv, "--attention-backend")
 
     snapkv_only = ours.disable_wgkv and ours.kv_budget is not None
@@ -159,7 +192,7 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
     if ours.wgkv_gates is None and embedded:
         ours.wgkv_gates = str(SHIPPED_GATES)
     if ours.wgkv_gates not in (None, "fresh"):
-        check_gates(ours.wgkv_gates, model_path)
+        check_gates(ours.wgkv_gates, model_path, config.local_window)
         gates_path = os.path.abspath(ours.wgkv_gates)
     else:
         gates_path = None

@@ -121,6 +121,32 @@ def long_prompt(n_items: int, seed: int = 0) -> str:
     return " ".join(items) + " Which item mentions a river first?"
 
 
+def shipped_gates_at(path: Path, local_window: int) -> Path:
+    """A copy of the shipped embedded-model gates (trained with W_local = 256) declared for
+    ``local_window``: the server refuses a checkpoint trained for another window, and the CPU tests
+    run the trained gates with small windows so that prompts of a few hundred tokens leave the ring."""
+    import json
+    import shutil
+
+    from sglang_wgkv.embedded_model import SHIPPED_GATES
+    from sglang_wgkv.gate.checkpoint import CONFIG_FILE
+
+    shutil.copytree(SHIPPED_GATES, path)
+    config = json.loads((path / CONFIG_FILE).read_text())
+    (path / CONFIG_FILE).write_text(json.dumps({**config, "local_window": local_window}, indent=2) + "\n")
+    return path
+
+
+def embedded_plan(budget_tokens: int, **options):
+    """The capacity plan (``integration/capacity.py``) a CPU server of the embedded model (30 layers,
+    9 query / 3 KV heads of 64, context 8192, bf16) makes of ``--max-total-tokens budget_tokens``;
+    ``options``: plan_capacity's keywords (local_window, kv_budget, ...)."""
+    from sglang_wgkv.integration.capacity import ModelShape, plan_capacity
+
+    shape = ModelShape(num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64, context_len=8192, dtype_bytes=2)
+    return plan_capacity(budget_tokens, 10**6, shape=shape, **options)
+
+
 def save_head_gates(path: Path, head_bias, local_window: int) -> Path:
     """Gates for the embedded model (30 layers, 3 KV heads, head_dim 64) whose output bias per KV head
     is ``head_bias`` in every layer: +30 admits every token (sigmoid = 1), -30 none."""

@@ -14,7 +14,9 @@ serving_support = pytest.importorskip("serving_support")
 
 
 def test_eval_cli_runs_against_the_server(tmp_path):
-    server = serving_support.Server(["--kv-budget", "64", "--wgkv-local-window", "32"], tmp_path / "server.log")
+    gates = serving_support.shipped_gates_at(tmp_path / "gates", 32)
+    server = serving_support.Server(["--kv-budget", "64", "--wgkv-local-window", "32", "--wgkv-gates", str(gates)],
+                                    tmp_path / "server.log")
     try:
         server.wait_healthy()
         out = tmp_path / "report.json"

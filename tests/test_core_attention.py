@@ -136,3 +136,23 @@ def test_paged_decode_matches_padded_dense():
         vv = pages_v[pages].reshape(-1, 32)[:n]
         s = q[0, 2 * h:2 * h + 2] @ kk.t() / 32 ** 0.5
         torch.testing.assert_close(out[0, 2 * h:2 * h + 2], torch.softmax(s, -1) @ vv)
+
+
+@pytest.mark.parametrize("block", [1, 7 * 3 * 40, 10**9])
+def test_vertical_slash_in_query_blocks_equals_one_block(monkeypatch, block):
+    """The CPU path bounds its score temporaries by computing queries in blocks; every query's
+    softmax is its own, so any block size gives the same output (fp32 rounding aside)."""
+    import sglang_wgkv.attention.reference as reference
+
+    gen = torch.Generator().manual_seed(0)
+    lens, prefix, Hq, Hkv, D = [37, 90], [0, 25], 6, 3, 8
+    q = torch.randn(sum(lens), Hq, D, generator=gen)
+    nk = [n + p for n, p in zip(lens, prefix)]
+    k, v = torch.randn(sum(nk), Hkv, D, generator=gen), torch.randn(sum(nk), Hkv, D, generator=gen)
+    admitted = torch.rand(sum(nk), Hkv, generator=gen) < 0.4
+    q_pos = torch.cat([torch.arange(p, p + n) for n, p in zip(lens, prefix)])
+    k_pos = torch.cat([torch.arange(n) for n in nk])
+    args = (q, k, v, admitted, torch.tensor([0, 37, 127]), torch.tensor([0, 37, 152]), q_pos, k_pos, 16)
+    whole = reference.vertical_slash_attention(*args)
+    monkeypatch.setattr(reference, "SCORE_BLOCK_ELEMS", block)
+    torch.testing.assert_close(reference.vertical_slash_attention(*args), whole, rtol=1e-5, atol=1e-6)

@@ -15,7 +15,7 @@ import time
 import pytest
 import requests
 
-from serving_support import Server, long_prompt
+from serving_support import Server, long_prompt, shipped_gates_at
 
 pytestmark = [pytest.mark.serving, pytest.mark.radix]
 
@@ -24,8 +24,9 @@ NEW_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = Server(["--wgkv-local-window", "32", "--chunked-prefill-size", "64"],
-               tmp_path_factory.mktemp("radix") / "server.log")
+    tmp = tmp_path_factory.mktemp("radix")
+    s = Server(["--wgkv-local-window", "32", "--chunked-prefill-size", "64",
+                "--wgkv-gates", str(shipped_gates_at(tmp / "gates", 32))], tmp / "server.log")
     try:
         yield s.wait_healthy()
     finally:

@@ -10,7 +10,7 @@ import json
 import pytest
 import requests
 
-from serving_support import Server, long_prompt
+from serving_support import Server, embedded_plan, long_prompt
 
 pytestmark = pytest.mark.scale
 
@@ -23,7 +23,7 @@ OUT = 8
 
 
 def test_bounded_split_arithmetic():
-    from sglang_wgkv.integration.kv_pool import bounded_split, request_bound_tokens
+    from sglang_wgkv.integration.capacity import bounded_split, request_bound_tokens
 
     assert request_bound_tokens(4096, 256) == 4352 and request_bound_tokens(33, 16) == 16 + 48
     s = bounded_split(10_000, 2048, kv_budget=64, local_window=32, chunk_tokens=100, context_len=4096,
@@ -56,12 +56,10 @@ def _generate(server, prompt):
 
 
 def test_more_concurrent_requests_than_dense_and_queueing(server):
-    from sglang_wgkv.integration.kv_pool import bounded_split, evictor_window_tokens
-
     info = requests.get(server.url + "/get_server_info", timeout=60).json()
-    # the embedded model: 9 query heads, 3 KV heads, context 8192
-    expect = bounded_split(BUDGET, 10**6, kv_budget=KV_BUDGET, local_window=W_LOCAL, chunk_tokens=CHUNK,
-                           context_len=8192, window_tokens=evictor_window_tokens(9, 3, W_LOCAL))
+    expect = embedded_plan(BUDGET, kv_budget=KV_BUDGET, local_window=W_LOCAL, evictor_window=W_LOCAL,
+                           chunk_tokens=CHUNK)
+    assert expect.mode == "bounded"
     slots = info["internal_states"][0]["effective_max_running_requests_per_dp"]
     assert slots == expect.max_requests == 5 and info["max_total_num_tokens"] == expect.logical_tokens
 

@@ -11,7 +11,7 @@ import pytest
 import requests
 import torch
 
-from serving_support import Server, save_head_gates
+from serving_support import Server, embedded_plan, save_head_gates
 from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.memory import DualCachePool
 
@@ -23,10 +23,9 @@ W_LOCAL = 16
 
 
 def test_overcommit_split():
-    from sglang_wgkv.integration.kv_pool import split_capacity
-    from sglang_wgkv.integration.overcommit import overcommit_split
+    from sglang_wgkv.integration.capacity import dense_split, overcommit_split
 
-    dense = split_capacity(2048, 1000)
+    dense = dense_split(2048, 1000)
     s = overcommit_split(2048, 1000, 2.0)
     assert (s.logical_tokens, s.max_requests, s.physical_tokens) == (2 * dense.logical_tokens,
                                                                      2 * dense.max_requests, 2048)
@@ -130,10 +129,8 @@ def _run_together_and_alone(server, prompts, out, admission):
 
 
 def test_more_concurrent_requests_than_dense(server):
-    from sglang_wgkv.integration.overcommit import overcommit_split
-
     info = requests.get(server.url + "/server_info", timeout=60).json()
-    expect = overcommit_split(BUDGET, 10**6, FACTOR)
+    expect = embedded_plan(BUDGET, local_window=W_LOCAL, overcommit=FACTOR)
     slots = info["internal_states"][0]["effective_max_running_requests_per_dp"]
     assert info["max_total_num_tokens"] == expect.logical_tokens and slots == expect.max_requests == 4
 

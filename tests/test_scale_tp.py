@@ -17,7 +17,7 @@ PROMPTS = [long_prompt(10, seed=s) for s in range(2)] + ["The capital of France 
 
 
 def test_rank_kv_heads():
-    from sglang_wgkv.integration.backend import rank_kv_heads
+    from sglang_wgkv.integration.runtime import rank_kv_heads
 
     assert [rank_kv_heads(3, 3, r) for r in range(3)] == [[0], [1], [2]]
     assert [rank_kv_heads(8, 2, r) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]

@@ -23,7 +23,8 @@ def random_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serving_random")
     # no prefix cache: the page counts below are of the running request alone (snapshots of earlier
     # prompts sharing its prefix would be restored and counted too)
-    srv = Server(["--wgkv-local-window", str(W_LOCAL), "--wgkv-random-admission", "0.25", "--disable-radix-cache"],
+    srv = Server(["--wgkv-local-window", str(W_LOCAL), "--wgkv-random-admission", "0.25", "--disable-radix-cache",
+                  "--wgkv-gates", "fresh"],
                  tmp / "server.log")
     try:
         yield srv.wait_healthy()

@@ -10,21 +10,53 @@ import pytest
 import torch
 
 from sglang_wgkv.config import WGKVConfig
-from sglang_wgkv.integration.kv_pool import SLACK_TOKENS, physical_pages, split_capacity
+from sglang_wgkv.integration.capacity import SLACK_TOKENS, dense_split, physical_pages
 from sglang_wgkv.integration.settings import ENV_VAR, ServingSettings
 
 pytestmark = pytest.mark.serving
 
 
 def test_split_capacity_reserves_slack_per_request_slot():
-    split = split_capacity(4096, max_running_requests=2048)
+    split = dense_split(4096, max_running_requests=2048)
     assert split.physical_tokens == 4096
     assert split.logical_tokens + SLACK_TOKENS * split.max_requests == 4096
     assert split.max_requests == 16            # slack limited to a quarter of the budget
-    assert split_capacity(100_000, 8).max_requests == 8
+    assert dense_split(100_000, 8).max_requests == 8
     assert physical_pages(4096, 30, 3) == 4096 * 90 // 16
     with pytest.raises(ValueError, match="at least"):
-        split_capacity(200, 8)
+        dense_split(200, 8)
+
+
+def test_capacity_plan_counts_per_slot_state():
+    """The page-table rows, ring flags and (with --kv-budget) evictor windows of every request slot
+    come out of SGLang's KV budget: physical pages + that state = the budget."""
+    from sglang_wgkv.integration.capacity import ModelShape, fixed_costs, plan_capacity
+
+    shape = ModelShape(num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64, context_len=8192, dtype_bytes=2)
+    costs = fixed_costs(shape, local_window=256, evictor_window=None)
+    row_bytes = 90 * (4 * (16 + 496 + 1) + 256 + 4 + 8)  # int32 page table + flags + lengths + counters
+    assert costs.slot_tokens == -(-row_bytes // shape.token_bytes) and costs.window_tokens == 0
+    plan = plan_capacity(100_000, 4096, shape=shape, local_window=256)
+    assert plan.mode == "dense" and plan.fixed_tokens == plan.max_requests * costs.slot_tokens > 0
+    assert plan.physical_tokens + plan.fixed_tokens == 100_000
+    assert plan.logical_tokens + SLACK_TOKENS * plan.max_requests == plan.physical_tokens
+    budgeted = plan_capacity(100_000, 4096, shape=shape, local_window=256, kv_budget=512, evictor_window=256)
+    window = fixed_costs(shape, 256, 256).window_tokens
+    assert window == 30 * 256 * 9 * 64 * 2 // shape.token_bytes  # the evictor's bf16 query window
+    assert budgeted.fixed_tokens == budgeted.max_requests * (costs.slot_tokens + window)
+    assert budgeted.max_requests * window <= 100_000 // 4
+
+
+def test_runtime_makes_the_one_kernel_choice():
+    from sglang_wgkv.integration.runtime import WGKVRuntime
+
+    choose = WGKVRuntime.choose_kernels
+    assert choose(ServingSettings(attention="auto"), "cuda", torch.bfloat16)
+    assert not choose(ServingSettings(attention="reference"), "cuda", torch.bfloat16)  # torch promotion too
+    assert not choose(ServingSettings(attention="auto"), "cuda", torch.float32)
+    assert not choose(ServingSettings(attention="auto"), "cpu", torch.bfloat16)
+    with pytest.raises(ValueError, match="kernels needs a CUDA device"):
+        choose(ServingSettings(attention="kernels"), "cpu", torch.bfloat16)
 
 
 def test_settings_round_trip_through_the_environment():
@@ -50,9 +82,12 @@ def _dual(max_requests=4):
 def test_req_pool_owns_dual_slot_lifetimes():
     from sglang_wgkv.integration.req_pool import WGKVReqToTokenPool
 
-    pool = WGKVReqToTokenPool(size=3, max_context_len=128, device="cpu", enable_memory_saver=False)
+    from sglang_wgkv.integration.runtime import WGKVRuntime
+
     dual = _dual()
-    pool.attach(dual)
+    runtime = WGKVRuntime(ServingSettings(config=dual.config), dual=dual)
+    pool = WGKVReqToTokenPool(size=3, max_context_len=128, device="cpu", enable_memory_saver=False,
+                              runtime=runtime)
     def req(custom_params):
         return SimpleNamespace(req_pool_idx=None, sampling_params=SimpleNamespace(custom_params=custom_params),
                                output_ids=[5, 6, 7], customized_info=None, finished=lambda: True)
@@ -77,7 +112,7 @@ def test_req_pool_owns_dual_slot_lifetimes():
     assert pool.idle_check() == [] and pool.stats()["idle_checks"] == 2
     assert pool.requests_started == pool.requests_released == 2
     with pytest.raises(ValueError, match="request slots"):
-        WGKVReqToTokenPool(size=8, max_context_len=128, device="cpu", enable_memory_saver=False).attach(dual)
+        WGKVReqToTokenPool(size=8, max_context_len=128, device="cpu", enable_memory_saver=False, runtime=runtime)
 
 
 class InPlaceRope(torch.nn.Module):
@@ -169,6 +204,28 @@ def test_launcher_fills_in_defaults(monkeypatch):
     assert argv[argv.index("--attention-backend") + 1] == "torch_native"
 
 
+def test_cpu_default_kv_budget_is_a_fraction_of_ram(monkeypatch):
+    """On CPU the launcher caps the KV cache at 1/8 of the RAM (SGLang's own default takes nearly all
+    the memory available at start), for WG-KV and the --disable-wgkv baseline alike; an explicit
+    --max-total-tokens or --mem-fraction-static wins."""
+    from sglang_wgkv.embedded_model import ensure_embedded_model
+    from sglang_wgkv.launch_server import CPU_KV_RAM_FRACTION, cpu_default_kv_tokens, resolve
+
+    model = str(ensure_embedded_model())
+    token_bytes = 2 * 30 * 3 * 64 * 2  # bf16 K and V of the embedded model's 30 layers x 3 KV heads
+    assert cpu_default_kv_tokens(model, [], ram_bytes=24 << 30) == int((24 << 30) * CPU_KV_RAM_FRACTION) // token_bytes
+    assert cpu_default_kv_tokens(model, ["--dtype", "float32"], ram_bytes=24 << 30) == \
+        int((24 << 30) * CPU_KV_RAM_FRACTION) // (2 * token_bytes)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    expected = str(cpu_default_kv_tokens(model, []))
+    for args in ([], ["--disable-wgkv"]):
+        argv = resolve(args)[1]
+        assert argv[argv.index("--max-total-tokens") + 1] == expected
+    for given in (["--max-total-tokens", "4096"], ["--mem-fraction-static", "0.3"]):
+        argv = resolve(given)[1]
+        assert argv.count("--max-total-tokens") == given.count("--max-total-tokens")
+
+
 @pytest.mark.parametrize("args, message", [
     (["--wgkv-tau", "2"], "tau must be in"),
     (["--wgkv-local-window", "20"], "multiple of 16"),
@@ -178,6 +235,8 @@ def test_launcher_fills_in_defaults(monkeypatch):
     (["--disable-wgkv", "--kv-budget", "64", "--wgkv-tau", "0.2"], "SnapKV alone"),
     (["--attention-backend", "triton"], "--disable-wgkv for plain SGLang"),
     (["--wgkv-gates", "/nonexistent/gates"], "no such gate checkpoint"),
+    # the shipped gates were trained with W_local = 256: another served window is refused
+    (["--wgkv-local-window", "32"], "trained with W_local = 256 cannot be served with W_local = 32"),
 ])
 def test_launcher_rejects_bad_options(monkeypatch, args, message):
     from sglang_wgkv.launch_server import resolve

@@ -39,13 +39,13 @@ def test_interpreted_decode_matches_reference(name):
 
 @pytest.mark.core
 def test_choose_num_splits_and_validation():
-    from sglang_wgkv.attention.triton_decode import MAX_SPLITS, FoldedDecodeWorkspace, choose_num_splits, folded_decode
+    from sglang_wgkv.attention.triton_decode import MAX_SPLIT_COUNT, FoldedDecodeWorkspace, choose_num_splits, folded_decode
 
     # Batch 1 x 8 heads at long context: several programs per SM; large batches: few splits.
     assert choose_num_splits(1, 8, 131072) >= 32
     assert choose_num_splits(64, 8, 131072) <= 2
     assert choose_num_splits(1, 8, 100) == 1
-    assert 1 <= choose_num_splits(1, 1, 10**7) <= MAX_SPLITS
+    assert 1 <= choose_num_splits(1, 1, 10**7) <= MAX_SPLIT_COUNT
     ws = FoldedDecodeWorkspace(2, 8, 64, 4, "cpu")
     assert ws.part_out.shape == (2, 8, 4, 64) and ws.part_lse.shape == (2, 8, 4)
     case = PoolCase(64, 8, 2, torch.float16, 32, [40, 5], 0, 0.5, "cpu", num_layers=1)

@@ -35,7 +35,7 @@ def test_interpreted_gate_matches_torch():
 @pytest.mark.core
 def test_validation():
     from interp_gate_check import make_gates
-    from sglang_wgkv.gate.triton_gate import MAX_SPLITS, DecodeGate
+    from sglang_wgkv.gate.triton_gate import MAX_SPLIT_COUNT, DecodeGate
 
     fused = DecodeGate(make_gates(64, 2, 128, 0, "cpu"), max_rows=4)
     k = torch.zeros(2, 2, 64)
@@ -49,18 +49,18 @@ def test_validation():
     with pytest.raises(ValueError, match="arrival counts"):
         fused(0, torch.zeros(3, 2, 64), torch.zeros(3, 2, 64), torch.zeros(3))
     with pytest.raises(ValueError, match="num_splits"):
-        fused(0, k, k, tau, num_splits=MAX_SPLITS + 1)
+        fused(0, k, k, tau, num_splits=MAX_SPLIT_COUNT + 1)
 
 
 @pytest.mark.core
 def test_num_splits():
     from interp_gate_check import make_gates
-    from sglang_wgkv.gate.triton_gate import MAX_SPLITS, DecodeGate
+    from sglang_wgkv.gate.triton_gate import MAX_SPLIT_COUNT, DecodeGate
 
     fused = DecodeGate(make_gates(128, 2, 512, 0, "cpu"), max_rows=4)
     assert fused.num_splits(8, 132) == 512 // 32             # batch 1 x 8 heads: I = 512 in slices of 32
     assert fused.num_splits(1024, 132) == 1                   # large batches: one program per (row, head)
-    assert 1 <= fused.num_splits(1, 10_000) <= MAX_SPLITS
+    assert 1 <= fused.num_splits(1, 10_000) <= MAX_SPLIT_COUNT
 
 
 @pytest.mark.gpu

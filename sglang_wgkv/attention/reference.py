@@ -14,6 +14,9 @@ import math
 
 import torch
 
+# Attention scores (float32) computed at once by :func:`vertical_slash_attention` (64 MiB).
+SCORE_BLOCK_ELEMS = 1 << 24
+
 
 def _expand_gqa(x: torch.Tensor, group: int, dim: int) -> torch.Tensor:
     return x if group == 1 else x.repeat_interleave(group, dim=dim)
@@ -71,7 +74,9 @@ def vertical_slash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     local_window : W_local; key j is always visible to query i when ``0 <= pos_i - pos_j < W_local``.
 
     Returns ``[Nq, Hq, D]`` in q's dtype. A query that sees no key (impossible when its own key is
-    present) returns zeros.
+    present) returns zeros. Queries are processed in blocks of at most :data:`SCORE_BLOCK_ELEMS`
+    scores (each query's softmax is its own), so a long prompt on the CPU path needs temporaries of
+    one block, not ``Hq x Nq x Nk`` floats several times over.
     """
     Nq, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -83,15 +88,17 @@ def vertical_slash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         qs, qe, ks, ke = qo[b], qo[b + 1], kv[b], kv[b + 1]
         if qe == qs or ke == ks:
             continue
-        mask = vertical_slash_mask(q_pos[qs:qe], k_pos[ks:ke], admitted[ks:ke], local_window)
-        mask = _expand_gqa(mask, group, 0)  # [Hq, nq, nk]
-        qb = q[qs:qe].transpose(0, 1).float()  # [Hq, nq, D]
-        kb = _expand_gqa(k[ks:ke].transpose(0, 1).float(), group, 0)
+        kb = _expand_gqa(k[ks:ke].transpose(0, 1).float(), group, 0)   # [Hq, nk, D]
         vb = _expand_gqa(v[ks:ke].transpose(0, 1).float(), group, 0)
-        scores = (qb @ kb.transpose(1, 2)) * scale
-        scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-        out[qs:qe] = (probs @ vb).transpose(0, 1).to(q.dtype)
+        rows = max(1, SCORE_BLOCK_ELEMS // (Hq * (ke - ks)))
+        for q0 in range(qs, qe, rows):
+            q1 = min(qe, q0 + rows)
+            mask = vertical_slash_mask(q_pos[q0:q1], k_pos[ks:ke], admitted[ks:ke], local_window)
+            mask = _expand_gqa(mask, group, 0)  # [Hq, nq, nk]
+            qb = q[q0:q1].transpose(0, 1).float()  # [Hq, nq, D]
+            scores = (qb @ kb.transpose(1, 2)).mul_(scale).masked_fill_(~mask, float("-inf"))
+            probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+            out[q0:q1] = (probs @ vb).transpose(0, 1).to(q.dtype)
     return out
 
 

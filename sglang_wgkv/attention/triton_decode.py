@@ -30,7 +30,7 @@ import triton.language as tl
 from sglang_wgkv.config import PAGE_SIZE
 
 _LOG2E = 1.4426950408889634
-MAX_SPLITS = 128
+MAX_SPLIT_COUNT = 128
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,8 @@ class FoldedDecodeWorkspace:
 
     def __init__(self, max_batch: int, num_q_heads: int, head_dim: int, max_splits: int, device,
                  dtype: torch.dtype = torch.float32):
-        if not 1 <= max_splits <= MAX_SPLITS:
-            raise ValueError(f"max_splits must be in [1, {MAX_SPLITS}], got {max_splits}")
+        if not 1 <= max_splits <= MAX_SPLIT_COUNT:
+            raise ValueError(f"max_splits must be in [1, {MAX_SPLIT_COUNT}], got {max_splits}")
         self.max_batch, self.num_q_heads, self.head_dim, self.max_splits = max_batch, num_q_heads, head_dim, max_splits
         self.part_out = torch.empty(max_batch, num_q_heads, max_splits, head_dim, dtype=dtype, device=device)
         self.part_lse = torch.empty(max_batch, num_q_heads, max_splits, dtype=torch.float32, device=device)
@@ -72,7 +72,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_kv_len: int, device=Non
         sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
     streams = max(1, batch * num_kv_heads)
     want = -(-4 * sms // streams)
-    return int(max(1, min(want, -(-max_kv_len // 256), MAX_SPLITS)))
+    return int(max(1, min(want, -(-max_kv_len // 256), MAX_SPLIT_COUNT)))
 
 
 @triton.jit

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from sglang_wgkv.config import DEFAULT_LOCAL_WINDOW, DEFAULT_TAU
+
 WEIGHTS_FILE = "gates.safetensors"
 CONFIG_FILE = "gates.json"
 _OFFICIAL_PREFIX = "model.layers.{i}.self_attn.g_predictors."
@@ -24,8 +26,8 @@ class GateConfig:
     num_kv_heads: int
     head_dim: int
     expand: int = 4
-    tau: float = 0.1
-    local_window: int = 256
+    tau: float = DEFAULT_TAU
+    local_window: int = DEFAULT_LOCAL_WINDOW
     lam: float = 0.0
     model_id: str = ""
     eps: float = 1e-6
@@ -104,7 +106,17 @@ def _load_state(gates, tensors: dict, source: str) -> None:
     gates.load_state_dict({k: v.float() for k, v in tensors.items()})
 
 
-def load_official_pt(path: str | Path, device="cpu", tau: float = 0.1, local_window: int = 256,
+def check_served_window(path: str | Path, config: GateConfig, local_window: int) -> None:
+    """Raise ValueError, naming both numbers, when gates of our format trained with one W_local would
+    be served with another (the gate learned which tokens to keep once they leave *that* window).
+    The authors' ``.pt`` files record no window, so they are not checked."""
+    if Path(path).is_dir() and config.local_window != local_window:
+        raise ValueError(f"{path}: gates trained with W_local = {config.local_window} cannot be served with "
+                         f"W_local = {local_window} (--wgkv-local-window {local_window}); serve them with "
+                         f"--wgkv-local-window {config.local_window} or use gates trained for {local_window}")
+
+
+def load_official_pt(path: str | Path, device="cpu", tau: float = DEFAULT_TAU, local_window: int = DEFAULT_LOCAL_WINDOW,
                      model_id: str = ""):
     """Load the authors' released gate file (grouped 1x1 convs per layer) into WriteGates.
 

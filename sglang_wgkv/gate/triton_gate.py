@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_SPLITS = 32
+MAX_SPLIT_COUNT = 32
 
 
 @triton.jit
@@ -94,7 +94,7 @@ class DecodeGate:
         """Slices of I per (row, head): about two programs per SM, at least 32 hidden units each
         (at batch 1 x 8 heads and I = 512, 16 slices of 32 KiB of float32 weights each)."""
         want = -(-2 * sms // max(1, rows))
-        return int(max(1, min(want, MAX_SPLITS, -(-self.inner // 32))))
+        return int(max(1, min(want, MAX_SPLIT_COUNT, -(-self.inner // 32))))
 
     def __call__(self, layer: int, k_pre: torch.Tensor, k_post: torch.Tensor, tau: torch.Tensor,
                  uniform: torch.Tensor | None = None, random_p: float | None = None,
@@ -123,12 +123,12 @@ class DecodeGate:
             raise ValueError(f"{B * H} (row, head) pairs, the arrival counts hold {self.count.numel()}")
         if g_out is not None and (g_out.shape != (B, H) or g_out.dtype != torch.float32 or not g_out.is_contiguous()):
             raise ValueError(f"g_out must be a contiguous float32 [B, H], got {g_out.dtype} {tuple(g_out.shape)}")
-        if not 1 <= num_splits <= MAX_SPLITS:
-            raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+        if not 1 <= num_splits <= MAX_SPLIT_COUNT:
+            raise ValueError(f"num_splits must be in [1, {MAX_SPLIT_COUNT}], got {num_splits}")
         admit = torch.empty(B, H, dtype=torch.uint8, device=k_post.device)
         if B == 0:
             return admit.bool()
-        partial = torch.empty(B * H, MAX_SPLITS, dtype=torch.float32, device=k_post.device)
+        partial = torch.empty(B * H, MAX_SPLIT_COUNT, dtype=torch.float32, device=k_post.device)
         block_i = 32
         slice_width = -(-self.inner // num_splits)
         slice_width = -(-slice_width // block_i) * block_i
@@ -142,7 +142,7 @@ class DecodeGate:
             u.stride(0) if uniform is not None else 0, float(random_p or 0.0), float(self.eps),
             num_splits, slice_width,
             HEAD_DIM=D, INNER=self.inner, BLOCK_I=block_i, RANDOM=uniform is not None, WRITE_G=g_out is not None,
-            MAX_S=MAX_SPLITS,
+            MAX_S=MAX_SPLIT_COUNT,
             num_warps=4)
         return admit.view(torch.bool)
 

@@ -52,8 +52,10 @@ from sglang_wgkv.attention.folded_index import build_folded_indices
 from sglang_wgkv.attention import reference
 from sglang_wgkv.gate import GateConfig, WriteGates, load_gates
 from sglang_wgkv.gate.admission import admission_flags, check_gate_output
+from sglang_wgkv.gate.checkpoint import check_served_window
 from sglang_wgkv.integration.key_capture import PreRopeKeyCapture
 from sglang_wgkv.integration.kv_pool import WGKVTokenToKVPool
+from sglang_wgkv.integration.runtime import get_runtime
 from sglang_wgkv.integration.settings import BACKEND_NAME, ServingSettings
 
 if TYPE_CHECKING:
@@ -103,16 +105,20 @@ def record_batch_slots(result, cls, batch, model_runner, *args, **kwargs):
 def build_gates(settings: ServingSettings, num_layers: int, num_kv_heads: int, head_dim: int,
                 device, heads: list[int] | None = None) -> WriteGates:
     """The checkpoint at ``settings.gates_path`` or fresh (admit-all) gates; checked against the model
-    (``num_kv_heads``: all of its KV heads), then cut to ``heads`` (a tensor-parallel rank's) if given.
+    (``num_kv_heads``: all of its KV heads) and the served W_local, then cut to ``heads`` (a
+    tensor-parallel rank's) if given.
 
     Raises ValueError naming the file and the mismatch.
     """
+    config = settings.config
     if settings.gates_path is None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(settings.seed)
-            gates = WriteGates(GateConfig(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim))
+            gates = WriteGates(GateConfig(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                          tau=config.tau, local_window=config.local_window))
     else:
         gates = load_gates(settings.gates_path)
+        check_served_window(settings.gates_path, gates.config, config.local_window)
         try:
             gates.check_model(num_layers, num_kv_heads, head_dim)
         except ValueError as e:
@@ -120,15 +126,6 @@ def build_gates(settings: ServingSettings, num_layers: int, num_kv_heads: int, h
     if heads is not None and list(heads) != list(range(num_kv_heads)):
         gates = gates.select_heads(heads)
     return gates.to(device).eval().requires_grad_(False)
-
-
-def rank_kv_heads(total_kv_heads: int, tp_size: int, tp_rank: int) -> list[int]:
-    """The KV heads SGLang's ``QKVParallelLinear`` gives ``tp_rank``: a contiguous block, or one
-    replicated head when there are more ranks than KV heads."""
-    if tp_size >= total_kv_heads:
-        return [tp_rank * total_kv_heads // tp_size]
-    per_rank = total_kv_heads // tp_size
-    return list(range(tp_rank * per_rank, (tp_rank + 1) * per_rank))
 
 
 class WGKVAttnBackend(AttentionBackend):
@@ -139,18 +136,15 @@ class WGKVAttnBackend(AttentionBackend):
         pool = model_runner.token_to_kv_pool
         if not isinstance(pool, WGKVTokenToKVPool):
             raise ValueError(f"--attention-backend {BACKEND_NAME} needs its KV pool, got {type(pool).__name__}")
-        self.dual = pool.dual
-        self.config = self.dual.config
-        self.settings = ServingSettings.from_env()
-        self.device = self.dual.device
         from sglang.srt.runtime_context import get_parallel
 
         par = get_parallel()
-        self.kv_heads = rank_kv_heads(model_runner.model_config.get_total_num_kv_heads(),
-                                      par.attn_tp_size, par.attn_tp_rank)
-        if len(self.kv_heads) != self.dual.num_kv_heads:
-            raise ValueError(f"rank {par.attn_tp_rank} holds KV heads {self.kv_heads}, "
-                             f"its pool {self.dual.num_kv_heads}")
+        runtime = get_runtime()
+        self.dual = runtime.dual
+        self.config = self.dual.config
+        self.settings = runtime.settings
+        self.device = self.dual.device
+        self.kv_heads = runtime.kv_heads
         self.gates = build_gates(self.settings, self.dual.num_layers,
                                  model_runner.model_config.get_total_num_kv_heads(),
                                  self.dual.head_dim, self.device, heads=self.kv_heads)
@@ -159,10 +153,7 @@ class WGKVAttnBackend(AttentionBackend):
         if self.config.random_admission is not None:
             self.generator = torch.Generator(device=self.device).manual_seed(self.settings.seed)
         self._extend = None   # (slots, prefix_lens, extend_lens) of the current extend forward
-        kernels_fit = self.device.type == "cuda" and model_runner.dtype in (torch.float16, torch.bfloat16)
-        self.use_kernels = self.settings.attention == "kernels" or (self.settings.attention == "auto" and kernels_fit)
-        if self.use_kernels and not kernels_fit:
-            raise ValueError("--wgkv-attention kernels needs a CUDA device and a float16/bfloat16 model")
+        self.use_kernels = runtime.use_kernels  # the runtime's one torch/Triton choice
         self._prefill = reference.vertical_slash_attention
         self.decode_gate = None
         if self.use_kernels:
@@ -172,22 +163,8 @@ class WGKVAttnBackend(AttentionBackend):
             self._prefill = vertical_slash_attention
             self.decode_gate = DecodeGate(self.gates, max_rows=model_runner.req_to_token_pool.size * len(self.kv_heads))
             self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.evictor = None
-        if self.config.kv_budget is not None:
-            from sglang_wgkv.memory.evictor import SnapKVEvictor
-
-            self.evictor = SnapKVEvictor(
-                pool=self.dual, budget=self.config.kv_budget,
-                num_q_heads=model_runner.model_config.get_num_attention_heads(par.attn_tp_size),
-                window=min(256, self.config.local_window))
-        self.req_pool = model_runner.req_to_token_pool  # per-slot tau (request_control); usage at free
-        self.req_pool.evictor = self.evictor
-        if par.attn_tp_size > 1:
-            from sglang_wgkv.integration.req_pool import tp_usage_reducer
-
-            earlier = rank_kv_heads(model_runner.model_config.get_total_num_kv_heads(), par.attn_tp_size,
-                                    par.attn_tp_rank - 1) if par.attn_tp_rank else []
-            self.req_pool.reduce_usage = tp_usage_reducer(counts_heads=self.kv_heads != earlier)
+        self.evictor = runtime.evictor
+        self.req_pool = model_runner.req_to_token_pool  # per-slot tau (request_control)
         self.num_q_heads = model_runner.model_config.get_num_attention_heads(par.attn_tp_size)
         self._row_tau = None  # [tokens, 1] admission threshold of each extend row
         self._rows: _DecodeRows | None = None  # the current decode step

@@ -7,9 +7,9 @@ Every hook is inert unless ``--attention-backend wgkv`` is selected.
 target (sglang.srt. ...)                                type    effect with wgkv
 ======================================================  ======  ==========================================
 server_args.ServerArgs.__post_init__                    BEFORE  validate options; radix_ext cache, graphs
-...KVCacheConfigurator._derive_pool_sizes               AFTER   capacity split (bounded with --kv-budget)
-...KVCacheConfigurator._build_default_req_pool          AROUND  WGKVReqToTokenPool (request lifecycle)
-...KVCacheConfigurator._build_token_to_kv_pool          AROUND  DualCachePool + WGKVTokenToKVPool
+...KVCacheConfigurator._derive_pool_sizes               AFTER   capacity plan; the process's WGKVRuntime
+...KVCacheConfigurator._build_default_req_pool          AROUND  dual pool + evictor; WGKVReqToTokenPool
+...KVCacheConfigurator._build_token_to_kv_pool          AROUND  WGKVTokenToKVPool over the dual pool
 ...SchedulerInvariantChecker._check_req_pool            AFTER   idle: no slot, no page held, integrity
 managers.scheduler.Scheduler.get_internal_state         AFTER   ``wgkv`` stats in /server_info
 utils.common.support_triton                             AROUND  False on CPU (SGLang decides by name)
@@ -33,9 +33,6 @@ from sglang_wgkv.integration.settings import BACKEND_NAME, ServingSettings
 logger = logging.getLogger(__name__)
 
 CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
-# capacity split of each KV-cache configurator, from _derive_pool_sizes to _build_token_to_kv_pool
-# (the configurator takes no new attributes)
-_SPLITS: dict = {}
 INVARIANT_CHECKER = "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker"
 
 
@@ -73,145 +70,83 @@ def prepare_server_args(server_args, *args, **kwargs):
     bad = [flag for flag, on in unsupported.items() if on]
     if bad:
         raise ValueError(f"--attention-backend {BACKEND_NAME} does not support {', '.join(bad)}")
+    settings = ServingSettings.from_env()  # (fails here, in the launcher, on a malformed variable)
     if not server_args.disable_radix_cache:
         from radix_ext.factory import RADIX_BACKEND
 
         if server_args.radix_cache_backend not in (None, RADIX_BACKEND):
             raise ValueError(f"--attention-backend {BACKEND_NAME} needs --radix-cache-backend {RADIX_BACKEND} "
                              f"or --disable-radix-cache, got {server_args.radix_cache_backend!r}")
-        if ServingSettings.from_env().overcommit is not None:
+        if settings.overcommit is not None:
             raise ValueError("--wgkv-overcommit needs --disable-radix-cache")
         server_args.radix_cache_backend = RADIX_BACKEND
         server_args.disable_overlap_schedule = True
     server_args.disable_prefill_cuda_graph = True
-    blocker = ServingSettings.from_env().decode_graph_blocker(server_args.device, server_args.dtype)
-    if blocker:  # (also fails here, in the launcher, on a malformed settings variable)
+    blocker = settings.decode_graph_blocker(server_args.device, server_args.dtype)
+    if blocker:
         logger.info("wgkv: decode CUDA graphs off: %s", blocker)
         server_args.disable_decode_cuda_graph = True
     return None
 
 
 def split_pool_sizes(sizes, configurator, *args, **kwargs):
-    """AFTER ``_derive_pool_sizes``: with ``--wgkv-overcommit``, the overcommit split
-    (:mod:`~sglang_wgkv.integration.overcommit`); with ``--kv-budget`` and chunked prefill, the bounded split
-    (request slots from the per-request bound, logical pool = slots x context length; see
-    :mod:`~sglang_wgkv.integration.kv_pool`); otherwise the logical pool is the budget minus
-    per-request slack. The split is kept for :func:`build_kv_pool` (same configurator, same process)."""
+    """AFTER ``_derive_pool_sizes``: the capacity plan of the KV budget SGLang derived
+    (:func:`~sglang_wgkv.integration.capacity.plan_capacity`) becomes SGLang's logical pool and
+    request slots; the process's :class:`~sglang_wgkv.integration.runtime.WGKVRuntime` keeps it for
+    the pool hooks below."""
     if not wgkv_selected(configurator.server_args):
         return None
-    from sglang_wgkv.integration.kv_pool import bounded_split, evictor_window_tokens, split_capacity
+    from sglang_wgkv.integration.runtime import WGKVRuntime, install_runtime, load_settings
 
-    args, mc = configurator.server_args, configurator.model_config
-    settings = ServingSettings.from_env()
-    config = settings.config
-    split = None
-    chunk = args.chunked_prefill_size
-    if settings.overcommit is not None:
-        from sglang_wgkv.integration.overcommit import overcommit_split
-
-        split = overcommit_split(sizes.max_total_num_tokens, sizes.max_running_requests, settings.overcommit)
-        logger.info("wgkv: overcommit x%g: KV budget %d tokens -> %d logical tokens, %d request slots, "
-                    "requests of at most %d tokens", settings.overcommit, split.physical_tokens,
-                    split.logical_tokens, split.max_requests, split.max_request_tokens)
-    elif config.kv_budget is not None and chunk is not None and chunk > 0:
-        window = evictor_window_tokens(mc.num_attention_heads, mc.num_key_value_heads,
-                                       min(256, config.local_window))
-        split = bounded_split(sizes.max_total_num_tokens, sizes.max_running_requests,
-                              kv_budget=config.kv_budget, local_window=config.local_window, chunk_tokens=chunk,
-                              context_len=mc.context_len, window_tokens=window,
-                              prefix_cache=not args.disable_radix_cache)
-        if split is None:
-            logger.warning("wgkv: KV budget %d tokens cannot hold one request under --kv-budget %d plus a "
-                           "prefill chunk of %d; using the dense-equivalent split (lower "
-                           "--chunked-prefill-size for the bounded one)", sizes.max_total_num_tokens,
-                           config.kv_budget, chunk)
-        else:
-            logger.info("wgkv: bounded mode: KV budget %d tokens -> %d request slots of at most %d tokens "
-                        "each, %d logical tokens, %d prefix-restore slots", sizes.max_total_num_tokens,
-                        split.max_requests, config.local_window + config.kv_budget, split.logical_tokens,
-                        split.restore_slots)
-    if split is None:
-        if config.kv_budget is not None:
-            sizes = _carve_evictor_windows(sizes, mc, config)
-        window = None if args.disable_radix_cache else config.local_window
-        split = split_capacity(sizes.max_total_num_tokens, sizes.max_running_requests, prefix_cache_window=window)
-        logger.info("wgkv: KV budget %d tokens -> %d logical tokens, %d request slots, %d prefix-restore slots",
-                    split.physical_tokens, split.logical_tokens, split.max_requests, split.restore_slots)
-    _SPLITS[id(configurator)] = split
-    return msgspec.structs.replace(sizes, max_total_num_tokens=split.logical_tokens,
-                                   max_running_requests=split.max_requests)
-
-
-def _carve_evictor_windows(sizes, model_config, config):
-    """With ``--kv-budget`` the evictor keeps ``min(256, W_local)`` queries per (request slot, layer):
-    that memory comes out of SGLang's KV budget, and at most a quarter of the budget goes to it (fewer
-    request slots past that), so the process stays inside the memory SGLang planned for."""
-    from sglang_wgkv.integration.kv_pool import evictor_window_tokens
-
-    per_request = evictor_window_tokens(model_config.num_attention_heads,
-                                        model_config.num_key_value_heads, min(256, config.local_window))
-    budget = sizes.max_total_num_tokens
-    requests = min(sizes.max_running_requests, max(1, budget // 4 // per_request))
-    logger.info("wgkv: evictor query windows take %d tokens of the KV budget (%d request slots)",
-                requests * per_request, requests)
-    return msgspec.structs.replace(sizes, max_total_num_tokens=budget - requests * per_request,
-                                   max_running_requests=requests)
+    plan = install_runtime(WGKVRuntime.plan_for(load_settings(), sizes, configurator)).plan
+    return msgspec.structs.replace(sizes, max_total_num_tokens=plan.logical_tokens,
+                                   max_running_requests=plan.max_requests)
 
 
 def build_req_pool(original, configurator, *, max_num_reqs: int, extra_max_context_len: int):
-    """AROUND ``_build_default_req_pool``: the request pool that owns dual-cache slot lifetimes."""
+    """AROUND ``_build_default_req_pool``: the runtime builds the dual pool (and evictor); the request
+    pool owns the dual-cache slot lifetimes."""
     if not wgkv_selected(configurator.server_args):
         return original(configurator, max_num_reqs=max_num_reqs, extra_max_context_len=extra_max_context_len)
     from sglang.srt.runtime_context import get_exec
 
     from sglang_wgkv.integration.req_pool import WGKVReqToTokenPool
+    from sglang_wgkv.integration.runtime import get_runtime
 
-    return WGKVReqToTokenPool(
+    runtime = get_runtime()
+    pool = WGKVReqToTokenPool(
         size=max_num_reqs,
         max_context_len=configurator.model_config.context_len + extra_max_context_len,
         device=configurator.device,
         enable_memory_saver=get_exec().features.enable_memory_saver,
+        runtime=runtime,
     )
+    runtime.build_pools(configurator, max_requests=pool.req_to_token.shape[0], max_context_len=pool.max_context_len)
+    return pool
 
 
 def build_kv_pool(original, configurator, *, sizes, is_dsa_model, is_dsv4_model, req_to_token_pool):
-    """AROUND ``_build_token_to_kv_pool``: the dual-cache pool, behind SGLang's MHA pool interface."""
+    """AROUND ``_build_token_to_kv_pool``: SGLang's MHA pool interface over the runtime's dual pool."""
     if not wgkv_selected(configurator.server_args):
         return original(configurator, sizes=sizes, is_dsa_model=is_dsa_model, is_dsv4_model=is_dsv4_model,
                         req_to_token_pool=req_to_token_pool)
-    from sglang.srt.runtime_context import get_parallel
-
-    from sglang_wgkv.integration.kv_pool import WGKVTokenToKVPool, physical_pages
+    from sglang_wgkv.integration.kv_pool import WGKVTokenToKVPool
     from sglang_wgkv.integration.req_pool import WGKVReqToTokenPool
-    from sglang_wgkv.memory import DualCachePool
+    from sglang_wgkv.integration.runtime import get_runtime
 
-    mc = configurator.model_config
-    if (configurator.use_mla_backend or configurator.is_hybrid_swa or configurator.mambaish_config
-            or is_dsa_model or is_dsv4_model or mc.head_dim != mc.v_head_dim):
+    if is_dsa_model or is_dsv4_model:
         raise ValueError(f"--attention-backend {BACKEND_NAME} supports plain multi-head/GQA attention "
-                         f"models (Llama, Qwen3), not {mc.hf_config.architectures}")
+                         f"models (Llama, Qwen3), not {configurator.model_config.hf_config.architectures}")
     if not isinstance(req_to_token_pool, WGKVReqToTokenPool):
         raise ValueError(f"--attention-backend {BACKEND_NAME} needs its request pool, "
                          f"got {type(req_to_token_pool).__name__}")
-    num_layers = configurator.layer_info.num_effective_layers
-    num_kv_heads = mc.get_num_kv_heads(get_parallel().attn_tp_size)
-    split = _SPLITS.pop(id(configurator))  # set by split_pool_sizes
-    if (split.logical_tokens, split.max_requests) != (sizes.max_total_num_tokens, sizes.max_running_requests):
-        raise RuntimeError(f"wgkv: pool sizes {sizes} differ from the capacity split {split}")
-    physical_tokens, restore_slots = split.physical_tokens, split.restore_slots
-    dual = DualCachePool(
-        num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=mc.head_dim,
-        num_pages=physical_pages(physical_tokens, num_layers, num_kv_heads),
-        max_requests=req_to_token_pool.req_to_token.shape[0],
-        max_context_len=req_to_token_pool.max_context_len,
-        config=ServingSettings.from_env().config, dtype=configurator.kv_cache_dtype,
-        device=configurator.device,
-    )
-    req_to_token_pool.attach(dual)
+    runtime = get_runtime()
+    plan = runtime.plan
+    if (plan.logical_tokens, plan.max_requests) != (sizes.max_total_num_tokens, sizes.max_running_requests):
+        raise RuntimeError(f"wgkv: pool sizes {sizes} differ from the capacity plan {plan}")
     return configurator._build_mha_kv_pool(
         max_total_num_tokens=sizes.max_total_num_tokens,
-        mha_pool_class=functools.partial(WGKVTokenToKVPool, dual=dual, prefix_restore_slots=restore_slots,
-                                         overcommit_request_tokens=split.max_request_tokens),
+        mha_pool_class=functools.partial(WGKVTokenToKVPool, runtime=runtime),
     )
 
 

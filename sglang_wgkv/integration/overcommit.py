@@ -1,9 +1,9 @@
 """Overcommit capacity (``--wgkv-overcommit F``): admission alone, no evictor, runs more requests at
 once than a dense pool of the same memory, because the scheduler guards the physical pool itself.
 
-Split. :func:`overcommit_split` gives SGLang ``F`` times the dense-equivalent logical pool and request
-slots of :func:`~sglang_wgkv.integration.kv_pool.split_capacity` (slots capped by SGLang's own
-``max_running_requests``), and the dual pool the whole KV budget. SGLang then admits by logical
+Split. :func:`~sglang_wgkv.integration.capacity.plan_capacity` gives SGLang ``F`` times the
+dense-equivalent logical pool and request slots (slots capped by SGLang's own
+``max_running_requests``), and the dual pool the whole KV budget (less the slots' fixed state). SGLang then admits by logical
 tokens as usual, so its own checks no longer imply that the physical pool can hold a step.
 
 Guard. Before every forward SGLang checks memory in two places, and both also check the dual pool
@@ -43,24 +43,14 @@ correctness, suffers); SGLang's data-parallel and pipeline modes are rejected an
 from __future__ import annotations
 
 import logging
-import math
-
-from sglang_wgkv.integration.kv_pool import CapacitySplit, split_capacity
 
 logger = logging.getLogger(__name__)
 
 
-def overcommit_split(budget_tokens: int, max_running_requests: int, factor: float) -> CapacitySplit:
-    """``factor`` times the dense-equivalent logical pool and request slots (slots at most
-    ``max_running_requests``); the physical pool keeps the whole budget."""
-    dense = split_capacity(budget_tokens, max_running_requests)
-    return CapacitySplit(logical_tokens=int(factor * dense.logical_tokens),
-                         max_requests=min(max_running_requests, math.ceil(factor * dense.max_requests)),
-                         physical_tokens=budget_tokens, max_request_tokens=dense.logical_tokens)
-
-
 def _guarded(kv):
-    return kv if getattr(kv, "overcommit_request_tokens", None) is not None else None
+    """``kv`` when it is a WG-KV pool planned for overcommit, else None."""
+    runtime = getattr(kv, "runtime", None)
+    return kv if runtime is not None and runtime.plan.mode == "overcommit" else None
 
 
 def _guarded_pool(token_to_kv_pool_allocator):
@@ -122,7 +112,7 @@ def cap_request_length(result, scheduler, *args, **kwargs):
     pool = _guarded(getattr(scheduler.tp_worker.model_runner, "token_to_kv_pool", None))
     if pool is None:
         return None
-    limit = pool.overcommit_request_tokens
+    limit = pool.runtime.plan.max_request_tokens
     if scheduler.max_req_len > limit:
         logger.info("wgkv overcommit: longest request %d -> %d tokens", scheduler.max_req_len, limit)
         scheduler.max_req_input_len -= scheduler.max_req_len - limit

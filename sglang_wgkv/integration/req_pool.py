@@ -11,11 +11,16 @@ so no extra scheduler hook is needed and a retracted request simply starts over 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
 from sglang_wgkv.integration.request_control import RequestAdmission, attach_usage, request_usage
 from sglang_wgkv.memory import DualCachePool
+
+if TYPE_CHECKING:
+    from sglang_wgkv.integration.runtime import WGKVRuntime
 
 
 def tp_usage_reducer(counts_heads: bool):
@@ -44,33 +49,32 @@ def tp_usage_reducer(counts_heads: bool):
 class WGKVReqToTokenPool(ReqToTokenPool):
     """``ReqToTokenPool`` whose slots also allocate and free dual-cache streams.
 
-    :meth:`attach` links the dual pool once it exists (SGLang builds the request pool first); no
-    request can be scheduled before that.
+    ``runtime``: the process's :class:`~sglang_wgkv.integration.runtime.WGKVRuntime`, whose dual pool
+    (built right after this pool, with one request slot per row of ``req_to_token``), evictor, TP
+    usage reducer and prefix cache this pool reads; no request is scheduled before they exist.
     """
 
-    dual: DualCachePool | None = None
-    requests_started = 0
-    requests_released = 0
-    idle_checks = 0
-    peak_active = 0  # most requests holding a slot at once since start
-    _checked_stamp: tuple[int, int] | None = None
-    # radix_ext's SnapshotRadixCache when prefix caching is on: restores matched prefixes into
-    # fresh slots and holds snapshot pages while idle.
-    prefix_cache = None
-
-    def attach(self, dual: DualCachePool) -> None:
-        if dual.max_requests < self.req_to_token.shape[0]:
-            raise ValueError(f"dual pool has {dual.max_requests} request slots, "
-                             f"SGLang uses {self.req_to_token.shape[0]}")
-        self.dual = dual
+    def __init__(self, *args, runtime: WGKVRuntime, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.runtime = runtime
+        rows = self.req_to_token.shape[0]
+        if runtime.has_pool() and runtime.dual.max_requests < rows:
+            raise ValueError(f"dual pool has {runtime.dual.max_requests} request slots, SGLang uses {rows}")
         # ``[R]`` admission threshold of each slot's request (-inf: admission off), read per row by
         # the backend; the server's tau unless the request overrides it (request_control).
-        self.slot_tau = torch.full((dual.max_requests,), dual.config.tau, dtype=torch.float32, device=dual.device)
-        self.slot_admission = [RequestAdmission()] * dual.max_requests
-        self.evictor = None  # set by the backend when --kv-budget is on (per-request eviction counters)
+        self.server_tau = runtime.settings.config.tau
+        self.slot_tau = torch.full((rows,), self.server_tau, dtype=torch.float32, device=self.device)
+        self.slot_admission = [RequestAdmission()] * rows
+        self.requests_started = self.requests_released = 0
+        self.idle_checks = 0
+        self.peak_active = 0  # most requests holding a slot at once since start
+        self._checked_stamp: tuple[int, int] | None = None
         self.eviction_triggers_released = 0
         self.evicted_tokens_released = 0
-        self.reduce_usage = None  # set by the backend under tensor parallelism (tp_usage_reducer)
+
+    @property
+    def dual(self) -> DualCachePool:
+        return self.runtime.dual
 
     def alloc(self, reqs):
         fresh = [req for req in reqs if req.req_pool_idx is None]
@@ -81,16 +85,17 @@ class WGKVReqToTokenPool(ReqToTokenPool):
                 self.dual.alloc_request(slot)
                 admission = RequestAdmission.of_request(req)
                 self.slot_admission[slot] = admission
-                self.slot_tau[slot] = admission.effective_tau(self.dual.config.tau)
+                self.slot_tau[slot] = admission.effective_tau(self.server_tau)
             self.requests_started += len(fresh)
             self.peak_active = max(self.peak_active, int(self.dual.active.sum()))
-            if self.prefix_cache is not None:
-                self.prefix_cache.restore_prefixes(fresh)
+            if self.runtime.prefix_cache is not None:
+                self.runtime.prefix_cache.restore_prefixes(fresh)
         return slots
 
     def free(self, req):
         slot = req.req_pool_idx
-        usage = request_usage(self.dual, slot, self.slot_admission[slot], self.evictor, self.reduce_usage)
+        runtime = self.runtime
+        usage = request_usage(self.dual, slot, self.slot_admission[slot], runtime.evictor, runtime.reduce_usage)
         self.eviction_triggers_released += usage["eviction_triggers"]
         self.evicted_tokens_released += usage["evicted_tokens"]
         if req.finished():  # not on retraction: the request starts over in a new slot
@@ -101,7 +106,7 @@ class WGKVReqToTokenPool(ReqToTokenPool):
 
     def clear(self):
         super().clear()
-        if self.dual is not None:
+        if self.runtime.has_pool():
             for slot in self.dual.active.nonzero()[0].tolist():
                 self.dual.free_request(slot)
                 self.requests_released += 1
@@ -124,8 +129,8 @@ class WGKVReqToTokenPool(ReqToTokenPool):
         if free + held != total:
             problems.append(f"dual-cache pool leaks pages: free={free}, held by snapshots={held}, total={total}")
         try:
-            if self.prefix_cache is not None:
-                self.prefix_cache.check_integrity()
+            if self.runtime.prefix_cache is not None:
+                self.runtime.prefix_cache.check_integrity()
             else:
                 self.dual.check_integrity()
         except RuntimeError as e:
@@ -135,9 +140,10 @@ class WGKVReqToTokenPool(ReqToTokenPool):
     def eviction_totals(self) -> dict:
         """Cumulative evictor counters since start (released requests + the active ones)."""
         triggers, tokens = self.eviction_triggers_released, self.evicted_tokens_released
-        if self.evictor is not None:
+        evictor = self.runtime.evictor
+        if evictor is not None:
             for slot in self.dual.active.nonzero()[0].tolist():
-                usage = self.evictor.request_stats(slot)
+                usage = evictor.request_stats(slot)
                 triggers += usage["eviction_triggers"]
                 tokens += usage["evicted_tokens"]
         return {"eviction_triggers_total": triggers, "evicted_tokens_total": tokens}
@@ -153,6 +159,6 @@ class WGKVReqToTokenPool(ReqToTokenPool):
             "requests_started": self.requests_started, "requests_released": self.requests_released,
             "idle_checks": self.idle_checks, "peak_active_requests": self.peak_active,
             "idle_checked_released": self._checked_stamp[1] if self._checked_stamp else None,
-            **({"radix": self.prefix_cache.stats()} if self.prefix_cache is not None else {}),
+            **({"radix": self.runtime.prefix_cache.stats()} if self.runtime.prefix_cache is not None else {}),
             **self.eviction_totals(),
         }

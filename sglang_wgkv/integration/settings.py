@@ -2,8 +2,11 @@
 
 SGLang's ``ServerArgs`` has no room for plugin options and its scheduler processes are spawned, so
 :mod:`sglang_wgkv.launch_server` serializes a :class:`ServingSettings` into the environment variable
-:data:`ENV_VAR`, which every spawned process inherits. A process that finds no variable (e.g. a plain
-``python -m sglang.launch_server --attention-backend wgkv``) uses the defaults.
+:data:`ENV_VAR`, which every spawned process inherits. It is parsed in two places only: once when
+the server arguments are prepared (the launcher: a malformed value fails there) and once per
+scheduler process, into its :class:`~sglang_wgkv.integration.runtime.WGKVRuntime`, which every other
+part reads. A process that finds no variable (e.g. a plain ``python -m sglang.launch_server
+--attention-backend wgkv``) uses the defaults.
 """
 
 from __future__ import annotations

@@ -24,53 +24,37 @@ Step protocol (host-known lengths come from the scheduler; nothing here syncs in
   :meth:`write_extend` per layer (after that layer's attention read :meth:`gather_context`).
 * decode: :meth:`begin_decode` once per step (allocates, promotes the ring victims of every layer),
   then :meth:`write_decode` per layer before attention reads :meth:`decode_page_rows`.
+
+The pool is the only writer of its state. Its steps live in their own files
+(:mod:`~sglang_wgkv.memory.extend_step`, :mod:`~sglang_wgkv.memory.decode_step`, base classes of
+the pool); what others change goes through methods here: the evictor's compaction
+(:meth:`compact_global`, :meth:`release_pages`) and prefix snapshots (:meth:`take_snapshot`,
+:meth:`restore_snapshot`, :meth:`release_snapshot`).
 """
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from sglang_wgkv.config import PAGE_SIZE, WGKVConfig
+from sglang_wgkv.memory.decode_step import DecodePlan, DecodeStep
+from sglang_wgkv.memory.extend_step import ExtendPlan, ExtendStep
 from sglang_wgkv.memory.page_allocator import PageAllocator
+from sglang_wgkv.memory.prefix_snapshot import PrefixSnapshot
 
-FAR_POSITION = -(2**30)  # position given to global entries: beyond every query's local band
+__all__ = ["DecodePlan", "DualCachePool", "ExtendPlan", "PoolIntegrityError"]
+
+
+# Page-table entries the integrity check handles at once (bounds its temporaries: ~16 MB of int32).
+INTEGRITY_CHUNK_ENTRIES = 1 << 22
 
 
 class PoolIntegrityError(RuntimeError):
     pass
 
 
-@dataclass
-class _ExtendPlan:
-    """Host-built index lists for one extend forward, shared by all layers (device tensors)."""
-
-    req: torch.Tensor          # [B] request slots
-    prefix_lens: list          # host copy of S per request
-    req_slots: list            # host copy of the request slots
-    extend_lens: list          # host copy of n per request
-    cand_b: torch.Tensor       # [C] batch index of each token leaving the ring (position order per b)
-    cand_from_ring: torch.Tensor  # [C] bool: source is the old ring (else the new tokens)
-    cand_slot: torch.Tensor    # [C] ring slot (ring source)
-    cand_src: torch.Tensor     # [C] packed token index (new-token source)
-    cand_seg_start: torch.Tensor  # [C] index of the first candidate of the same request
-    max_new_pages: int         # upper bound of new global pages per stream
-    rw_b: torch.Tensor         # [M] batch index of each new token that lands in the ring
-    rw_slot: torch.Tensor      # [M] its ring slot
-    rw_src: torch.Tensor       # [M] its packed token index
-
-
-@dataclass
-class _DecodePlan:
-    req: torch.Tensor          # [B] request slots
-    pos: torch.Tensor          # [B] position of the token being decoded
-    ring_tokens: torch.Tensor  # [B] tokens in the ring after this step's write
-    ring_page: torch.Tensor    # [B, L, H] page of the ring slot the new token takes
-    ring_off: torch.Tensor     # [B, 1] offset of that slot in its page
-
-
-class DualCachePool:
+class DualCachePool(ExtendStep, DecodeStep):
     """Parameters
     ----------
     num_layers, num_kv_heads, head_dim : model attention shape (KV heads of this rank).
@@ -79,13 +63,16 @@ class DualCachePool:
     max_context_len : longest sequence a request may reach.
     triton_decode : :meth:`begin_decode` promotes with the Triton kernels of
         :func:`~sglang_wgkv.memory.triton_pool.decode_promote` (same resulting state as the torch
-        ops of :meth:`_promote`, two launches); default: on CUDA devices.
+        ops of :meth:`_promote`, two launches); default: on CUDA devices. A server passes its one
+        torch/Triton choice (:class:`~sglang_wgkv.integration.runtime.WGKVRuntime`).
+    reclaimer : ``fn(worst_case)`` that releases pages it can spare (a prefix cache dropping
+        snapshots) before a step's reserve gives up; it must not allocate.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
                  max_requests: int, max_context_len: int, config: WGKVConfig = WGKVConfig(),
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                 triton_decode: bool | None = None):
+                 triton_decode: bool | None = None, reclaimer=None):
         self.config = config
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.max_requests, self.max_context_len = max_requests, max_context_len
@@ -93,7 +80,7 @@ class DualCachePool:
         self.device = torch.device(device)
         self.dtype = dtype
         self.triton_decode = self.device.type == "cuda" if triton_decode is None else triton_decode
-        self.allocator = PageAllocator(num_pages, self.device)
+        self.allocator = PageAllocator(num_pages, self.device, reclaimer=reclaimer)
         self.dump_page = self.allocator.dump_page
         self.ring_cols = self.window // PAGE_SIZE
         self.global_cols = max(0, math.ceil((max_context_len - self.window) / PAGE_SIZE))
@@ -117,8 +104,8 @@ class DualCachePool:
         self._heads = torch.arange(num_kv_heads, device=self.device)
         self._layers = torch.arange(num_layers, device=self.device)
         self._ref_holders = []
-        self._extend: _ExtendPlan | None = None
-        self._decode: _DecodePlan | None = None
+        self._extend: ExtendPlan | None = None
+        self._decode: DecodePlan | None = None
 
     # -- request lifecycle ----------------------------------------------------------------------
     def alloc_request(self, r: int) -> None:
@@ -154,118 +141,110 @@ class DualCachePool:
         pages = torch.cat(held).long()
         return int(torch.unique(pages[pages != self.dump_page]).numel())
 
-    # -- extend (prefill) -----------------------------------------------------------------------
-    def begin_extend(self, req_slots, prefix_lens, extend_lens) -> _ExtendPlan:
-        """Prepare an extend of ``extend_lens[b]`` tokens after ``prefix_lens[b]`` cached ones.
+    # -- prefix snapshots (radix_ext) ------------------------------------------------------------
+    def take_snapshot(self, r: int) -> PrefixSnapshot:
+        """Snapshot slot ``r`` at its cached length (:mod:`~sglang_wgkv.memory.prefix_snapshot`): the
+        global pages shared, the ring copied. Raises PoolExhausted if the ring copy does not fit."""
+        S = int(self.cached_len[r])
+        if not self.active[r] or S == 0:
+            raise ValueError(f"request slot {r} has nothing to snapshot")
+        ring_used = -(-min(S, self.window) // PAGE_SIZE)
+        L, H = self.num_layers, self.num_kv_heads
+        copies = self.allocator.alloc(L * H * ring_used).view(L, H, ring_used)
+        src = self.page_table[r, :, :, :ring_used].long()
+        self.k_pages[copies] = self.k_pages[src]
+        self.v_pages[copies] = self.v_pages[src]
+        rows = self.page_table[r].clone()
+        rows[:, :, :ring_used] = copies.to(rows.dtype)
+        glob = rows[:, :, self.ring_cols:self.dump_col]
+        self.allocator.incref(glob[glob != self.dump_page])
+        return PrefixSnapshot(S, rows[:, :, : self.dump_col], self.global_len[r].clone(), self.ring_flag[r].clone())
 
-        Allocates the ring pages every layer needs and reserves the worst-case global growth;
-        raises PoolExhausted (nothing modified) when the pool cannot cover it.
+    def restore_snapshot(self, r: int, snap: PrefixSnapshot) -> None:
+        """Make the freshly allocated, empty slot ``r`` continue from ``snap``: the ring and the
+        partial last global page copied (this request writes into them), full global pages shared."""
+        if not self.active[r] or self.cached_len[r] != 0:
+            raise ValueError(f"request slot {r} must be allocated and empty to restore a prefix")
+        L, H, R = self.num_layers, self.num_kv_heads, self.ring_cols
+        ring_used = -(-min(snap.length, self.window) // PAGE_SIZE)
+        glen = snap.global_len.long()
+        partial = (glen % PAGE_SIZE) != 0                                   # [L, H]
+        n_partial = int(partial.sum())
+        self.allocator.ensure(L * H * ring_used + n_partial)
+        rows = snap.rows.clone()
+        ring = self.allocator.alloc(L * H * ring_used).view(L, H, ring_used)
+        self.k_pages[ring] = self.k_pages[snap.rows[:, :, :ring_used].long()]
+        self.v_pages[ring] = self.v_pages[snap.rows[:, :, :ring_used].long()]
+        rows[:, :, :ring_used] = ring.to(rows.dtype)
+        last_col = R + (glen - 1).clamp(min=0) // PAGE_SIZE                 # [L, H]
+        if n_partial:
+            fresh = self.allocator.alloc(n_partial)
+            li, hi = torch.nonzero(partial, as_tuple=True)
+            old = snap.rows[li, hi, last_col[li, hi]].long()
+            self.k_pages[fresh] = self.k_pages[old]
+            self.v_pages[fresh] = self.v_pages[old]
+            rows[li, hi, last_col[li, hi]] = fresh.to(rows.dtype)
+        shared = snap.rows[:, :, R:].clone()
+        if n_partial:
+            shared[li, hi, last_col[li, hi] - R] = self.dump_page
+        self.allocator.incref(shared[shared != self.dump_page])
+        self.page_table[r, :, :, : self.dump_col] = rows
+        self.global_len[r] = snap.global_len.to(self.global_len.dtype)
+        self.ring_flag[r] = snap.ring_flag
+        self.cached_len[r] = snap.length
+
+    def release_snapshot(self, snap: PrefixSnapshot) -> int:
+        """Drop the snapshot's page references; returns the pages returned to the free stack."""
+        return self.allocator.free(snap.pages(self.dump_page))
+
+    # -- eviction (memory/evictor.py) ------------------------------------------------------------
+    def compact_global(self, r: torch.Tensor, l: torch.Tensor, h: torch.Tensor, keep: torch.Tensor,
+                       gpages: torch.Tensor | None = None, g_keys: torch.Tensor | None = None) -> torch.Tensor:
+        """Keep only the global entries ``keep`` of the streams ``(r[s], l[s], h[s])``, in order, at the
+        front of their global pages; returns the page ids the streams no longer use (release them
+        with :meth:`release_pages` once every chunk is compacted).
+
+        keep : ``[S, Ng]`` bool over the first ``Ng`` (a multiple of 16) global entries (entries past
+            a stream's length are ignored); gpages ``[S, Ng / 16]`` and g_keys ``[S, Ng, D]``: the
+            streams' global pages and keys when the caller already gathered them.
+        Pages shared with another owner (refcount > 1, e.g. a prefix snapshot) are copied before
+        being rewritten.
         """
-        req_slots, prefix_lens, extend_lens = list(map(int, req_slots)), list(map(int, prefix_lens)), \
-            list(map(int, extend_lens))
-        W, LH = self.window, self.num_layers * self.num_kv_heads
-        ring_new, worst, max_new_pages = [], 0, 1
-        for r, S, n in zip(req_slots, prefix_lens, extend_lens):
-            if not self.active[r]:
-                raise ValueError(f"request slot {r} is not allocated")
-            if self.cached_len[r] != S:
-                raise ValueError(f"request slot {r}: prefix {S} != cached length {self.cached_len[r]}")
-            if S + n > self.max_context_len:
-                raise ValueError(f"request slot {r}: {S + n} tokens exceed max_context_len {self.max_context_len}")
-            c0, c1 = -(-min(S, W) // PAGE_SIZE), -(-min(S + n, W) // PAGE_SIZE)
-            ring_new.append((c0, c1))
-            leaving = max(0, S + n - W) - max(0, S - W)
-            if leaving:
-                max_new_pages = max(max_new_pages, -(-leaving // PAGE_SIZE) + 1)
-                worst += LH * (-(-leaving // PAGE_SIZE) + 1)
-        ring_total = LH * sum(c1 - c0 for c0, c1 in ring_new)
-        self.allocator.ensure(ring_total + worst)
-        if ring_total:
-            pages = self.allocator.alloc(ring_total).to(torch.int32)
-            off = 0
-            for r, (c0, c1) in zip(req_slots, ring_new):
-                k = LH * (c1 - c0)
-                if k:
-                    self.page_table[r, :, :, c0:c1] = pages[off:off + k].view(self.num_layers, self.num_kv_heads, -1)
-                    off += k
-        cand_b, cand_ring, cand_slot, cand_src, cand_start = [], [], [], [], []
-        rw_b, rw_slot, rw_src = [], [], []
-        offset = 0
-        for b, (S, n) in enumerate(zip(prefix_lens, extend_lens)):
-            start = len(cand_b)
-            lo = max(S - W, 0)
-            old = np.arange(lo, max(lo, min(S, S + n - W)))
-            new = np.arange(S, max(S, S + n - W))
-            cnt = len(old) + len(new)
-            cand_b += [b] * cnt
-            cand_ring += [True] * len(old) + [False] * len(new)
-            cand_slot += list(old % W) + [0] * len(new)
-            cand_src += [0] * len(old) + list(offset + new - S)
-            cand_start += [start] * cnt
-            t = np.arange(max(0, n - W), n)
-            rw_b += [b] * len(t)
-            rw_slot += list((S + t) % W)
-            rw_src += list(offset + t)
-            offset += n
-            self.cached_len[req_slots[b]] = S + n
-        dev, i64 = self.device, torch.int64
-        plan = _ExtendPlan(
-            req=torch.tensor(req_slots, dtype=i64, device=dev), prefix_lens=prefix_lens,
-            req_slots=req_slots, extend_lens=extend_lens,
-            cand_b=torch.tensor(cand_b, dtype=i64, device=dev),
-            cand_from_ring=torch.tensor(cand_ring, dtype=torch.bool, device=dev),
-            cand_slot=torch.tensor(cand_slot, dtype=i64, device=dev),
-            cand_src=torch.tensor(cand_src, dtype=i64, device=dev),
-            cand_seg_start=torch.tensor(cand_start, dtype=i64, device=dev),
-            max_new_pages=max_new_pages,
-            rw_b=torch.tensor(rw_b, dtype=i64, device=dev), rw_slot=torch.tensor(rw_slot, dtype=i64, device=dev),
-            rw_src=torch.tensor(rw_src, dtype=i64, device=dev))
-        self._extend, self._decode = plan, None
-        return plan
+        R, D = self.ring_cols, self.head_dim
+        S, Ng = keep.shape
+        if gpages is None:
+            gpages = self.page_table[r, l, h, R:R + Ng // PAGE_SIZE].long()
+        if g_keys is None:
+            g_keys = self.k_pages[gpages].reshape(S, Ng, D)
+        glen = self.global_len[r, l, h].long()
+        valid = torch.arange(Ng, device=self.device)[None, :] < glen[:, None]
+        keep = keep & valid
+        new_len = keep.sum(1)
+        dest = torch.cumsum(keep.long(), 1) - 1                                  # [S, Ng]
+        old_cols = (glen + PAGE_SIZE - 1) // PAGE_SIZE
+        new_cols = (new_len + PAGE_SIZE - 1) // PAGE_SIZE
+        col = torch.arange(gpages.shape[1], device=self.device)
+        first_changed = torch.argmax((valid & ~keep).long(), 1) // PAGE_SIZE   # first dropped entry's page
+        trailing = (col >= new_cols[:, None]) & (col < old_cols[:, None])
+        shared = (self.allocator.ref[gpages] > 1) & (col >= first_changed[:, None]) & (col < new_cols[:, None])
+        out_pages = gpages.clone()
+        n_shared = int(shared.sum())
+        if n_shared:
+            self.allocator.free(gpages[shared])     # drop our reference: the other owner keeps them
+            out_pages[shared] = self.allocator.alloc(n_shared)
+        g_vals = self.v_pages[gpages].reshape(S, -1, D)
+        dest_page = torch.where(keep, out_pages.gather(1, torch.clamp(dest, min=0) // PAGE_SIZE), self.dump_page)
+        dest_off = torch.clamp(dest, min=0) % PAGE_SIZE
+        self.k_pages[dest_page, dest_off] = g_keys
+        self.v_pages[dest_page, dest_off] = g_vals
+        self.page_table[r[:, None], l[:, None], h[:, None], R + col[None, :]] = torch.where(
+            col[None, :] < new_cols[:, None], out_pages, self.dump_page).to(torch.int32)
+        self.global_len[r, l, h] = new_len.to(torch.int32)
+        return gpages[trailing]
 
-    def write_extend(self, layer: int, k: torch.Tensor, v: torch.Tensor, admit: torch.Tensor) -> None:
-        """Write one layer's new tokens: promote admitted tokens leaving the ring, fill the ring.
-
-        k, v : ``[N, H, D]`` packed new tokens of the batch given to :meth:`begin_extend`;
-        admit : ``[N, H]`` bool admission flags.
-        """
-        p = self._extend
-        if p is None:
-            raise RuntimeError("write_extend without begin_extend")
-        H = self.num_kv_heads
-        heads = self._heads[None, :]
-        if p.cand_b.numel():
-            rc = p.req[p.cand_b][:, None]                                  # [C, 1]
-            slot = p.cand_slot[:, None]
-            ring_col = slot // PAGE_SIZE
-            flag = torch.where(p.cand_from_ring[:, None], self.ring_flag[rc, layer, heads, slot],
-                               admit[p.cand_src])                           # [C, H]
-            fi = flag.to(torch.int64)
-            # scan along the contiguous axis: a dim-0 scan of [C, H] runs one GPU thread per column
-            excl = (torch.cumsum(fi.t().contiguous(), 1) - fi.t()).t()
-            rank = excl - excl[p.cand_seg_start]
-            B = p.req.numel()
-            cnt = torch.zeros(B, H, dtype=torch.int64, device=self.device).index_add_(0, p.cand_b, fi)
-            glen = self.global_len[p.req, layer].to(torch.int64)             # [B, H]
-            self._append_pages(p.req, layer, glen, cnt, p.max_new_pages)
-            dest = glen[p.cand_b] + rank
-            dest_page = torch.where(flag, self.page_table[rc, layer, heads, self.ring_cols + dest // PAGE_SIZE].long(),
-                                    self.dump_page)
-            src_page = self.page_table[rc, layer, heads, ring_col].long()
-            from_ring = p.cand_from_ring[:, None, None]
-            for pages, new in ((self.k_pages, k), (self.v_pages, v)):
-                src = torch.where(from_ring, pages[src_page, slot % PAGE_SIZE], new[p.cand_src].to(pages.dtype))
-                pages[dest_page, dest % PAGE_SIZE] = src
-            self.global_len[p.req, layer] += cnt.to(torch.int32)
-            self.left_ring[layer] += p.cand_b.numel()
-            self.promoted[layer] += cnt.sum(0)
-        if p.rw_b.numel():
-            rr = p.req[p.rw_b][:, None]
-            slot = p.rw_slot[:, None]
-            page = self.page_table[rr, layer, heads, slot // PAGE_SIZE].long()
-            self.k_pages[page, slot % PAGE_SIZE] = k[p.rw_src].to(self.dtype)
-            self.v_pages[page, slot % PAGE_SIZE] = v[p.rw_src].to(self.dtype)
-            self.ring_flag[rr, layer, heads, slot] = admit[p.rw_src]
+    def release_pages(self, pages: torch.Tensor) -> int:
+        """Drop one reference from each page (see :meth:`PageAllocator.free`)."""
+        return self.allocator.free(pages)
 
     def _append_pages(self, req, layer, glen, cnt, max_new_pages: int) -> None:
         """Allocate the pages that growing each stream's global length by ``cnt`` needs.
@@ -283,148 +262,6 @@ class DualCachePool:
         else:
             idx = (req[:, None, None], layer, self._heads[None, :, None], col)
         self.page_table[idx] = torch.where(need, pages, self.dump_page)
-
-    def gather_context(self, layer: int, r: int, prefix_len: int):
-        """The cached context of slot ``r`` in ``layer`` before an extend after ``prefix_len`` tokens.
-
-        Returns ``k, v [Nk, H, D]``, ``k_pos [Nk]`` and ``admitted [Nk, H]``, ready for
-        :func:`~sglang_wgkv.attention.reference.vertical_slash_attention`: global entries (padded to
-        the longest head; padding not admitted) at ``FAR_POSITION``, then ring entries in position
-        order with their flags. Syncs (CPU path).
-        """
-        W, H = self.window, self.num_kv_heads
-        glen = self.global_len[r, layer].long()
-        gcols = -(-int(glen.max()) // PAGE_SIZE) if H else 0
-        pages = self.page_table[r, layer, :, self.ring_cols:self.ring_cols + gcols].long()    # [H, gc]
-        gk = self.k_pages[pages].reshape(H, gcols * PAGE_SIZE, self.head_dim).transpose(0, 1)
-        gv = self.v_pages[pages].reshape(H, gcols * PAGE_SIZE, self.head_dim).transpose(0, 1)
-        g_adm = (torch.arange(gcols * PAGE_SIZE, device=self.device)[:, None] < glen[None, :])
-        pos = torch.arange(max(0, prefix_len - W), prefix_len, device=self.device)
-        slot = pos % W
-        rpage = self.page_table[r, layer, :, (slot // PAGE_SIZE)].long().t()                  # [n, H]
-        rk = self.k_pages[rpage, (slot % PAGE_SIZE)[:, None]]
-        rv = self.v_pages[rpage, (slot % PAGE_SIZE)[:, None]]
-        r_adm = self.ring_flag[r, layer][:, slot].t()
-        k_pos = torch.cat([torch.full((gcols * PAGE_SIZE,), FAR_POSITION, device=self.device), pos])
-        return torch.cat([gk, rk]), torch.cat([gv, rv]), k_pos, torch.cat([g_adm, r_adm])
-
-    # -- decode ---------------------------------------------------------------------------------
-    def decode_worst_case(self, seq_lens) -> int:
-        """Pages :meth:`begin_decode` reserves for requests at cached lengths ``seq_lens``: one per
-        stream of a request whose ring crosses a page boundary, one per stream of a promoting one."""
-        seq_lens, W = np.asarray(seq_lens, dtype=np.int64), self.window
-        steps = ((seq_lens < W) & (seq_lens % PAGE_SIZE == 0)) | (seq_lens >= W)
-        return self.num_layers * self.num_kv_heads * int(steps.sum())
-
-    def extend_bound(self, prefix_len: int, extend_len: int) -> int:
-        """Upper bound on the pages that extending a request from ``prefix_len`` cached tokens by
-        ``extend_len`` needs, in one or any number of chunks: what the chunks allocate plus the
-        reserve :meth:`begin_extend` checks for the last one. Per stream: the new ring pages,
-        ``ceil(leaving / 16)`` global pages for the tokens leaving the ring, and two pages for the
-        partial pages (rounding of chunk reserves and of the last global page)."""
-        W, S, n = self.window, prefix_len, extend_len
-        ring = -(-min(S + n, W) // PAGE_SIZE) - -(-min(S, W) // PAGE_SIZE)
-        leaving = max(0, S + n - W) - max(0, S - W)
-        return self.num_layers * self.num_kv_heads * (ring + -(-leaving // PAGE_SIZE) + 2)
-
-    def begin_decode(self, req_slots, seq_lens, req_slots_dev: torch.Tensor | None = None,
-                     seq_lens_dev: torch.Tensor | None = None) -> _DecodePlan:
-        """Prepare a decode step: token ``b`` is written at position ``seq_lens[b]`` (= cached length).
-
-        Allocates ring pages crossing a page boundary (host-known), reserves one page per stream for
-        promotion, and promotes the ring victim of every (request, layer, head) at once.
-        ``*_dev`` are optional device copies of the host lists (avoid a host-to-device copy).
-
-        No host sync unless :meth:`PageAllocator.ensure` needs one (its free-page floor ran out).
-        With ``triton_decode``: promotion and the plan's ring page / offset / length come from two
-        Triton launches (plus three small ``torch.empty``), the only other device work being the
-        ring-page allocation of a request whose ring crosses a page boundary (``seq_len < W``).
-        """
-        req_slots, seq_lens = np.asarray(req_slots, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64)
-        W, LH = self.window, self.num_layers * self.num_kv_heads
-        if not self.active[req_slots].all():
-            raise ValueError(f"request slots {req_slots[~self.active[req_slots]].tolist()} are not allocated")
-        if not np.array_equal(self.cached_len[req_slots], seq_lens):
-            raise ValueError(f"seq_lens {seq_lens.tolist()} != cached lengths {self.cached_len[req_slots].tolist()}")
-        if (seq_lens >= self.max_context_len).any():
-            raise ValueError(f"decode beyond max_context_len {self.max_context_len}")
-        new_ring = (seq_lens < W) & (seq_lens % PAGE_SIZE == 0)
-        promoting = int((seq_lens >= W).sum())
-        ring_total = LH * int(new_ring.sum())
-        self.allocator.ensure(self.decode_worst_case(seq_lens))
-        if ring_total:
-            pages = self.allocator.alloc(ring_total).to(torch.int32).view(-1, self.num_layers, self.num_kv_heads)
-            rows = torch.as_tensor(req_slots[new_ring], device=self.device)
-            cols = torch.as_tensor(seq_lens[new_ring] // PAGE_SIZE, device=self.device)
-            self.page_table[rows[:, None, None], self._layers[None, :, None], self._heads[None, None, :],
-                            cols[:, None, None]] = pages
-        req = req_slots_dev.long() if req_slots_dev is not None else torch.as_tensor(req_slots, device=self.device)
-        pos = seq_lens_dev.long() if seq_lens_dev is not None else torch.as_tensor(seq_lens, device=self.device)
-        self.cached_len[req_slots] = seq_lens + 1
-        if self.triton_decode:
-            from sglang_wgkv.memory.triton_pool import decode_promote
-
-            B, i64 = len(req_slots), torch.int64
-            req, pos = req.contiguous(), pos.contiguous()
-            plan = (torch.empty(B, self.num_layers, self.num_kv_heads, dtype=i64, device=self.device),
-                    torch.empty(B, 1, dtype=i64, device=self.device), torch.empty(B, dtype=i64, device=self.device))
-            decode_promote(self, req, pos, plan_out=plan, lower_floor=promoting > 0)
-            self._decode = _DecodePlan(req=req, pos=pos, ring_tokens=plan[2], ring_page=plan[0], ring_off=plan[1])
-        else:
-            if promoting:
-                self._promote(req, pos)
-            slot = pos % W
-            ring_page = self.page_table[req[:, None, None], self._layers[None, :, None], self._heads[None, None, :],
-                                        (slot // PAGE_SIZE)[:, None, None]].long()
-            self._decode = _DecodePlan(req=req, pos=pos, ring_tokens=torch.clamp(pos + 1, max=W),
-                                       ring_page=ring_page, ring_off=(slot % PAGE_SIZE)[:, None])
-        self._extend = None
-        return self._decode
-
-    def _promote(self, req: torch.Tensor, pos: torch.Tensor) -> None:
-        """Lazy promotion for all layers and heads: the ring slot ``pos % W`` is about to be reused."""
-        W = self.window
-        r4 = req[:, None, None]
-        L, H = self._layers[None, :, None], self._heads[None, None, :]
-        slot = (pos % W)[:, None, None]
-        flag = self.ring_flag[r4, L, H, slot] & (pos >= W)[:, None, None]            # [B, L, H]
-        glen = self.global_len[req].long()
-        self._append_pages(req, None, glen, flag.to(torch.int64), 1)
-        dest_col = torch.where(flag, self.ring_cols + glen // PAGE_SIZE, self.dump_col)
-        dest_page = self.page_table[r4, L, H, dest_col].long()
-        src_page = self.page_table[r4, L, H, slot // PAGE_SIZE].long()
-        for pages in (self.k_pages, self.v_pages):
-            pages[dest_page, glen % PAGE_SIZE] = pages[src_page, slot % PAGE_SIZE]
-        self.global_len[req] += flag.to(torch.int32)
-        self.left_ring += (pos >= W).sum()
-        self.promoted += flag.sum(0)
-
-    def write_decode(self, layer: int, k: torch.Tensor, v: torch.Tensor, admit: torch.Tensor) -> None:
-        """k, v ``[B, H, D]``, admit ``[B, H]``: the new token of each request into its ring slot."""
-        p = self._decode
-        if p is None:
-            raise RuntimeError("write_decode without begin_decode")
-        page = p.ring_page[:, layer]
-        self.k_pages[page, p.ring_off] = k.to(self.dtype)
-        self.v_pages[page, p.ring_off] = v.to(self.dtype)
-        self.ring_flag[p.req[:, None], layer, self._heads[None, :], (p.pos % self.window)[:, None]] = admit
-
-    def decode_page_rows(self, layer: int):
-        """Page lists of the current decode batch in ``layer`` (after :meth:`write_decode`).
-
-        Returns ``rows [B, H, C]`` (page-table rows; the first ``num_pages`` entries are the
-        stream's pages, ring first), ``num_pages [B, H]``, ``last_page_len [B, H]`` (1..16) and
-        ``kv_len [B, H]`` (tokens). No host sync.
-        """
-        p = self._decode
-        glen = self.global_len[p.req, layer].long()                        # [B, H]
-        ring = p.ring_tokens[:, None]
-        ring_pages = (ring + PAGE_SIZE - 1) // PAGE_SIZE
-        gpages = (glen + PAGE_SIZE - 1) // PAGE_SIZE
-        num_pages = ring_pages + gpages
-        last = torch.where(gpages > 0, glen - (gpages - 1) * PAGE_SIZE, ring - (ring_pages - 1) * PAGE_SIZE)
-        rows = self.page_table[p.req, layer, :, : self.dump_col]
-        return rows, num_pages, last, ring + glen
 
     # -- queries --------------------------------------------------------------------------------
     def global_lengths(self, r: int) -> torch.Tensor:
@@ -467,10 +304,21 @@ class DualCachePool:
             "admitted_fraction_per_layer_head": (self.promoted.double() / self.left_ring.clamp(min=1)).tolist(),
         }
 
+    def _row_chunks(self):
+        """``(first slot, page-table rows [slots, L, H, dump_col])`` views, a bounded number of entries
+        at a time: the integrity check then needs temporaries of one chunk, not of the whole table
+        (the table of a default CPU server is hundreds of MB; whole-table temporaries cost GBs)."""
+        per_slot = self.num_layers * self.num_kv_heads * (self.dump_col + 1)
+        step = max(1, INTEGRITY_CHUNK_ENTRIES // per_slot)
+        for first in range(0, self.max_requests, step):
+            yield first, self.page_table[first:first + step, ..., : self.dump_col]
+
     def check_integrity(self) -> None:
-        """Raise PoolIntegrityError on a leaked, doubly owned or misplaced page, or a bad length."""
+        """Raise PoolIntegrityError on a leaked, doubly owned or misplaced page, or a bad length.
+        Temporaries are bounded by :data:`INTEGRITY_CHUNK_ENTRIES` page-table entries (plus the
+        pages in use)."""
         W, R = self.window, self.ring_cols
-        held = [self.page_table[..., : self.dump_col].reshape(-1)]
+        held = [rows[rows != self.dump_page] for _, rows in self._row_chunks()]
         held += [fn().reshape(-1).to(self.device) for fn in self._ref_holders]
         try:
             self.allocator.check_integrity(torch.cat(held))
@@ -479,17 +327,20 @@ class DualCachePool:
         if bool((self.page_table[..., self.dump_col] != self.dump_page).any()):
             raise PoolIntegrityError("a dump column holds a real page")
         n = torch.as_tensor(self.cached_len, device=self.device)
-        ring_pages = (torch.clamp(n, max=W) + PAGE_SIZE - 1) // PAGE_SIZE                # [Rq]
-        gpages = (self.global_len.long() + PAGE_SIZE - 1) // PAGE_SIZE                     # [Rq, L, H]
         col = torch.arange(self.dump_col, device=self.device)
-        expect = (col < ring_pages[:, None, None, None]) | (
-            (col >= R) & (col < R + gpages[..., None]))
-        has = self.page_table[..., : self.dump_col] != self.dump_page
-        if not torch.equal(expect, has):
-            bad = torch.nonzero(expect != has)[0].tolist()
-            raise PoolIntegrityError(f"page table row (slot, layer, head, col) {bad} disagrees with lengths")
+        for first, rows in self._row_chunks():
+            last = first + rows.shape[0]
+            ring_pages = (torch.clamp(n[first:last], max=W) + PAGE_SIZE - 1) // PAGE_SIZE         # [S]
+            gpages = (self.global_len[first:last].long() + PAGE_SIZE - 1) // PAGE_SIZE           # [S, L, H]
+            expect = (col < ring_pages[:, None, None, None]) | ((col >= R) & (col < R + gpages[..., None]))
+            has = rows != self.dump_page
+            if not torch.equal(expect, has):
+                bad = torch.nonzero(expect != has)[0].tolist()
+                bad[0] += first
+                raise PoolIntegrityError(f"page table row (slot, layer, head, col) {bad} disagrees with lengths")
         if bool((self.global_len.long() > torch.clamp(n - W, min=0)[:, None, None]).any()):
             raise PoolIntegrityError("a global cache is longer than the tokens that left its ring")
         inactive = torch.as_tensor(~self.active, device=self.device)
         if bool((self.global_len[inactive] != 0).any()):
             raise PoolIntegrityError("a free request slot has a global length")
+

@@ -18,9 +18,9 @@ Per stream (request slot r, layer l, KV head h) with global length ``g > budget`
 2. evict the ``max(floor(ratio * g), 1, g - budget)`` lowest-scored entries (ratio 0.1: the paper's
    "bottom 10%"; the ``g - budget`` term only matters after an extend admitted many tokens at once,
    so the budget holds after every step), ties going to the older entry;
-3. compact the survivors in order to the front of the stream's global pages, return now-empty
-   trailing pages to the allocator, update ``page_table`` and ``global_len``. Pages shared with
-   another owner (refcount > 1, e.g. a prefix cache) are copied before being rewritten.
+3. the pool compacts the survivors in order to the front of the stream's global pages
+   (:meth:`DualCachePool.compact_global`: now-empty trailing pages released, pages shared with
+   another owner, e.g. a prefix snapshot, copied before being rewritten).
 
 The ring (the last W_local tokens) is never evicted, so a stream holds at most ``budget + W_local``
 tokens. ``--kv-budget N`` is the paper's "average global tokens per head per request" (4096 in
@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from sglang_wgkv.config import PAGE_SIZE
+from sglang_wgkv.config import DEFAULT_EVICTOR_WINDOW, PAGE_SIZE
 from sglang_wgkv.memory.dual_pool import DualCachePool
 from sglang_wgkv.memory.snapkv_score import snapkv_scores
 
@@ -80,7 +80,7 @@ class SnapKVEvictor:
     pool: DualCachePool
     budget: int
     num_q_heads: int
-    window: int = 256
+    window: int = DEFAULT_EVICTOR_WINDOW
     kernel_size: int = 5
     ratio: float = 0.1
     sm_scale: float | None = None
@@ -231,7 +231,7 @@ class SnapKVEvictor:
         freed = []
         for s in range(0, r.numel(), chunk):
             freed.append(self._evict_chunk(r[s:s + chunk], l[s:s + chunk], h[s:s + chunk]))
-        pool.allocator.free(torch.cat(freed))
+        pool.release_pages(torch.cat(freed))
         self.stream_triggers[r, l, h] += 1
 
     def stream_scores(self, r: torch.Tensor, l: torch.Tensor, h: torch.Tensor):
@@ -257,7 +257,8 @@ class SnapKVEvictor:
         return scores, glen, gpages, g_keys
 
     def _evict_chunk(self, r, l, h) -> torch.Tensor:
-        """Score, select and compact one chunk of streams; returns the page ids to release."""
+        """Score and select one chunk of streams, then have the pool compact them; returns the page
+        ids to release."""
         pool = self.pool
         scores, glen, gpages, g_keys = self.stream_scores(r, l, h)
         S, Ng = scores.shape
@@ -267,31 +268,10 @@ class SnapKVEvictor:
         order = torch.argsort(scores.masked_fill(~valid, float("inf")), dim=1, stable=True)
         rank = torch.empty_like(order).scatter_(1, order, j.expand(S, Ng).contiguous())
         keep = valid & (rank >= n_evict[:, None])
-        new_len = glen - n_evict
-        dest = torch.cumsum(keep.long(), 1) - 1                                  # [S, Ng]
-        old_cols = (glen + PAGE_SIZE - 1) // PAGE_SIZE
-        new_cols = (new_len + PAGE_SIZE - 1) // PAGE_SIZE
-        col = torch.arange(gpages.shape[1], device=pool.device)
-        first_changed = torch.argmax((valid & ~keep).long(), 1) // PAGE_SIZE   # first evicted entry's page
-        trailing = (col >= new_cols[:, None]) & (col < old_cols[:, None])
-        shared = (pool.allocator.ref[gpages] > 1) & (col >= first_changed[:, None]) & (col < new_cols[:, None])
-        out_pages = gpages.clone()
-        n_shared = int(shared.sum())
-        if n_shared:
-            pool.allocator.free(gpages[shared])     # drop our reference: the other owner keeps them
-            out_pages[shared] = pool.allocator.alloc(n_shared)
-        g_vals = pool.v_pages[gpages].reshape(S, -1, pool.head_dim)
-        dest_page = torch.where(keep, out_pages.gather(1, torch.clamp(dest, min=0) // PAGE_SIZE), pool.dump_page)
-        dest_off = torch.clamp(dest, min=0) % PAGE_SIZE
-        pool.k_pages[dest_page, dest_off] = g_keys
-        pool.v_pages[dest_page, dest_off] = g_vals
-        R = pool.ring_cols
-        pool.page_table[r[:, None], l[:, None], h[:, None], R + col[None, :]] = torch.where(
-            col[None, :] < new_cols[:, None], out_pages, pool.dump_page).to(torch.int32)
-        pool.global_len[r, l, h] = new_len.to(torch.int32)
+        freed = pool.compact_global(r, l, h, keep, gpages=gpages, g_keys=g_keys)
         evicted = np.bincount(r.cpu().numpy(), weights=n_evict.cpu().numpy(), minlength=pool.max_requests)
         self.evicted_tokens += evicted.astype(np.int64)
-        return gpages[trailing]
+        return freed
 
     # -- reporting ------------------------------------------------------------------------------
     def request_stats(self, r: int) -> dict:

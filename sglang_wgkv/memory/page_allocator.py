@@ -21,7 +21,7 @@ class PoolExhausted(RuntimeError):
 
 
 class PageAllocator:
-    def __init__(self, num_pages: int, device: torch.device | str = "cpu"):
+    def __init__(self, num_pages: int, device: torch.device | str = "cpu", reclaimer=None):
         if num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         self.num_pages = num_pages
@@ -34,7 +34,7 @@ class PageAllocator:
         self.free_floor = num_pages
         # Optional ``fn(worst_case)`` that releases pages it can spare (a prefix cache dropping
         # snapshots) before :meth:`ensure` gives up; it must not allocate.
-        self.reclaimer = None
+        self.reclaimer = reclaimer
 
     # -- capacity -------------------------------------------------------------------------------
     def sync_free(self) -> int:

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sglang_wgkv.config import DEFAULT_LOCAL_WINDOW, DEFAULT_TAU
 from sglang_wgkv.gate import GateConfig, WriteGates, load_gates, save_gates
 from sglang_wgkv.training.attention import HardGatedAttention, SoftGatedAttention, kv_fraction, sparsity_penalty
 from sglang_wgkv.training.backbone import Backbone, dense_attention, load_backbone
@@ -45,8 +46,8 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.01
     warmup_frac: float = 0.1
-    local_window: int = 256
-    tau: float = 0.1
+    local_window: int = DEFAULT_LOCAL_WINDOW
+    tau: float = DEFAULT_TAU
     eps: float = 1e-6
     expand: int = 4
     init_bias: float = 3.0

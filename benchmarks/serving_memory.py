@@ -1,0 +1,228 @@
+"""Peak memory of a CPU server (the whole process tree's RSS) under a mixed workload, against RAM.
+
+Starts ``python -m sglang_wgkv.launch_server`` with the given arguments only (the launcher's defaults
+otherwise: embedded model, CPU, default KV budget), samples the RSS of the launcher and every process
+it spawned every 0.2 s, and runs, phase by phase: an SGLang frontend program (``sgl.gen`` then
+``sgl.select``, ``fork``, ``run_batch``), OpenAI chat, streaming ``/generate``, and a few prompts of
+about 6K tokens. Writes a JSON (peak RSS overall and per phase, MemTotal, MemAvailable at start and
+its minimum, the server's KV budget and request slots, whether it survived) and keeps the server log
+outside the results.
+
+    python benchmarks/serving_memory.py --label wgkv_default --out benchmarks/results/serving
+    python benchmarks/serving_memory.py --label upstream_default --out benchmarks/results/serving -- --disable-wgkv
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import requests
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TreeSampler(threading.Thread):
+    """Samples the summed RSS of a process and its descendants, and the system's MemAvailable."""
+
+    def __init__(self, pid: int, period: float = 0.2):
+        super().__init__(daemon=True)
+        self.root, self.period = psutil.Process(pid), period
+        self.peak = self.phase_peak = 0
+        self.min_available = psutil.virtual_memory().available
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+
+    def rss(self) -> int:
+        total = 0
+        try:
+            procs = [self.root, *self.root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return 0
+        for p in procs:
+            try:
+                total += p.memory_info().rss
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
+    def run(self):
+        t0 = time.monotonic()
+        while not self._stop.is_set():
+            rss = self.rss()
+            self.peak, self.phase_peak = max(self.peak, rss), max(self.phase_peak, rss)
+            self.min_available = min(self.min_available, psutil.virtual_memory().available)
+            self.samples.append((round(time.monotonic() - t0, 2), rss))
+            time.sleep(self.period)
+
+    def take_phase(self) -> int:
+        peak, self.phase_peak = self.phase_peak, self.rss()
+        return peak
+
+    def stop(self):
+        self._stop.set()
+
+
+def _long_prompt(tokens: int, seed: int) -> str:
+    """About ``tokens`` tokens of list-like text (about 12 tokens per item)."""
+    colors, things = ["red", "blue", "green", "old", "new"], ["car", "house", "tree", "river", "book"]
+    items = [f"Item {i}: the {colors[(i + seed) % 5]} {things[(3 * i + seed) % 5]} number {(7 * i + seed) % 13}."
+             for i in range(tokens // 12)]
+    return " ".join(items) + " Which item mentions a river first?"
+
+
+def frontend_program(url: str) -> dict:
+    import sglang as sgl
+
+    sgl.set_default_backend(sgl.RuntimeEndpoint(url))
+
+    @sgl.function
+    def yes_no(s, question):
+        s += sgl.user(question)
+        s += sgl.assistant(sgl.gen("answer", max_tokens=24, temperature=0))
+        s += sgl.user("Is that answer correct? Say yes or no.")
+        s += sgl.assistant(sgl.select("yn", choices=["yes", "no"]))
+
+    @sgl.function
+    def forked(s, topic):
+        s += "Three facts about " + topic + ":\n"
+        forks = s.fork(3)
+        for i, f in enumerate(forks):
+            f += f"Fact {i + 1}:" + sgl.gen("fact", max_tokens=12, temperature=0, stop="\n")
+        forks.join()
+        s += "Summary:" + sgl.gen("summary", max_tokens=12, temperature=0)
+
+    one = yes_no.run(question="What is the capital of France?")
+    fork = forked.run(topic="rivers")
+    batch = yes_no.run_batch([{"question": f"What is {a} plus {a}?"} for a in range(2, 10)])
+    return {"select": one["yn"], "fork_summary": fork["summary"], "batch_answers": [b["yn"] for b in batch]}
+
+
+def chat(url: str) -> None:
+    r = requests.post(url + "/v1/chat/completions", timeout=600, json={
+        "model": "default", "max_tokens": 32, "temperature": 0,
+        "messages": [{"role": "user", "content": "Name three rivers in Europe."}]})
+    r.raise_for_status()
+
+
+def stream(url: str) -> None:
+    body = {"text": "Once upon a time", "stream": True, "sampling_params": {"max_new_tokens": 48, "temperature": 0}}
+    with requests.post(url + "/generate", json=body, stream=True, timeout=600) as r:
+        r.raise_for_status()
+        for _ in r.iter_lines():
+            pass
+
+
+def long_prompts(url: str, n: int, tokens: int) -> list[int]:
+    out = []
+    for i in range(n):
+        r = requests.post(url + "/generate", timeout=1800, json={
+            "text": _long_prompt(tokens, seed=i), "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+        r.raise_for_status()
+        out.append(r.json()["meta_info"]["prompt_tokens"])
+    return out
+
+
+def measure(server_args: list[str], label: str, log_path: Path, long_prompt_count: int = 3,
+            long_tokens: int = 6000) -> dict:
+    """Start the launcher with ``server_args``, run the phases, stop it; the result dict (module
+    docstring). The server is always stopped, also when a phase fails."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    vm = psutil.virtual_memory()
+    cmd = [sys.executable, "-m", "sglang_wgkv.launch_server", "--port", str(port), *server_args]
+    result = {"label": label, "command": " ".join(["python -m sglang_wgkv.launch_server", *server_args]),
+              "machine": {"mem_total_bytes": vm.total, "mem_available_at_start_bytes": vm.available,
+                          "cpus": os.cpu_count(), "python": platform.python_version()},
+              "phases": {}, "survived": False}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        sampler = TreeSampler(proc.pid)
+        sampler.start()
+        t0 = time.monotonic()
+        try:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {proc.returncode} during start-up")
+                try:
+                    if requests.get(url + "/health_generate", timeout=30).status_code == 200:
+                        break
+                except requests.RequestException:
+                    pass
+                if time.monotonic() - t0 > 900:
+                    raise TimeoutError("server not healthy after 900 s")
+                time.sleep(2)
+            result["startup_s"] = round(time.monotonic() - t0, 1)
+            info = requests.get(url + "/server_info", timeout=60).json()
+            state = info["internal_states"][0]
+            result["server"] = {"max_total_num_tokens": info.get("max_total_num_tokens"),
+                                "max_running_requests": state.get("effective_max_running_requests_per_dp"),
+                                "wgkv": {k: v for k, v in state.get("wgkv", {}).items()
+                                         if k in ("total_pages", "page_bytes", "local_window", "tau")}}
+            result["phases"]["startup"] = {"peak_rss_bytes": sampler.take_phase()}
+            for name, fn in (("frontend", lambda: frontend_program(url)), ("chat", lambda: chat(url)),
+                             ("stream", lambda: stream(url)),
+                             ("long_prompts", lambda: long_prompts(url, long_prompt_count, long_tokens))):
+                t = time.monotonic()
+                try:
+                    detail, ok = fn(), True
+                except Exception as e:  # the server may have died: record it and stop
+                    detail, ok = f"{type(e).__name__}: {e}", False
+                time.sleep(2)  # the idle check after the phase
+                result["phases"][name] = {"ok": ok and proc.poll() is None, "seconds": round(time.monotonic() - t, 1),
+                                          "peak_rss_bytes": sampler.take_phase(), "detail": detail}
+                if not result["phases"][name]["ok"]:
+                    break
+            result["survived"] = proc.poll() is None
+            result["exit_code"] = proc.returncode
+        finally:
+            sampler.stop()
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+            result["peak_rss_bytes"] = sampler.peak
+            result["min_mem_available_bytes"] = sampler.min_available
+            result["peak_rss_fraction_of_ram"] = round(sampler.peak / vm.total, 3)
+            result["rss_timeline"] = sampler.samples[::5]
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--label", required=True)
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "serving"))
+    ap.add_argument("--log", default=None, help="server log (default: /tmp/serving_memory_<label>.log)")
+    ap.add_argument("--long-prompts", type=int, default=3)
+    ap.add_argument("--long-tokens", type=int, default=6000)
+    ap.add_argument("server_args", nargs="*", help="launcher arguments (after --)")
+    a = ap.parse_args()
+    result = measure(a.server_args, a.label, Path(a.log or f"/tmp/serving_memory_{a.label}.log"),
+                     a.long_prompts, a.long_tokens)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"memory_{a.label}.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "rss_timeline"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,275 @@
+"""Generate ``benchmarks/results/SUMMARY.md`` from the JSON files under ``benchmarks/results/``.
+
+    python benchmarks/summary.py            # rewrite SUMMARY.md
+    python benchmarks/summary.py --check    # exit 1 if SUMMARY.md is not what the JSON files give
+
+Every number in the summary is read from a JSON file written by a benchmark (its command, device and
+versions are in the file); every ratio divides two numbers of one run. Commands are shown with
+machine paths replaced (``OUT`` for an output folder, repository-relative paths, ``python``).
+One table per file and kind; a kind this script does not know is listed by name only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SECTIONS = (
+    ("paper_fig8", "Fig. 8 protocol end to end (paper_fig8/)"),
+    ("kernels", "Kernels (kernels/)"),
+    ("serving", "Serving (serving/)"),
+    ("accuracy", "Accuracy and gate training (accuracy/)"),
+)
+_REPO_DIRS = ("launch/", "benchmarks/", "sglang_wgkv/", "evals/", "tests/")
+
+
+def clean_path(token: str) -> str:
+    """A command token with machine paths replaced (see the module docstring)."""
+    def one(m: re.Match) -> str:
+        path = m.group(0)
+        if "SmolLM2-135M-Instruct" in path:
+            return "EMBEDDED_MODEL"
+        for d in _REPO_DIRS:
+            if "/" + d in path:
+                return d + path.split("/" + d, 1)[1]
+        name = path.rstrip("/").rsplit("/", 1)[-1]
+        if re.fullmatch(r"python[0-9.]*", name):
+            return "python"
+        if re.search(r"/(out|\.device/\d+)(/|$)", path):
+            return "OUT/" + name if name not in ("out", "") and not name.isdigit() else "OUT"
+        return "<" + name + ">"
+    return re.sub(r"(?<![\w.])/(?:[\w.@+-]+/?)+", one, token)
+
+
+def cmd(text: str) -> str:
+    return "`" + clean_path(text) + "`"
+
+
+def f(x, digits=2, unit_div=1.0) -> str:
+    return "" if x is None else f"{x / unit_div:.{digits}f}"
+
+
+def gb(x) -> str:
+    return f(x, 1, 1e9)
+
+
+def table(header: list[str], rows: list[list]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return out + [""]
+
+
+# -- one renderer per kind of JSON ---------------------------------------------------------------
+def fig8(d: dict) -> list[str]:
+    p = d["protocol"]
+    lines = [f"Command: {cmd(d['env']['command'])}; {d['env'].get('gpu')}. {p['layers']} layers, Hq {p['q_heads']}, "
+             f"Hkv {p['kv_heads']}, D {p['head_dim']}, {p['dtype']}, batch {p['batch']}, W_local "
+             f"{p['local_window']}, admission: {p['admission']}; decode {p['decode_steps']} steps"
+             f"{' under CUDA graphs' if p.get('cuda_graph_decode') else ''}.", ""]
+    columns = d.get("columns") or ["wgkv", "dense"]
+    header = ["N"] + [f"{c} {m}" for c in columns for m in ("TTFT s", "TPOT ms", "peak GB", "KV used GB")]
+    header += ["TTFT speedup", "TPOT speedup", "KV ratio"]
+    rows = []
+    for r in d["lengths"]:
+        row = [r["n"]]
+        for c in columns:
+            e = r.get(c) or {}
+            if "skipped" in e:
+                row += [e["skipped"], "", "", ""]
+            else:
+                row += [f(e.get("ttft_s"), 1), f(e.get("tpot_ms")), gb(e.get("peak_memory_bytes")),
+                        gb(e.get("kv_used_bytes"))]
+        ratios = r.get("ratios") or {}
+        row += [f(ratios.get("ttft_speedup")) + ("x" if "ttft_speedup" in ratios else ""),
+                f(ratios.get("tpot_speedup")) + ("x" if "tpot_speedup" in ratios else ""),
+                f(ratios.get("kv_bytes_ratio"), 3)]
+        rows.append(row)
+    return lines + table(header, rows)
+
+
+def kernel_decode(d: dict) -> list[str]:
+    s = d["shape"]
+    lines = [f"Command: {cmd(d['env']['command'])}; {d['env'].get('gpu')}. One layer: Hq {s['Hq']}, Hkv {s['Hkv']}, "
+             f"D {s['head_dim']}, {s['dtype']}; CUDA-graph replay; TB/s = K+V bytes read / time.", ""]
+    rows = []
+    for r in d["decode"]:
+        dense = r["dense_flashinfer"]
+        for fo in r["folded"]:
+            fi, tr = fo.get("folded_flashinfer", {}), fo.get("triton", {})
+            rows.append([r["batch"], r["n"], f(dense["ms"], 3), f(dense["tbps"]), f(fo["rejection"]),
+                         f(fo["kv_bytes_vs_dense"], 3), f(fi.get("ms"), 3), f(fi.get("tbps")), f(tr.get("ms"), 3),
+                         f(tr.get("tbps")), f(tr.get("speedup_vs_dense_flashinfer")) + "x"])
+    lines += table(["batch", "N", "dense FlashInfer ms", "TB/s", "rejection", "KV vs dense", "FlashInfer folded ms",
+                    "TB/s", "Triton folded ms", "TB/s", "Triton vs dense"], rows)
+    sweep = d.get("sweep")
+    if sweep:
+        b = sweep["best"]
+        lines += [f"Launch sweep at N {sweep['n']}, rejection {sweep['rejection']}: best block_n {b['block_n']}, "
+                  f"{b['num_warps']} warps, {b['num_stages']} stages, {b['splits']} splits: "
+                  f"{f(b['ms_per_layer'], 4)} ms, {f(b['tbps'])} TB/s.", ""]
+    return lines
+
+
+def kernel_attention(d: dict) -> list[str]:
+    lines = [f"Command: {cmd(d['env']['command'])}; {d['env'].get('gpu')}.", ""]
+    rows = []
+    for r in d.get("prefill", []):
+        if "skipped" in r:
+            rows.append([r["n"], f"skipped ({r['skipped']})"] + [""] * 8)
+            continue
+        fa3, sdpa = r.get("flashinfer_fa3", {}), r.get("torch_sdpa_flash", {})
+        for w in r["wgkv_triton"]:
+            rows.append([r["n"], f(fa3.get("ms"), 1), f(sdpa.get("ms"), 1), f(w["rejection"]), f(w["plan_ms"]),
+                         f(w["compact_ms"]), f(w["kernel_ms"], 1), f(w["total_ms"], 1),
+                         f(w.get("speedup_vs_torch_sdpa_flash")) + "x", f(w["tflops_useful"], 0)])
+    if rows:
+        lines += ["Prefill (vertical-slash Triton kernel), one layer:", ""]
+        lines += table(["N", "FA3 ms", "SDPA ms", "rejection", "plan ms", "compact ms", "kernel ms", "total ms",
+                        "total vs SDPA", "useful TFLOP/s"], rows)
+    rows = []
+    for r in d.get("decode", []):
+        dense, sdpa = r["dense_flashinfer"]["graph"], r.get("dense_torch_sdpa", {})
+        for w in r["wgkv_folded_flashinfer"]:
+            g = w["graph"]
+            rows.append([r["n"], f(dense["ms_per_layer"], 3), f(dense["tbps"]), f(sdpa.get("ms_per_layer"), 3),
+                         f(w["rejection"]), f(g["ms_per_layer"], 3), f(g["tbps"]),
+                         f(g["speedup_vs_dense_flashinfer"]) + "x", f(w["kv_bytes_vs_dense"], 3)])
+    if rows:
+        lines += ["Decode, batch 1, per layer (CUDA graphs):", ""]
+        lines += table(["N", "dense FlashInfer ms", "TB/s", "SDPA ms", "rejection", "folded FlashInfer ms", "TB/s",
+                        "vs dense", "KV vs dense"], rows)
+    return lines
+
+
+def evictor_step(d: dict) -> list[str]:
+    a = d["args"]
+    rows = [[k.split("_")[1], v["streams"], f(v["ms_per_stream"], 3), f(v["peak_extra_mib"], 0)]
+            for k, v in d.items() if k.startswith("evict_")]
+    return ([f"Command: {cmd(d['env']['command'])}; {d['env'].get('gpu')}. {a['layers']} layers, Hkv {a['kv_heads']}, "
+             f"Hq {a['q_heads']}, D {a['head_dim']}, budget {a['budget']}, window {a['window']}. maybe_evict with "
+             f"no candidate {f(d['maybe_evict_no_candidate_us'], 1)} us, observe_decode "
+             f"{f(d['observe_decode_us'], 1)} us.", ""]
+            + table(["requests evicted", "streams", "ms per stream", "peak extra MiB"], rows))
+
+
+def pool_update_cpu(d: dict) -> list[str]:
+    s, t = d["shape"], d["decode_step_pool_update_ms"]
+    return [f"Command: {cmd(d['command'])}; CPU ({d['machine']}, {d['threads']} threads). {s['requests']} requests, "
+            f"{s['layers']} layers, {s['kv_heads']} KV heads, context {s['context']}: decode-step pool update median "
+            f"{f(t['median'])} ms (min {f(t['min'])}, p90 {f(t['p90'])}).", ""]
+
+
+def serving_throughput(d: dict) -> list[str]:
+    w = d["workload"]
+    lines = [f"{d['label']}: {w['num_requests']} requests x ({w['prompt_tokens']} prompt + {w['output_tokens']} output "
+             f"tokens), `--mem-fraction-static {w['mem_fraction_static']}`.", ""]
+    for name, run in d["runs"].items():
+        if "command" in run:
+            lines.append(f"{name}: {cmd(run['command'])}")
+    lines.append("")
+    rows = [[name, s["max_total_num_tokens"], s["max_running_seen"], f(s["output_tok_s"], 1),
+             f"{f(s['ttft_p50_s'], 1)} / {f(s['ttft_p99_s'], 1)}",
+             f"{f(s['tpot_p50_s'], 0, 1e-3)} / {f(s['tpot_p99_s'], 0, 1e-3)}", f(s["wall_s"], 1)]
+            for name, s in d["summary"].items()]
+    lines += table(["server", "KV tokens (logical)", "max running seen", "output tok/s", "TTFT p50 / p99 s",
+                    "TPOT p50 / p99 ms", "wall s"], rows)
+    if d.get("wgkv_over_upstream_output_tok_s"):
+        lines += [f"WG-KV / upstream output tokens/s: {f(d['wgkv_over_upstream_output_tok_s'])}x.", ""]
+    return lines
+
+
+def serving_memory(d: dict) -> list[str]:
+    m, srv = d["machine"], d.get("server", {})
+    phases = [[name, "yes" if p.get("ok", True) else f"no: {p.get('detail')}", f(p["peak_rss_bytes"], 2, 1 << 30)]
+              for name, p in d["phases"].items()]
+    return ([f"{d['label']}: {cmd(d['command'])} on {m['cpus']} CPUs, RAM {f(m['mem_total_bytes'], 1, 1 << 30)} GiB "
+             f"({f(m['mem_available_at_start_bytes'], 1, 1 << 30)} GiB available at start). KV tokens "
+             f"{srv.get('max_total_num_tokens')}, request slots {srv.get('max_running_requests')}. Peak RSS of the "
+             f"process tree {f(d['peak_rss_bytes'], 2, 1 << 30)} GiB ({d['peak_rss_fraction_of_ram']:.0%} of RAM); "
+             f"survived: {d['survived']}.", ""]
+            + table(["phase", "ok", "peak RSS GiB"], phases))
+
+
+def eval_summary(d: dict) -> list[str]:
+    c = d["config"]
+    lines = [f"{d.get('note', '')} tau {c['tau']}, W_local {c['local_window']}, {c.get('gpu') or c['device']}, "
+             f"{c['dtype']}; complete: {d['complete']}. Over all lengths (per-length rows in the file):", ""]
+    rows = [[s["eval"], s["method"], s.get("lam") or "", s["n"], f(s["kv_fraction"], 3),
+             f(s.get("accuracy"), 3), f(s.get("answer_nll") if "answer_nll" in s else s.get("nll"), 3)]
+            for s in d["summary"] if s.get("length") is None]
+    return lines + table(["eval", "method", "lambda", "n", "KV fraction", "accuracy", "NLL"], rows)
+
+
+def training(d: dict) -> list[str]:
+    v = d["final_validation_4k_heldout"]
+    rows = [[lam, f(v["kv_fraction"][i], 3), f(v["global_fraction"][i], 3), f(v["soft_mse"][i], 4),
+             f(v["hard_mse"][i], 4)] for i, lam in enumerate(d["lams"])]
+    return ([f"{d['what']}; {d['device']}. Command: {cmd(d['command'])}. {d['steps']} steps, {d['tokens_seen']} "
+             f"tokens; shipped: lambda {d['shipped']['lam']} ({d['shipped']['path']}). Held-out 4K validation:", ""]
+            + table(["lambda", "KV fraction", "global fraction", "soft MSE", "hard MSE"], rows))
+
+
+def renderer(d: dict):
+    """The renderer of a result file's kind (None: unknown kind)."""
+    if "protocol" in d and "lengths" in d:
+        return fig8
+    if "sweep" in d and "decode" in d:
+        return kernel_decode
+    if "prefill" in d or ("decode" in d and "shape" in d):
+        return kernel_attention
+    if "maybe_evict_no_candidate_us" in d:
+        return evictor_step
+    if "decode_step_pool_update_ms" in d:
+        return pool_update_cpu
+    if "runs" in d and "summary" in d and "workload" in d:
+        return serving_throughput
+    if "phases" in d and "peak_rss_bytes" in d:
+        return serving_memory
+    if "rows" in d and "summary" in d and "config" in d:
+        return eval_summary
+    if "train_curve" in d:
+        return training
+    return None
+
+
+def render(results: Path = RESULTS) -> str:
+    lines = ["# Benchmark results", "",
+             "Generated by `python benchmarks/summary.py` from the JSON files in the folders below (do not edit).",
+             "Every number is read from a JSON written by the run; each ratio divides two numbers of one run.", ""]
+    for folder, title in SECTIONS:
+        files = sorted((results / folder).glob("*.json"))
+        if not files:
+            continue
+        lines += [f"## {title}", ""]
+        for path in files:
+            d = json.loads(path.read_text())
+            fn = renderer(d)
+            lines += [f"### `{folder}/{path.name}`", ""]
+            lines += fn(d) if fn is not None else ["(no table for this kind of file)", ""]
+    text = "\n".join(lines).rstrip("\n") + "\n"
+    leaked = re.findall(r"(?<![\w.])/(?:root|work|tmp|home|opt)/\S*", text)
+    if leaked:
+        raise ValueError(f"machine paths in the summary: {leaked[:3]}")
+    return text
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="compare instead of writing")
+    a = ap.parse_args()
+    text, target = render(), RESULTS / "SUMMARY.md"
+    if a.check:
+        if not target.exists() or target.read_text() != text:
+            print(f"{target} is out of date: run python benchmarks/summary.py", file=sys.stderr)
+            sys.exit(1)
+        return
+    target.write_text(text)
+    print(f"wrote {target} ({len(text.splitlines())} lines)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""The capacity plan: how the memory SGLang budgets for the KV cache is split between SGLang's
+logical token pool, its request slots and the dual pool's pages (:func:`plan_capacity`).
+
+Two address spaces coexist (:mod:`~sglang_wgkv.integration.kv_pool`): SGLang's logical token slots,
+which carry no K/V here and are what the scheduler admits, retracts and checks, and the dual pool's
+16-token pages per (request slot, layer, KV head), which hold the K/V. The physical pool must never
+run out while the logical one has room. Every budget below is in *dense tokens*: the K and V of one
+token in every layer and KV head of this rank (``2 x layers x kv_heads x head_dim x dtype`` bytes).
+
+Fixed costs (:class:`FixedCosts`). What the WG-KV pool keeps besides pages comes out of the same
+budget, so that the process stays inside the memory SGLang planned for the KV cache: per request
+slot, the page-table row, ring flags and lengths, and with ``--kv-budget`` the evictor's query window
+(its share is capped at :data:`MAX_WINDOW_FRACTION`; past it, fewer request slots). The dual pool
+gets the budget less these; the logical pool shrinks by as much, so the rules below still hold.
+
+Dense-equivalent split (admission alone). A stream holding ``n`` tokens needs at most ``n/16 + 2``
+pages, and the pool's step preconditions (``begin_extend`` / ``begin_decode`` reserve a worst case
+before writing) at most two more: ``n + 64`` tokens of page space per request across its streams::
+
+    physical tokens = logical tokens + SLACK_TOKENS x request slots
+
+Admission makes the physical use smaller than the logical one but, the scheduler counting logical
+tokens, admits no more requests than a dense pool would.
+
+Bounded split (``--kv-budget B`` with chunked prefill). The SnapKV evictor cuts every stream back to
+``B`` global tokens at each step boundary: between steps a stream holds its ring (``W_local/16``
+pages) and at most ``ceil(B/16)`` global pages; one step adds at most one page per decoding stream,
+or ``ceil(n/16) + 1`` per extending stream of ``n`` new tokens, and SGLang puts at most
+``chunked_prefill_size`` (C) new tokens into one extend batch. So::
+
+    physical tokens >= R x (W_local + 16 ceil(B/16) + 32) + 16 ceil(C/16)
+
+holds for ``R`` request slots whatever their lengths: SGLang gets ``R`` slots and a logical pool of
+``R x context length`` tokens (more concurrent requests than a dense pool of the same memory whenever
+contexts exceed the per-request bound; requests beyond ``R`` queue).
+
+Overcommit split (``--wgkv-overcommit F``, :mod:`~sglang_wgkv.integration.overcommit`): F times the
+dense-equivalent logical pool and slots; the scheduler then checks the physical pool itself, and one
+request is capped at the dense-equivalent logical pool (``max_request_tokens``).
+
+Prefix caching (:mod:`radix_ext`): a request restored from a snapshot holds a private copy of a ring
+whose tokens the tree already counts, up to ``W_local + 16`` tokens per stream more; the split
+reserves that for ``restore_slots`` requests and the radix cache lets no more restored requests run
+at once. Snapshot pages need no reserve: the cache drops them whenever a step would not fit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from sglang_wgkv.config import PAGE_SIZE
+
+SLACK_TOKENS = 4 * PAGE_SIZE
+# At most this fraction of the budget goes to per-request slack; past it, fewer request slots.
+MAX_SLACK_FRACTION = 0.25
+# At most this fraction of the budget is reserved for the ring copies of prefix-restored requests.
+MAX_RESTORE_FRACTION = 0.125
+# At most this fraction of the budget goes to the evictor's query windows; past it, fewer slots.
+MAX_WINDOW_FRACTION = 0.25
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """What SGLang and the dual pool get out of SGLang's KV budget (dense tokens).
+
+    logical_tokens : SGLang's ``max_total_num_tokens`` (logical token slots).
+    max_requests : SGLang's ``max_running_requests`` (request slots, each with dual-pool streams).
+    physical_tokens : dual-pool pages, in dense tokens (:func:`physical_pages`).
+    restore_slots : prefix-restored requests that may run at once (radix cache).
+    max_request_tokens : overcommit only: the longest request (prompt + output).
+    mode : ``dense``, ``bounded`` or ``overcommit``.
+    fixed_tokens : the budget spent on per-slot state (page-table rows, flags, evictor windows).
+    """
+
+    logical_tokens: int
+    max_requests: int
+    physical_tokens: int
+    restore_slots: int = 0
+    max_request_tokens: int | None = None
+    mode: str = "dense"
+    fixed_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class FixedCosts:
+    """Per-request-slot memory of the WG-KV state besides pages, in dense tokens (rounded up).
+
+    slot_tokens : page-table row, ring flags, global lengths of one slot (every layer and head).
+    window_tokens : the evictor's query window of one slot (0 without ``--kv-budget``).
+    """
+
+    slot_tokens: int
+    window_tokens: int = 0
+
+    @property
+    def per_slot(self) -> int:
+        return self.slot_tokens + self.window_tokens
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The attention shape of this rank's share of the model and the served context."""
+
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    context_len: int
+    dtype_bytes: int
+
+    @property
+    def token_bytes(self) -> int:
+        """One dense token: K and V of every layer and KV head."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+def fixed_costs(shape: ModelShape, local_window: int, evictor_window: int | None) -> FixedCosts:
+    """:class:`FixedCosts` of one request slot of a dual pool serving ``shape`` with W_local
+    ``local_window``; ``evictor_window`` queries per (slot, layer) when the evictor is on."""
+    streams = shape.num_layers * shape.num_kv_heads
+    cols = local_window // PAGE_SIZE + max(0, math.ceil((shape.context_len - local_window) / PAGE_SIZE)) + 1
+    # page_table int32 + ring_flag bool + global_len int32 + evictor stream counters int64
+    slot_bytes = streams * (4 * cols + local_window + 4 + 8)
+    window = 0
+    if evictor_window:
+        window = -(-shape.num_layers * evictor_window * shape.num_q_heads * shape.head_dim * shape.dtype_bytes
+                   // shape.token_bytes)
+    return FixedCosts(slot_tokens=-(-slot_bytes // shape.token_bytes), window_tokens=window)
+
+
+def restore_reserve(budget_tokens: int, max_requests: int, local_window: int) -> tuple[int, int]:
+    """``(restore_slots, reserved tokens)`` for prefix caching: at least one restored request, at
+    most half the request slots, within :data:`MAX_RESTORE_FRACTION` of the budget where possible."""
+    ring = local_window + PAGE_SIZE
+    slots = max(1, min(max(1, max_requests // 2), int(budget_tokens * MAX_RESTORE_FRACTION) // ring))
+    return slots, slots * ring
+
+
+def dense_split(budget_tokens: int, max_running_requests: int, prefix_cache_window: int | None = None,
+                slot_tokens: int = 0) -> CapacityPlan:
+    """The dense-equivalent split of ``budget_tokens``; ``prefix_cache_window`` (W_local) when the
+    radix cache is on; ``slot_tokens`` of fixed state per request slot, taken from both pools (the
+    dual pool's pages and, so that the capacity rule holds, the logical pool).
+
+    Raises ValueError when the budget cannot hold one request's slack plus a useful remainder.
+    """
+    requests = min(max_running_requests, int(budget_tokens * MAX_SLACK_FRACTION) // SLACK_TOKENS)
+    if requests < 1:
+        raise ValueError(
+            f"WG-KV needs a KV budget of at least {int(SLACK_TOKENS / MAX_SLACK_FRACTION)} tokens "
+            f"(got {budget_tokens}); raise --max-total-tokens or the memory fraction"
+        )
+    slots, reserve = 0, 0
+    if prefix_cache_window is not None:
+        slots, reserve = restore_reserve(budget_tokens, requests, prefix_cache_window)
+    fixed = slot_tokens * requests
+    logical = budget_tokens - fixed - SLACK_TOKENS * requests - reserve
+    if logical < (budget_tokens - fixed) // 2:
+        raise ValueError(f"WG-KV needs a larger KV budget than {budget_tokens} tokens for {requests} request "
+                         f"slots (W_local = {prefix_cache_window}, {slot_tokens} tokens of state per slot); "
+                         f"raise --max-total-tokens or pass --disable-radix-cache")
+    return CapacityPlan(logical, requests, budget_tokens - fixed, slots, fixed_tokens=fixed)
+
+
+def request_bound_tokens(kv_budget: int, local_window: int) -> int:
+    """Dense-token equivalent of one request's pages between steps in bounded mode (ring + budget)."""
+    return local_window + PAGE_SIZE * -(-kv_budget // PAGE_SIZE)
+
+
+def bounded_split(budget_tokens: int, max_running_requests: int, *, kv_budget: int, local_window: int,
+                  chunk_tokens: int, context_len: int, window_tokens: int = 0,
+                  prefix_cache: bool = False) -> CapacityPlan | None:
+    """The bounded split (module docstring) of SGLang's KV budget, or None when the budget cannot hold
+    one request plus the extend reserve. ``window_tokens``: fixed state per request slot (evictor
+    window, page-table row), also carved from the budget; ``physical_tokens`` is what is left for
+    the dual pool. With ``prefix_cache``, snapshots pinned between a match and their restore (at most
+    ``restore_slots``) get a reserve of one request bound each (unpinned snapshots are dropped when
+    a step needs room)."""
+    steady = request_bound_tokens(kv_budget, local_window)
+    per_request = steady + 2 * PAGE_SIZE + window_tokens
+    fixed = PAGE_SIZE * -(-chunk_tokens // PAGE_SIZE)
+
+    def fit(reserve: int) -> int:
+        return min(max_running_requests, (budget_tokens - fixed - reserve) // per_request)
+
+    requests, slots = fit(0), 0
+    if prefix_cache and requests >= 1:
+        cap = max(1, int(budget_tokens * MAX_RESTORE_FRACTION) // (steady + PAGE_SIZE))
+        slots = max(1, min(requests // 2, cap))
+        requests = fit(slots * (steady + PAGE_SIZE))
+    if requests < 1:
+        return None
+    return CapacityPlan(logical_tokens=requests * context_len, max_requests=requests,
+                        physical_tokens=budget_tokens - requests * window_tokens, restore_slots=slots,
+                        mode="bounded", fixed_tokens=requests * window_tokens)
+
+
+def overcommit_split(budget_tokens: int, max_running_requests: int, factor: float,
+                     slot_tokens: int = 0) -> CapacityPlan:
+    """``factor`` times the dense-equivalent logical pool and request slots (slots at most
+    ``max_running_requests``); the physical pool keeps the budget less the slots' fixed state."""
+    dense = dense_split(budget_tokens, max_running_requests, slot_tokens=slot_tokens)
+    requests = min(max_running_requests, math.ceil(factor * dense.max_requests))
+    fixed = slot_tokens * requests
+    return CapacityPlan(logical_tokens=int(factor * dense.logical_tokens), max_requests=requests,
+                        physical_tokens=budget_tokens - fixed, max_request_tokens=dense.logical_tokens,
+                        mode="overcommit", fixed_tokens=fixed)
+
+
+def physical_pages(physical_tokens: int, num_layers: int, num_kv_heads: int) -> int:
+    """Pages that hold ``physical_tokens`` dense tokens of every layer and KV head."""
+    return physical_tokens * num_layers * num_kv_heads // PAGE_SIZE
+
+
+def plan_capacity(budget_tokens: int, max_running_requests: int, *, shape: ModelShape, local_window: int,
+                  kv_budget: int | None = None, evictor_window: int | None = None,
+                  overcommit: float | None = None, chunk_tokens: int | None = None,
+                  prefix_cache: bool = False) -> CapacityPlan:
+    """The one capacity rule of a WG-KV server (module docstring).
+
+    budget_tokens, max_running_requests : what SGLang derived from its memory budget (dense tokens)
+        or ``--max-total-tokens`` / ``--max-running-requests``.
+    kv_budget, evictor_window : ``--kv-budget`` and the evictor's query window (queries per slot
+        and layer); the bounded split needs chunked prefill (``chunk_tokens`` > 0), else the
+        dense-equivalent one with the windows carved from the budget.
+    overcommit : ``--wgkv-overcommit`` (excludes ``kv_budget`` and ``prefix_cache``).
+
+    Raises ValueError when the budget cannot hold one request.
+    """
+    costs = fixed_costs(shape, local_window, evictor_window if kv_budget is not None else None)
+    if overcommit is not None:
+        return overcommit_split(budget_tokens, max_running_requests, overcommit, slot_tokens=costs.per_slot)
+    if kv_budget is not None and chunk_tokens is not None and chunk_tokens > 0:
+        plan = bounded_split(budget_tokens, max_running_requests, kv_budget=kv_budget,
+                             local_window=local_window, chunk_tokens=chunk_tokens,
+                             context_len=shape.context_len, window_tokens=costs.per_slot,
+                             prefix_cache=prefix_cache)
+        if plan is not None:
+            return plan
+    if costs.window_tokens:
+        # the windows' share of the budget is capped: past it, fewer request slots
+        max_running_requests = min(max_running_requests,
+                                   max(1, int(budget_tokens * MAX_WINDOW_FRACTION) // costs.window_tokens))
+    return dense_split(budget_tokens, max_running_requests, local_window if prefix_cache else None,
+                       slot_tokens=costs.per_slot)

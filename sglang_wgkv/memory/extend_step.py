@@ -1,0 +1,191 @@
+"""The extend step of :class:`~sglang_wgkv.memory.dual_pool.DualCachePool` (prefill, chunked prefill,
+prefix continuation): one host-built plan per forward, then one write per layer.
+
+A part of the pool (a base class of ``DualCachePool``): it reads and writes only the pool's own state,
+declared in :mod:`~sglang_wgkv.memory.dual_pool`, whose docstring draws the page-table layout.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from sglang_wgkv.config import PAGE_SIZE
+
+FAR_POSITION = -(2**30)  # position given to global entries: beyond every query's local band
+
+
+@dataclass
+class ExtendPlan:
+    """Host-built index lists for one extend forward, shared by all layers (device tensors)."""
+
+    req: torch.Tensor          # [B] request slots
+    prefix_lens: list          # host copy of S per request
+    req_slots: list            # host copy of the request slots
+    extend_lens: list          # host copy of n per request
+    cand_b: torch.Tensor       # [C] batch index of each token leaving the ring (position order per b)
+    cand_from_ring: torch.Tensor  # [C] bool: source is the old ring (else the new tokens)
+    cand_slot: torch.Tensor    # [C] ring slot (ring source)
+    cand_src: torch.Tensor     # [C] packed token index (new-token source)
+    cand_seg_start: torch.Tensor  # [C] index of the first candidate of the same request
+    max_new_pages: int         # upper bound of new global pages per stream
+    rw_b: torch.Tensor         # [M] batch index of each new token that lands in the ring
+    rw_slot: torch.Tensor      # [M] its ring slot
+    rw_src: torch.Tensor       # [M] its packed token index
+
+
+
+
+class ExtendStep:
+    """``begin_extend`` once per forward, then ``write_extend`` per layer (after that layer's attention
+    read ``gather_context``); ``extend_bound`` is the scheduler's worst case for admitting a prompt."""
+
+    # -- extend (prefill) -----------------------------------------------------------------------
+    def begin_extend(self, req_slots, prefix_lens, extend_lens) -> ExtendPlan:
+        """Prepare an extend of ``extend_lens[b]`` tokens after ``prefix_lens[b]`` cached ones.
+
+        Allocates the ring pages every layer needs and reserves the worst-case global growth;
+        raises PoolExhausted (nothing modified) when the pool cannot cover it.
+        """
+        req_slots, prefix_lens, extend_lens = list(map(int, req_slots)), list(map(int, prefix_lens)), \
+            list(map(int, extend_lens))
+        W, LH = self.window, self.num_layers * self.num_kv_heads
+        ring_new, worst, max_new_pages = [], 0, 1
+        for r, S, n in zip(req_slots, prefix_lens, extend_lens):
+            if not self.active[r]:
+                raise ValueError(f"request slot {r} is not allocated")
+            if self.cached_len[r] != S:
+                raise ValueError(f"request slot {r}: prefix {S} != cached length {self.cached_len[r]}")
+            if S + n > self.max_context_len:
+                raise ValueError(f"request slot {r}: {S + n} tokens exceed max_context_len {self.max_context_len}")
+            c0, c1 = -(-min(S, W) // PAGE_SIZE), -(-min(S + n, W) // PAGE_SIZE)
+            ring_new.append((c0, c1))
+            leaving = max(0, S + n - W) - max(0, S - W)
+            if leaving:
+                max_new_pages = max(max_new_pages, -(-leaving // PAGE_SIZE) + 1)
+                worst += LH * (-(-leaving // PAGE_SIZE) + 1)
+        ring_total = LH * sum(c1 - c0 for c0, c1 in ring_new)
+        self.allocator.ensure(ring_total + worst)
+        if ring_total:
+            pages = self.allocator.alloc(ring_total).to(torch.int32)
+            off = 0
+            for r, (c0, c1) in zip(req_slots, ring_new):
+                k = LH * (c1 - c0)
+                if k:
+                    self.page_table[r, :, :, c0:c1] = pages[off:off + k].view(self.num_layers, self.num_kv_heads, -1)
+                    off += k
+        cand_b, cand_ring, cand_slot, cand_src, cand_start = [], [], [], [], []
+        rw_b, rw_slot, rw_src = [], [], []
+        offset = 0
+        for b, (S, n) in enumerate(zip(prefix_lens, extend_lens)):
+            start = len(cand_b)
+            lo = max(S - W, 0)
+            old = np.arange(lo, max(lo, min(S, S + n - W)))
+            new = np.arange(S, max(S, S + n - W))
+            cnt = len(old) + len(new)
+            cand_b += [b] * cnt
+            cand_ring += [True] * len(old) + [False] * len(new)
+            cand_slot += list(old % W) + [0] * len(new)
+            cand_src += [0] * len(old) + list(offset + new - S)
+            cand_start += [start] * cnt
+            t = np.arange(max(0, n - W), n)
+            rw_b += [b] * len(t)
+            rw_slot += list((S + t) % W)
+            rw_src += list(offset + t)
+            offset += n
+            self.cached_len[req_slots[b]] = S + n
+        dev, i64 = self.device, torch.int64
+        plan = ExtendPlan(
+            req=torch.tensor(req_slots, dtype=i64, device=dev), prefix_lens=prefix_lens,
+            req_slots=req_slots, extend_lens=extend_lens,
+            cand_b=torch.tensor(cand_b, dtype=i64, device=dev),
+            cand_from_ring=torch.tensor(cand_ring, dtype=torch.bool, device=dev),
+            cand_slot=torch.tensor(cand_slot, dtype=i64, device=dev),
+            cand_src=torch.tensor(cand_src, dtype=i64, device=dev),
+            cand_seg_start=torch.tensor(cand_start, dtype=i64, device=dev),
+            max_new_pages=max_new_pages,
+            rw_b=torch.tensor(rw_b, dtype=i64, device=dev), rw_slot=torch.tensor(rw_slot, dtype=i64, device=dev),
+            rw_src=torch.tensor(rw_src, dtype=i64, device=dev))
+        self._extend, self._decode = plan, None
+        return plan
+
+    def write_extend(self, layer: int, k: torch.Tensor, v: torch.Tensor, admit: torch.Tensor) -> None:
+        """Write one layer's new tokens: promote admitted tokens leaving the ring, fill the ring.
+
+        k, v : ``[N, H, D]`` packed new tokens of the batch given to :meth:`begin_extend`;
+        admit : ``[N, H]`` bool admission flags.
+        """
+        p = self._extend
+        if p is None:
+            raise RuntimeError("write_extend without begin_extend")
+        H = self.num_kv_heads
+        heads = self._heads[None, :]
+        if p.cand_b.numel():
+            rc = p.req[p.cand_b][:, None]                                  # [C, 1]
+            slot = p.cand_slot[:, None]
+            ring_col = slot // PAGE_SIZE
+            flag = torch.where(p.cand_from_ring[:, None], self.ring_flag[rc, layer, heads, slot],
+                               admit[p.cand_src])                           # [C, H]
+            fi = flag.to(torch.int64)
+            # scan along the contiguous axis: a dim-0 scan of [C, H] runs one GPU thread per column
+            excl = (torch.cumsum(fi.t().contiguous(), 1) - fi.t()).t()
+            rank = excl - excl[p.cand_seg_start]
+            B = p.req.numel()
+            cnt = torch.zeros(B, H, dtype=torch.int64, device=self.device).index_add_(0, p.cand_b, fi)
+            glen = self.global_len[p.req, layer].to(torch.int64)             # [B, H]
+            self._append_pages(p.req, layer, glen, cnt, p.max_new_pages)
+            dest = glen[p.cand_b] + rank
+            dest_page = torch.where(flag, self.page_table[rc, layer, heads, self.ring_cols + dest // PAGE_SIZE].long(),
+                                    self.dump_page)
+            src_page = self.page_table[rc, layer, heads, ring_col].long()
+            from_ring = p.cand_from_ring[:, None, None]
+            for pages, new in ((self.k_pages, k), (self.v_pages, v)):
+                src = torch.where(from_ring, pages[src_page, slot % PAGE_SIZE], new[p.cand_src].to(pages.dtype))
+                pages[dest_page, dest % PAGE_SIZE] = src
+            self.global_len[p.req, layer] += cnt.to(torch.int32)
+            self.left_ring[layer] += p.cand_b.numel()
+            self.promoted[layer] += cnt.sum(0)
+        if p.rw_b.numel():
+            rr = p.req[p.rw_b][:, None]
+            slot = p.rw_slot[:, None]
+            page = self.page_table[rr, layer, heads, slot // PAGE_SIZE].long()
+            self.k_pages[page, slot % PAGE_SIZE] = k[p.rw_src].to(self.dtype)
+            self.v_pages[page, slot % PAGE_SIZE] = v[p.rw_src].to(self.dtype)
+            self.ring_flag[rr, layer, heads, slot] = admit[p.rw_src]
+
+    def gather_context(self, layer: int, r: int, prefix_len: int):
+        """The cached context of slot ``r`` in ``layer`` before an extend after ``prefix_len`` tokens.
+
+        Returns ``k, v [Nk, H, D]``, ``k_pos [Nk]`` and ``admitted [Nk, H]``, ready for
+        :func:`~sglang_wgkv.attention.reference.vertical_slash_attention`: global entries (padded to
+        the longest head; padding not admitted) at ``FAR_POSITION``, then ring entries in position
+        order with their flags. Syncs (CPU path).
+        """
+        W, H = self.window, self.num_kv_heads
+        glen = self.global_len[r, layer].long()
+        gcols = -(-int(glen.max()) // PAGE_SIZE) if H else 0
+        pages = self.page_table[r, layer, :, self.ring_cols:self.ring_cols + gcols].long()    # [H, gc]
+        gk = self.k_pages[pages].reshape(H, gcols * PAGE_SIZE, self.head_dim).transpose(0, 1)
+        gv = self.v_pages[pages].reshape(H, gcols * PAGE_SIZE, self.head_dim).transpose(0, 1)
+        g_adm = (torch.arange(gcols * PAGE_SIZE, device=self.device)[:, None] < glen[None, :])
+        pos = torch.arange(max(0, prefix_len - W), prefix_len, device=self.device)
+        slot = pos % W
+        rpage = self.page_table[r, layer, :, (slot // PAGE_SIZE)].long().t()                  # [n, H]
+        rk = self.k_pages[rpage, (slot % PAGE_SIZE)[:, None]]
+        rv = self.v_pages[rpage, (slot % PAGE_SIZE)[:, None]]
+        r_adm = self.ring_flag[r, layer][:, slot].t()
+        k_pos = torch.cat([torch.full((gcols * PAGE_SIZE,), FAR_POSITION, device=self.device), pos])
+        return torch.cat([gk, rk]), torch.cat([gv, rv]), k_pos, torch.cat([g_adm, r_adm])
+
+
+    def extend_bound(self, prefix_len: int, extend_len: int) -> int:
+        """Upper bound on the pages that extending a request from ``prefix_len`` cached tokens by
+        ``extend_len`` needs, in one or any number of chunks: what the chunks allocate plus the
+        reserve :meth:`begin_extend` checks for the last one. Per stream: the new ring pages,
+        ``ceil(leaving / 16)`` global pages for the tokens leaving the ring, and two pages for the
+        partial pages (rounding of chunk reserves and of the last global page)."""
+        W, S, n = self.window, prefix_len, extend_len
+        ring = -(-min(S + n, W) // PAGE_SIZE) - -(-min(S, W) // PAGE_SIZE)
+        leaving = max(0, S + n - W) - max(0, S - W)
+        return self.num_layers * self.num_kv_heads * (ring + -(-leaving // PAGE_SIZE) + 2)
+
