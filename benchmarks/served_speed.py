@@ -303,12 +303,16 @@ def summarize(rec: dict) -> dict:
 
 
 def merge(a) -> None:
+    from trace_summary import recategorize
+
     runs: dict[str, dict[str, dict]] = {}
     envs = []
     for path in a.parts:
         part = json.loads(Path(path).read_text())
         envs.append(part["environment"])
         for rec in part["runs"]:
+            for summary in (rec.get("profile") or {}).get("summary", []):
+                recategorize(summary)  # phases of the current trace_summary.PHASES
             if "workload" in rec:
                 runs.setdefault(rec["workload"], {})[part["server"]] = rec
     if "W0" in runs and "W1" in runs and "upstream" not in runs["W0"] and "upstream" in runs["W1"]:

@@ -182,6 +182,48 @@ def serving_throughput(d: dict) -> list[str]:
     return lines
 
 
+def served_speed(d: dict) -> list[str]:
+    """``serving/summary.json`` of ``benchmarks/served_speed.py merge``."""
+    rows = [[r["workload"], r["metric"], f(r["upstream"]), f(r["wgkv"]), f"{f(r['ratio'])}x" if r["ratio"] else "",
+             r["goal"]] for r in d["rows"]]
+    lines = [f"WG-KV against upstream SGLang `--attention-backend flashinfer`, `python -m sglang.bench_serving` "
+             f"(ratio: {d['ratio']}).", ""]
+    lines += table(["workload", "metric", "upstream", "WG-KV", "ratio", "goal"], rows)
+    seen = set()
+    for r in d["rows"]:
+        for server, c in r["command"].items():
+            if (r["workload"], server) not in seen and c.get("bench"):
+                seen.add((r["workload"], server))
+                lines.append(f"- {r['workload']} {server}: server {cmd(c['server'])}; bench {cmd(c['bench'])}")
+    return lines + [""]
+
+
+def served_workload(d: dict) -> list[str]:
+    """``serving/W*.json``: one workload, both engines, with the decode profile where one was taken."""
+    w = d["workload"]
+    lines = [f"{w['id']}: {w['prompts']} x ({w['input_len']} + {w['output_len']}) tokens; goal: {w['goal']}.", ""]
+    rows, phases = [], {}
+    for server, run in d["runs"].items():
+        r = run.get("result") or {}
+        rows.append([server, f(run.get("startup_s"), 0), run.get("max_total_num_tokens"), run.get("max_running_seen"),
+                     f((r.get("median_ttft_ms") or 0) / 1000 or None), f(r.get("median_tpot_ms")),
+                     f(r.get("output_throughput"), 1), run.get("error", "")[:80] if run.get("error") else ""])
+        for summ in (run.get("profile") or {}).get("summary", []):
+            phases[server] = summ
+    lines += table(["server", "start s", "KV tokens (logical)", "max running", "TTFT p50 s", "TPOT p50 ms",
+                    "output tok/s", "error"], rows)
+    if phases:
+        names = sorted({k for p in phases.values() for k in p.get("phase_us_per_step", {})},
+                       key=lambda k: -max(p.get("phase_us_per_step", {}).get(k, 0) for p in phases.values()))
+        prow = [[k] + [f(p.get("phase_us_per_step", {}).get(k), 0) for p in phases.values()] for k in names]
+        prow += [["GPU busy / idle per step"] + [f"{f(p['gpu_busy_us_per_step'], 0)} / {f(p['gpu_idle_us_per_step'], 0)}"
+                                                for p in phases.values()]]
+        lines += [f"Decode step, GPU time per phase (us per step; torch profiler over {next(iter(phases.values()))['steps']}"
+                  " decode steps, CPU activities recorded too):", ""]
+        lines += table(["phase"] + list(phases), prow)
+    return lines
+
+
 def serving_memory(d: dict) -> list[str]:
     m, srv = d["machine"], d.get("server", {})
     phases = [[name, "yes" if p.get("ok", True) else f"no: {p.get('detail')}", f(p["peak_rss_bytes"], 2, 1 << 30)]
@@ -227,6 +269,10 @@ def renderer(d: dict):
         return pool_update_cpu
     if "runs" in d and "summary" in d and "workload" in d:
         return serving_throughput
+    if "rows" in d and "ratio" in d and all("workload" in r for r in d["rows"]):
+        return served_speed
+    if "runs" in d and isinstance(d.get("workload"), dict) and "id" in d["workload"]:
+        return served_workload
     if "phases" in d and "peak_rss_bytes" in d:
         return serving_memory
     if "rows" in d and "summary" in d and "config" in d:

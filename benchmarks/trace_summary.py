@@ -21,10 +21,10 @@ PHASES = [
     ("wgkv_promotion", r"promote"),
     ("wgkv_decode_attention", r"_split_kernel|_merge_kernel|folded"),
     ("wgkv_evictor", r"snapkv|evict|observe"),
+    ("rmsnorm", r"rms|norm"),
     ("flashinfer_attention", r"BatchDecode|BatchPrefill|flashinfer|PersistentVariableLength|Paged"),
     ("kv_append", r"append|store_kv|set_kv|copy_kv|kv_buffer"),
     ("gemm", r"gemm|nvjet|cutlass|sm90_xmma|ampere_|cublas|Kernel2|splitK|dot_kernel"),
-    ("rmsnorm", r"rms|norm"),
     ("rope", r"rope|rotary"),
     ("activation", r"silu|act_and_mul|gelu"),
     ("sampling_logits", r"argmax|softmax|sampl|topk|top_k|logit|reduce"),
@@ -76,10 +76,26 @@ def summarize_events(events: list[dict], steps: int | None = None) -> dict:
         "span_us_per_step": span / per, "gpu_busy_us_per_step": busy / per,
         "gpu_idle_us_per_step": (span - busy) / per,
         "phase_us_per_step": {k: v / per for k, v in sorted(by_phase.items(), key=lambda kv: -kv[1])},
-        "top_kernels": [{"name": n, "us_per_step": t / per, "calls_per_step": count[n] / per} for n, t in top],
+        "top_kernels": [{"name": n, "phase": phase_of(n), "us_per_step": t / per, "calls_per_step": count[n] / per}
+                        for n, t in top],
         "cuda_runtime_calls": {k: {"calls": c, "us": round(t, 1)}
                                for k, (c, t) in sorted(runtime.items(), key=lambda kv: -kv[1][1])[:12]},
     }
+
+
+def recategorize(summary: dict) -> dict:
+    """Re-assign the listed top kernels of a stored summary to the current :data:`PHASES` (a trace
+    summarised with an older phase list; kernels outside the top list keep their phase)."""
+    phases = dict(summary.get("phase_us_per_step", {}))
+    for k in summary.get("top_kernels", []):
+        now = phase_of(k["name"])
+        was = k.get("phase", now)
+        if was != now:
+            phases[was] = phases.get(was, 0.0) - k["us_per_step"]
+            phases[now] = phases.get(now, 0.0) + k["us_per_step"]
+        k["phase"] = now
+    summary["phase_us_per_step"] = {p: v for p, v in sorted(phases.items(), key=lambda kv: -kv[1]) if v > 0.05}
+    return summary
 
 
 def summarize_dir(trace_dir: str, steps: int | None = None) -> dict:

@@ -13,7 +13,8 @@ WG-KV options (all others go to SGLang unchanged)::
     --wgkv-seed S                 seed of fresh gates and random admission (default 0)
     --wgkv-overcommit F           F > 1: SGLang's token pool and request slots are F times the dense-equivalent
                                   ones; the scheduler admits and retracts by the physical pool's free pages
-                                  (needs --disable-radix-cache; not with --kv-budget)
+                                  (not with --kv-budget). Default on CUDA without --kv-budget:
+                                  settings.DEFAULT_GPU_OVERCOMMIT (4); on CPU: off (dense-equivalent)
     --wgkv-attention IMPL         auto (kernels on CUDA), reference (torch) or kernels; the kernels' decode
                                   runs under SGLang's decode CUDA graphs (off with --disable-decode-cuda-graph;
                                   always off on CPU and with reference)
@@ -36,7 +37,7 @@ from importlib.metadata import entry_points
 
 from sglang_wgkv.config import DEFAULT_LOCAL_WINDOW, DEFAULT_TAU, WGKVConfig
 from sglang_wgkv.embedded_model import SHIPPED_GATES
-from sglang_wgkv.integration.settings import ATTENTION_IMPLS, BACKEND_NAME, ENV_VAR, ServingSettings
+from sglang_wgkv.integration.settings import ATTENTION_IMPLS, BACKEND_NAME, DEFAULT_GPU_OVERCOMMIT, ENV_VAR, ServingSettings
 
 # Default KV budget on CPU, as a fraction of the machine's RAM (see cpu_default_kv_tokens).
 CPU_KV_RAM_FRACTION = 0.125
@@ -196,9 +197,12 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
         gates_path = os.path.abspath(ours.wgkv_gates)
     else:
         gates_path = None
+    overcommit = ours.wgkv_overcommit
+    if overcommit is None and device != "cpu" and config.kv_budget is None:
+        overcommit = DEFAULT_GPU_OVERCOMMIT  # admit by the post-admission footprint (settings.py)
     try:
         settings = ServingSettings(config=config, gates_path=gates_path, seed=ours.wgkv_seed,
-                                   attention=ours.wgkv_attention, overcommit=ours.wgkv_overcommit)
+                                   attention=ours.wgkv_attention, overcommit=overcommit)
     except ValueError as e:
         raise ValueError(f"invalid WG-KV option: {e}") from e
     env[ENV_VAR] = settings.to_env()

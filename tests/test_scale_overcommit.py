@@ -34,12 +34,15 @@ def test_overcommit_split():
 
 
 def test_overcommit_flag():
-    from sglang_wgkv.integration.settings import ENV_VAR, ServingSettings
+    from sglang_wgkv.integration.settings import DEFAULT_GPU_OVERCOMMIT, ENV_VAR, ServingSettings
     from sglang_wgkv.launch_server import resolve
 
     settings, _, env = resolve(["--wgkv-overcommit", "2.5"])
     assert settings.overcommit == 2.5 and ServingSettings.from_env(env).overcommit == 2.5
-    assert resolve([])[0].overcommit is None and ENV_VAR in env
+    assert resolve([])[0].overcommit is None and ENV_VAR in env  # CPU: dense-equivalent
+    assert resolve(["--device", "cuda"])[0].overcommit == DEFAULT_GPU_OVERCOMMIT  # GPU default
+    assert resolve(["--device", "cuda", "--kv-budget", "512"])[0].overcommit is None
+    assert resolve(["--device", "cuda", "--wgkv-overcommit", "2"])[0].overcommit == 2
     for bad in (["--wgkv-overcommit", "1"], ["--wgkv-overcommit", "2", "--kv-budget", "64"],
                 ["--disable-wgkv", "--wgkv-overcommit", "2"]):
         with pytest.raises(ValueError):
@@ -79,6 +82,34 @@ def test_extend_bound_covers_any_chunking(seed):
         done += n
     assert start_free - pool.num_free_pages() <= bound
     pool.free_request(0)
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize("prefix", [5, 16, 40, 47, 90])
+def test_restore_bound_covers_restore(prefix):
+    """A prefix-cache hit's restore allocates at most :meth:`DualCachePool.restore_bound` pages (the
+    overcommit prefill guard adds it to a hit's prompt reserve), and exactly that much when every
+    stream's last global page is partial."""
+    L, H, D, W = 2, 3, 4, 32
+    pool = DualCachePool(L, H, D, num_pages=500, max_requests=3, max_context_len=200,
+                         config=WGKVConfig(local_window=W), dtype=torch.float32)
+    pool.alloc_request(0)
+    pool.begin_extend([0], [0], [prefix])
+    admit = torch.zeros(prefix, H, dtype=torch.bool)
+    admit[0] = True  # one global token per stream once it leaves the ring: a partial last page
+    for layer in range(L):
+        pool.write_extend(layer, torch.randn(prefix, H, D), torch.randn(prefix, H, D), admit)
+    snap = pool.take_snapshot(0)
+    pool.alloc_request(1)
+    free = pool.num_free_pages()
+    pool.restore_snapshot(1, snap)
+    used = free - pool.num_free_pages()
+    bound = pool.restore_bound(prefix)
+    assert used <= bound
+    assert used == bound if prefix > W else used == bound - L * H
+    for r in (0, 1):
+        pool.free_request(r)
+    pool.release_snapshot(snap)
     pool.check_integrity()
 
 

@@ -34,9 +34,10 @@ holds for ``R`` request slots whatever their lengths: SGLang gets ``R`` slots an
 ``R x context length`` tokens (more concurrent requests than a dense pool of the same memory whenever
 contexts exceed the per-request bound; requests beyond ``R`` queue).
 
-Overcommit split (``--wgkv-overcommit F``, :mod:`~sglang_wgkv.integration.overcommit`): F times the
-dense-equivalent logical pool and slots; the scheduler then checks the physical pool itself, and one
-request is capped at the dense-equivalent logical pool (``max_request_tokens``).
+Overcommit split (``--wgkv-overcommit F``, :mod:`~sglang_wgkv.integration.overcommit`; the
+launcher's default on CUDA without ``--kv-budget``): F times the dense-equivalent logical pool and
+slots; the scheduler then checks the physical pool itself (a prefix-cache hit's ring copy included),
+and one request is capped at the dense-equivalent logical pool (``max_request_tokens``).
 
 Prefix caching (:mod:`radix_ext`): a request restored from a snapshot holds a private copy of a ring
 whose tokens the tree already counts, up to ``W_local + 16`` tokens per stream more; the split
@@ -197,15 +198,17 @@ def bounded_split(budget_tokens: int, max_running_requests: int, *, kv_budget: i
 
 
 def overcommit_split(budget_tokens: int, max_running_requests: int, factor: float,
-                     slot_tokens: int = 0) -> CapacityPlan:
+                     slot_tokens: int = 0, prefix_cache: bool = False) -> CapacityPlan:
     """``factor`` times the dense-equivalent logical pool and request slots (slots at most
-    ``max_running_requests``); the physical pool keeps the budget less the slots' fixed state."""
+    ``max_running_requests``); the physical pool keeps the budget less the slots' fixed state.
+    With ``prefix_cache`` every request may be a restored one: the scheduler's prefill guard counts
+    a hit's ring copy (:meth:`DualCachePool.restore_bound`), so no pages are set aside for it."""
     dense = dense_split(budget_tokens, max_running_requests, slot_tokens=slot_tokens)
     requests = min(max_running_requests, math.ceil(factor * dense.max_requests))
     fixed = slot_tokens * requests
     return CapacityPlan(logical_tokens=int(factor * dense.logical_tokens), max_requests=requests,
-                        physical_tokens=budget_tokens - fixed, max_request_tokens=dense.logical_tokens,
-                        mode="overcommit", fixed_tokens=fixed)
+                        physical_tokens=budget_tokens - fixed, restore_slots=requests if prefix_cache else 0,
+                        max_request_tokens=dense.logical_tokens, mode="overcommit", fixed_tokens=fixed)
 
 
 def physical_pages(physical_tokens: int, num_layers: int, num_kv_heads: int) -> int:
@@ -224,13 +227,14 @@ def plan_capacity(budget_tokens: int, max_running_requests: int, *, shape: Model
     kv_budget, evictor_window : ``--kv-budget`` and the evictor's query window (queries per slot
         and layer); the bounded split needs chunked prefill (``chunk_tokens`` > 0), else the
         dense-equivalent one with the windows carved from the budget.
-    overcommit : ``--wgkv-overcommit`` (excludes ``kv_budget`` and ``prefix_cache``).
+    overcommit : ``--wgkv-overcommit`` (excludes ``kv_budget``).
 
     Raises ValueError when the budget cannot hold one request.
     """
     costs = fixed_costs(shape, local_window, evictor_window if kv_budget is not None else None)
     if overcommit is not None:
-        return overcommit_split(budget_tokens, max_running_requests, overcommit, slot_tokens=costs.per_slot)
+        return overcommit_split(budget_tokens, max_running_requests, overcommit, slot_tokens=costs.per_slot,
+                                prefix_cache=prefix_cache)
     if kv_budget is not None and chunk_tokens is not None and chunk_tokens > 0:
         plan = bounded_split(budget_tokens, max_running_requests, kv_budget=kv_budget,
                              local_window=local_window, chunk_tokens=chunk_tokens,

@@ -77,8 +77,6 @@ def prepare_server_args(server_args, *args, **kwargs):
         if server_args.radix_cache_backend not in (None, RADIX_BACKEND):
             raise ValueError(f"--attention-backend {BACKEND_NAME} needs --radix-cache-backend {RADIX_BACKEND} "
                              f"or --disable-radix-cache, got {server_args.radix_cache_backend!r}")
-        if settings.overcommit is not None:
-            raise ValueError("--wgkv-overcommit needs --disable-radix-cache")
         server_args.radix_cache_backend = RADIX_BACKEND
         server_args.disable_overlap_schedule = True
     server_args.disable_prefill_cuda_graph = True

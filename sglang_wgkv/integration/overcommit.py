@@ -34,8 +34,12 @@ Per-request limit. One request's prompt plus output is capped at the dense-equiv
 per-request slack): so a request never waits forever for pages nor is aborted by ``retract_decode``
 (SGLang aborts the last request of a batch when even it alone does not fit).
 
-Limits: needs ``--disable-radix-cache`` (prefix restores allocate ring copies outside these checks)
-and excludes ``--kv-budget`` (its bounded split is a different capacity rule); under a workload whose
+Prefix caching: a request admitted with a prefix is a radix-cache hit whose snapshot is restored into
+its fresh slot before the forward (:mod:`radix_ext`), allocating a ring copy; the prefill guard counts
+it (:meth:`DualCachePool.restore_bound`), and snapshot pages the tree holds are dropped by the
+allocator's reclaimer whenever a check falls short.
+
+Limits: excludes ``--kv-budget`` (its bounded split is a different capacity rule); under a workload whose
 admitted KV exceeds the physical pool, requests are retracted and recomputed (throughput, not
 correctness, suffers); SGLang's data-parallel and pipeline modes are rejected anyway.
 """
@@ -69,9 +73,12 @@ def check_decode_mem(result, batch, selected_indices=None):
     return None if dual.allocator.fits(need) else False
 
 
-def _extend_bound(dual, req) -> int:
+def _extend_bound(dual, req, restore: bool = False) -> int:
+    """Pages of the request's remaining prompt; with ``restore``, plus the ring copy of a prefix-cache
+    hit (restored into its fresh slot before the forward, :mod:`radix_ext`)."""
     prefix = len(req.prefix_indices)
-    return dual.extend_bound(prefix, len(req.full_untruncated_fill_ids) - prefix)
+    need = dual.extend_bound(prefix, len(req.full_untruncated_fill_ids) - prefix)
+    return need + (dual.restore_bound(prefix) if restore and prefix else 0)
 
 
 def add_one_req(original, adder, req, *args, **kwargs):
@@ -83,7 +90,7 @@ def add_one_req(original, adder, req, *args, **kwargs):
     from sglang.srt.managers.schedule_policy import AddReqResult
 
     dual = pool.dual
-    need = _extend_bound(dual, req)
+    need = _extend_bound(dual, req, restore=True)  # a new request with a prefix is a prefix-cache hit
     running = len(adder.running_batch.reqs) if adder.running_batch is not None else 0
     step = dual.num_layers * dual.num_kv_heads * (running + len(adder.can_run_list) + 1)
     reserved = getattr(adder, "wgkv_reserved_pages", 0)

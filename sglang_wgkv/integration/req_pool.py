@@ -156,6 +156,7 @@ class WGKVReqToTokenPool(ReqToTokenPool):
             "local_window": config.local_window, "tau": config.tau,
             "random_admission": config.random_admission, "kv_budget": config.kv_budget,
             "page_bytes": self.dual.page_bytes,
+            "capacity_mode": self.runtime.plan.mode if self.runtime.plan is not None else None,
             "requests_started": self.requests_started, "requests_released": self.requests_released,
             "idle_checks": self.idle_checks, "peak_active_requests": self.peak_active,
             "idle_checked_released": self._checked_stamp[1] if self._checked_stamp else None,

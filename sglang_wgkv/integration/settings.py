@@ -22,6 +22,11 @@ BACKEND_NAME = "wgkv"
 ATTENTION_IMPLS = ("auto", "reference", "kernels")
 
 
+# The launcher's overcommit on CUDA when admission is on (no --kv-budget): requests are admitted by
+# their post-admission footprint up to 4x a dense pool's (25% admitted fills the pool exactly).
+DEFAULT_GPU_OVERCOMMIT = 4.0
+
+
 @dataclass(frozen=True)
 class ServingSettings:
     """Parameters
@@ -35,6 +40,8 @@ class ServingSettings:
         reference otherwise).
     overcommit : if set (> 1), the logical pool and request slots are this many times the
         dense-equivalent ones and the scheduler guards the physical pool (:mod:`.overcommit`).
+        The launcher's default on CUDA with admission on and no ``--kv-budget``:
+        :data:`DEFAULT_GPU_OVERCOMMIT`.
     """
 
     config: WGKVConfig = field(default_factory=WGKVConfig)

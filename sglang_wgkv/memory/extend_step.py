@@ -178,6 +178,11 @@ class ExtendStep:
         return torch.cat([gk, rk]), torch.cat([gv, rv]), k_pos, torch.cat([g_adm, r_adm])
 
 
+    def restore_bound(self, prefix_len: int) -> int:
+        """Pages :meth:`restore_snapshot` allocates for a snapshot of ``prefix_len`` tokens: the copied
+        ring and, per stream, the copied partial last global page."""
+        return self.num_layers * self.num_kv_heads * (-(-min(prefix_len, self.window) // PAGE_SIZE) + 1)
+
     def extend_bound(self, prefix_len: int, extend_len: int) -> int:
         """Upper bound on the pages that extending a request from ``prefix_len`` cached tokens by
         ``extend_len`` needs, in one or any number of chunks: what the chunks allocate plus the

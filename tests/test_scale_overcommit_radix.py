@@ -1,0 +1,65 @@
+"""Overcommit with the prefix cache on (the launcher's GPU default when admission is on, forced here on
+CPU with ``--wgkv-overcommit``): prefix-cache hits are restored into their slots under the scheduler's
+physical-pool guard (a hit's ring copy counted), more requests run than a dense pool holds, the greedy
+outputs equal the cold (cache-flushed) ones, and the idle check is clean.
+"""
+
+import time
+
+import pytest
+import requests
+
+from serving_support import Server, save_head_gates
+
+pytestmark = pytest.mark.scale
+
+W_LOCAL = 16
+PREFIX, SUFFIX, OUT = 120, 24, 6
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("overcommit_radix")
+    gates = save_head_gates(tmp / "gates", [30.0, -30.0, -30.0], W_LOCAL)  # 1 of 3 heads admits
+    srv = Server(["--max-total-tokens", "512", "--wgkv-gates", str(gates), "--wgkv-local-window", str(W_LOCAL),
+                  "--wgkv-overcommit", "2", "--chunked-prefill-size", "64"], tmp / "server.log")
+    try:
+        yield srv.wait_healthy()
+    finally:
+        srv.stop()
+
+
+def _flush(server):
+    for _ in range(60):
+        if requests.post(server.url + "/flush_cache", timeout=60).status_code == 200:
+            return
+        time.sleep(0.5)
+    raise TimeoutError("flush_cache refused for 30 s")
+
+
+def _generate(server, input_ids):
+    r = requests.post(server.url + "/generate", timeout=900, json={
+        "input_ids": input_ids, "sampling_params": {"max_new_tokens": OUT, "temperature": 0, "ignore_eos": True}})
+    r.raise_for_status()
+    return r.json()
+
+
+def test_prefix_hits_under_overcommit(server):
+    import random
+
+    rng = random.Random(4)
+    shared = [rng.randrange(1000, 30000) for _ in range(PREFIX)]
+    prompts = [shared + [rng.randrange(1000, 30000) for _ in range(SUFFIX)] for _ in range(4)]
+    cold = []
+    for p in prompts:
+        _flush(server)
+        cold.append(_generate(server, p)["output_ids"])
+    _flush(server)
+    first = _generate(server, prompts[0])                  # fills the tree with the shared prefix
+    warm = _generate(server, prompts[1:])                  # three hits, batched
+    assert first["output_ids"] == cold[0]
+    assert [w["output_ids"] for w in warm] == cold[1:]
+    assert all(w["meta_info"]["cached_tokens"] >= PREFIX - W_LOCAL for w in warm), [w["meta_info"] for w in warm]
+    stats = server.wait_idle_checked()
+    assert stats["active_requests"] == 0 and server.alive()
+    assert stats["radix"]["hits"] >= 3 and stats["capacity_mode"] == "overcommit", stats
