@@ -182,6 +182,8 @@ def measure(server_args: list[str], label: str, log_path: Path, long_prompt_coun
                 t = time.monotonic()
                 try:
                     detail, ok = fn(), True
+                except KeyboardInterrupt:  # stopped by hand: keep what was measured
+                    detail, ok = "interrupted", False
                 except Exception as e:  # the server may have died: record it and stop
                     detail, ok = f"{type(e).__name__}: {e}", False
                 time.sleep(2)  # the idle check after the phase

@@ -226,14 +226,14 @@ def served_workload(d: dict) -> list[str]:
 
 def serving_memory(d: dict) -> list[str]:
     m, srv = d["machine"], d.get("server", {})
-    phases = [[name, "yes" if p.get("ok", True) else f"no: {p.get('detail')}", f(p["peak_rss_bytes"], 2, 1 << 30)]
-              for name, p in d["phases"].items()]
+    phases = [[name, "yes" if p.get("ok", True) else f"no: {p.get('detail')}", p.get("seconds", ""),
+               f(p["peak_rss_bytes"], 2, 1 << 30)] for name, p in d["phases"].items()]
     return ([f"{d['label']}: {cmd(d['command'])} on {m['cpus']} CPUs, RAM {f(m['mem_total_bytes'], 1, 1 << 30)} GiB "
              f"({f(m['mem_available_at_start_bytes'], 1, 1 << 30)} GiB available at start). KV tokens "
              f"{srv.get('max_total_num_tokens')}, request slots {srv.get('max_running_requests')}. Peak RSS of the "
              f"process tree {f(d['peak_rss_bytes'], 2, 1 << 30)} GiB ({d['peak_rss_fraction_of_ram']:.0%} of RAM); "
-             f"survived: {d['survived']}.", ""]
-            + table(["phase", "ok", "peak RSS GiB"], phases))
+             f"survived: {d['survived']}." + (f" Note: {d['note']}" if d.get("note") else ""), ""]
+            + table(["phase", "ok", "seconds", "peak RSS GiB"], phases))
 
 
 def eval_summary(d: dict) -> list[str]:
