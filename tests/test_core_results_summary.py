@@ -3,6 +3,7 @@ beside it (no hand edits, no machine paths), and every result file sits in a fol
 measured."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ def test_summary_is_generated_from_the_json():
     for path in sorted((REPO / "benchmarks" / "results").rglob("*.json")):
         assert path.parent.name in {folder for folder, _ in summary.SECTIONS}, path
         assert f"`{path.parent.name}/{path.name}`" in text
+        assert summary.renderer(json.loads(path.read_text())) is not None, f"{path}: no table in summary.py"
 
 
 def test_machine_paths_are_replaced():
