@@ -112,6 +112,7 @@ def assert_same(a, b, what):
 def main():
     pool_a = build_pool()
     pool_b = copy.deepcopy(pool_a)
+    pool_b.triton_decode = True  # the kernels path's pool: Triton promotion and ring write (interpreted)
     a, b = make_backend(pool_a, use_kernels=False), make_backend(pool_b, use_kernels=True)
     gen = torch.Generator().manual_seed(1)
     B, BS = len(SLOTS), 5

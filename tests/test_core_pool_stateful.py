@@ -159,3 +159,35 @@ TestPoolStateful = PoolMachine.TestCase
 def test_stateful_run_exercised_exhaustion():
     # runs after TestPoolStateful in file order; the small pool must have hit PoolExhausted
     assert EXHAUSTED, "the stateful run never exhausted the pool; shrink PAGES"
+
+
+def test_write_decode_rows_matches_write_decode():
+    """The explicit-rows ring write (the graph path's, torch ops on a non-Triton pool) leaves the pool
+    exactly as :meth:`write_decode` after the same :meth:`begin_decode`."""
+    import copy
+
+    from sglang_wgkv.config import WGKVConfig
+    from sglang_wgkv.memory import DualCachePool
+
+    gen = torch.Generator().manual_seed(3)
+    L, H, D = 2, 3, 8
+    a = DualCachePool(L, H, D, num_pages=300, max_requests=4, max_context_len=200,
+                      config=WGKVConfig(local_window=32), dtype=torch.float32)
+    for r, n in ((1, 40), (2, 7), (3, 31)):
+        a.alloc_request(r)
+        a.begin_extend([r], [0], [n])
+        for layer in range(L):
+            a.write_extend(layer, torch.randn(n, H, D, generator=gen), torch.randn(n, H, D, generator=gen),
+                           torch.rand(n, H, generator=gen) < 0.5)
+    b = copy.deepcopy(a)
+    slots, lens = [3, 1, 2], [31, 40, 7]
+    plan_a, plan_b = a.begin_decode(slots, lens), b.begin_decode(slots, lens)
+    for layer in range(L):
+        k, v = torch.randn(3, H, D, generator=gen), torch.randn(3, H, D, generator=gen)
+        admit = torch.rand(3, H, generator=gen) < 0.5
+        a.write_decode(layer, k, v, admit)
+        b.write_decode_rows(layer, plan_b.req, plan_b.pos, k, v, admit)
+    for name in ("k_pages", "v_pages", "ring_flag", "page_table", "global_len"):
+        assert torch.equal(getattr(a, name)[:-1] if name.endswith("pages") else getattr(a, name),
+                           getattr(b, name)[:-1] if name.endswith("pages") else getattr(b, name)), name
+    b.check_integrity()

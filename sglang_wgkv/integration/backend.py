@@ -17,7 +17,7 @@ Attention implementations (``ServingSettings.attention``): the torch reference
 (:mod:`sglang_wgkv.attention.reference`, any device; syncs per layer, no CUDA graphs) or, on CUDA,
 the kernels: Triton vertical-slash prefill (syncs per layer: per-request context gathering) and a
 decode of device work only: gate + admission in one launch
-(:class:`~sglang_wgkv.gate.triton_gate.DecodeGate`), :func:`~sglang_wgkv.memory.triton_pool.decode_write`,
+(:class:`~sglang_wgkv.gate.triton_gate.DecodeGate`), :meth:`DualCachePool.write_decode_rows` (Triton),
 :func:`~sglang_wgkv.attention.triton_decode.folded_decode` (split-KV over ring + global pages).
 
 CUDA graphs (decode only, kernels path). SGLang's decode graph runner calls
@@ -350,16 +350,15 @@ class WGKVAttnBackend(AttentionBackend):
                                                    last, sm_scale=layer.scaling)
             return out.reshape(-1, Hq * Dv)
         from sglang_wgkv.attention.triton_decode import folded_decode
-        from sglang_wgkv.memory.triton_pool import decode_write
 
         if self.evictor is not None:
             self.evictor.observe_decode(layer.layer_id, q3, req=rows.req, pos=rows.pos)
         uniform = rows.uniform[:, layer.layer_id] if rows.uniform is not None else None
         admit = self.decode_gate(layer.layer_id, self.capture.take(k3), k3, rows.tau, uniform,
                                  self.config.random_admission if uniform is not None else None, rows.gate_splits)
-        if k3.stride() != v3.stride() or k3.stride(2) != 1:  # decode_write reads both with k's strides
+        if k3.stride() != v3.stride() or k3.stride(2) != 1:  # the ring write reads both with k's strides
             k3, v3 = k3.contiguous(), v3.contiguous()
-        decode_write(self.dual, layer.layer_id, rows.req, rows.pos, k3, v3, admit)
+        self.dual.write_decode_rows(layer.layer_id, rows.req, rows.pos, k3, v3, admit)
         out = folded_decode(q3.to(self.dual.dtype), self.dual.k_pages, self.dual.v_pages, self.dual.page_table,
                             self.dual.global_len, rows.req, rows.ring, layer.layer_id, sm_scale=layer.scaling,
                             num_splits=rows.num_splits, workspace=rows.workspace)

@@ -119,6 +119,24 @@ class DecodeStep:
         self.v_pages[page, p.ring_off] = v.to(self.dtype)
         self.ring_flag[p.req[:, None], layer, self._heads[None, :], (p.pos % self.window)[:, None]] = admit
 
+    def write_decode_rows(self, layer: int, req: torch.Tensor, pos: torch.Tensor, k: torch.Tensor,
+                          v: torch.Tensor, admit: torch.Tensor) -> None:
+        """:meth:`write_decode` with the step's rows given explicitly (``req``, ``pos`` ``[B]`` int64
+        device tensors, e.g. static CUDA-graph buffers), so that a captured graph can replay it. k, v
+        ``[B, H, D]`` with equal strides and a contiguous last dim; admit ``[B, H]`` bool. One Triton
+        launch on a ``triton_decode`` pool, torch ops otherwise."""
+        if self.triton_decode:
+            from sglang_wgkv.memory.triton_pool import decode_write
+
+            decode_write(self, layer, req, pos, k, v, admit)
+            return
+        slot = pos % self.window
+        page = self.page_table[req[:, None], layer, self._heads[None, :], (slot // PAGE_SIZE)[:, None]].long()
+        off = (slot % PAGE_SIZE)[:, None]
+        self.k_pages[page, off] = k.to(self.dtype)
+        self.v_pages[page, off] = v.to(self.dtype)
+        self.ring_flag[req[:, None], layer, self._heads[None, :], slot[:, None]] = admit
+
     def decode_page_rows(self, layer: int):
         """Page lists of the current decode batch in ``layer`` (after :meth:`write_decode`).
 
