@@ -59,9 +59,10 @@ def test_prefix_hits_under_overcommit(server):
     warm = _generate(server, prompts[1:])                  # three hits, batched
     assert first["output_ids"] == cold[0]
     assert [w["output_ids"] for w in warm] == cold[1:]
-    # snapshots sit at chunk boundaries and prompt ends: the deepest one inside the shared prefix
-    depth = PREFIX // CHUNK * CHUNK
-    assert [w["meta_info"]["cached_tokens"] for w in warm] == [depth] * 3, [w["meta_info"] for w in warm]
+    # snapshots sit at chunk boundaries and prompt ends: at least the first one's chunk boundary inside
+    # the shared prefix (a later hit may restore a deeper one its batch-mates left), never past it
+    cached = [w["meta_info"]["cached_tokens"] for w in warm]
+    assert all(PREFIX // CHUNK * CHUNK <= c <= PREFIX for c in cached), cached
     stats = server.wait_idle_checked()
     assert stats["active_requests"] == 0 and server.alive()
     assert stats["radix"]["hits"] >= 3 and stats["capacity_mode"] == "overcommit", stats
