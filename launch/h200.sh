@@ -12,6 +12,10 @@
 # Step 3 joins the GGUF, checks its SHA-256, converts it (sglang_wgkv.embedded_model), starts
 # `python -m sglang_wgkv.launch_server` (WG-KV, real weights), runs launch/bench_serving.py and writes
 # logs and results to $OUT.
+# Or, as step 3 (and again in later calls of the same message, each under the 10-minute limit):
+#   bash launch/h200.sh serve-eval [evals.served args]
+# the RULER-style set through one server per configuration (evals/served.py); results accumulate in
+# /tmp/served (resumed by the next call) and are copied to $OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 M=/tmp/m
@@ -23,9 +27,9 @@ setup)
     mkdir -p "$M" && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader ;;
 part)
     cp .model/$GGUF.part00 "$M"/ ;;
-serve-bench)
-    shift
-    cp .model/$GGUF.part01 "$M"/
+serve-bench|serve-eval)
+    mode=$1; shift
+    cp .model/$GGUF.part01 "$M"/ 2>/dev/null || test -f "$M"/$GGUF
     if [ -d .kit2 ]; then bash .kit/install.sh .kit2 >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .kit2/*.whl; fi
     cat "$M"/$GGUF.part00 "$M"/$GGUF.part01 > "$M"/$GGUF
     (cd "$M" && echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $GGUF" | sha256sum -c -)
@@ -33,6 +37,13 @@ serve-bench)
     export PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1 SGLANG_WGKV_GGUF="$M/$GGUF" SGLANG_WGKV_CACHE=/tmp/wgkv-cache
     OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
     python3 -m sglang_wgkv.embedded_model
+    if [ "$mode" = serve-eval ]; then
+        mkdir -p /tmp/served
+        python3 -m evals.served --ruler evals/data/ruler_2k_8k.json.gz --engine h200 --out /tmp/served/h200.json \
+            --summary /tmp/served/summary.json "$@" || true
+        cp -r /tmp/served/. "$OUT"/
+        exit 0
+    fi
     setsid python3 -m sglang_wgkv.launch_server --port 30000 --mem-fraction-static 0.5 "$@" > "$OUT/server.log" 2>&1 &
     server=$!
     for _ in $(seq 1 130); do

@@ -14,7 +14,7 @@ from serving_support import Server, embedded_plan, long_prompt
 
 pytestmark = pytest.mark.scale
 
-BUDGET = 640       # --max-total-tokens: dense tokens of KV memory
+BUDGET = 832       # --max-total-tokens: dense tokens of KV memory
 W_LOCAL = 16
 KV_BUDGET = 16
 CHUNK = 128
@@ -23,20 +23,25 @@ OUT = 8
 
 
 def test_bounded_split_arithmetic():
-    from sglang_wgkv.integration.capacity import bounded_split, request_bound_tokens
+    from sglang_wgkv.integration.capacity import bounded_split, prompt_reserve, request_bound_tokens
 
     assert request_bound_tokens(4096, 256) == 4352 and request_bound_tokens(33, 16) == 16 + 48
+    # the prompt being prefilled: what the longest prompt admits beyond the budget, at most 1/4 of it
+    assert prompt_reserve(10_000, kv_budget=64, local_window=32, context_len=4096) == 2496
+    assert prompt_reserve(100_000, kv_budget=64, local_window=32, context_len=4096) == 4096 - 96
     s = bounded_split(10_000, 2048, kv_budget=64, local_window=32, chunk_tokens=100, context_len=4096,
                       window_tokens=10)
     per_request = 32 + 64 + 32 + 10
-    assert s.max_requests == (10_000 - 112) // per_request
+    assert s.max_requests == (10_000 - 112 - 2496) // per_request and s.prompt_cap == 64 + 2496
     assert s.logical_tokens == s.max_requests * 4096 and s.physical_tokens == 10_000 - 10 * s.max_requests
     assert bounded_split(10_000, 5, kv_budget=64, local_window=32, chunk_tokens=100, context_len=4096).max_requests == 5
     assert bounded_split(1000, 64, kv_budget=64, local_window=32, chunk_tokens=1024, context_len=4096) is None
     with_prefix = bounded_split(10_000, 2048, kv_budget=64, local_window=32, chunk_tokens=100, context_len=4096,
                                 window_tokens=10, prefix_cache=True)
     assert with_prefix.restore_slots >= 1
-    assert with_prefix.max_requests * per_request + with_prefix.restore_slots * (32 + 64 + 16) + 112 <= 10_000
+    # a restored snapshot may hold a prompt's global part (taken before the prompt's end)
+    restored = 32 + 64 + 2496 + 16
+    assert with_prefix.max_requests * per_request + with_prefix.restore_slots * restored + 112 + 2496 <= 10_000
 
 
 @pytest.fixture(scope="module")

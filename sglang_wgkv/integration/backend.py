@@ -6,7 +6,9 @@ Per forward (``init_forward_metadata``, once for all layers):
   lengths (chunked prefill continues a slot; a new or retracted request starts at prefix 0);
 * decode: :meth:`DualCachePool.begin_decode` (ring pages, lazy promotion of every layer's victim);
 * with ``--kv-budget``: first, :meth:`SnapKVEvictor.maybe_evict` (the step boundary), and every layer
-  hands its queries to the evictor's observation window.
+  hands its queries to the evictor's observation window; an extend declares which of its requests
+  finish their prompt (:meth:`SnapKVEvictor.mark_extend`: prompt-end scoring), from the host
+  ``extend_range`` of each request that :func:`record_batch_slots` records on the backend.
 
 Per layer (``forward_extend`` / ``forward_decode``): the gate scores the new keys from the captured
 pre-RoPE key and the post-RoPE key, admission flags follow (``g >= tau`` or random), attention runs
@@ -99,6 +101,13 @@ def record_batch_slots(result, cls, batch, model_runner, *args, **kwargs):
         slots = [req.req_pool_idx for req in batch.reqs]
         result.wgkv_req_slots = slots
         backend.batch_slots = slots
+        # SGLang truncates a chunked prompt's extend range; the last chunk reaches the full length.
+        # Kept on the backend: the batch the model runner hands to init_forward_metadata may be a
+        # copy without our attributes (seen on the CPU engine).
+        backend.batch_prompt_ends = None
+        if batch.forward_mode.is_extend():
+            backend.batch_prompt_ends = (slots, [req.extend_range.end >= len(req.full_untruncated_fill_ids)
+                                                 for req in batch.reqs])
     return None
 
 
@@ -169,6 +178,7 @@ class WGKVAttnBackend(AttentionBackend):
         self._row_tau = None  # [tokens, 1] admission threshold of each extend row
         self._rows: _DecodeRows | None = None  # the current decode step
         self.batch_slots: list[int] | None = None  # record_batch_slots
+        self.batch_prompt_ends: tuple[list[int], list[bool]] | None = None  # record_batch_slots (extend)
         self._graph: _DecodeRows | None = None  # [max_bs] static buffers (init_cuda_graph_state)
         self._graph_launch = {}  # captured batch size -> (num_splits, FoldedDecodeWorkspace)
 
@@ -204,6 +214,9 @@ class WGKVAttnBackend(AttentionBackend):
             self._extend = (self._host_slots(forward_batch), list(prefix), list(extend))
             self._rows = None
             self.dual.begin_extend(*self._extend)
+            declared = self.batch_prompt_ends
+            if self.evictor is not None and declared is not None and declared[0] == self._extend[0]:
+                self.evictor.mark_extend(*declared)
             self._row_tau = torch.repeat_interleave(self.req_pool.slot_tau[slots],
                                                     forward_batch.extend_seq_lens)[:, None]
         else:

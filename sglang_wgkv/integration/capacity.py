@@ -34,6 +34,16 @@ holds for ``R`` request slots whatever their lengths: SGLang gets ``R`` slots an
 ``R x context length`` tokens (more concurrent requests than a dense pool of the same memory whenever
 contexts exceed the per-request bound; requests beyond ``R`` queue).
 
+Prompt-end scoring (:mod:`sglang_wgkv.memory.evictor`) lets a prompt keep its admitted part until its
+last chunk, so one request may pass ``B`` between steps: the one whose prompt is being prefilled
+across step boundaries (SGLang chunks one request at a time; every other prompt of an extend batch
+ends in it and is compressed at the next boundary, within the extend reserve). The split reserves
+``P`` more tokens for it (:func:`prompt_reserve`: what the longest prompt could admit, at most
+:data:`MAX_PROMPT_FRACTION` of the budget) and the evictor's ``prompt_cap = 16 ceil(B/16) + P``
+compresses a stream that passes it before its prompt ends (logged)::
+
+    physical tokens >= R x (W_local + 16 ceil(B/16) + 32) + 16 ceil(C/16) + P
+
 Overcommit split (``--wgkv-overcommit F``, :mod:`~sglang_wgkv.integration.overcommit`; the
 launcher's default on CUDA without ``--kv-budget``): F times the dense-equivalent logical pool and
 slots; the scheduler then checks the physical pool itself (a prefix-cache hit's ring copy included),
@@ -59,6 +69,8 @@ MAX_SLACK_FRACTION = 0.25
 MAX_RESTORE_FRACTION = 0.125
 # At most this fraction of the budget goes to the evictor's query windows; past it, fewer slots.
 MAX_WINDOW_FRACTION = 0.25
+# At most this fraction of the budget is reserved for the prompt being prefilled (bounded split).
+MAX_PROMPT_FRACTION = 0.25
 
 
 @dataclass(frozen=True)
@@ -72,6 +84,7 @@ class CapacityPlan:
     max_request_tokens : overcommit only: the longest request (prompt + output).
     mode : ``dense``, ``bounded`` or ``overcommit``.
     fixed_tokens : the budget spent on per-slot state (page-table rows, flags, evictor windows).
+    prompt_cap : bounded only: global tokens per stream a prompt may keep while it is prefilled.
     """
 
     logical_tokens: int
@@ -81,6 +94,7 @@ class CapacityPlan:
     max_request_tokens: int | None = None
     mode: str = "dense"
     fixed_tokens: int = 0
+    prompt_cap: int | None = None
 
 
 @dataclass(frozen=True)
@@ -169,32 +183,46 @@ def request_bound_tokens(kv_budget: int, local_window: int) -> int:
     return local_window + PAGE_SIZE * -(-kv_budget // PAGE_SIZE)
 
 
+def prompt_reserve(budget_tokens: int, *, kv_budget: int, local_window: int, context_len: int) -> int:
+    """Dense tokens reserved in the bounded split for the prompt being prefilled (module docstring):
+    the global entries a stream of the longest prompt could hold beyond the budget, in whole pages,
+    at most :data:`MAX_PROMPT_FRACTION` of ``budget_tokens``."""
+    want = max(0, context_len - request_bound_tokens(kv_budget, local_window))
+    room = int(budget_tokens * MAX_PROMPT_FRACTION) // PAGE_SIZE
+    return PAGE_SIZE * min(-(-want // PAGE_SIZE), room)
+
+
 def bounded_split(budget_tokens: int, max_running_requests: int, *, kv_budget: int, local_window: int,
                   chunk_tokens: int, context_len: int, window_tokens: int = 0,
                   prefix_cache: bool = False) -> CapacityPlan | None:
     """The bounded split (module docstring) of SGLang's KV budget, or None when the budget cannot hold
-    one request plus the extend reserve. ``window_tokens``: fixed state per request slot (evictor
-    window, page-table row), also carved from the budget; ``physical_tokens`` is what is left for
-    the dual pool. With ``prefix_cache``, snapshots pinned between a match and their restore (at most
-    ``restore_slots``) get a reserve of one request bound each (unpinned snapshots are dropped when
-    a step needs room)."""
+    one request plus the extend and prompt reserves. ``window_tokens``: fixed state per request slot
+    (evictor window, page-table row), also carved from the budget; ``physical_tokens`` is what is
+    left for the dual pool. With ``prefix_cache``, snapshots pinned between a match and their restore
+    (at most ``restore_slots``) get a reserve of one request bound each, a prompt's included (a
+    snapshot may be taken before the prompt's end; unpinned snapshots are dropped when a step needs
+    room)."""
     steady = request_bound_tokens(kv_budget, local_window)
     per_request = steady + 2 * PAGE_SIZE + window_tokens
-    fixed = PAGE_SIZE * -(-chunk_tokens // PAGE_SIZE)
+    prompt = prompt_reserve(budget_tokens, kv_budget=kv_budget, local_window=local_window,
+                            context_len=context_len)
+    fixed = PAGE_SIZE * -(-chunk_tokens // PAGE_SIZE) + prompt
 
     def fit(reserve: int) -> int:
         return min(max_running_requests, (budget_tokens - fixed - reserve) // per_request)
 
     requests, slots = fit(0), 0
     if prefix_cache and requests >= 1:
-        cap = max(1, int(budget_tokens * MAX_RESTORE_FRACTION) // (steady + PAGE_SIZE))
+        restored = steady + prompt + PAGE_SIZE
+        cap = max(1, int(budget_tokens * MAX_RESTORE_FRACTION) // restored)
         slots = max(1, min(requests // 2, cap))
-        requests = fit(slots * (steady + PAGE_SIZE))
+        requests = fit(slots * restored)
     if requests < 1:
         return None
     return CapacityPlan(logical_tokens=requests * context_len, max_requests=requests,
                         physical_tokens=budget_tokens - requests * window_tokens, restore_slots=slots,
-                        mode="bounded", fixed_tokens=requests * window_tokens)
+                        mode="bounded", fixed_tokens=requests * window_tokens,
+                        prompt_cap=steady - local_window + prompt)
 
 
 def overcommit_split(budget_tokens: int, max_running_requests: int, factor: float,

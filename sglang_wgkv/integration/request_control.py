@@ -100,24 +100,26 @@ def request_usage(dual, slot: int, admission: RequestAdmission, evictor=None, re
     ``mean_kv_tokens_per_head``: ring + global tokens per (layer, KV head) at the end;
     ``admitted_fraction``: tokens admitted to the global cache over tokens that left the ring, summed
     over streams (evicted tokens count as admitted; None when no token left the ring);
-    ``eviction_triggers``: evictor passes that cut one of its streams (0 without ``--kv-budget``).
+    ``eviction_triggers``: evictor passes that cut one of its streams (0 without ``--kv-budget``);
+    ``early_prompt_compressions``: those before the end of its prompt (the prompt passed the
+    evictor's ``prompt_cap``).
     ``reduce(sums, maxes) -> (sums, maxes)`` combines the per-rank counts under tensor parallelism
     (each rank's pool holds its own KV heads), so every rank reports the whole model's usage.
     """
     glen = dual.global_len[slot].long()
     streams = dual.num_layers * dual.num_kv_heads
     cached = int(dual.cached_len[slot])
-    triggers = evicted = 0
+    triggers = evicted = early = 0
     if evictor is not None:
         ev = evictor.request_stats(slot)
-        triggers, evicted = ev["eviction_triggers"], ev["evicted_tokens"]
+        triggers, evicted, early = ev["eviction_triggers"], ev["evicted_tokens"], ev["early_prompt_compressions"]
     kept = int(glen.sum())
     sums = [kept, evicted, max(cached - dual.window, 0) * streams, streams]
-    maxes = [triggers, int(glen.max())]
+    maxes = [triggers, int(glen.max()), early]
     if reduce is not None:
         sums, maxes = reduce(sums, maxes)
     kept, evicted, left, streams = sums
-    triggers, max_global = maxes
+    triggers, max_global, early = maxes
     mean_global = kept / streams
     return {
         "mean_kv_tokens_per_head": mean_global + min(cached, dual.window),
@@ -125,6 +127,7 @@ def request_usage(dual, slot: int, admission: RequestAdmission, evictor=None, re
         "max_global_tokens_per_head": max_global,
         "eviction_triggers": triggers,
         "evicted_tokens": evicted,
+        "early_prompt_compressions": early,
         "cached_tokens": cached,
         "admitted_fraction": (kept + evicted) / left if left else None,
         "admission": admission.admission,
@@ -158,7 +161,7 @@ def merge_usage(per_response: list[dict]) -> dict:
     merged = {"choices": per_response}
     for key in ("mean_kv_tokens_per_head", "mean_global_tokens_per_head"):
         merged[key] = sum(u[key] for u in per_response) / len(per_response)
-    for key in ("eviction_triggers", "evicted_tokens"):
+    for key in ("eviction_triggers", "evicted_tokens", "early_prompt_compressions"):
         merged[key] = sum(u[key] for u in per_response)
     fractions = [u["admitted_fraction"] for u in per_response if u["admitted_fraction"] is not None]
     merged["admitted_fraction"] = sum(fractions) / len(fractions) if fractions else None

@@ -101,6 +101,9 @@ class WGKVRuntime:
                     sizes.max_total_num_tokens, plan.logical_tokens, plan.max_requests, plan.physical_tokens,
                     plan.fixed_tokens, plan.restore_slots,
                     f", requests of at most {plan.max_request_tokens} tokens" if plan.max_request_tokens else "")
+        if plan.prompt_cap is not None:
+            logger.info("wgkv: a prompt being prefilled keeps up to %d global tokens per head until its end is "
+                        "scored; a prompt that admits more is compressed early (logged)", plan.prompt_cap)
         return cls(settings, plan)
 
     @staticmethod
@@ -144,7 +147,7 @@ class WGKVRuntime:
 
             self._evictor = SnapKVEvictor(pool=self._dual, budget=config.kv_budget,
                                           num_q_heads=mc.get_num_attention_heads(par.attn_tp_size),
-                                          window=config.evictor_window)
+                                          window=config.evictor_window, prompt_cap=self.plan.prompt_cap)
         if par.attn_tp_size > 1:
             from sglang_wgkv.integration.req_pool import tp_usage_reducer
 

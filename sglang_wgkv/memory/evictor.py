@@ -17,7 +17,8 @@ Per stream (request slot r, layer l, KV head h) with global length ``g > budget`
    need not be neighbours in position.
 2. evict the ``max(floor(ratio * g), 1, g - budget)`` lowest-scored entries (ratio 0.1: the paper's
    "bottom 10%"; the ``g - budget`` term only matters after an extend admitted many tokens at once,
-   so the budget holds after every step), ties going to the older entry;
+   so the budget holds after every step), ties going to the older entry; at the end of a prompt
+   (below) exactly ``g - budget``;
 3. the pool compacts the survivors in order to the front of the stream's global pages
    (:meth:`DualCachePool.compact_global`: now-empty trailing pages released, pages shared with
    another owner, e.g. a prefix snapshot, copied before being rewritten).
@@ -29,9 +30,22 @@ stricter than it: the paper triggers when the average exceeds N, so single heads
 Counters: a request's ``eviction_triggers`` counts the steps in which any of its streams was
 evicted from; ``stream_triggers`` counts per stream.
 
+Prompt-end scoring (SnapKV's observation window). A prompt is scored by its own end, the part that
+holds the question, not by whichever chunk of it is being prefilled: once the backend declares the
+requests of an extend with :meth:`mark_extend`, a request whose prompt is still being prefilled is
+not evicted from (its global cache grows with the admitted part of the prompt), and at the first
+step boundary after its last prompt chunk each of its streams is compressed to exactly ``budget``
+entries, scored by the prompt's last ``window`` queries (kept across chunks: the window is a ring
+indexed by position). From then on (decode) the bottom-10% rule above applies. ``prompt_cap`` bounds
+the deferral: a stream that passes ``prompt_cap`` global entries while its prompt is still open is
+compressed to ``budget`` early, scored by the latest chunk's queries (logged once per request), so a
+request's pages stay within ``W_local + prompt_cap`` plus one extend per stream. Requests never
+declared (``mark_extend`` not called) are evicted at every step boundary, prompt or not.
+
 Call protocol (the attention backend; every call is cheap when nothing is evicted)::
 
     pool.begin_extend(...)            | pool.begin_decode(...)
+    evictor.mark_extend(slots, ends)  |
     per layer: evictor.observe_extend |   per layer: evictor.observe_decode(layer, q[, req, pos])
                (layer, q)             |
     ... forward ends ...
@@ -51,6 +65,7 @@ evicting syncs.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -60,6 +75,8 @@ import torch
 from sglang_wgkv.config import DEFAULT_EVICTOR_WINDOW, PAGE_SIZE
 from sglang_wgkv.memory.dual_pool import DualCachePool
 from sglang_wgkv.memory.snapkv_score import snapkv_scores
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -75,6 +92,9 @@ class SnapKVEvictor:
     sm_scale : softmax scale (default ``1/sqrt(head_dim)``).
     max_score_elems : bound on the float32 attention-score elements scored at once (streams are
         scored in chunks below it).
+    prompt_cap : global entries a stream may hold while its prompt is being prefilled (requests
+        declared by :meth:`mark_extend`) before it is compressed early; None: no cap (compress only
+        at the prompt's end).
     """
 
     pool: DualCachePool
@@ -85,11 +105,13 @@ class SnapKVEvictor:
     ratio: float = 0.1
     sm_scale: float | None = None
     max_score_elems: int = 1 << 28
+    prompt_cap: int | None = None
     # Counters (read them with request_stats): per request slot, reset when the slot changes owner.
     triggers: np.ndarray = field(init=False)          # [R] maybe_evict calls that evicted from r
     evicted_tokens: np.ndarray = field(init=False)    # [R] global entries evicted from r
     stream_triggers: torch.Tensor = field(init=False)  # [R, L, H] evictions per stream
     checks: int = field(init=False, default=0)        # device looks (host bound exceeded)
+    early_compressions: np.ndarray = field(init=False)  # [R] compressions before the prompt's end
 
     def __post_init__(self):
         pool = self.pool
@@ -105,6 +127,8 @@ class SnapKVEvictor:
             raise ValueError(f"kernel_size must be odd and positive, got {self.kernel_size}")
         if not 0.0 <= self.ratio < 1.0:
             raise ValueError(f"ratio must be in [0, 1), got {self.ratio}")
+        if self.prompt_cap is not None and self.prompt_cap < self.budget:
+            raise ValueError(f"prompt_cap {self.prompt_cap} is below the budget {self.budget}")
         if self.sm_scale is None:
             self.sm_scale = 1.0 / math.sqrt(pool.head_dim)
         R, L, dev = pool.max_requests, pool.num_layers, pool.device
@@ -116,6 +140,11 @@ class SnapKVEvictor:
         self.triggers = np.zeros(R, dtype=np.int64)
         self.evicted_tokens = np.zeros(R, dtype=np.int64)
         self.stream_triggers = torch.zeros(R, L, H, dtype=torch.int64, device=dev)
+        self.early_compressions = np.zeros(R, dtype=np.int64)
+        # Prompt state of slots declared by mark_extend: still prefilling (not evicted from, up to
+        # prompt_cap), or prompt just ended (compressed exactly to the budget at the next boundary).
+        self._prompt_open = np.zeros(R, dtype=bool)
+        self._prompt_end = np.zeros(R, dtype=bool)
         self._generation = np.zeros(R, dtype=np.int64)
         # Host bound of max_{l,h} global_len[r]: exact_max + left_ring(now) - left_ring(at exact).
         self._exact_max = np.zeros(R, dtype=np.int64)
@@ -132,6 +161,9 @@ class SnapKVEvictor:
         self._generation[stale] = self.pool.generation[stale]
         self.triggers[stale] = 0
         self.evicted_tokens[stale] = 0
+        self.early_compressions[stale] = 0
+        self._prompt_open[stale] = False
+        self._prompt_end[stale] = False
         self._exact_max[stale] = 0
         self._left_at_exact[stale] = 0
         idx = torch.as_tensor(stale, device=self.pool.device)
@@ -143,6 +175,18 @@ class SnapKVEvictor:
         return np.maximum(self.pool.cached_len - self.pool.window, 0)
 
     # -- observation ----------------------------------------------------------------------------
+    def mark_extend(self, req_slots, prompt_ends) -> None:
+        """Declare the requests of the current extend: ``prompt_ends[b]`` True when this extend
+        writes the last token of request ``req_slots[b]``'s prompt (it is then compressed to the
+        budget at the next step boundary), False while its prompt is still being prefilled."""
+        self._refresh_slots()
+        slots = np.asarray(list(req_slots), dtype=np.int64)
+        ends = np.asarray(list(prompt_ends), dtype=bool)
+        if slots.shape != ends.shape:
+            raise ValueError(f"{slots.size} request slots, {ends.size} prompt-end flags")
+        self._prompt_open[slots] = ~ends
+        self._prompt_end[slots] = ends
+
     def observe_extend(self, layer: int, q: torch.Tensor) -> None:
         """Record the queries of the pool's current extend for ``layer``.
 
@@ -198,31 +242,51 @@ class SnapKVEvictor:
 
     # -- eviction -------------------------------------------------------------------------------
     def over_budget_candidates(self) -> np.ndarray:
-        """Active request slots whose host bound of the longest global cache exceeds the budget."""
+        """Active request slots whose host bound of the longest global cache exceeds their limit:
+        the budget, or ``prompt_cap`` while their prompt is being prefilled."""
         self._refresh_slots()
         bound = self._exact_max + self._left_ring() - self._left_at_exact
-        return np.nonzero(self.pool.active & (bound > self.budget))[0]
+        return np.nonzero(self.pool.active & (bound > self._limits()))[0]
+
+    def _limits(self) -> np.ndarray:
+        """``[R]`` the global length each slot's streams may keep at this step boundary."""
+        open_cap = np.iinfo(np.int64).max if self.prompt_cap is None else self.prompt_cap
+        return np.where(self._prompt_open, open_cap, self.budget)
 
     def maybe_evict(self) -> int:
         """Enforce the budget on every active request; call at a step boundary. Returns the number
-        of streams evicted from (0 without touching the device when no bound exceeds the budget)."""
+        of streams evicted from (0 without touching the device when no bound exceeds its limit)."""
         cand = self.over_budget_candidates()
         if cand.size == 0:
+            self._prompt_end[:] = False
             return 0
         self.checks += 1
         pool = self.pool
         req = torch.as_tensor(cand, device=pool.device)
         glen = pool.global_len[req].long()                                       # [C, L, H]
-        over = torch.nonzero(glen > self.budget)                                 # [S, 3] (syncs)
+        limit = torch.as_tensor(self._limits()[cand], device=pool.device)
+        over = torch.nonzero(glen > limit[:, None, None])                        # [S, 3] (syncs)
         if over.numel():
-            self._evict_streams(req[over[:, 0]], over[:, 1], over[:, 2])
-            self.triggers[np.unique(cand[over[:, 0].cpu().numpy()])] += 1
+            rows = over[:, 0].cpu().numpy()
+            exact = self._prompt_end[cand] | self._prompt_open[cand]              # [C] compress to budget
+            self._evict_streams(req[over[:, 0]], over[:, 1], over[:, 2],
+                                torch.as_tensor(exact[rows], device=pool.device))
+            hit = np.unique(cand[rows])
+            self.triggers[hit] += 1
+            early = hit[self._prompt_open[hit]]
+            for r in early[self.early_compressions[early] == 0]:
+                logger.warning("SnapKV: request slot %d passed %d global tokens per head before the end of its "
+                               "prompt; compressed early to the budget %d, scored by the latest chunk",
+                               r, self.prompt_cap, self.budget)
+            self.early_compressions[early] += 1
         self._exact_max[cand] = pool.global_len[req].flatten(1).amax(1).cpu().numpy()
         self._left_at_exact[cand] = self._left_ring()[cand]
+        self._prompt_end[:] = False
         return int(over.shape[0])
 
-    def _evict_streams(self, r: torch.Tensor, l: torch.Tensor, h: torch.Tensor) -> None:
-        """Evict from the streams ``(r[s], l[s], h[s])`` (all over budget), in chunks of streams."""
+    def _evict_streams(self, r: torch.Tensor, l: torch.Tensor, h: torch.Tensor, exact: torch.Tensor) -> None:
+        """Evict from the streams ``(r[s], l[s], h[s])`` (all over budget), in chunks of streams;
+        ``exact [S]`` bool: cut to the budget exactly (prompt end), else the bottom-ratio rule."""
         pool = self.pool
         glen = pool.global_len[r, l, h].long()
         ng = int(glen.max())
@@ -230,7 +294,7 @@ class SnapKVEvictor:
         chunk = max(1, self.max_score_elems // per_stream)
         freed = []
         for s in range(0, r.numel(), chunk):
-            freed.append(self._evict_chunk(r[s:s + chunk], l[s:s + chunk], h[s:s + chunk]))
+            freed.append(self._evict_chunk(r[s:s + chunk], l[s:s + chunk], h[s:s + chunk], exact[s:s + chunk]))
         pool.release_pages(torch.cat(freed))
         self.stream_triggers[r, l, h] += 1
 
@@ -256,7 +320,7 @@ class SnapKVEvictor:
         scores = snapkv_scores(q, q_pos, g_keys, glen, r_keys, r_pos, self.sm_scale, self.kernel_size)
         return scores, glen, gpages, g_keys
 
-    def _evict_chunk(self, r, l, h) -> torch.Tensor:
+    def _evict_chunk(self, r, l, h, exact) -> torch.Tensor:
         """Score and select one chunk of streams, then have the pool compact them; returns the page
         ids to release."""
         pool = self.pool
@@ -265,6 +329,7 @@ class SnapKVEvictor:
         j = torch.arange(Ng, device=pool.device)
         valid = j[None, :] < glen[:, None]
         n_evict = torch.maximum(torch.clamp((glen.double() * self.ratio).long(), min=1), glen - self.budget)
+        n_evict = torch.where(exact, glen - self.budget, n_evict)
         order = torch.argsort(scores.masked_fill(~valid, float("inf")), dim=1, stable=True)
         rank = torch.empty_like(order).scatter_(1, order, j.expand(S, Ng).contiguous())
         keep = valid & (rank >= n_evict[:, None])
@@ -283,4 +348,5 @@ class SnapKVEvictor:
             "evicted_tokens": int(self.evicted_tokens[r]),
             "stream_eviction_triggers": int(self.stream_triggers[r].sum()),
             "max_stream_eviction_triggers": int(self.stream_triggers[r].max()),
+            "early_prompt_compressions": int(self.early_compressions[r]),
         }

@@ -1,0 +1,61 @@
+"""Prompt-end scoring in the served engine (bounded mode: ``--kv-budget`` + chunked prefill): a prompt
+prefilled in several chunks is not evicted from until its end, then compressed to the budget once;
+a prompt that admits more than the capacity plan's ``prompt_cap`` is compressed early and the log
+says so; the pool stays intact."""
+
+import pytest
+
+from serving_support import Server, long_prompt
+
+pytestmark = pytest.mark.evictor
+
+W_LOCAL = 16
+KV_BUDGET = 16
+CHUNK = 64
+STREAMS = 30 * 3  # the embedded model: 30 layers x 3 KV heads
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("evictor_serving")
+    # fresh gates admit every token; --max-total-tokens 2048 (BASE_ARGS): prompt_cap 16 + 512
+    srv = Server(["--wgkv-gates", "fresh", "--wgkv-local-window", str(W_LOCAL), "--kv-budget", str(KV_BUDGET),
+                  "--chunked-prefill-size", str(CHUNK), "--disable-radix-cache"], tmp / "server.log")
+    try:
+        yield srv.wait_healthy()
+    finally:
+        srv.stop()
+
+
+def _usage(out):
+    return [u for u in out["meta_info"]["wgkv"] if u][-1]
+
+
+def test_chunked_prompt_is_compressed_once_at_its_end(server):
+    prompt = long_prompt(24)
+    # one output token comes from the prefill: no eviction inside the prompt (per-chunk scoring cut
+    # it at each of the 4 boundaries between its chunks); the overlap scheduler may run the next
+    # step boundary, the prompt-end compression, before it frees the request
+    one = server.generate(prompt, max_new_tokens=1)
+    n = one["meta_info"]["prompt_tokens"]
+    assert n > 4 * CHUNK
+    u = _usage(one)
+    assert u["eviction_triggers"] <= 1 and u["early_prompt_compressions"] == 0
+    assert u["evicted_tokens"] == u["eviction_triggers"] * STREAMS * (n - W_LOCAL - KV_BUDGET)
+    out = server.generate(prompt, max_new_tokens=4, sampling_params={"ignore_eos": True})
+    u = _usage(out)
+    assert u["early_prompt_compressions"] == 0 and u["max_global_tokens_per_head"] <= KV_BUDGET + 1
+    # the prompt's end cut every stream to the budget at once: at least n - W - budget per stream
+    assert u["evicted_tokens"] >= STREAMS * (n - W_LOCAL - KV_BUDGET)
+    assert out["output_ids"][0] == one["output_ids"][0]
+    server.wait_idle_checked()
+
+
+def test_prompt_past_the_cap_is_compressed_early_and_logged(server):
+    out = server.generate(long_prompt(60, seed=3), max_new_tokens=3, sampling_params={"ignore_eos": True})
+    assert out["meta_info"]["prompt_tokens"] - W_LOCAL > 16 + 512 + CHUNK
+    u = _usage(out)
+    assert u["early_prompt_compressions"] >= 1 and u["max_global_tokens_per_head"] <= KV_BUDGET + 1
+    assert "compressed early to the budget" in server.log_path.read_text(errors="replace")
+    server.wait_idle_checked()
+    assert server.alive()
