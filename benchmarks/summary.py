@@ -255,6 +255,21 @@ def training(d: dict) -> list[str]:
             + table(["lambda", "KV fraction", "global fraction", "soft MSE", "hard MSE"], rows))
 
 
+def accuracy_rows(d: dict) -> list[str]:
+    """``accuracy/summary.json``: one row per (method, budget, engine); other methods' rows too."""
+    rows = [[r.get("method"), r.get("budget") or "", r.get("engine") or "", r.get("n", ""), f(r.get("kv_fraction"), 3),
+             f(r.get("accuracy"), 3), f(r.get("accuracy_vs_full"), 2)] for r in d["rows"]]
+    return table(["method", "budget", "engine", "n", "KV fraction", "accuracy", "vs full"], rows)
+
+
+def served_accuracy(d: dict) -> list[str]:
+    """``evals/served.py`` per-sample results: accuracy per configuration."""
+    rows = [[r["method"], r["budget"] or "", len(r["rows"]), f(sum(x["correct"] for x in r["rows"]) / len(r["rows"]), 3),
+             f(sum(x["kv_fraction"] for x in r["rows"]) / len(r["rows"]), 3), f(r["seconds"], 0)] for r in d["results"]]
+    return ([f"Engine {d['engine']}; command: {cmd(d['command'])}" if "command" in d else f"Engine {d['engine']}", ""]
+            + table(["method", "budget", "n", "accuracy", "KV fraction", "request seconds"], rows))
+
+
 def renderer(d: dict):
     """The renderer of a result file's kind (None: unknown kind)."""
     if "protocol" in d and "lengths" in d:
@@ -279,6 +294,10 @@ def renderer(d: dict):
         return eval_summary
     if "train_curve" in d:
         return training
+    if "results" in d and "engine" in d:
+        return served_accuracy
+    if set(d) == {"rows"}:
+        return accuracy_rows
     return None
 
 
