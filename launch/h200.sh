@@ -11,7 +11,8 @@
 #   3. carry [".model/SmolLM2-135M-Instruct.Q4_1.gguf.part01", ".kit2"]: bash launch/h200.sh serve-bench [server args]
 # Step 3 joins the GGUF, checks its SHA-256, converts it (sglang_wgkv.embedded_model), starts
 # `python -m sglang_wgkv.launch_server` (WG-KV, real weights), runs launch/bench_serving.py and writes
-# logs and results to $OUT.
+# logs and results to $OUT. `serve-soak [server args]` in its place runs the soak instead
+# (tests/soak_workload.py, 1,000 mixed jobs; SOAK_ARGS overrides its options), summary in $OUT/soak.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 M=/tmp/m
@@ -23,8 +24,8 @@ setup)
     mkdir -p "$M" && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader ;;
 part)
     cp .model/$GGUF.part00 "$M"/ ;;
-serve-bench)
-    shift
+serve-bench|serve-soak)
+    mode=$1; shift
     cp .model/$GGUF.part01 "$M"/
     if [ -d .kit2 ]; then bash .kit/install.sh .kit2 >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .kit2/*.whl; fi
     cat "$M"/$GGUF.part00 "$M"/$GGUF.part01 > "$M"/$GGUF
@@ -33,6 +34,7 @@ serve-bench)
     export PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1 SGLANG_WGKV_GGUF="$M/$GGUF" SGLANG_WGKV_CACHE=/tmp/wgkv-cache
     OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
     python3 -m sglang_wgkv.embedded_model
+    [ "$mode" = serve-soak ] && export SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1
     setsid python3 -m sglang_wgkv.launch_server --port 30000 --mem-fraction-static 0.5 "$@" > "$OUT/server.log" 2>&1 &
     server=$!
     for _ in $(seq 1 130); do
@@ -41,7 +43,14 @@ serve-bench)
         kill -0 $server 2>/dev/null || { tail -50 "$OUT/server.log"; exit 1; }
         sleep 2
     done
-    python3 launch/bench_serving.py --url http://127.0.0.1:30000 --out "$OUT/bench.json" || tail -60 "$OUT/server.log"
+    if [ "$mode" = serve-soak ]; then
+        # shellcheck disable=SC2086
+        python3 tests/soak_workload.py --url http://127.0.0.1:30000 --server-log "$OUT/server.log" \
+            --out "$OUT/soak.json" ${SOAK_ARGS:---requests 1000 --concurrency 32 --checkpoint-every 250 --new-tokens 32 --pressure-items 200 --pressure-tokens 512 --pressure-batch 16} \
+            > "$OUT/soak.log" 2>&1 || { tail -40 "$OUT/soak.log"; tail -60 "$OUT/server.log"; }
+    else
+        python3 launch/bench_serving.py --url http://127.0.0.1:30000 --out "$OUT/bench.json" || tail -60 "$OUT/server.log"
+    fi
     kill -- -$server 2>/dev/null || true ;;
 *)
     sed -n 2,15p "$0"; exit 2 ;;
