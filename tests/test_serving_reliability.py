@@ -110,6 +110,34 @@ BAD_INPUT = [
 ]
 
 
+def test_request_checks_unit():
+    from types import SimpleNamespace
+
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from sglang_wgkv.integration.request_validation import check_request, check_sampling_params
+
+    frontend = {"max_new_tokens": 4, "min_new_tokens": 0, "n": 1, "stop": [], "stop_token_ids": None,
+                "temperature": 0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "ignore_eos": False, "regex": None}
+    for ok in (None, {}, frontend, {"temperature": None, "logit_bias": {"5": -2}, "custom_params": {"wgkv": {"tau": 0.3}}}):
+        check_sampling_params(ok, SamplingParams)
+    for bad, msg in (("x", "an object"), ({"foo": 1}, "unknown"), ({"stop_strs": ["a"]}, "unknown"),
+                     ({"max_new_tokens": "4"}, "max_new_tokens"), ({"n": True}, "sampling_params.n"),
+                     ({"top_k": 2.5}, "top_k"), ({"logit_bias": {"5": float("nan")}}, "finite")):
+        with pytest.raises(ValueError, match=msg):
+            check_sampling_params(bad, SamplingParams)
+    manager = SimpleNamespace(model_config=SimpleNamespace(vocab_size=100), sampling_params_class=SamplingParams)
+    req = SimpleNamespace(sampling_params={}, return_logprob=True, top_logprobs_num=100, image_data=None)
+    check_request(manager, req, [0, 99])
+    with pytest.raises(ValueError, match=r"input_ids\[1\] = 100"):
+        check_request(manager, req, [0, 100])
+    with pytest.raises(ValueError, match=r"input_ids\[0\] = -1"):
+        check_request(manager, req, [-1])
+    with pytest.raises(ValueError, match="top_logprobs_num"):
+        check_request(manager, SimpleNamespace(**{**vars(req), "top_logprobs_num": 101}), [1])
+    check_request(manager, SimpleNamespace(**{**vars(req), "image_data": ["img"]}), [10 ** 6])  # placeholders
+
+
 def _post(server, path, body, timeout=300):
     if isinstance(body, bytes):
         return requests.post(server.url + path, data=body, headers={"Content-Type": "application/json"},
