@@ -56,7 +56,7 @@ BAD_INPUT = [
      "sampling_params.temperature"),
     ("top_k a float", GEN, {"text": "Hi", "sampling_params": _sp(top_k=2.5)}, "sampling_params.top_k"),
     ("stop a number", GEN, {"text": "Hi", "sampling_params": _sp(stop=5)}, "sampling_params.stop"),  # was 500
-    ("logit_bias 1e999", GEN, b'{"text": "Hi", "sampling_params": {"logit_bias": {"5": 1e999}}}', "logit_bias"),
+    ("logit_bias 1e999", GEN, b'{"text": "Hi", "sampling_params": {"logit_bias": {"5": 1e999}}}', "JSON decode error"),
     ("temperature < 0", GEN, {"text": "Hi", "sampling_params": _sp(temperature=-1)}, "temperature"),
     ("top_p 2", GEN, {"text": "Hi", "sampling_params": _sp(top_p=2)}, "top_p"),
     ("max_new_tokens < 0", GEN, {"text": "Hi", "sampling_params": _sp(max_new_tokens=-1)}, "max_new_tokens"),
@@ -189,8 +189,8 @@ def test_bad_input_is_4xx_and_harmless(server):
         assert server.alive(), f"server died on {name!r}:\n{server.log_tail()}"
     for t in threads:
         t.join(timeout=900)
-    assert not wrong, "\n".join(wrong)
     assert during == alone
+    assert not wrong, "\n".join(wrong)
     stats = server.wait_idle_checked()
     assert stats["free_pages"] + stats["radix"]["snapshot_pages"] == stats["total_pages"]
 

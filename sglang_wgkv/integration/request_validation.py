@@ -14,7 +14,8 @@ tokenized into a scheduler request (each a ValueError, which SGLang answers with
   is a ``TypeError`` (500) in the length check or the ``SamplingParams`` constructor, which checks
   no types; some pass and fail later in the scheduler (``"top_k": 2.5``). Each key is checked
   against ``SamplingParams``' own fields and annotations.
-* a non-finite ``logit_bias`` value passes ``verify`` and makes the sampler's probabilities NaN.
+* a non-finite ``logit_bias`` value passes ``verify`` and makes the sampler's probabilities NaN
+  (HTTP's JSON parser rejects NaN and 1e999 already; the offline ``sglang.Engine`` does not).
 
 Valid requests are untouched: every rejected input made SGLang fail.
 """
