@@ -53,6 +53,7 @@ class SoakConfig:
     pressure_tokens: int = 120    # pressure jobs generate exactly this many (EOS ignored)
     pressure_batch: int = 4       # prompts per pressure job (one /generate call: admitted together)
     timeout_s: float = 1800.0
+    time_budget_s: float = 0.0    # > 0: no new block of jobs starts after this many seconds
 
     def __post_init__(self):
         if min(self.requests, self.concurrency, self.checkpoint_every, self.new_tokens, self.pressure_items,
@@ -293,21 +294,25 @@ class Soak:
         checkpoints = [self.checkpoint(0)]
         jobs = self.jobs()
         step = self.config.checkpoint_every
+        ran = 0
         with ThreadPoolExecutor(self.config.concurrency) as pool:
             for lo in range(0, len(jobs), step):
+                if self.config.time_budget_s and time.monotonic() - start > self.config.time_budget_s:
+                    break
                 list(pool.map(self.run_job, jobs[lo:lo + step]))
+                ran = min(lo + step, len(jobs))
                 checkpoints.append(self.checkpoint(min(lo + step, len(jobs))))
                 print(json.dumps({"t_s": round(time.monotonic() - start, 1), **checkpoints[-1],
                                   "failures": len(self.failures)}), flush=True)
         probe_after = self.probe()
-        checkpoints.append(self.checkpoint(len(jobs)))
+        checkpoints.append(self.checkpoint(ran))
         if probe_after != probe_before:
             self.failures.append(f"probe changed: {probe_before} -> {probe_after}")
         wall = time.monotonic() - start
         retracted = self.retractions()
-        return {"config": asdict(self.config), "jobs": len(jobs), "http_requests": self.http_requests,
+        return {"config": asdict(self.config), "jobs": ran, "http_requests": self.http_requests,
                 "counts": dict(sorted(self.counts.items())), "wall_s": round(wall, 1),
-                "jobs_per_s": round(len(jobs) / wall, 3),
+                "jobs_per_s": round(ran / wall, 3),
                 "retractions": None if retracted is None else retracted - retracted0,
                 "probe_equal": probe_after == probe_before, "checkpoints": checkpoints,
                 "final_stats": {k: v for k, v in self.stats().items() if not k.endswith("per_layer_head")},

@@ -40,6 +40,6 @@ def test_cpu_soak(server):
             json.dump(summary, f, indent=1)
     print(json.dumps({k: v for k, v in summary.items() if k not in ("checkpoints", "final_stats")}, indent=1))
     assert not summary["failures"], "\n".join(summary["failures"][:20])
-    assert summary["probe_equal"] and server.alive()
+    assert summary["jobs"] == N_JOBS and summary["probe_equal"] and server.alive()
     assert summary["retractions"] >= 1, "no retraction: the pressure jobs did not fill the pool"
     assert set(summary["counts"]) == set(MIX) or N_JOBS < 100
