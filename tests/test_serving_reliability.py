@@ -1,7 +1,8 @@
 """Reliability of the wgkv server on CPU: bad input through every entry point, and clients that drop
 their streams.
 
-One server (W_local 32, 128-token prefill chunks, the shipped gates: admission on, prefix cache on).
+One server (W_local 32, 128-token prefill chunks, gates that admit on KV heads 1-2 and not on head 0,
+prefix cache on).
 
 Bad input (:data:`BAD_INPUT`): each case must get a 4xx with a message while the server stays up
 and two greedy requests running meanwhile produce exactly what they produce alone. Upstream
@@ -21,7 +22,7 @@ import threading
 import pytest
 import requests
 
-from serving_support import Server, long_prompt
+from serving_support import Server, long_prompt, save_head_gates
 
 pytestmark = pytest.mark.serving
 
@@ -156,8 +157,10 @@ def _error_of(response) -> tuple[int, str]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = Server(["--wgkv-local-window", "32", "--chunked-prefill-size", "128"],
-                 tmp_path_factory.mktemp("reliability") / "server.log")
+    tmp = tmp_path_factory.mktemp("reliability")
+    save_head_gates(tmp / "gates", [-30.0, 30.0, 30.0], 32)  # admission on: KV head 0 keeps no token
+    srv = Server(["--wgkv-local-window", "32", "--chunked-prefill-size", "128", "--wgkv-gates", str(tmp / "gates")],
+                 tmp / "server.log")
     try:
         yield srv.wait_healthy()
     finally:

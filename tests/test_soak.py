@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from serving_support import Server
+from serving_support import Server, save_head_gates
 from soak_workload import MIX, Soak, SoakConfig
 
 pytestmark = [pytest.mark.soak, pytest.mark.serving]
@@ -23,8 +23,10 @@ N_JOBS = int(os.environ.get("WGKV_SOAK_REQUESTS", "150"))
 def server(tmp_path_factory):
     # 2048-token budget (serving_support), W_local 32, 128-token chunks: prompts leave the ring and
     # get promoted, pressure batches (4 x ~490 tokens) outgrow the 1536 logical tokens and retract
-    srv = Server(["--wgkv-local-window", "32", "--chunked-prefill-size", "128", "--enable-metrics"],
-                 tmp_path_factory.mktemp("soak") / "server.log")
+    tmp = tmp_path_factory.mktemp("soak")
+    save_head_gates(tmp / "gates", [-30.0, 30.0, 30.0], 32)  # admission on: KV head 0 keeps no token
+    srv = Server(["--wgkv-local-window", "32", "--chunked-prefill-size", "128", "--enable-metrics",
+                  "--wgkv-gates", str(tmp / "gates")], tmp / "server.log")
     try:
         yield srv.wait_healthy()
     finally:
