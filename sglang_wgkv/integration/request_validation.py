@@ -1,6 +1,6 @@
 """Request checks that turn bad input into SGLang's usual 400 instead of a 500 or a dead scheduler.
 
-Measured on SGLang 0.5.17 (``tests/test_serving_bad_input.py`` holds the whole table): the HTTP
+Measured on SGLang 0.5.17 (``tests/test_serving_reliability.py`` holds the whole table): the HTTP
 layer already answers 400 for malformed JSON (NaN and Infinity included: its JSON parser rejects
 them), wrong container types, over-long prompts and the ranges ``SamplingParams.verify`` knows.
 What it does not catch, closed here by one check in the tokenizer manager before a request is
@@ -17,7 +17,9 @@ tokenized into a scheduler request (each a ValueError, which SGLang answers with
 * a non-finite ``logit_bias`` value passes ``verify`` and makes the sampler's probabilities NaN
   (HTTP's JSON parser rejects NaN and 1e999 already; the offline ``sglang.Engine`` does not).
 
-Valid requests are untouched: every rejected input made SGLang fail.
+Valid requests are untouched. Beyond the failures above, a ``custom_params`` that is not an object
+(SGLang accepted and ignored it, so a request's ``wgkv`` settings were silently lost) and SGLang's
+internal fields (``is_normalized`` would skip its normalization) are rejected too.
 """
 
 from __future__ import annotations
