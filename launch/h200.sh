@@ -11,7 +11,8 @@
 #   3. carry [".model/SmolLM2-135M-Instruct.Q4_1.gguf.part01", ".kit2"]: bash launch/h200.sh serve-bench [server args]
 # Step 3 joins the GGUF, checks its SHA-256, converts it (sglang_wgkv.embedded_model), starts
 # `python -m sglang_wgkv.launch_server` (WG-KV, real weights), runs launch/bench_serving.py and writes
-# logs and results to $OUT.
+# logs and results to $OUT. `serve-soak [server args]` in its place runs the soak instead
+# (tests/soak_workload.py, 1,000 mixed jobs; SOAK_ARGS overrides its options), summary in $OUT/soak.json.
 # Or, as step 3 (and again in later calls of the same message, each under the 10-minute limit):
 #   bash launch/h200.sh serve-eval [evals.served args]
 # the RULER-style set through one server per configuration (evals/served.py); results accumulate in
@@ -27,7 +28,7 @@ setup)
     mkdir -p "$M" && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader ;;
 part)
     cp .model/$GGUF.part00 "$M"/ ;;
-serve-bench|serve-eval)
+serve-bench|serve-eval|serve-soak)
     mode=$1; shift
     cp .model/$GGUF.part01 "$M"/ 2>/dev/null || test -f "$M"/$GGUF
     if [ -d .kit2 ]; then bash .kit/install.sh .kit2 >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .kit2/*.whl; fi
@@ -44,6 +45,7 @@ serve-bench|serve-eval)
         cp -r /tmp/served/. "$OUT"/
         exit 0
     fi
+    [ "$mode" = serve-soak ] && export SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1
     setsid python3 -m sglang_wgkv.launch_server --port 30000 --mem-fraction-static 0.5 "$@" > "$OUT/server.log" 2>&1 &
     server=$!
     for _ in $(seq 1 130); do
@@ -52,7 +54,14 @@ serve-bench|serve-eval)
         kill -0 $server 2>/dev/null || { tail -50 "$OUT/server.log"; exit 1; }
         sleep 2
     done
-    python3 launch/bench_serving.py --url http://127.0.0.1:30000 --out "$OUT/bench.json" || tail -60 "$OUT/server.log"
+    if [ "$mode" = serve-soak ]; then
+        # shellcheck disable=SC2086
+        python3 tests/soak_workload.py --url http://127.0.0.1:30000 --server-log "$OUT/server.log" \
+            --out "$OUT/soak.json" ${SOAK_ARGS:---requests 1000 --concurrency 32 --checkpoint-every 100 --new-tokens 32 --pressure-items 200 --pressure-tokens 256 --pressure-batch 8 --time-budget-s 200} \
+            > "$OUT/soak.log" 2>&1 || { tail -40 "$OUT/soak.log"; tail -60 "$OUT/server.log"; }
+    else
+        python3 launch/bench_serving.py --url http://127.0.0.1:30000 --out "$OUT/bench.json" || tail -60 "$OUT/server.log"
+    fi
     kill -- -$server 2>/dev/null || true ;;
 *)
     sed -n 2,15p "$0"; exit 2 ;;

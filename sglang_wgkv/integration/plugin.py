@@ -23,7 +23,7 @@ def load_plugin() -> None:
 
     from radix_ext import factory as radix_factory
 
-    from sglang_wgkv.integration import hooks, metrics, overcommit, request_control
+    from sglang_wgkv.integration import hooks, metrics, overcommit, request_control, request_validation
     from sglang_wgkv.integration.backend import record_batch_slots
 
     register_attention_backend(BACKEND_NAME)(create_wgkv_backend)
@@ -48,6 +48,8 @@ def load_plugin() -> None:
          HookType.AROUND),
         ("sglang.srt.sampling.sampling_params.SamplingParams.verify", request_control.validate_sampling_params,
          HookType.AFTER),
+        ("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+         request_validation.check_request, HookType.BEFORE),
         ("sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._build_chat_response",
          request_control.add_openai_usage, HookType.AFTER),
         ("sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion._build_completion_response",

@@ -1,0 +1,340 @@
+"""Mixed-request soak against a running wgkv server (issue 14): the CPU soak test drives it in CI
+(``tests/test_soak.py``), the H200 soak runs it as a script (``launch/h200.sh serve-soak``)::
+
+    python tests/soak_workload.py --url http://127.0.0.1:30000 --requests 1000 --concurrency 32 \
+        --server-log server.log --out soak.json
+
+Jobs, drawn with a fixed seed (:data:`MIX`): ``/generate`` greedy on shared prefixes (the radix
+cache), with per-request ``tau`` or ``admission: false``; streams, some aborted through
+``/abort_request``, some dropped by the client; OpenAI chat (multi-turn on one system prompt, plain
+and streaming with usage) and completions; SGLang frontend programs (``gen`` + ``select``); long
+"pressure" requests that fill the pool so that the scheduler retracts; and bad input, which must be
+a 4xx. Every job's answer is checked (status, finish reason, token counts, usage).
+
+Checks: a fixed greedy probe (cold: ``/flush_cache`` first) answers the same token ids before and
+after; every ``--checkpoint-every`` jobs the workers drain and the scheduler, idle, must have
+checked the pool (the server runs with ``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1``, so a leaked
+slot or page or a failed integrity check kills it): no request holds a slot, every page is free or
+held by a prefix snapshot, requests started == released. Exit code 1 on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+import requests
+
+from serving_support import long_prompt
+
+MIX = {"generate": 14, "generate_tau": 6, "generate_dense": 4, "stream": 10, "stream_abort": 6, "stream_drop": 5,
+       "chat": 10, "chat_stream": 8, "completion": 8, "program": 7, "pressure": 4, "bad_input": 10}
+PROBES = ["The capital of France is", long_prompt(6, seed=11)]
+SYSTEM = "You are a terse assistant. Answer in one short sentence."
+BAD = [({"text": "Hi", "sampling_params": {"max_new_tokens": "ten"}}, "max_new_tokens"),
+       ({"input_ids": [1, 10 ** 7], "sampling_params": {"max_new_tokens": 2}}, "vocabulary"),
+       ({"text": "Hi", "sampling_params": {"custom_params": {"wgkv": {"tau": 7}}}}, "custom_params.wgkv"),
+       ({"text": "Hi", "return_logprob": True, "top_logprobs_num": 10 ** 7, "sampling_params": {}}, "top_logprobs")]
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    requests: int = 200
+    concurrency: int = 8
+    seed: int = 0
+    checkpoint_every: int = 100
+    new_tokens: int = 12          # ordinary jobs generate up to this many tokens
+    pressure_items: int = 30      # pressure prompt: long_prompt(items) ~ 12 tokens per item
+    pressure_tokens: int = 120    # pressure jobs generate exactly this many (EOS ignored)
+    pressure_batch: int = 4       # prompts per pressure job (one /generate call: admitted together)
+    timeout_s: float = 1800.0
+    time_budget_s: float = 0.0    # > 0: no new block of jobs starts after this many seconds
+
+    def __post_init__(self):
+        if min(self.requests, self.concurrency, self.checkpoint_every, self.new_tokens, self.pressure_items,
+               self.pressure_tokens, self.pressure_batch) < 1:
+            raise ValueError(f"every size must be >= 1: {self}")
+
+
+class Soak:
+    """One soak run against ``url``; :meth:`run` returns the summary (``failures`` empty = passed)."""
+
+    def __init__(self, url: str, config: SoakConfig, server_log: str | None = None):
+        self.url, self.config, self.server_log = url, config, server_log
+        self.failures: list[str] = []
+        self.counts: dict[str, int] = {}
+        self.http_requests = 0
+        self._lock = threading.Lock()
+        self.prefixes = [long_prompt(n, seed=s) for n, s in ((8, 1), (16, 2), (24, 3))]
+
+    # -- HTTP -----------------------------------------------------------------------------------
+    def post(self, path, body, **kw):
+        with self._lock:
+            self.http_requests += 1
+        return requests.post(self.url + path, json=body, timeout=self.config.timeout_s, **kw)
+
+    def stats(self) -> dict:
+        r = requests.get(self.url + "/server_info", timeout=120)
+        r.raise_for_status()
+        return r.json()["internal_states"][0]["wgkv"]
+
+    def fail(self, job, message):
+        with self._lock:
+            self.failures.append(f"job {job[0]} ({job[1]}): {message}")
+
+    # -- checks ---------------------------------------------------------------------------------
+    def probe(self) -> list[list[int]]:
+        """Cold greedy answers of :data:`PROBES` (the prefix cache flushed first, so both probes
+        prefill the same way)."""
+        for _ in range(120):
+            if requests.post(self.url + "/flush_cache", timeout=120).status_code == 200:
+                break
+            time.sleep(0.5)
+        else:
+            raise TimeoutError("/flush_cache refused for 60 s")
+        outs = []
+        for p in PROBES:
+            r = self.post("/generate", {"text": p, "sampling_params": {"max_new_tokens": 24, "temperature": 0,
+                                                                       "ignore_eos": True}})
+            r.raise_for_status()
+            outs.append(r.json()["output_ids"])
+        return outs
+
+    def checkpoint(self, done: int) -> dict:
+        """Idle, checked pool: the workers have drained, so the scheduler must reach idle."""
+        deadline = time.monotonic() + 300
+        while True:
+            s = self.stats()
+            if s["active_requests"] == 0 and s["idle_checked_released"] == s["requests_released"]:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not idle-checked 300 s after {done} jobs: {s}")
+            time.sleep(0.5)
+        held = s.get("radix", {}).get("snapshot_pages", 0)
+        if s["free_pages"] + held != s["total_pages"] or s["requests_started"] != s["requests_released"]:
+            raise RuntimeError(f"pool not clean after {done} jobs: {s}")
+        return {"jobs": done, "free_pages": s["free_pages"], "snapshot_pages": held,
+                "requests_released": s["requests_released"], "idle_checks": s["idle_checks"]}
+
+    # -- jobs -----------------------------------------------------------------------------------
+    def jobs(self) -> list[tuple[int, str, int]]:
+        rng = random.Random(self.config.seed)
+        kinds = rng.choices(list(MIX), weights=list(MIX.values()), k=self.config.requests)
+        return [(i, kind, rng.randrange(1 << 30)) for i, kind in enumerate(kinds)]
+
+    def run_job(self, job) -> None:
+        i, kind, seed = job
+        rng = random.Random(seed)
+        try:
+            getattr(self, f"_{kind}")(job, rng)
+        except Exception as e:  # a job's failure is recorded; the run goes on (a dead server fails every later job)
+            self.fail(job, f"{type(e).__name__}: {e}")
+        with self._lock:
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+
+    def _prompt(self, rng):
+        prefix = rng.choice(self.prefixes)
+        return prefix[: rng.randint(len(prefix) // 2, len(prefix))] + f" Question {rng.randint(0, 999)}?"
+
+    def _generate_body(self, rng, extra_params=None, n=None):
+        n = n or rng.randint(1, self.config.new_tokens)
+        return {"text": self._prompt(rng), "sampling_params": {"max_new_tokens": n, "temperature": 0,
+                                                               "ignore_eos": True, **(extra_params or {})}}, n
+
+    def _check_generate(self, job, out, n, usage_expected=True):
+        meta = out["meta_info"]
+        if meta["finish_reason"]["type"] != "length" or meta["completion_tokens"] != n:
+            self.fail(job, f"expected {n} tokens, got {meta['completion_tokens']} ({meta['finish_reason']})")
+        if not usage_expected:
+            return None
+        usage = (meta.get("wgkv") or [None])[-1]
+        if not usage or usage["cached_tokens"] < meta["prompt_tokens"]:
+            self.fail(job, f"usage missing or short: {usage}")
+        return usage
+
+    def _generate(self, job, rng):
+        body, n = self._generate_body(rng)
+        r = self.post("/generate", body)
+        r.raise_for_status()
+        self._check_generate(job, r.json(), n)
+
+    def _generate_tau(self, job, rng):
+        tau = rng.choice([0.0, 0.05, 0.3, 0.9])
+        body, n = self._generate_body(rng, {"custom_params": {"wgkv": {"tau": tau}}})
+        r = self.post("/generate", body)
+        r.raise_for_status()
+        usage = self._check_generate(job, r.json(), n)
+        if usage and usage["tau"] != tau:
+            self.fail(job, f"tau {usage['tau']} != {tau}")
+
+    def _generate_dense(self, job, rng):
+        body, n = self._generate_body(rng, {"custom_params": {"wgkv": {"admission": False}}})
+        r = self.post("/generate", body)
+        r.raise_for_status()
+        usage = self._check_generate(job, r.json(), n)
+        if usage and (usage["admission"] or usage["admitted_fraction"] not in (None, 1.0)):
+            self.fail(job, f"admission off but {usage}")
+
+    def _stream_events(self, path, body, stop_after=None, abort_rid=None):
+        events = []
+        with self.post(path, {**body, "stream": True}, stream=True) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if line.startswith(b"data:") and line != b"data: [DONE]":
+                    events.append(json.loads(line[len(b"data:"):]))
+                    if len(events) == stop_after:
+                        if abort_rid is None:
+                            break  # the client goes away
+                        self.post("/abort_request", {"rid": abort_rid}).raise_for_status()
+        return events
+
+    def _stream(self, job, rng):
+        body, n = self._generate_body(rng)
+        events = self._stream_events("/generate", body)
+        self._check_generate(job, events[-1], n, usage_expected=False)
+
+    def _stream_abort(self, job, rng):
+        body, _ = self._generate_body(rng, n=200)
+        body["rid"] = f"soak-{self.config.seed}-{job[0]}"
+        events = self._stream_events("/generate", body, stop_after=rng.randint(1, 4), abort_rid=body["rid"])
+        meta = events[-1]["meta_info"]
+        if meta["finish_reason"]["type"] not in ("abort", "length") or meta["completion_tokens"] > 200:
+            self.fail(job, f"aborted stream ended as {meta['finish_reason']}")
+
+    def _stream_drop(self, job, rng):
+        body, _ = self._generate_body(rng, n=200)
+        self._stream_events("/generate", body, stop_after=rng.randint(1, 4))
+
+    def _messages(self, rng):
+        turns = [{"role": "system", "content": SYSTEM}]
+        for k in range(rng.randint(0, 2)):
+            turns += [{"role": "user", "content": f"Name a city, number {k}."},
+                      {"role": "assistant", "content": rng.choice(["Paris.", "Tokyo.", "Lima."])}]
+        return turns + [{"role": "user", "content": rng.choice(["What is 2+2?", "Name a river.", "Say hi."])}]
+
+    def _chat(self, job, rng):
+        body = {"model": "default", "messages": self._messages(rng), "max_tokens": self.config.new_tokens,
+                "temperature": 0}
+        if rng.random() < 0.3:
+            body["custom_params"] = {"wgkv": {"tau": 0.2}}
+        r = self.post("/v1/chat/completions", body)
+        r.raise_for_status()
+        usage = r.json()["usage"]
+        if not 1 <= usage["completion_tokens"] <= self.config.new_tokens or "wgkv" not in usage:
+            self.fail(job, f"chat usage {usage}")
+
+    def _chat_stream(self, job, rng):
+        body = {"model": "default", "messages": self._messages(rng), "max_tokens": self.config.new_tokens,
+                "temperature": 0, "stream_options": {"include_usage": True}}
+        events = self._stream_events("/v1/chat/completions", body)
+        usage = next((e["usage"] for e in events if e.get("usage") and not e.get("choices")), None)
+        if not usage or "wgkv" not in usage:
+            self.fail(job, f"no wgkv usage chunk in {len(events)} events")
+
+    def _completion(self, job, rng):
+        n = rng.randint(1, self.config.new_tokens)
+        r = self.post("/v1/completions", {"model": "default", "prompt": self._prompt(rng), "max_tokens": n,
+                                          "temperature": 0})
+        r.raise_for_status()
+        usage = r.json()["usage"]
+        if not 1 <= usage["completion_tokens"] <= n or "wgkv" not in usage:
+            self.fail(job, f"completion usage {usage}")
+
+    def _program(self, job, rng):
+        import sglang as sgl
+
+        @sgl.function
+        def quiz(s, city):
+            s += SYSTEM + f"\nQuestion: In which country is {city}?\nAnswer:"
+            s += sgl.gen("country", max_tokens=6, temperature=0, stop=["\n", "."])
+            s += "\nIs that in Europe? Answer yes or no.\nAnswer:"
+            s += sgl.select("europe", choices=[" yes", " no"])
+
+        with self._lock:
+            self.http_requests += 3  # gen, then select's prefix + choices scoring
+        state = quiz.run(city=rng.choice(["Paris", "Berlin", "Tokyo", "Lima", "Cairo"]),
+                         backend=sgl.RuntimeEndpoint(self.url))
+        if state["europe"] not in (" yes", " no"):
+            self.fail(job, f"select answered {state['europe']!r}")
+
+    def _pressure(self, job, rng):
+        """A batch of long requests admitted together: their decodes outgrow a small pool, so the
+        scheduler retracts some (their slots and pages freed, the requests re-run)."""
+        n, c = self.config.pressure_tokens, self.config
+        texts = [long_prompt(c.pressure_items, seed=rng.randint(0, 2)) + f" Q{rng.randint(0, 99)}"
+                 for _ in range(c.pressure_batch)]
+        r = self.post("/generate", {"text": texts, "sampling_params": {"max_new_tokens": n, "temperature": 0,
+                                                                       "ignore_eos": True}})
+        r.raise_for_status()
+        for out in r.json():
+            self._check_generate(job, out, n)
+
+    def _bad_input(self, job, rng):
+        body, expected = rng.choice(BAD)
+        r = self.post("/generate", body)
+        if not 400 <= r.status_code < 500 or expected not in r.text:
+            self.fail(job, f"bad input answered {r.status_code}: {r.text[:200]}")
+
+    # -- run ------------------------------------------------------------------------------------
+    def retractions(self) -> int | None:
+        if not self.server_log:
+            return None
+        with open(self.server_log, errors="replace") as f:
+            return f.read().count("Retract requests")
+
+    def run(self) -> dict:
+        start = time.monotonic()
+        retracted0 = self.retractions()
+        probe_before = self.probe()
+        checkpoints = [self.checkpoint(0)]
+        jobs = self.jobs()
+        step = self.config.checkpoint_every
+        ran = 0
+        with ThreadPoolExecutor(self.config.concurrency) as pool:
+            for lo in range(0, len(jobs), step):
+                if self.config.time_budget_s and time.monotonic() - start > self.config.time_budget_s:
+                    break
+                list(pool.map(self.run_job, jobs[lo:lo + step]))
+                ran = min(lo + step, len(jobs))
+                checkpoints.append(self.checkpoint(min(lo + step, len(jobs))))
+                print(json.dumps({"t_s": round(time.monotonic() - start, 1), **checkpoints[-1],
+                                  "failures": len(self.failures)}), flush=True)
+        probe_after = self.probe()
+        checkpoints.append(self.checkpoint(ran))
+        if probe_after != probe_before:
+            self.failures.append(f"probe changed: {probe_before} -> {probe_after}")
+        wall = time.monotonic() - start
+        retracted = self.retractions()
+        return {"config": asdict(self.config), "jobs": ran, "http_requests": self.http_requests,
+                "counts": dict(sorted(self.counts.items())), "wall_s": round(wall, 1),
+                "jobs_per_s": round(ran / wall, 3),
+                "retractions": None if retracted is None else retracted - retracted0,
+                "probe_equal": probe_after == probe_before, "checkpoints": checkpoints,
+                "final_stats": {k: v for k, v in self.stats().items() if not k.endswith("per_layer_head")},
+                "failures": self.failures}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", default="http://127.0.0.1:30000")
+    p.add_argument("--server-log", default=None, help="count SGLang's retractions in this log")
+    p.add_argument("--out", default=None, help="summary JSON")
+    for field, default in asdict(SoakConfig()).items():
+        p.add_argument("--" + field.replace("_", "-"), type=type(default), default=default)
+    a = p.parse_args()
+    config = SoakConfig(**{f: getattr(a, f) for f in asdict(SoakConfig())})
+    summary = Soak(a.url, config, a.server_log).run()
+    print(json.dumps({k: v for k, v in summary.items() if k != "checkpoints"}, indent=1))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(summary, f, indent=1)
+    raise SystemExit(1 if summary["failures"] else 0)
+
+
+if __name__ == "__main__":
+    main()
