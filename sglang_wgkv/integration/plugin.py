@@ -64,3 +64,12 @@ def load_plugin() -> None:
          HookType.AFTER),
     ):
         HookRegistry.register(target, fn, kind)
+    register_constrained_decoding()
+
+
+def register_constrained_decoding() -> None:
+    """Constrained decoding on the CPU (and a 400, not a crash, where a device cannot mask): not tied to
+    the wgkv backend, so the ``--disable-wgkv`` baseline has it too."""
+    from sglang_wgkv.integration import constrained
+
+    constrained.register()
