@@ -17,6 +17,9 @@
 #   bash launch/h200.sh serve-eval [evals.served args]
 # the RULER-style set through one server per configuration (evals/served.py); results accumulate in
 # /tmp/served (resumed by the next call) and are copied to $OUT.
+# `programs` as step 3 runs SGLang's frontend test programs (constrained decoding included) on WG-KV
+# (kernels path) and --disable-wgkv (SERVERS=wgkv or SERVERS=disable-wgkv: one server per call, within a
+# call's time limit): benchmarks/constrained_programs.py -> $OUT/h200_programs.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 M=/tmp/m
@@ -28,7 +31,7 @@ setup)
     mkdir -p "$M" && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader ;;
 part)
     cp .model/$GGUF.part00 "$M"/ ;;
-serve-bench|serve-eval|serve-soak)
+serve-bench|serve-eval|serve-soak|programs)
     mode=$1; shift
     cp .model/$GGUF.part01 "$M"/ 2>/dev/null || test -f "$M"/$GGUF
     if [ -d .kit2 ]; then bash .kit/install.sh .kit2 >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .kit2/*.whl; fi
@@ -38,6 +41,11 @@ serve-bench|serve-eval|serve-soak)
     export PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1 SGLANG_WGKV_GGUF="$M/$GGUF" SGLANG_WGKV_CACHE=/tmp/wgkv-cache
     OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
     python3 -m sglang_wgkv.embedded_model
+    if [ "$mode" = programs ]; then
+        export WGKV_TEST_STARTUP_TIMEOUT=900
+        exec python3 benchmarks/constrained_programs.py --servers "${SERVERS:-wgkv,disable-wgkv}" --log-dir "$OUT" \
+            --server-args "--mem-fraction-static 0.5 $*" --out "$OUT/h200_programs.json"
+    fi
     if [ "$mode" = serve-eval ]; then
         mkdir -p /tmp/served
         python3 -m evals.served --ruler evals/data/ruler_2k_8k.json.gz --engine h200 --out /tmp/served/h200.json \

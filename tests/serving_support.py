@@ -33,12 +33,12 @@ def free_port() -> int:
 class Server:
     """One server process; ``url`` once :meth:`wait_healthy` returned."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict | None = None):
+    def __init__(self, args: list[str], log_path: Path, env: dict | None = None, base_args=BASE_ARGS):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         full_env = {**os.environ, "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", **(env or {})}
-        cmd = [sys.executable, "-m", "sglang_wgkv.launch_server", *BASE_ARGS, "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "sglang_wgkv.launch_server", *base_args, "--port", str(self.port), *args]
         self._log = open(log_path, "w")
         # Own process group: stop() ends the launcher and the scheduler/detokenizer it spawned.
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
