@@ -15,7 +15,8 @@ Servers (``--servers``, in order):
     # H200 (kernels path), see launch/h200.sh programs
     python benchmarks/constrained_programs.py --servers wgkv,disable-wgkv --out $OUT/h200_programs.json
 
-``--max-new-tokens N`` caps every generation (default: the programs' own limits).
+``--max-new-tokens N`` caps every generation (default: the programs' own limits). ``--merge A.json B.json
+--out C.json`` joins the runs of separate invocations (one server per call, e.g. on a busy machine).
 """
 
 from __future__ import annotations
@@ -90,12 +91,21 @@ def main() -> None:
     ap.add_argument("--server-args", default="", help="extra arguments for every server")
     ap.add_argument("--max-new-tokens", type=int, default=None)
     ap.add_argument("--log-dir", default="/tmp")
+    ap.add_argument("--merge", nargs="+", default=None, help="JSON outputs of earlier calls to join")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    runs = [run_server(name, shlex.split(a.server_args), a.max_new_tokens, Path(a.log_dir))
-            for name in a.servers.split(",")]
-    result = {"environment": environment(), "max_new_tokens": a.max_new_tokens, "table": table(runs),
-              "runs": runs}
+    if a.merge:
+        parts = [json.loads(Path(p).read_text()) for p in a.merge]
+        if len({p["max_new_tokens"] for p in parts}) != 1:
+            raise SystemExit("--merge: the parts ran with different --max-new-tokens")
+        runs = [r for p in parts for r in p["runs"]]
+        result = {"environment": [p["environment"] for p in parts], "max_new_tokens": parts[0]["max_new_tokens"],
+                  "table": table(runs), "runs": runs}
+    else:
+        runs = [run_server(name, shlex.split(a.server_args), a.max_new_tokens, Path(a.log_dir))
+                for name in a.servers.split(",")]
+        result = {"environment": environment(), "max_new_tokens": a.max_new_tokens, "table": table(runs),
+                  "runs": runs}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1))
     width = max(map(len, result["table"]))
