@@ -61,7 +61,8 @@ def crash_lines(log: Path) -> list[str]:
     return [line[:300] for line in lines if any(k in line for k in keys)][:8]
 
 
-def run_server(name: str, server_args: list[str], max_new_tokens: int | None, log_dir: Path) -> dict:
+def run_server(name: str, server_args: list[str], max_new_tokens: int | None, log_dir: Path,
+               programs: list[str] | None = None) -> dict:
     args, env = SERVERS[name]
     log = log_dir / f"constrained_programs.{name}.log"
     base = ("--log-level", "warning", "--sleep-on-idle")
@@ -71,7 +72,7 @@ def run_server(name: str, server_args: list[str], max_new_tokens: int | None, lo
     try:
         server.wait_healthy()
         record["startup_s"] = round(time.perf_counter() - t0, 1)
-        record["programs"] = run_programs(server.url, max_new_tokens)
+        record["programs"] = run_programs(server.url, max_new_tokens, programs)
         record["alive_after"] = server.alive()
     finally:
         server.stop()
@@ -80,9 +81,9 @@ def run_server(name: str, server_args: list[str], max_new_tokens: int | None, lo
 
 
 def table(runs: list[dict]) -> dict:
-    """{program: {server: outcome}}."""
-    names = list(runs[0]["programs"])
-    return {p: {r["server"]: r["programs"][p]["outcome"] for r in runs} for p in names}
+    """{program: {server: outcome}}; "-" where a server did not run the program."""
+    names = list(dict.fromkeys(p for r in runs for p in r["programs"]))
+    return {p: {r["server"]: r["programs"].get(p, {}).get("outcome", "-") for r in runs} for p in names}
 
 
 def main() -> None:
@@ -90,6 +91,7 @@ def main() -> None:
     ap.add_argument("--servers", default="wgkv,disable-wgkv,upstream")
     ap.add_argument("--server-args", default="", help="extra arguments for every server")
     ap.add_argument("--max-new-tokens", type=int, default=None)
+    ap.add_argument("--programs", default=None, help="comma-separated subset of the programs (default: all)")
     ap.add_argument("--log-dir", default="/tmp")
     ap.add_argument("--merge", nargs="+", default=None, help="JSON outputs of earlier calls to join")
     ap.add_argument("--out", required=True)
@@ -102,7 +104,8 @@ def main() -> None:
         result = {"environment": [p["environment"] for p in parts], "max_new_tokens": parts[0]["max_new_tokens"],
                   "table": table(runs), "runs": runs}
     else:
-        runs = [run_server(name, shlex.split(a.server_args), a.max_new_tokens, Path(a.log_dir))
+        programs = a.programs.split(",") if a.programs else None
+        runs = [run_server(name, shlex.split(a.server_args), a.max_new_tokens, Path(a.log_dir), programs)
                 for name in a.servers.split(",")]
         result = {"environment": environment(), "max_new_tokens": a.max_new_tokens, "table": table(runs),
                   "runs": runs}
