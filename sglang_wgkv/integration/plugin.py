@@ -2,7 +2,9 @@
 
 SGLang calls :func:`load_plugin` in the launcher (before parsing arguments) and in every scheduler
 subprocess (before building the scheduler), then applies the registered hooks. Nothing else in this
-package patches SGLang; see :mod:`sglang_wgkv.integration.hooks` for the hook table.
+package patches SGLang; see :mod:`sglang_wgkv.integration.hooks` for the hook table, and
+:mod:`sglang_wgkv.integration.constrained` for the constrained-decoding hooks (registered for every
+attention backend).
 """
 
 from __future__ import annotations
