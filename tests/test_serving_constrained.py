@@ -7,6 +7,7 @@ requests: every request succeeds, every constrained output obeys its constraint,
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -162,8 +163,8 @@ def test_json_schema_ebnf_and_a_bad_grammar(server):
     if out["meta_info"]["finish_reason"]["type"] == "stop":
         obj = json.loads(out["text"])
         assert isinstance(obj["name"], str) and isinstance(obj["age"], int)
-    else:
-        assert out["text"].startswith('{"name"') or out["text"].startswith('{ "name"'), out["text"]
+    else:  # cut off: still the schema's first property (xgrammar keeps the schema's order)
+        assert re.match(r'\{\s*"name"\s*:\s*"', out["text"]), out["text"]
     out = server.generate("Is the sky blue?", max_new_tokens=8, sampling_params={"ebnf": 'root ::= "yes" | "no"'})
     assert out["text"] in ("yes", "no")
     bad = requests.post(server.url + "/generate", timeout=120,
