@@ -86,6 +86,11 @@ def table(runs: list[dict]) -> dict:
     return {p: {r["server"]: r["programs"].get(p, {}).get("outcome", "-") for r in runs} for p in names}
 
 
+def write(path: str, result: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--servers", default="wgkv,disable-wgkv,upstream")
@@ -105,12 +110,13 @@ def main() -> None:
                   "table": table(runs), "runs": runs}
     else:
         programs = a.programs.split(",") if a.programs else None
-        runs = [run_server(name, shlex.split(a.server_args), a.max_new_tokens, Path(a.log_dir), programs)
-                for name in a.servers.split(",")]
-        result = {"environment": environment(), "max_new_tokens": a.max_new_tokens, "table": table(runs),
-                  "runs": runs}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=1))
+        runs = []
+        for name in a.servers.split(","):  # written after each server: a cut-off run keeps what it measured
+            runs.append(run_server(name, shlex.split(a.server_args), a.max_new_tokens, Path(a.log_dir), programs))
+            result = {"environment": environment(), "max_new_tokens": a.max_new_tokens, "table": table(runs),
+                      "runs": runs}
+            write(a.out, result)
+    write(a.out, result)
     width = max(map(len, result["table"]))
     print(f"{'program':{width}}  " + "  ".join(f"{r['server']:>12}" for r in runs))
     for program, row in result["table"].items():
