@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import platform
 import shlex
@@ -46,8 +47,8 @@ SERVERS = {
 def environment() -> dict:
     env = {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "python": platform.python_version(), "host": platform.node(), "command": shlex.join(sys.argv)}
-    for mod in ("torch", "sglang", "xgrammar"):
-        env[mod] = __import__(mod).__version__
+    for dist in ("torch", "sglang", "xgrammar"):
+        env[dist] = importlib.metadata.version(dist)
     import torch
 
     env["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
