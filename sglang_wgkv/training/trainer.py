@@ -49,7 +49,7 @@ class TrainConfig:
     local_window: int = DEFAULT_LOCAL_WINDOW
     tau: float = DEFAULT_TAU
     eps: float = 1e-6
-    expand: int = 4
+    hidden: int | None = None  # the gate MLP's hidden width per head; None: GateConfig's default (4 * head_dim)
     init_bias: float = 3.0
     val_every: int = 100
     val_rows: int = 4
@@ -149,7 +149,7 @@ class GateTrainer:
         self.gates = []
         for lam in config.lams:
             gc = GateConfig(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                            expand=config.expand, tau=config.tau, local_window=config.local_window, lam=lam,
+                            hidden=config.hidden, tau=config.tau, local_window=config.local_window, lam=lam,
                             model_id=config.model_id or str(config.model), eps=config.eps)
             gates = WriteGates(gc)
             for layer in gates.layers:
