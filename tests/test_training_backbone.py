@@ -81,6 +81,25 @@ def test_soft_flex_matches_sdpa_with_gradients():
     torch.testing.assert_close(gf, gr, atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("T, D, W", [(48, 16, 8), (37, 64, 16), (20, 24, 32)])
+def test_soft_split_matches_sdpa_with_gradients(T, D, W):
+    """The two-copies-per-key form (no bias tensor) equals the reference in values and in the
+    gradients of the gate logits, the queries, keys and values; also for W beyond T."""
+    torch.manual_seed(0)
+    B, Hq, Hkv = 2, 6, 2
+    leaves = [torch.randn(B, Hq, T, D, requires_grad=True), torch.randn(B, Hkv, T, D, requires_grad=True),
+              torch.randn(B, Hkv, T, D, requires_grad=True), torch.randn(B, Hkv, T, requires_grad=True)]
+    q, k, v, logit = leaves
+    weight = torch.randn(B, Hq, T, D)
+    out_split = SoftGatedAttention([], W, backend="split").attend(q, k, v, torch.sigmoid(logit), 0.3)
+    grads_split = torch.autograd.grad((out_split * weight).sum(), leaves)
+    out_ref = soft_gated_attention(q, k, v, torch.sigmoid(logit), W, 1e-6, sm_scale=0.3)
+    grads_ref = torch.autograd.grad((out_ref * weight).sum(), leaves)
+    torch.testing.assert_close(out_split, out_ref, atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads_split, grads_ref):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
 def test_open_gates_reproduce_dense_model():
     lm = tiny_lm()
     bb = Backbone(lm)

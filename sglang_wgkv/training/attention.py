@@ -2,7 +2,8 @@
 
 * :class:`SoftGatedAttention` -- the student: bias ``log(m_ij + eps)`` with ``m_ij = 1`` inside the local
   window and ``g_j`` beyond (paper §3.2). ``backend="flex"`` fuses it with FlexAttention's ``score_mod``
-  (GPU); ``backend="sdpa"`` materializes the bias (the core's CPU reference).
+  (GPU); ``backend="sdpa"`` materializes the bias (the core's CPU reference); ``backend="split"``
+  (:func:`split_key_attention`) needs no bias tensor at all, so SDPA's fused kernels can run it.
 * :class:`HardGatedAttention` -- inference semantics: key ``j`` visible beyond the window iff
   ``g_j >= tau`` (vertical-slash), used for the hard-threshold validation loss and the evals.
 * :func:`visibility_mask` / :func:`masked_attention` -- the hard mask shared with the eval policies.
@@ -31,6 +32,43 @@ def gate_values(gates: Sequence[WriteGates], layer: int, k_pre: torch.Tensor, k_
         gate = gates[b if len(gates) == B else 0].layers[layer]
         rows.append(gate(k_pre[b].transpose(0, 1), k_post[b].transpose(0, 1)).t())
     return torch.stack(rows)
+
+
+BACKENDS = ("sdpa", "flex", "split")
+
+
+def split_key_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, local_window: int,
+                        eps: float, scale: float) -> torch.Tensor:
+    """:func:`~sglang_wgkv.attention.reference.soft_gated_attention` without a bias tensor.
+
+    The gate bias ``log(g_j + eps)`` applies to query i iff ``i - j >= W``: it depends on the key and
+    on one distance threshold only. Each key therefore enters twice: a *near* copy, visible to
+    ``0 <= i - j < W``, and a *far* copy, visible to ``i - j >= W``, whose extra channel holds
+    ``log(g_j + eps) / scale`` against a query channel of ones, so ``scale * q'.k'_far`` is the biased
+    score. The two copies partition the causal keys of every query, so one softmax over ``2T`` keys is
+    the soft-gated softmax; the gate's gradient flows through ``k'`` (an ordinary input), and the mask
+    is a constant boolean, which SDPA's fused CUDA kernels accept in backward where a bias requiring
+    grad fails (see ``soft_gated_attention``).
+
+    q ``[B, Hq, T, D]``, k/v ``[B, Hkv, T, D]``, g ``[B, Hkv, T]`` -> ``[B, Hq, T, D]`` in q's dtype.
+    Channels are padded to a multiple of 8 (the fused kernels' alignment).
+    """
+    B, Hq, T, D = q.shape
+    group = Hq // k.shape[1]
+    width = -(-(D + 1) // 8) * 8
+    pad = width - D - 1
+    bias = (torch.log(g.float() + eps) / scale).to(k.dtype)[..., None]  # [B, Hkv, T, 1]
+    zeros = k.new_zeros(*k.shape[:-1], 1 + pad)
+    q2 = torch.cat([q, q.new_ones(*q.shape[:-1], 1), q.new_zeros(*q.shape[:-1], pad)], dim=-1)
+    near, far = torch.cat([k, zeros], -1), torch.cat([k, bias, zeros[..., 1:]], -1)
+    k2 = torch.cat([near, far], dim=2)  # [B, Hkv, 2T, width]
+    v2 = torch.cat([v, v.new_zeros(*v.shape[:-1], width - D)], dim=-1).repeat(1, 1, 2, 1)  # both copies
+    i = torch.arange(T, device=q.device)
+    dist = i[:, None] - i[None, :]
+    mask = torch.cat([(dist >= 0) & (dist < local_window), dist >= local_window], dim=1)  # [T, 2T]
+    k2, v2 = k2.repeat_interleave(group, 1), v2.repeat_interleave(group, 1)
+    out = F.scaled_dot_product_attention(q2, k2, v2, attn_mask=mask, scale=scale)
+    return out[..., :D]
 
 
 def visibility_mask(kept: torch.Tensor, local_window: int, full_rows: int = 0) -> torch.Tensor:
@@ -78,8 +116,8 @@ class SoftGatedAttention:
     """Differentiable write-gated attention; returns the gate values as aux for the sparsity loss."""
 
     def __init__(self, gates: Sequence[WriteGates], local_window: int, eps: float = 1e-6, backend: str = "sdpa"):
-        if backend not in ("sdpa", "flex"):
-            raise ValueError(f"backend must be 'sdpa' or 'flex', got {backend!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.gates, self.local_window, self.eps, self.backend = list(gates), local_window, eps, backend
         self._flex = None
         self._block_masks = {}
@@ -92,6 +130,8 @@ class SoftGatedAttention:
         """q ``[B, Hq, T, D]``, k/v ``[B, Hkv, T, D]`` (post-RoPE), g ``[B, Hkv, T]`` -> ``[B, Hq, T, D]``."""
         if self.backend == "flex":
             return self._flex_attention(q, k, v, torch.log(g + self.eps), scale)
+        if self.backend == "split":
+            return split_key_attention(q, k, v, g, self.local_window, self.eps, scale)
         # On CUDA the memory-efficient kernel's backward with a bias that needs a gradient failed on the
         # H200 (torch 2.11: "LSE is not correctly aligned (strideH)"); the math kernel is exact.
         with sdpa_kernel(SDPBackend.MATH) if q.is_cuda else nullcontext():
