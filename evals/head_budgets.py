@@ -66,8 +66,9 @@ def head_breakdown(backbone: Backbone, gates: WriteGates, stats, ids: torch.Tens
 
 
 def _samples(corpus: Corpus | None, ruler: list[dict], length: int, n: int, cont: int):
-    for s in [s for s in ruler if s["length"] == length][: 2 * n]:
-        yield s["task"], torch.tensor(s["prompt"] + s["answer"]), len(s["prompt"])
+    for s in ruler:
+        if s["length"] == length and s["index"] < n:
+            yield s["task"], torch.tensor(s["prompt"] + s["answer"]), len(s["prompt"])
     if corpus is not None:
         for row in corpus.rows("heldout", length)[:n]:
             yield "nll", torch.as_tensor(row).long(), length - cont
