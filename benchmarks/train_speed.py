@@ -72,7 +72,7 @@ def measure(backbone: Backbone, backend: str, grad_checkpoint: bool, lams, seq_l
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF dir, .gguf or 'embedded' (default: random SmolLM2-135M shape)")
-    p.add_argument("--backends", default="sdpa,split,flex")
+    p.add_argument("--backends", default="sdpa,split,flex_split,flex")
     p.add_argument("--grad-checkpoint", default="on,off", help="which of on,off to run")
     p.add_argument("--lams", default="0.003,0.01,0.03,0.1")
     p.add_argument("--seq-len", type=int, default=4096)

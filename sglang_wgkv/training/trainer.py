@@ -99,9 +99,9 @@ def choose_backend(backbone: Backbone, batch: int, seq_len: int, local_window: i
 
     On CPU: ``sdpa`` (FlexAttention has no CPU backward). On CUDA all of BACKENDS are timed:
     FlexAttention's gradient for the captured gate bias is an atomic scatter whose cost depends on the
-    GPU, ``split`` runs SDPA's fused kernel over twice the keys, and the materialized-bias math path
-    can still win for small models. A compile or kernel failure counts as a loss (its message is kept
-    in the timings).
+    GPU, ``split`` runs SDPA's fused kernel over twice the keys (``flex_split``: FlexAttention, only the
+    visible blocks), and the materialized-bias math path can still win for small models. A compile or
+    kernel failure counts as a loss (its message is kept in the timings).
     """
     if backbone.device.type != "cuda":
         return "sdpa", {}
