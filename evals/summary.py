@@ -1,6 +1,7 @@
 """The accuracy summary of an ``evals.run`` result: one row per method at equal memory.
 
-``python -m evals.summary RESULTS.json OUT.json`` writes ``{"rows": [{"method", "kv_fraction", "nll",
+``python -m evals.summary OUT.json RESULTS.json [MORE.json ...]`` (several results: shards of one
+evaluation over disjoint samples, pooled per sample) writes ``{"rows": [{"method", "kv_fraction", "nll",
 "passkey", "niah_mk", "full_nll", "full_passkey", "full_niah_mk", "lam", "n"}], "command", "source"}``:
 ``nll`` is the continuation NLL on held-out corpus rows (``nll_cont``), ``passkey`` / ``niah_mk`` the
 task accuracies, ``kv_fraction`` the mean over every sample of the method, all lengths pooled; the
@@ -43,14 +44,31 @@ def accuracy_rows(results: dict) -> list[dict]:
     return rows
 
 
+def merge(parts: list[dict]) -> dict:
+    """One results dict from shards over disjoint samples: rows concatenated, the summary recomputed."""
+    from evals.run import summarize
+
+    keys = [(r["eval"], r["length"], r["index"]) for p in parts for r in p["rows"] if r["method"] == "full"]
+    if len(keys) != len(set(keys)):
+        raise ValueError("the shards share samples")
+    rows = [r for p in parts for r in p["rows"]]
+    return {"rows": rows, "summary": summarize(rows), "complete": all(p["complete"] for p in parts),
+            "elapsed_s": sum(p["elapsed_s"] for p in parts), "config": parts[0]["config"],
+            "shards": [p["config"].get("command") for p in parts]}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("results")
     p.add_argument("out")
+    p.add_argument("results", nargs="+")
+    p.add_argument("--merged", default=None, help="also write the merged results here (for evals.plot)")
     a = p.parse_args(argv)
-    results = json.loads(Path(a.results).read_text())
-    out = {"rows": accuracy_rows(results), "command": results.get("config", {}).get("command"),
-           "source": str(a.results), "complete": results.get("complete"), "config": results.get("config")}
+    parts = [json.loads(Path(r).read_text()) for r in a.results]
+    results = merge(parts) if len(parts) > 1 else parts[0]
+    if a.merged:
+        Path(a.merged).write_text(json.dumps(results, indent=1) + "\n")
+    out = {"rows": accuracy_rows(results), "command": results.get("shards") or results["config"].get("command"),
+           "source": a.results, "complete": results.get("complete"), "config": results.get("config")}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     for r in out["rows"]:

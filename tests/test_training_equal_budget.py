@@ -128,3 +128,18 @@ def test_accuracy_rows_pool_lengths_and_repeat_full():
     assert (wg["nll"], wg["passkey"], wg["niah_mk"]) == (1.6, 0.75, 0.5)
     assert (wg["full_nll"], wg["full_passkey"], wg["full_niah_mk"]) == (1.5, 1.0, 0.5)
     assert eq["nll"] is None and eq["passkey"] == 0.25 and eq["full_passkey"] == 1.0
+
+
+def test_merge_pools_shards_and_refuses_overlap():
+    from evals.summary import merge
+
+    def part(index, correct):
+        rows = [{"eval": "passkey", "length": 64, "index": index, "method": m, "lam": lam, "kv_fraction": kv,
+                 "correct": c, "answer_nll": 0.1} for m, lam, kv, c in (("full", None, 1.0, True), ("wgkv", 0.1, 0.3, correct))]
+        return {"rows": rows, "complete": True, "elapsed_s": 1.0, "config": {"command": f"shard {index}"}}
+
+    merged = merge([part(0, True), part(4, False)])
+    wg = [s for s in merged["summary"] if s["method"] == "wgkv" and s["length"] is None][0]
+    assert wg["n"] == 2 and wg["accuracy"] == 0.5 and merged["shards"] == ["shard 0", "shard 4"]
+    with pytest.raises(ValueError, match="share samples"):
+        merge([part(0, True), part(0, False)])
