@@ -2,7 +2,8 @@
 
 ``python -m evals.summary OUT.json RESULTS.json [MORE.json ...]`` (several results: shards of one
 evaluation over disjoint samples, pooled per sample) writes ``{"rows": [{"method", "kv_fraction", "nll",
-"passkey", "niah_mk", "full_nll", "full_passkey", "full_niah_mk", "lam", "n"}], "command", "source"}``:
+"passkey", "niah_mk", "full_nll", "full_passkey", "full_niah_mk", "lam", "n", "*_answer_nll"}], "command",
+"source"}``:
 ``nll`` is the continuation NLL on held-out corpus rows (``nll_cont``), ``passkey`` / ``niah_mk`` the
 task accuracies, ``kv_fraction`` the mean over every sample of the method, all lengths pooled; the
 ``full_*`` fields repeat the full cache's values on the same samples. A metric the run did not
@@ -14,7 +15,9 @@ import json
 from pathlib import Path
 
 METHODS = ("wgkv", "streaming", "snapkv", "random", "equal_budget")
-_METRICS = {"nll": ("nll", "nll_cont"), "passkey": ("passkey", "accuracy"), "niah_mk": ("niah_multikey", "accuracy")}
+_METRICS = {"nll": ("nll", "nll_cont"), "passkey": ("passkey", "accuracy"), "niah_mk": ("niah_multikey", "accuracy"),
+            # finer than a 0/1 accuracy on few samples: the answer tokens' mean NLL under teacher forcing
+            "passkey_answer_nll": ("passkey", "answer_nll"), "niah_mk_answer_nll": ("niah_multikey", "answer_nll")}
 
 
 def _pooled(summary: list[dict], method: str, lam) -> dict:
@@ -40,7 +43,9 @@ def accuracy_rows(results: dict) -> list[dict]:
         r = _pooled(summary, method, lam)
         rows.append({"method": method, "kv_fraction": r["kv_fraction"], "nll": r["nll"], "passkey": r["passkey"],
                      "niah_mk": r["niah_mk"], "full_nll": full["nll"], "full_passkey": full["passkey"],
-                     "full_niah_mk": full["niah_mk"], "lam": lam, "n": r["n"]})
+                     "full_niah_mk": full["niah_mk"], "lam": lam, "n": r["n"],
+                     **{k: r[k] for k in ("passkey_answer_nll", "niah_mk_answer_nll")},
+                     **{"full_" + k: full[k] for k in ("passkey_answer_nll", "niah_mk_answer_nll")}})
     return rows
 
 
