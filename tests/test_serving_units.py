@@ -271,11 +271,11 @@ def test_server_accepts_official_qwen3_gates_and_checks_the_model(tmp_path):
            "num_attention_heads": 4, "num_key_value_heads": H, "head_dim": D, "hidden_size": 128,
            "intermediate_size": 256, "vocab_size": 1000}
     (model / "config.json").write_text(json.dumps(cfg))
-    check_gates(str(tmp_path / "qwen3_gates.pt"), str(model))
+    check_gates(str(tmp_path / "qwen3_gates.pt"), str(model), 256)
     settings = ServingSettings(config=WGKVConfig(), gates_path=str(tmp_path / "qwen3_gates.pt"))
     served = build_gates(settings, L, H, D, "cpu", heads=[1])
     assert served.config.hidden == 48 and tuple(served.layers[1].w1.shape) == (1, 2 * D, 48)
     torch.testing.assert_close(served.layers[1].w2, gates.layers[1].w2.data[1:])
     (model / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": 4}))
     with pytest.raises(ValueError, match=r"expected \(layers, kv_heads, head_dim\) = \(2, 4, 32\), found \(2, 2, 32\)"):
-        check_gates(str(tmp_path / "qwen3_gates.pt"), str(model))
+        check_gates(str(tmp_path / "qwen3_gates.pt"), str(model), 256)
