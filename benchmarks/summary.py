@@ -246,6 +246,28 @@ def eval_summary(d: dict) -> list[str]:
     return lines + table(["eval", "method", "lambda", "n", "KV fraction", "accuracy", "NLL"], rows)
 
 
+def accuracy_rows(d: dict) -> list[str]:
+    """evals.summary: one row per method at equal memory, with the full cache's values."""
+    r0 = d["rows"][0]
+    lines = [f"Full cache: NLL {f(r0['full_nll'], 4)}, passkey {f(r0['full_passkey'], 3)}, multi-key NIAH "
+             f"{f(r0['full_niah_mk'], 3)}; complete: {d.get('complete')}.", ""]
+    rows = [[r["method"], r.get("lam") or "", r["n"], f(r["kv_fraction"], 3), f(r["nll"], 4), f(r["passkey"], 3),
+             f(r["niah_mk"], 3), f(r.get("passkey_answer_nll"), 3), f(r.get("niah_mk_answer_nll"), 3)] for r in d["rows"]]
+    return lines + table(["method", "lambda", "n", "KV fraction", "NLL", "passkey", "NIAH-mk", "passkey answer NLL",
+                          "NIAH answer NLL"], rows)
+
+
+def head_budgets(d: dict) -> list[str]:
+    """evals.head_budgets: what WG-KV's per-head budgets keep against an equal budget."""
+    r, more, less = d["mass_weighted_recall"], d["heads_where_wgkv_keeps_more"], d["heads_where_wgkv_keeps_less"]
+    rows = [["WG-KV keeps more", more["count"], f(more["mean_old_mass"], 3), f(more["mean_recall_gain"], 3)],
+            ["WG-KV keeps less", less["count"], f(less["mean_old_mass"], 3), f(less["mean_recall_gain"], 3)]]
+    return ([f"Command: {cmd(d['command'])}. Samples: {', '.join(d['samples'])}. Mass-weighted recall of older-key "
+             f"attention: WG-KV {f(r['wgkv'], 3)}, equal budget {f(r['equal_budget'], 3)}; correlation of the "
+             f"gate's per-head budget with the head's older-key attention {f(d['corr_wgkv_kept_vs_old_mass'], 2)}.", ""]
+            + table(["heads", "count", "older-key attention", "recall WG-KV - equal"], rows))
+
+
 def training(d: dict) -> list[str]:
     v = d["final_validation_4k_heldout"]
     rows = [[lam, f(v["kv_fraction"][i], 3), f(v["global_fraction"][i], 3), f(v["soft_mse"][i], 4),
@@ -292,6 +314,10 @@ def renderer(d: dict):
         return serving_memory
     if "rows" in d and "summary" in d and "config" in d:
         return eval_summary
+    if "rows" in d and d["rows"] and "full_nll" in d["rows"][0]:
+        return accuracy_rows
+    if "mass_weighted_recall" in d:
+        return head_budgets
     if "train_curve" in d:
         return training
     if "results" in d and "engine" in d:

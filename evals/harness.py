@@ -3,6 +3,7 @@
 import torch
 
 from evals.policies import (
+    EqualBudget,
     FullCache,
     RandomAdmission,
     SnapKV,
@@ -45,16 +46,21 @@ def policy_forward(backbone: Backbone, ids: torch.Tensor, policies: list, prompt
     return torch.cat(hidden), torch.cat(counts)
 
 
-def matched_baselines(budget: float, prompt_len: int, local_window: int, seed: int) -> list:
-    """StreamingLLM, random admission and SnapKV holding ``budget`` keys per head after the prompt."""
+def matched_baselines(budget: float, prompt_len: int, local_window: int, seed: int, stats=None) -> list:
+    """StreamingLLM, random admission and SnapKV holding ``budget`` keys per head after the prompt, and
+    with calibrated query statistics ``stats`` (:class:`evals.query_stats.QueryStats`) the equal
+    per-head budget policy."""
     b = max(int(round(budget)), 1)
     ring = min(local_window, prompt_len)
     p = min(max((budget - ring) / max(prompt_len - ring, 1), 0.0), 1.0)
-    return [StreamingLLM(b), RandomAdmission(p, local_window, seed), SnapKV(b)]
+    out = [StreamingLLM(b), RandomAdmission(p, local_window, seed), SnapKV(b)]
+    if stats is not None:
+        out.append(EqualBudget(b, local_window, stats))
+    return out
 
 
 def two_pass(backbone: Backbone, ids: torch.Tensor, prompt_len: int, gate_sets: list, tau: float,
-             local_window: int, seed: int = 0):
+             local_window: int, seed: int = 0, stats=None):
     """Full cache and WG-KV (one per gate set) first, then the baselines at each WG-KV's measured budget.
 
     Returns ``(records, hidden)``: records[i] = {method, lam, cache} aligned with hidden ``[N, T, hidden]``;
@@ -66,7 +72,7 @@ def two_pass(backbone: Backbone, ids: torch.Tensor, prompt_len: int, gate_sets: 
     second, meta = [], []
     for j, g in enumerate(gate_sets):
         budget = c1[1 + j].float().mean().item()
-        for pol in matched_baselines(budget, prompt_len, local_window, seed):
+        for pol in matched_baselines(budget, prompt_len, local_window, seed, stats):
             second.append(pol)
             meta.append({"method": pol.name, "lam": g.config.lam})
     h2, c2 = policy_forward(backbone, ids, second, prompt_len)

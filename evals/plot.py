@@ -10,7 +10,8 @@ from pathlib import Path
 STYLE = {"wgkv": ("WG-KV (learned admission)", "tab:red", "o"),
          "streaming": ("StreamingLLM (sinks + window)", "tab:blue", "s"),
          "snapkv": ("SnapKV (prefill one-shot)", "tab:green", "^"),
-         "random": ("random admission + ring", "tab:gray", "x")}
+         "random": ("random admission + ring", "tab:gray", "x"),
+         "equal_budget": ("equal per-head budget (calibrated)", "tab:purple", "D")}
 
 
 def plot(results: dict, out: str | Path, length: int | None = None) -> Path:
@@ -29,11 +30,17 @@ def plot(results: dict, out: str | Path, length: int | None = None) -> Path:
         full = [s for s in rows if s["method"] == "full"]
         if full:
             ax.axhline(full[0][metric], color="k", ls="--", lw=1, label="full cache")
-        for method, (label, color, marker) in STYLE.items():
+        xs = []
+        for n, (method, (label, color, marker)) in enumerate(STYLE.items()):
             pts = sorted((s["kv_fraction"], s[metric]) for s in rows if s["method"] == method)
             if pts:
-                ax.plot(*zip(*pts), color=color, marker=marker, label=label)
-        ax.set_xscale("log")
+                # shrinking markers: methods at the same memory and score stay visible on top of each other
+                ax.plot(*zip(*pts), color=color, marker=marker, label=label, markersize=11 - 1.6 * n)
+                xs += [x for x, _ in pts]
+        if xs and max(xs) > 2 * min(xs):
+            ax.set_xscale("log")
+        else:  # one memory point (a single gate set): a log axis would zoom into rounding noise
+            ax.set_xlim(0, 1.05)
         ax.set_xlabel("KV fraction (cached keys / prompt tokens)")
         ax.set_ylabel("accuracy" if metric == "accuracy" else "NLL of the continuation (nats)")
         ax.set_title(f"{ev} ({'all lengths' if length is None else length})")

@@ -115,3 +115,28 @@ class SnapKV:
             score = F.max_pool1d(score[:, None], self.kernel, stride=1, padding=self.kernel // 2)[:, 0]
             kept.scatter_(1, score.topk(n_select, dim=-1).indices, True)
         return Visibility(_answer_visible(kept, prompt_len), window=1, full_rows=P)
+
+
+class EqualBudget:
+    """Every (layer, KV head) keeps the same number of keys: the local ring plus the ``budget - window``
+    older prompt keys that calibrated query statistics predict will draw the most attention after the
+    prompt (:func:`evals.query_stats.key_scores`; the statistics come from calibration text, not from
+    the prompt). Same vertical-slash visibility as WG-KV, so against it only the per-head budgets and
+    the choice of keys differ."""
+
+    name = "equal_budget"
+
+    def __init__(self, budget: int, local_window: int, stats, max_offset: int = 512):
+        self.budget, self.window, self.stats, self.max_offset = budget, local_window, stats, max_offset
+
+    def visibility(self, layer, q, k_pre, k_post, prompt_len):
+        from evals.query_stats import key_scores
+
+        Hkv, T = k_post.shape[:2]
+        old = max(prompt_len - self.window, 0)
+        kept = torch.zeros(Hkv, T, dtype=torch.bool, device=k_post.device)
+        n_select = min(max(self.budget - min(self.window, prompt_len), 0), old)
+        if n_select > 0:
+            score = key_scores(self.stats, layer, k_pre[:, :old], prompt_len, self.max_offset)
+            kept.scatter_(1, score.topk(n_select, dim=-1).indices, True)
+        return Visibility(_answer_visible(kept, prompt_len), self.window)

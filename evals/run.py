@@ -1,8 +1,10 @@
 """Memory-accuracy evaluation: held-out NLL and RULER-style tasks versus KV fraction.
 
 For every sample, the full cache and WG-KV (one gate set per λ, admission ``g >= tau``) run first;
-then StreamingLLM, random admission and SnapKV run at each WG-KV's measured cache size (equal memory,
-per sample). KV fraction = mean cached keys per (layer, KV head) after the prompt / prompt length.
+then StreamingLLM, random admission, SnapKV and the equal per-head budget policy (query statistics
+calibrated on ``--calibration-rows`` training rows of the corpus, never on the test prompts) run at
+each WG-KV's measured cache size (equal memory, per sample). KV fraction = mean cached keys per
+(layer, KV head) after the prompt / prompt length.
 
 * NLL: held-out corpus rows of each length; the last ``--cont`` tokens are the continuation. ``nll_cont``
   is their NLL given the compressed prompt (all methods); ``nll_all`` is the NLL of every token
@@ -14,6 +16,7 @@ CLI: ``python -m evals.run --model M --gates DIR[,DIR..] --corpus C --ruler FILE
 
 import argparse
 import json
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -22,6 +25,7 @@ import torch
 from torch.nn import functional as F
 
 from evals.harness import two_pass
+from evals.query_stats import calibrate
 from sglang_wgkv.gate import load_gates
 from sglang_wgkv.training.backbone import Backbone, load_backbone
 from sglang_wgkv.training.corpus import Corpus
@@ -48,7 +52,7 @@ def _nll(backbone: Backbone, hidden: torch.Tensor, ids: torch.Tensor, prompt_len
 
 def evaluate(backbone: Backbone, gate_sets: list, tau: float, local_window: int, corpus: Corpus | None,
              nll_lengths: list[int], nll_rows: int, cont: int, ruler: list[dict], time_budget_s: float | None,
-             log=print) -> dict:
+             log=print, stats=None) -> dict:
     """Run the NLL and task evaluations; returns per-sample rows (stops early past ``time_budget_s``)."""
     t0 = time.time()
     dev = backbone.device
@@ -71,7 +75,7 @@ def evaluate(backbone: Backbone, gate_sets: list, tau: float, local_window: int,
         if kind == "nll":
             ids = torch.as_tensor(item, device=dev)
             P = len(ids) - cont
-            recs, hidden = two_pass(backbone, ids, P, gate_sets, tau, local_window, seed=i)
+            recs, hidden = two_pass(backbone, ids, P, gate_sets, tau, local_window, seed=i, stats=stats)
             nll_all, nll_cont = _nll(backbone, hidden, ids, P)
             mse = (hidden.float() - hidden[0].float()).pow(2).mean(dim=(1, 2)).tolist()
             for r, a, c, m in zip(recs, nll_all, nll_cont, mse):
@@ -80,7 +84,7 @@ def evaluate(backbone: Backbone, gate_sets: list, tau: float, local_window: int,
         else:
             ids = torch.tensor(item["prompt"] + item["answer"], device=dev)
             P = len(item["prompt"])
-            recs, hidden = two_pass(backbone, ids, P, gate_sets, tau, local_window, seed=i)
+            recs, hidden = two_pass(backbone, ids, P, gate_sets, tau, local_window, seed=i, stats=stats)
             correct, nll = _answer_scores(backbone, hidden, P, item["answer"])
             for r, ok, n in zip(recs, correct, nll):
                 rows.append({"eval": item["task"], "length": L, "index": i, **r, "kv_fraction": r["cache"] / P,
@@ -121,6 +125,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--device", default="auto")
     p.add_argument("--time-budget-s", type=float, default=None)
+    p.add_argument("--calibration-rows", type=int, default=2,
+                   help="training rows of the corpus that calibrate the equal-budget policy (0: no such policy)")
+    p.add_argument("--calibration-length", type=int, default=2048)
     a = p.parse_args(argv)
     device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -134,11 +141,18 @@ def main(argv=None) -> int:
     if a.samples is not None:
         ruler = [s for s in ruler if s["index"] < a.samples]
     corpus = Corpus(a.corpus) if a.corpus else None
+    stats = None
+    if corpus is not None and a.calibration_rows > 0:
+        rows = corpus.rows("train", a.calibration_length)[:a.calibration_rows]
+        stats = calibrate(backbone, [torch.as_tensor(r).long() for r in rows])
     res = evaluate(backbone, gate_sets, tau, window, corpus, [int(x) for x in a.nll_lengths.split(",")],
-                   a.nll_rows, a.cont, ruler, a.time_budget_s)
+                   a.nll_rows, a.cont, ruler, a.time_budget_s, stats=stats)
     res["summary"] = summarize(res["rows"])
     res["config"] = {"model": a.model, "gates": a.gates.split(","), "tau": tau, "local_window": window,
                      "cont": a.cont, "device": device, "dtype": str(dtype),
+                     "calibration": None if stats is None else {"split": "train", "length": a.calibration_length,
+                                                                "rows": a.calibration_rows, "tokens": stats.tokens},
+                     "command": "python -m evals.run " + " ".join(argv if argv is not None else sys.argv[1:]),
                      "gpu": torch.cuda.get_device_name() if device == "cuda" else None}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1) + "\n")

@@ -33,7 +33,7 @@ CASES = [
 def make_gates(D: int, H: int, inner: int, seed: int, device) -> WriteGates:
     """Two layers of gates with varied, decision-relevant parameters and hidden width ``inner``."""
     gen = torch.Generator().manual_seed(seed)
-    gates = WriteGates(GateConfig(num_layers=2, num_kv_heads=H, head_dim=D))
+    gates = WriteGates(GateConfig(num_layers=2, num_kv_heads=H, head_dim=D, hidden=inner))
     for layer in gates.layers:
         layer.pre_norm = nn.Parameter(1 + 0.3 * torch.randn(D, generator=gen))
         layer.post_norm = nn.Parameter(1 + 0.3 * torch.randn(D, generator=gen))

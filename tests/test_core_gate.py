@@ -14,9 +14,9 @@ from sglang_wgkv.memory import DualCachePool, PoolExhausted
 pytestmark = pytest.mark.core
 
 
-def _gates(L=3, H=2, D=16, expand=4, seed=0):
+def _gates(L=3, H=2, D=16, hidden=None, seed=0):
     torch.manual_seed(seed)
-    gates = WriteGates(GateConfig(num_layers=L, num_kv_heads=H, head_dim=D, expand=expand, model_id="toy"))
+    gates = WriteGates(GateConfig(num_layers=L, num_kv_heads=H, head_dim=D, hidden=hidden, model_id="toy"))
     for p in gates.parameters():
         p.data.normal_()
     return gates
@@ -41,7 +41,7 @@ def test_batched_gate_equals_per_head_loop():
 def _official_state(gates):
     """Write ``gates`` in the authors' grouped-conv layout."""
     c = gates.config
-    inner = c.expand * c.head_dim
+    inner = c.hidden
     state = {}
     for i, lg in enumerate(gates.layers):
         p = f"model.layers.{i}.self_attn.g_predictors."
@@ -64,20 +64,69 @@ def _official_forward(state, i, kp, kq, eps=1e-6):
     return torch.sigmoid(F.conv1d(hid, state[p + "conv2.weight"], state[p + "conv2.bias"], groups=H))[0].t()
 
 
-def test_official_pt_round_trip(tmp_path):
-    gates = _gates(L=2, H=3, D=8, expand=2)
+# The two published layouts: Llama gates with I = 4 * head_dim, Qwen3 gates with I = 1.5 * head_dim
+# (192 for head_dim 128; here 48 for head_dim 32, which is no multiple of head_dim either).
+@pytest.mark.parametrize("layout, H, D, hidden", [("llama", 3, 8, 32), ("qwen3", 2, 32, 48), ("qwen3-d128", 1, 128, 192)])
+def test_official_pt_round_trip(tmp_path, layout, H, D, hidden):
+    gates = _gates(L=2, H=H, D=D, hidden=hidden)
     state = _official_state(gates)
     torch.save(state, tmp_path / "gates.pt")
     loaded = load_official_pt(tmp_path / "gates.pt")
-    assert (loaded.config.num_layers, loaded.config.num_kv_heads, loaded.config.head_dim, loaded.config.expand) == (2, 3, 8, 2)
-    kp, kq = torch.randn(5, 3, 8), torch.randn(5, 3, 8)
+    c = loaded.config
+    assert (c.num_layers, c.num_kv_heads, c.head_dim, c.hidden) == (2, H, D, hidden)
+    assert tuple(loaded.layers[0].w1.shape) == (H, 2 * D, hidden) and tuple(loaded.layers[0].b1.shape) == (H, hidden)
+    assert tuple(loaded.layers[0].w2.shape) == (H, hidden) and tuple(loaded.layers[0].b2.shape) == (H,)
+    kp, kq = torch.randn(5, H, D), torch.randn(5, H, D)
     for i in range(2):
         torch.testing.assert_close(loaded(i, kp, kq), _official_forward(state, i, kp, kq), atol=1e-5, rtol=1e-5)
-    # and through our own format
+    # and through our own format, which stores the width itself
     save_gates(loaded, tmp_path / "ours")
+    assert json.loads((tmp_path / "ours" / "gates.json").read_text())["hidden"] == hidden
     again = load_gates(tmp_path / "ours")
     assert again.config == loaded.config
     torch.testing.assert_close(again(1, kp, kq), loaded(1, kp, kq))
+
+
+def test_official_pt_heads_own_their_hidden_channels(tmp_path):
+    """A weight change in head 1's conv1 rows moves head 1's gate only (grouped-conv channel order)."""
+    gates = _gates(L=1, H=2, D=32, hidden=48)
+    state = _official_state(gates)
+    kp, kq = torch.randn(6, 2, 32), torch.randn(6, 2, 32)
+    before = load_official_pt(_saved(state, tmp_path / "a.pt"))(0, kp, kq)
+    state["model.layers.0.self_attn.g_predictors.conv1.bias"][48:] += 5.0
+    after = load_official_pt(_saved(state, tmp_path / "b.pt"))(0, kp, kq)
+    torch.testing.assert_close(after, _official_forward(state, 0, kp, kq), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(after[:, 0], before[:, 0])
+    assert not torch.allclose(after[:, 1], before[:, 1])
+
+
+def _saved(state, path):
+    torch.save(state, path)
+    return path
+
+
+def test_gate_config_reads_expand_and_stores_hidden(tmp_path):
+    base = {"num_layers": 2, "num_kv_heads": 3, "head_dim": 64}
+    assert GateConfig.from_dict({**base, "expand": 4}).hidden == 256
+    assert GateConfig.from_dict({**base, "expand": 4, "hidden": 256}).hidden == 256
+    assert GateConfig.from_dict(base).hidden == 256  # the default width
+    assert GateConfig.from_dict({**base, "hidden": 96}).hidden == 96
+    with pytest.raises(ValueError, match="contradicts expand"):
+        GateConfig.from_dict({**base, "expand": 4, "hidden": 96})
+    with pytest.raises(ValueError, match="hidden must be a positive integer"):
+        GateConfig(num_layers=2, num_kv_heads=3, head_dim=64, hidden=0)
+    with pytest.raises(ValueError, match="hidden must be a positive integer"):
+        GateConfig(num_layers=2, num_kv_heads=3, head_dim=64, hidden=1.5)
+    # a directory written before the width was stored (``"expand"`` in gates.json) still loads
+    gates = _gates(L=2, H=3, D=16)
+    save_gates(gates, tmp_path / "old")
+    cfg = json.loads((tmp_path / "old" / "gates.json").read_text())
+    cfg["expand"] = cfg.pop("hidden") // cfg["head_dim"]
+    (tmp_path / "old" / "gates.json").write_text(json.dumps(cfg))
+    old = load_gates(tmp_path / "old")
+    assert old.config == gates.config
+    kp, kq = torch.randn(4, 3, 16), torch.randn(4, 3, 16)
+    torch.testing.assert_close(old(1, kp, kq), gates(1, kp, kq))
 
 
 def test_official_pt_bad_shape_is_refused(tmp_path):

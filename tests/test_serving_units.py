@@ -244,3 +244,38 @@ def test_launcher_rejects_bad_options(monkeypatch, args, message):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match=message):
         resolve(args)
+
+
+def test_server_accepts_official_qwen3_gates_and_checks_the_model(tmp_path):
+    """The authors' Qwen3 layout (hidden width 1.5 * head_dim) passes the launcher's and the backend's
+    checks against a Qwen3-shaped model, keeps its width through a TP head cut, and a wrong model is named."""
+    import json
+
+    from sglang_wgkv.gate import GateConfig, WriteGates
+    from sglang_wgkv.integration.backend import build_gates
+    from sglang_wgkv.launch_server import check_gates
+
+    L, H, D = 2, 2, 32
+    gates = WriteGates(GateConfig(num_layers=L, num_kv_heads=H, head_dim=D, hidden=48))
+    state = {}
+    for i, lg in enumerate(gates.layers):
+        p = f"model.layers.{i}.self_attn.g_predictors."
+        state[p + "pre_key_norm.weight"], state[p + "post_key_norm.weight"] = lg.pre_norm.data, lg.post_norm.data
+        state[p + "conv1.weight"] = lg.w1.data.transpose(1, 2).reshape(H * 48, 2 * D, 1)
+        state[p + "conv1.bias"], state[p + "conv2.weight"] = lg.b1.data.reshape(-1), lg.w2.data[:, :, None]
+        state[p + "conv2.bias"] = lg.b2.data
+    torch.save(state, tmp_path / "qwen3_gates.pt")
+    model = tmp_path / "qwen3"
+    model.mkdir()
+    cfg = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": L,
+           "num_attention_heads": 4, "num_key_value_heads": H, "head_dim": D, "hidden_size": 128,
+           "intermediate_size": 256, "vocab_size": 1000}
+    (model / "config.json").write_text(json.dumps(cfg))
+    check_gates(str(tmp_path / "qwen3_gates.pt"), str(model), 256)
+    settings = ServingSettings(config=WGKVConfig(), gates_path=str(tmp_path / "qwen3_gates.pt"))
+    served = build_gates(settings, L, H, D, "cpu", heads=[1])
+    assert served.config.hidden == 48 and tuple(served.layers[1].w1.shape) == (1, 2 * D, 48)
+    torch.testing.assert_close(served.layers[1].w2, gates.layers[1].w2.data[1:])
+    (model / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": 4}))
+    with pytest.raises(ValueError, match=r"expected \(layers, kv_heads, head_dim\) = \(2, 4, 32\), found \(2, 2, 32\)"):
+        check_gates(str(tmp_path / "qwen3_gates.pt"), str(model), 256)

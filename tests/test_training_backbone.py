@@ -81,6 +81,51 @@ def test_soft_flex_matches_sdpa_with_gradients():
     torch.testing.assert_close(gf, gr, atol=1e-3, rtol=1e-3)
 
 
+def _split_vs_reference(backend, T, D, W, device="cpu", grads=True):
+    torch.manual_seed(0)
+    B, Hq, Hkv = 2, 6, 2
+    leaves = [torch.randn(B, Hq, T, D, device=device, requires_grad=grads),
+              torch.randn(B, Hkv, T, D, device=device, requires_grad=grads),
+              torch.randn(B, Hkv, T, D, device=device, requires_grad=grads),
+              torch.randn(B, Hkv, T, device=device, requires_grad=grads)]
+    q, k, v, logit = leaves
+    weight = torch.randn(B, Hq, T, D, device=device)
+    out = SoftGatedAttention([], W, backend=backend).attend(q, k, v, torch.sigmoid(logit), 0.3)
+    out_ref = soft_gated_attention(q, k, v, torch.sigmoid(logit), W, 1e-6, sm_scale=0.3)
+    tol = 1e-5 if device == "cpu" else 2e-4  # fused GPU kernels sum in another order
+    torch.testing.assert_close(out, out_ref, atol=tol, rtol=tol)
+    if grads:
+        for a, b in zip(torch.autograd.grad((out * weight).sum(), leaves),
+                        torch.autograd.grad((out_ref * weight).sum(), leaves)):
+            torch.testing.assert_close(a, b, atol=10 * tol, rtol=10 * tol)
+
+
+SPLIT_SHAPES = [(48, 16, 8), (37, 64, 16), (20, 24, 32)]  # (T, D, W); the last: window beyond T
+
+
+@pytest.mark.parametrize("T, D, W", SPLIT_SHAPES)
+def test_soft_split_matches_sdpa_with_gradients(T, D, W):
+    """The two-copies-per-key form (no bias tensor) equals the reference in values and in the
+    gradients of the gate logits, the queries, keys and values."""
+    _split_vs_reference("split", T, D, W)
+
+
+@pytest.mark.parametrize("T, D, W", SPLIT_SHAPES)
+def test_soft_flex_split_matches_sdpa(T, D, W):
+    """The same through FlexAttention's block mask (values; CPU FlexAttention has no backward)."""
+    with torch.no_grad():
+        _split_vs_reference("flex_split", T, D, W, grads=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["split", "flex_split"])
+@pytest.mark.parametrize("T, D, W", [(300, 64, 128), (1024, 64, 256)])
+def test_soft_split_gradients_on_cuda(backend, T, D, W):
+    """fp32 on the GPU: the fused kernels (SDPA efficient / compiled FlexAttention) in forward and backward."""
+    _split_vs_reference(backend, T, D, W, device="cuda")
+
+
 def test_open_gates_reproduce_dense_model():
     lm = tiny_lm()
     bb = Backbone(lm)

@@ -1,7 +1,12 @@
 """Gate checkpoints: our format (safetensors + JSON config) and the authors' released ``.pt`` files.
 
 Our format is a directory holding ``gates.safetensors`` (keys ``layers.{i}.{param}``) and
-``gates.json`` (a :class:`GateConfig`).
+``gates.json`` (a :class:`GateConfig`). Files written before the hidden width was stored carry
+``"expand": E`` instead of ``"hidden"``; they are read as ``hidden = E * head_dim``.
+
+The authors' released files come in two layouts that differ only in the hidden width I: the Llama
+gates use I = 4 * head_dim, the Qwen3 gates I = 1.5 * head_dim (192 for head_dim 128). I is therefore
+stored as a width, never as an integer multiple of head_dim.
 """
 
 import json
@@ -16,16 +21,21 @@ from sglang_wgkv.config import DEFAULT_LOCAL_WINDOW, DEFAULT_TAU
 WEIGHTS_FILE = "gates.safetensors"
 CONFIG_FILE = "gates.json"
 _OFFICIAL_PREFIX = "model.layers.{i}.self_attn.g_predictors."
+# Hidden width of a gate built without one, as a multiple of head_dim (the Llama layout's).
+DEFAULT_EXPAND = 4
 
 
 @dataclass(frozen=True)
 class GateConfig:
-    """Shape and training metadata of a set of gates (one :class:`LayerGate` per layer)."""
+    """Shape and training metadata of a set of gates (one :class:`LayerGate` per layer).
+
+    ``hidden``: the MLP's hidden width I per head (``None``: the default ``4 * head_dim``).
+    """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    expand: int = 4
+    hidden: int | None = None
     tau: float = DEFAULT_TAU
     local_window: int = DEFAULT_LOCAL_WINDOW
     lam: float = 0.0
@@ -33,16 +43,29 @@ class GateConfig:
     eps: float = 1e-6
 
     def __post_init__(self):
-        for name in ("num_layers", "num_kv_heads", "head_dim", "expand", "local_window"):
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"GateConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.hidden is None:
+            object.__setattr__(self, "hidden", DEFAULT_EXPAND * self.head_dim)
+        for name in ("num_layers", "num_kv_heads", "head_dim", "hidden", "local_window"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"GateConfig.{name} must be a positive integer, got {value!r}")
 
     @classmethod
     def from_dict(cls, d: dict) -> "GateConfig":
+        """From a ``gates.json`` dict; an older file's ``expand`` becomes ``hidden = expand * head_dim``."""
         known = {f.name for f in fields(cls)}
         missing = {"num_layers", "num_kv_heads", "head_dim"} - d.keys()
         if missing:
             raise ValueError(f"gate config is missing {sorted(missing)}")
+        d = dict(d)
+        if "expand" in d:
+            expand = d.pop("expand")
+            if not isinstance(expand, int) or isinstance(expand, bool) or not isinstance(d["head_dim"], int):
+                raise ValueError(f"gate config: expand must be an integer, got {expand!r}")
+            hidden = expand * d["head_dim"]
+            if d.setdefault("hidden", hidden) != hidden:
+                raise ValueError(f"gate config: hidden {d['hidden']} contradicts expand {expand} x "
+                                 f"head_dim {d['head_dim']}")
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
@@ -122,7 +145,8 @@ def load_official_pt(path: str | Path, device="cpu", tau: float = DEFAULT_TAU, l
 
     Layer i holds ``pre_key_norm.weight [D]``, ``post_key_norm.weight [D]``,
     ``conv1.weight [H*I, 2D, 1]``, ``conv1.bias [H*I]``, ``conv2.weight [H, I, 1]``, ``conv2.bias [H]``;
-    head h reads input channels ``h*2D .. (h+1)*2D-1`` (pre-RoPE key first).
+    head h reads input channels ``h*2D .. (h+1)*2D-1`` (pre-RoPE key first) and owns hidden channels
+    ``h*I .. (h+1)*I-1``. I is read from ``conv2.weight``: 4*D in the Llama files, 1.5*D in the Qwen3 ones.
     """
     from sglang_wgkv.gate.mlp import WriteGates
 
@@ -143,11 +167,8 @@ def load_official_pt(path: str | Path, device="cpu", tau: float = DEFAULT_TAU, l
     p0 = _OFFICIAL_PREFIX.format(i=0)
     head_dim = state[p0 + "pre_key_norm.weight"].shape[0]
     num_heads, inner = state[p0 + "conv2.weight"].shape[:2]
-    expand = inner // head_dim
-    if expand * head_dim != inner:
-        raise ValueError(f"{path}: hidden width {inner} is not a multiple of head_dim {head_dim}")
     config = GateConfig(num_layers=num_layers, num_kv_heads=num_heads, head_dim=head_dim,
-                        expand=expand, tau=tau, local_window=local_window, model_id=model_id)
+                        hidden=int(inner), tau=tau, local_window=local_window, model_id=model_id)
     tensors = {}
     for i in range(num_layers):
         p = _OFFICIAL_PREFIX.format(i=i)

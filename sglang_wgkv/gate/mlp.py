@@ -15,15 +15,15 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 class LayerGate(nn.Module):
     """All KV heads of one layer, evaluated together with batched matmuls.
 
-    Parameters (H = KV heads, D = head_dim, I = expand * D):
+    Parameters (H = KV heads, D = head_dim, I = hidden width: 4*D in the Llama layout, 1.5*D in Qwen3's):
     ``pre_norm [D]``, ``post_norm [D]`` (shared by the layer's heads), ``w1 [H, 2D, I]``, ``b1 [H, I]``,
     ``w2 [H, I]``, ``b2 [H]``.
     """
 
-    def __init__(self, num_kv_heads: int, head_dim: int, expand: int = 4, eps: float = 1e-6,
+    def __init__(self, num_kv_heads: int, head_dim: int, hidden: int, eps: float = 1e-6,
                  init_bias: float = 3.0):
         super().__init__()
-        inner = expand * head_dim
+        inner = hidden
         self.num_kv_heads, self.head_dim, self.eps = num_kv_heads, head_dim, eps
         self.pre_norm = nn.Parameter(torch.ones(head_dim))
         self.post_norm = nn.Parameter(torch.ones(head_dim))
@@ -55,7 +55,7 @@ class WriteGates(nn.Module):
         super().__init__()
         self.config = config
         self.layers = nn.ModuleList(
-            LayerGate(config.num_kv_heads, config.head_dim, config.expand, config.eps)
+            LayerGate(config.num_kv_heads, config.head_dim, config.hidden, config.eps)
             for _ in range(config.num_layers)
         )
 

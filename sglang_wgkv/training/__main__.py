@@ -55,9 +55,11 @@ def main(argv=None) -> int:
     t.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint in --out")
     defaults = {f.name: f.default for f in fields(TrainConfig)}
     for name in ("steps", "seq_len", "lr", "weight_decay", "warmup_frac", "local_window", "tau", "eps",
-                 "expand", "init_bias", "val_every", "val_rows", "ckpt_every", "log_every", "backend", "dtype",
+                 "init_bias", "val_every", "val_rows", "ckpt_every", "log_every", "backend", "dtype",
                  "device", "seed", "model_id", "time_budget_s"):
         t.add_argument("--" + name.replace("_", "-"), type=type(defaults[name]), default=defaults[name])
+    t.add_argument("--hidden", type=int, default=None,
+                   help="gate MLP hidden width per head (default 4 * head_dim; the authors' Qwen3 gates: 1.5 * head_dim)")
     t.add_argument("--no-grad-checkpoint", action="store_true")
 
     args = parser.parse_args(argv)

@@ -25,7 +25,8 @@ import torch
 
 from sglang_wgkv.config import DEFAULT_LOCAL_WINDOW, DEFAULT_TAU
 from sglang_wgkv.gate import GateConfig, WriteGates, load_gates, save_gates
-from sglang_wgkv.training.attention import HardGatedAttention, SoftGatedAttention, kv_fraction, sparsity_penalty
+from sglang_wgkv.training.attention import (BACKENDS, HardGatedAttention, SoftGatedAttention, kv_fraction,
+                                           sparsity_penalty)
 from sglang_wgkv.training.backbone import Backbone, dense_attention, load_backbone
 from sglang_wgkv.training.corpus import Corpus
 
@@ -49,7 +50,7 @@ class TrainConfig:
     local_window: int = DEFAULT_LOCAL_WINDOW
     tau: float = DEFAULT_TAU
     eps: float = 1e-6
-    expand: int = 4
+    hidden: int | None = None  # the gate MLP's hidden width per head; None: GateConfig's default (4 * head_dim)
     init_bias: float = 3.0
     val_every: int = 100
     val_rows: int = 4
@@ -72,7 +73,7 @@ class TrainConfig:
             raise ValueError("steps must be positive and seq_len larger than local_window")
         if not 0 <= self.warmup_frac < 1:
             raise ValueError(f"warmup_frac must be in [0, 1), got {self.warmup_frac}")
-        if self.backend not in ("auto", "sdpa", "flex") or self.dtype not in ("bf16", "fp32"):
+        if self.backend not in ("auto", *BACKENDS) or self.dtype not in ("bf16", "fp32"):
             raise ValueError(f"bad backend {self.backend!r} or dtype {self.dtype!r}")
 
 
@@ -96,10 +97,11 @@ def choose_backend(backbone: Backbone, batch: int, seq_len: int, local_window: i
                    iters: int = 3) -> tuple[str, dict]:
     """The faster soft-gate backend for one layer's forward + backward at the training shape.
 
-    On CPU: ``sdpa`` (FlexAttention has no CPU backward). On CUDA both are timed: FlexAttention's
-    gradient for the captured gate bias is an atomic scatter whose cost depends on the GPU, so the
-    materialized-bias SDPA path can win for small models. A FlexAttention compile failure counts as
-    a loss (its message is kept in the timings).
+    On CPU: ``sdpa`` (FlexAttention has no CPU backward). On CUDA all of BACKENDS are timed:
+    FlexAttention's gradient for the captured gate bias is an atomic scatter whose cost depends on the
+    GPU, ``split`` runs SDPA's fused kernel over twice the keys (``flex_split``: FlexAttention, only the
+    visible blocks), and the materialized-bias math path can still win for small models. A compile or
+    kernel failure counts as a loss (its message is kept in the timings).
     """
     if backbone.device.type != "cuda":
         return "sdpa", {}
@@ -109,7 +111,7 @@ def choose_backend(backbone: Backbone, batch: int, seq_len: int, local_window: i
     v = torch.randn_like(k, requires_grad=True)
     logit = torch.randn(batch, s.num_kv_heads, seq_len, device=dev, requires_grad=True)
     timings = {}
-    for name in ("flex", "sdpa"):
+    for name in BACKENDS:
         att = SoftGatedAttention([], local_window, eps, name)
 
         def run():
@@ -149,7 +151,7 @@ class GateTrainer:
         self.gates = []
         for lam in config.lams:
             gc = GateConfig(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                            expand=config.expand, tau=config.tau, local_window=config.local_window, lam=lam,
+                            hidden=config.hidden, tau=config.tau, local_window=config.local_window, lam=lam,
                             model_id=config.model_id or str(config.model), eps=config.eps)
             gates = WriteGates(gc)
             for layer in gates.layers:
