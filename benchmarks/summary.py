@@ -23,6 +23,7 @@ SECTIONS = (
     ("kernels", "Kernels (kernels/)"),
     ("serving", "Serving (serving/)"),
     ("accuracy", "Accuracy and gate training (accuracy/)"),
+    ("constrained", "SGLang's frontend programs, constrained decoding (constrained/)"),
 )
 _REPO_DIRS = ("launch/", "benchmarks/", "sglang_wgkv/", "evals/", "tests/")
 
@@ -224,6 +225,16 @@ def served_workload(d: dict) -> list[str]:
     return lines
 
 
+def constrained_programs(d: dict) -> list[str]:
+    """``constrained/*.json`` of ``benchmarks/constrained_programs.py``: outcome per program and server
+    (ok; answer: mechanics fine, the model's answer wrong; error)."""
+    servers = [r["server"] for r in d["runs"]]
+    rows = [[prog] + [outcomes.get(srv, "") for srv in servers] for prog, outcomes in d["table"].items()]
+    alive = ", ".join(f"{r['server']} alive after: {r.get('alive_after')}" for r in d["runs"])
+    return ([f"Command: {cmd(d['environment']['command'])}; {d['max_new_tokens']} new tokens per generation; {alive}.",
+             ""] + table(["program"] + servers, rows))
+
+
 def serving_memory(d: dict) -> list[str]:
     m, srv = d["machine"], d.get("server", {})
     phases = [[name, "yes" if p.get("ok", True) else f"no: {p.get('detail')}", p.get("seconds", ""),
@@ -310,6 +321,8 @@ def renderer(d: dict):
         return served_speed
     if "runs" in d and isinstance(d.get("workload"), dict) and "id" in d["workload"]:
         return served_workload
+    if "table" in d and "runs" in d and "max_new_tokens" in d:
+        return constrained_programs
     if "phases" in d and "peak_rss_bytes" in d:
         return serving_memory
     if "rows" in d and "summary" in d and "config" in d:
