@@ -98,6 +98,15 @@ class Server:
         raise TimeoutError(f"scheduler not idle-checked after {timeout} s: {stats}")
 
 
+def flush_cache(server) -> None:
+    """``/flush_cache``, retried while the server still holds running requests (it refuses then)."""
+    for _ in range(60):
+        if requests.post(server.url + "/flush_cache", timeout=60).status_code == 200:
+            return
+        time.sleep(0.5)
+    raise TimeoutError("flush_cache refused for 30 s")
+
+
 def stream_generate(server, rid, prompt, max_new_tokens, abort_after, results, timeout=900):
     """Stream one greedy ``/generate`` request into ``results[rid]`` (its last ``meta_info``); with
     ``abort_after`` chunks received, abort it through ``/abort_request``."""

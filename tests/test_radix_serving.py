@@ -15,7 +15,7 @@ import time
 import pytest
 import requests
 
-from serving_support import Server, long_prompt, shipped_gates_at
+from serving_support import flush_cache, Server, long_prompt, shipped_gates_at
 
 pytestmark = [pytest.mark.serving, pytest.mark.radix]
 
@@ -33,20 +33,13 @@ def server(tmp_path_factory):
         s.stop()
 
 
-def _flush(server):
-    for _ in range(60):
-        if requests.post(server.url + "/flush_cache", timeout=60).status_code == 200:
-            return
-        time.sleep(0.5)
-    raise TimeoutError("flush_cache refused for 30 s")
-
 
 def _run(server, prompts, cold: bool):
     """Sequential greedy generations: (output ids, cached tokens, prompt tokens, seconds) each."""
     out = []
     for p in prompts:
         if cold:
-            _flush(server)
+            flush_cache(server)
         t = time.perf_counter()
         o = server.generate(p, max_new_tokens=NEW_TOKENS)
         dt = time.perf_counter() - t
@@ -57,7 +50,7 @@ def _run(server, prompts, cold: bool):
 
 def _compare(name, server, prompts):
     cold = _run(server, prompts, cold=True)
-    _flush(server)
+    flush_cache(server)
     warm = _run(server, prompts, cold=False)
     assert [c[0] for c in cold] == [w[0] for w in warm]
     assert all(c[1] == 0 for c in cold)
@@ -80,7 +73,7 @@ def test_shared_system_prompt_same_outputs_with_hits(server):
 
 def test_multi_turn_chat_same_outputs_with_hits(server):
     # each turn's prompt is the previous prompt + the greedy reply + a new user line
-    _flush(server)
+    flush_cache(server)
     turns, text = [], "User: " + long_prompt(6) + "\nAssistant:"
     for i in range(4):
         o = server.generate(text, max_new_tokens=NEW_TOKENS)
@@ -124,6 +117,6 @@ def test_random_requests_with_aborts_keep_integrity(server):
     stats = server.wait_idle_checked()  # strict idle check: a leak kills the scheduler
     assert stats["free_pages"] + stats["radix"]["snapshot_pages"] == stats["total_pages"]
     assert server.generate("The capital of France is", max_new_tokens=4)["meta_info"]["completion_tokens"] == 4
-    _flush(server)
+    flush_cache(server)
     stats = server.wait_idle_checked()
     assert stats["radix"]["snapshots"] == 0 and stats["free_pages"] == stats["total_pages"]

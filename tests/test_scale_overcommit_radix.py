@@ -4,12 +4,11 @@ physical-pool guard (a hit's ring copy counted), more requests run than a dense 
 outputs equal the cold (cache-flushed) ones, and the idle check is clean.
 """
 
-import time
 
 import pytest
 import requests
 
-from serving_support import Server, save_head_gates
+from serving_support import Server, flush_cache, save_head_gates
 
 pytestmark = pytest.mark.scale
 
@@ -29,13 +28,6 @@ def server(tmp_path_factory):
         srv.stop()
 
 
-def _flush(server):
-    for _ in range(60):
-        if requests.post(server.url + "/flush_cache", timeout=60).status_code == 200:
-            return
-        time.sleep(0.5)
-    raise TimeoutError("flush_cache refused for 30 s")
-
 
 def _generate(server, input_ids):
     r = requests.post(server.url + "/generate", timeout=900, json={
@@ -52,9 +44,9 @@ def test_prefix_hits_under_overcommit(server):
     prompts = [shared + [rng.randrange(1000, 30000) for _ in range(SUFFIX)] for _ in range(4)]
     cold = []
     for p in prompts:
-        _flush(server)
+        flush_cache(server)
         cold.append(_generate(server, p)["output_ids"])
-    _flush(server)
+    flush_cache(server)
     first = _generate(server, prompts[0])                  # fills the tree with the shared prefix
     warm = _generate(server, prompts[1:])                  # three hits, batched
     assert first["output_ids"] == cold[0]
