@@ -57,4 +57,4 @@ def test_prefix_hits_under_overcommit(server):
     assert all(PREFIX // CHUNK * CHUNK <= c <= PREFIX for c in cached), cached
     stats = server.wait_idle_checked()
     assert stats["active_requests"] == 0 and server.alive()
-    assert stats["radix"]["hits"] >= 3 and stats["capacity_mode"] == "overcommit", stats
+    assert stats["radix"]["prefix_hits"] >= 3 and stats["capacity_mode"] == "overcommit", stats
