@@ -224,6 +224,11 @@ def run(a) -> None:
     if a.profile_dir:
         env["SGLANG_TORCH_PROFILER_DIR"] = a.profile_dir
     part = {"server": a.server, "environment": environment(), "runs": []}
+    part_file = out_dir / f"part.{a.server}.{a.tag}.json"
+
+    def write_part() -> None:
+        part_file.write_text(json.dumps(part, indent=1))
+
     by_config: dict[tuple, list[Workload]] = {}
     for wid in a.workloads.split(","):
         w = WORKLOADS[wid]
@@ -252,6 +257,7 @@ def run(a) -> None:
                 except Exception as exc:  # recorded; the next workload still runs
                     rec["error"] = f"{type(exc).__name__}: {exc}"[-4000:]
                 part["runs"].append(rec)
+                write_part()  # after every workload: a call stopped at its time limit keeps what ran
                 print(json.dumps({k: rec.get(k) for k in ("workload", "error")} | summarize(rec)), flush=True)
         except Exception as exc:
             part["runs"].append({"workloads": [w.id for w in workloads], "server_command": shlex.join(cmd),
@@ -259,7 +265,7 @@ def run(a) -> None:
             print(part["runs"][-1]["error"][-2000:], flush=True)
         finally:
             srv.stop()
-    (out_dir / f"part.{a.server}.{a.tag}.json").write_text(json.dumps(part, indent=1))
+    write_part()
 
 
 def profile_decode(url: str, w: Workload, body: dict | None, a, trace_dir: Path) -> dict:

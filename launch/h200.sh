@@ -17,6 +17,7 @@
 #   bash launch/h200.sh serve-eval [evals.served args]
 # the RULER-style set through one server per configuration (evals/served.py); results accumulate in
 # /tmp/served (resumed by the next call) and are copied to $OUT.
+# `gpu-tests [pytest args]` as step 3 runs the GPU tests with the real embedded model (default `-m gpu tests`).
 # `programs` as step 3 runs SGLang's frontend test programs (constrained decoding included) on WG-KV
 # (kernels path) and --disable-wgkv (SERVERS=wgkv or SERVERS=disable-wgkv: one server per call, within a
 # call's time limit): benchmarks/constrained_programs.py -> $OUT/h200_programs.json.
@@ -31,7 +32,7 @@ setup)
     mkdir -p "$M" && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader ;;
 part)
     cp .model/$GGUF.part00 "$M"/ ;;
-serve-bench|serve-eval|serve-soak|programs)
+serve-bench|serve-eval|serve-soak|programs|gpu-tests)
     mode=$1; shift
     cp .model/$GGUF.part01 "$M"/ 2>/dev/null || test -f "$M"/$GGUF
     if [ -d .kit2 ]; then bash .kit/install.sh .kit2 >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .kit2/*.whl; fi
@@ -41,6 +42,12 @@ serve-bench|serve-eval|serve-soak|programs)
     export PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1 SGLANG_WGKV_GGUF="$M/$GGUF" SGLANG_WGKV_CACHE=/tmp/wgkv-cache
     OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
     python3 -m sglang_wgkv.embedded_model
+    if [ "$mode" = gpu-tests ]; then
+        # pytest [args] on this machine (default: every gpu-marked test), JUnit XML and log to $OUT
+        python3 -m pytest --version >/dev/null 2>&1 || { echo "pytest is not installed here"; exit 2; }
+        # shellcheck disable=SC2086
+        python3 -m pytest -q -p no:cacheprovider --junitxml "$OUT/gpu_tests.xml" ${*:--m gpu tests} 2>&1 | tee "$OUT/gpu_tests.log"
+    fi
     if [ "$mode" = programs ]; then
         export WGKV_TEST_STARTUP_TIMEOUT=900
         exec python3 benchmarks/constrained_programs.py --servers "${SERVERS:-wgkv,disable-wgkv}" --log-dir "$OUT" \
