@@ -8,6 +8,9 @@ DEFAULT_TAU = 0.1
 DEFAULT_LOCAL_WINDOW = 256
 # SnapKV's observation window (queries kept per request and layer); at most W_local.
 DEFAULT_EVICTOR_WINDOW = 256
+# Serving's evictor cuts streams this far under the budget when it looks (at most 1/8 of the budget), so
+# it looks at the device about once per this many decode steps instead of nearly every step.
+DEFAULT_EVICTOR_LEAD = 32
 
 
 @dataclass(frozen=True)
@@ -48,3 +51,8 @@ class WGKVConfig:
         """Queries per (request, layer) the evictor keeps with ``kv_budget``: its window, capped at
         W_local (global entries must precede every window query)."""
         return min(DEFAULT_EVICTOR_WINDOW, self.local_window)
+
+    @property
+    def evictor_lead(self) -> int:
+        """The evictor's ``lead`` with ``kv_budget`` (see memory/evictor.py, host syncs)."""
+        return 0 if self.kv_budget is None else min(DEFAULT_EVICTOR_LEAD, self.kv_budget // 8)

@@ -12,9 +12,9 @@ pytestmark = [pytest.mark.evictor, pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device)")]
 
 
-@pytest.mark.parametrize("W,window,budget,p_admit,seed", RUNS)
-def test_long_random_run_on_cuda(W, window, budget, p_admit, seed):
-    long_random_run(W, window, budget, p_admit, seed, "cuda")
+@pytest.mark.parametrize("W,window,budget,p_admit,seed,lead", RUNS)
+def test_long_random_run_on_cuda(W, window, budget, p_admit, seed, lead):
+    long_random_run(W, window, budget, p_admit, seed, "cuda", lead)
 
 
 def test_bf16_model_scale_budget_and_pages():

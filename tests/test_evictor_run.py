@@ -62,12 +62,12 @@ class Req:
 
 
 class Run:
-    def __init__(self, W, window, budget, pages, slots, maxlen, seed, device="cpu"):
-        self.W, self.window, self.budget, self.maxlen = W, window, budget, maxlen
+    def __init__(self, W, window, budget, pages, slots, maxlen, seed, device="cpu", lead=0):
+        self.W, self.window, self.budget, self.maxlen, self.lead = W, window, budget, maxlen, lead
         self.dev = torch.device(device)
         self.pool = DualCachePool(L, H, D, pages, slots, maxlen, WGKVConfig(local_window=W), dtype=torch.float32,
                                   device=device)
-        self.ev = SnapKVEvictor(self.pool, budget=budget, num_q_heads=H * G, window=window)
+        self.ev = SnapKVEvictor(self.pool, budget=budget, num_q_heads=H * G, window=window, lead=lead)
         self.gen = torch.Generator().manual_seed(seed)
         self.reqs = {}
         self.evictions_checked = 0
@@ -147,17 +147,26 @@ class Run:
                             1 / math.sqrt(D), self.ev.kernel_size)
 
     def evict_and_check(self):
-        """maybe_evict, checked against the model; then the model follows the pool."""
+        """maybe_evict, checked against the model; then the model follows the pool.
+
+        A look must happen when a stream is over the budget; when one happens (it may also on a loose
+        host bound), every stream over ``T = budget - lead`` loses its lowest-scored entries."""
+        target = self.budget - self.lead
+        lengths = {(s, layer, h): len(r.glob[layer][h])
+                   for s, r in self.reqs.items() for layer in range(L) for h in range(H)}
+        must_look = max(lengths.values(), default=0) > self.budget
+        checks, triggers_before = self.ev.checks, self.ev.triggers.copy()
         expected = {}
-        for s, r in self.reqs.items():
-            for layer in range(L):
-                for h in range(H):
-                    g = len(r.glob[layer][h])
-                    if g > self.budget:
-                        expected[s, layer, h] = (self.naive_stream_scores(r, layer, h),
-                                                 max(int(g * self.ev.ratio), 1, g - self.budget))
-        triggers_before = self.ev.triggers.copy()
-        assert self.ev.maybe_evict() == len(expected)
+        for (s, layer, h), g in lengths.items():
+            if g > target:
+                expected[s, layer, h] = (self.naive_stream_scores(self.reqs[s], layer, h),
+                                         max(int(g * self.ev.ratio), 1, g - target))
+        n = self.ev.maybe_evict()
+        looked = self.ev.checks > checks
+        assert looked or not must_look
+        if not looked:
+            expected = {}
+        assert n == len(expected)
         for s, r in self.reqs.items():
             hit = any(key[0] == s for key in expected)
             assert self.ev.triggers[s] == triggers_before[s] + hit
@@ -184,22 +193,24 @@ class Run:
         del self.reqs[slot]
 
 
-RUNS = [  # W_local, observation window, budget, admission probability per request, seed
-    (16, 16, 24, [1.0, 1.0, 1.0], 0),     # SnapKV alone (all-admit gates)
-    (16, 16, 24, [0.6, 0.3, 1.0], 1),     # admission + eviction
-    (32, 8, 40, [0.8, 1.0, 0.5], 2),      # observation window shorter than W_local
-    (16, 16, 16, [1.0, 0.7, 0.9], 3),     # budget of one page
+RUNS = [  # W_local, observation window, budget, admission probability per request, seed, lead
+    (16, 16, 24, [1.0, 1.0, 1.0], 0, 0),     # SnapKV alone (all-admit gates)
+    (16, 16, 24, [0.6, 0.3, 1.0], 1, 0),     # admission + eviction
+    (32, 8, 40, [0.8, 1.0, 0.5], 2, 0),      # observation window shorter than W_local
+    (16, 16, 16, [1.0, 0.7, 0.9], 3, 0),     # budget of one page
+    (16, 16, 24, [0.6, 0.3, 1.0], 4, 5),     # looks amortized: streams cut 5 under the budget
+    (32, 8, 40, [1.0, 0.2, 0.5], 5, 4),
 ]
 
 
-@pytest.mark.parametrize("W,window,budget,p_admit,seed", RUNS)
-def test_long_random_run_keeps_budget_order_and_pages(W, window, budget, p_admit, seed):
-    long_random_run(W, window, budget, p_admit, seed, "cpu")
+@pytest.mark.parametrize("W,window,budget,p_admit,seed,lead", RUNS)
+def test_long_random_run_keeps_budget_order_and_pages(W, window, budget, p_admit, seed, lead):
+    long_random_run(W, window, budget, p_admit, seed, "cpu", lead)
 
 
-def long_random_run(W, window, budget, p_admit, seed, device):
+def long_random_run(W, window, budget, p_admit, seed, device, lead=0):
     rng = np.random.default_rng(seed)
-    run = Run(W, window, budget, pages=600, slots=4, maxlen=260, seed=seed, device=device)
+    run = Run(W, window, budget, pages=600, slots=4, maxlen=260, seed=seed, device=device, lead=lead)
     slots = [3, 0, 2]
     for s, p in zip(slots, p_admit):
         run.new(s, p)
@@ -279,6 +290,32 @@ def test_no_device_look_while_the_host_bound_is_within_budget():
         big.decode([0])
         big.evict_and_check()
     assert big.ev.checks == 0
+
+
+def test_lead_spaces_the_looks_and_keeps_the_cap():
+    """With every token admitted the streams sit at the budget: lead 0 looks at the device nearly
+    every step; lead 6 at most once per 7 steps (the bound grows one token per step), for both
+    requests at once, and the cap holds after every step."""
+    # (lead 0 looks every other step here: the bottom 10% of 24 entries is 2 tokens)
+    looks = {}
+    for lead in (0, 6):
+        run = Run(W=16, window=16, budget=24, pages=400, slots=2, maxlen=260, seed=11, lead=lead)
+        run.check_attention = False
+        run.new(0, 1.0)
+        run.new(1, 1.0)
+        run.extend({0: 30, 1: 45})
+        run.ev.maybe_evict()
+        start = run.ev.checks
+        for _ in range(140):
+            run.decode([0, 1])
+            run.ev.maybe_evict()
+            assert int(run.pool.global_len.max()) <= 24
+        looks[lead] = run.ev.checks - start
+        run.pool.check_integrity()
+    assert looks[0] >= 60
+    assert looks[6] <= 140 // 7 + 1
+    with pytest.raises(ValueError, match="lead"):
+        Run(W=16, window=16, budget=24, pages=40, slots=1, maxlen=60, seed=0, lead=24)
 
 
 def test_admission_reduces_eviction_triggers():

@@ -147,7 +147,8 @@ class WGKVRuntime:
 
             self._evictor = SnapKVEvictor(pool=self._dual, budget=config.kv_budget,
                                           num_q_heads=mc.get_num_attention_heads(par.attn_tp_size),
-                                          window=config.evictor_window, prompt_cap=self.plan.prompt_cap)
+                                          window=config.evictor_window, prompt_cap=self.plan.prompt_cap,
+                                          lead=config.evictor_lead)
         if par.attn_tp_size > 1:
             from sglang_wgkv.integration.req_pool import tp_usage_reducer
 

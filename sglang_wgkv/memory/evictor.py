@@ -15,10 +15,10 @@ Per stream (request slot r, layer l, KV head h) with global length ``g > budget`
    positions ``<= pos_i``. Keys evicted earlier, or dropped unadmitted from the ring, are gone and
    take no mass. Max-pooling runs over cache order; after earlier evictions neighbours in the cache
    need not be neighbours in position.
-2. evict the ``max(floor(ratio * g), 1, g - budget)`` lowest-scored entries (ratio 0.1: the paper's
-   "bottom 10%"; the ``g - budget`` term only matters after an extend admitted many tokens at once,
-   so the budget holds after every step), ties going to the older entry; at the end of a prompt
-   (below) exactly ``g - budget``;
+2. evict the ``max(floor(ratio * g), 1, g - T)`` lowest-scored entries, ``T = budget - lead``
+   (ratio 0.1: the paper's "bottom 10%"; the ``g - T`` term only matters after an extend admitted
+   many tokens at once, so the budget holds after every step), ties going to the older entry; at
+   the end of a prompt (below) exactly ``g - T``;
 3. the pool compacts the survivors in order to the front of the stream's global pages
    (:meth:`DualCachePool.compact_global`: now-empty trailing pages released, pages shared with
    another owner, e.g. a prefix snapshot, copied before being rewritten).
@@ -59,8 +59,13 @@ budget is set.
 
 Host syncs: observing never syncs. :meth:`maybe_evict` keeps a host upper bound of each request's
 longest global cache (the last exact value plus the tokens that left the ring since, known from the
-pool's host lengths) and looks at the device only for requests whose bound exceeds the budget;
-evicting syncs.
+pool's host lengths) and looks at the device only when some request's bound exceeds the budget;
+evicting syncs. ``lead`` (default 0) amortizes the looks: a look takes every active request whose
+bound is above ``T = budget - lead`` and evicts from each of its streams longer than ``T`` (rule 2),
+so afterwards no bound is above ``T`` and, since a bound grows by at most one token per step, the next
+look is at least ``lead + 1`` steps away, for all requests at once. The cap still holds after every
+step; a stream is cut up to ``lead`` tokens under the budget. Serving sets ``lead`` (one look and one
+host sync per ~``lead`` decode steps instead of nearly every step once streams sit at the budget).
 """
 
 from __future__ import annotations
@@ -106,6 +111,7 @@ class SnapKVEvictor:
     sm_scale: float | None = None
     max_score_elems: int = 1 << 28
     prompt_cap: int | None = None
+    lead: int = 0
     # Counters (read them with request_stats): per request slot, reset when the slot changes owner.
     triggers: np.ndarray = field(init=False)          # [R] maybe_evict calls that evicted from r
     evicted_tokens: np.ndarray = field(init=False)    # [R] global entries evicted from r
@@ -127,6 +133,8 @@ class SnapKVEvictor:
             raise ValueError(f"kernel_size must be odd and positive, got {self.kernel_size}")
         if not 0.0 <= self.ratio < 1.0:
             raise ValueError(f"ratio must be in [0, 1), got {self.ratio}")
+        if not 0 <= self.lead < self.budget:
+            raise ValueError(f"lead must be in [0, budget={self.budget}), got {self.lead}")
         if self.prompt_cap is not None and self.prompt_cap < self.budget:
             raise ValueError(f"prompt_cap {self.prompt_cap} is below the budget {self.budget}")
         if self.sm_scale is None:
@@ -248,23 +256,28 @@ class SnapKVEvictor:
         bound = self._exact_max + self._left_ring() - self._left_at_exact
         return np.nonzero(self.pool.active & (bound > self._limits()))[0]
 
-    def _limits(self) -> np.ndarray:
-        """``[R]`` the global length each slot's streams may keep at this step boundary."""
+    def _limits(self, lead: int = 0) -> np.ndarray:
+        """``[R]`` the global length each slot's streams may keep at this step boundary; with
+        ``lead``, what they are cut to once looked at (``lead`` under the budget; prompt caps as is)."""
         open_cap = np.iinfo(np.int64).max if self.prompt_cap is None else self.prompt_cap
-        return np.where(self._prompt_open, open_cap, self.budget)
+        return np.where(self._prompt_open, open_cap, self.budget - lead)
 
     def maybe_evict(self) -> int:
         """Enforce the budget on every active request; call at a step boundary. Returns the number
         of streams evicted from (0 without touching the device when no bound exceeds its limit)."""
-        cand = self.over_budget_candidates()
-        if cand.size == 0:
+        if self.over_budget_candidates().size == 0:
             self._prompt_end[:] = False
             return 0
+        # A look serves every request within `lead` of its limit, not only the one that forced it:
+        # after it no bound is above budget - lead, so the next look is at least lead + 1 steps away.
+        bound = self._exact_max + self._left_ring() - self._left_at_exact
+        cut = self._limits(self.lead)
+        cand = np.nonzero(self.pool.active & (bound > cut))[0]
         self.checks += 1
         pool = self.pool
         req = torch.as_tensor(cand, device=pool.device)
         glen = pool.global_len[req].long()                                       # [C, L, H]
-        limit = torch.as_tensor(self._limits()[cand], device=pool.device)
+        limit = torch.as_tensor(cut[cand], device=pool.device)
         over = torch.nonzero(glen > limit[:, None, None])                        # [S, 3] (syncs)
         if over.numel():
             rows = over[:, 0].cpu().numpy()
@@ -328,8 +341,9 @@ class SnapKVEvictor:
         S, Ng = scores.shape
         j = torch.arange(Ng, device=pool.device)
         valid = j[None, :] < glen[:, None]
-        n_evict = torch.maximum(torch.clamp((glen.double() * self.ratio).long(), min=1), glen - self.budget)
-        n_evict = torch.where(exact, glen - self.budget, n_evict)
+        target = self.budget - self.lead
+        n_evict = torch.maximum(torch.clamp((glen.double() * self.ratio).long(), min=1), glen - target)
+        n_evict = torch.where(exact, glen - target, n_evict)
         order = torch.argsort(scores.masked_fill(~valid, float("inf")), dim=1, stable=True)
         rank = torch.empty_like(order).scatter_(1, order, j.expand(S, Ng).contiguous())
         keep = valid & (rank >= n_evict[:, None])
