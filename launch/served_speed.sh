@@ -27,7 +27,12 @@ run)
         bash .kit/install.sh .kit2 >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .kit2/*.whl
         touch /tmp/sglang-wheel-installed
     fi
-    if [ -d .fi/flashinfer ] && [ ! -d ~/.cache/flashinfer ]; then mkdir -p ~/.cache && cp -r .fi/flashinfer ~/.cache/; fi
+    if [ -d .fi/flashinfer ] && [ ! -d ~/.cache/flashinfer ]; then
+        mkdir -p ~/.cache && cp -r .fi/flashinfer ~/.cache/
+        # The wheels were just unpacked (new mtimes): make the cached objects newer than FlashInfer's
+        # headers, or ninja rebuilds every module (~3 min, seen on 2026-11-30).
+        find ~/.cache/flashinfer -type f -exec touch {} +
+    fi
     cache_before=$(du -s ~/.cache/flashinfer 2>/dev/null | cut -f1 || true)
     . /tmp/pp
     export PYTHONPATH="$PWD:/tmp/site:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
