@@ -9,7 +9,7 @@ dummy weights, the gate still evaluated):
 W0    1 x (126,976 + 128), every token kept   TPOT within 3% of upstream (``admission: false``)
 W1    1 x (126,976 + 128)                     TTFT >= 3x, TPOT >= 1.6x
 W2    32 x (32,768 + 256)                     output tok/s >= 1.5x
-W3    128 x (2,048 + 1,024), mem 0.3          output tok/s >= 2.5x (upstream KV-bound)
+W3    128 x (2,048 + 4,096), mem 0.3          output tok/s >= 2.5x (upstream KV-bound)
 W4    64 x (1,024 + 4,096), ``--kv-budget``   output tok/s >= 4x (the evictor fires)
 ====  =====================================  ==========================================
 
@@ -74,7 +74,7 @@ WORKLOADS = {w.id: w for w in [
     Workload("W0", 1, 126976, 128, SHARED, WGKV_CAPACITY, "tpot_ms", "TPOT <= 1.03 x upstream, every token kept",
              request_body={"admission": False}),
     Workload("W2", 32, 32768, 256, SHARED, WGKV_CAPACITY, "output_tok_s", "output tok/s >= 1.5x upstream"),
-    Workload("W3", 128, 2048, 1024,
+    Workload("W3", 128, 2048, 4096,
              "--context-length 8192 --cuda-graph-max-bs-decode 128 --max-running-requests 128 --mem-fraction-static 0.3",
              WGKV_CAPACITY, "output_tok_s", "output tok/s >= 2.5x upstream"),
     Workload("W4", 64, 1024, 4096,
