@@ -213,6 +213,8 @@ def served_workload(d: dict) -> list[str]:
             phases[server] = summ
     lines += table(["server", "start s", "KV tokens (logical)", "max running", "TTFT p50 s", "TPOT p50 ms",
                     "output tok/s", "error"], rows)
+    if d.get("leases"):
+        lines += ["", f"Machines: {d['leases']}."]
     if phases:
         names = sorted({k for p in phases.values() for k in p.get("phase_us_per_step", {})},
                        key=lambda k: -max(p.get("phase_us_per_step", {}).get(k, 0) for p in phases.values()))
