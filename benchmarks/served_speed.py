@@ -221,6 +221,8 @@ def run(a) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     model = model_dir(Path(a.model_dir))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if a.server == "upstream":  # SGLang's plugin whitelist: none of ours (or anyone's) is loaded
+        env["SGLANG_PLUGINS"] = "none"
     if a.profile_dir:
         env["SGLANG_TORCH_PROFILER_DIR"] = a.profile_dir
     part = {"server": a.server, "environment": environment(), "runs": []}
