@@ -156,14 +156,15 @@ def embedded_plan(budget_tokens: int, **options):
     return plan_capacity(budget_tokens, 10**6, shape=shape, **options)
 
 
-def save_head_gates(path: Path, head_bias, local_window: int) -> Path:
-    """Gates for the embedded model (30 layers, 3 KV heads, head_dim 64) whose output bias per KV head
-    is ``head_bias`` in every layer: +30 admits every token (sigmoid = 1), -30 none."""
+def save_head_gates(path: Path, head_bias, local_window: int, num_layers: int = 30, head_dim: int = 64) -> Path:
+    """Gates whose output bias per KV head is ``head_bias`` in every layer: +30 admits every token
+    (sigmoid = 1), -30 none. Defaults: the embedded model (30 layers, 3 KV heads, head_dim 64)."""
     import torch
 
     from sglang_wgkv.gate import GateConfig, WriteGates, save_gates
 
-    gates = WriteGates(GateConfig(num_layers=30, num_kv_heads=3, head_dim=64, local_window=local_window))
+    gates = WriteGates(GateConfig(num_layers=num_layers, num_kv_heads=len(head_bias), head_dim=head_dim,
+                                  local_window=local_window))
     with torch.no_grad():
         for layer in gates.layers:
             layer.b2.copy_(torch.tensor(head_bias, dtype=torch.float32))
