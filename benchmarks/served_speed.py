@@ -123,8 +123,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(server: str, w: Workload, model: Path, port: int, upstream_backend: str) -> list[str]:
+# Tensor parallel: NVLink multicast stays off (it can take the host's shared GPUs out of service).
+TP_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def server_command(server: str, w: Workload, model: Path, port: int, upstream_backend: str, tp: int = 1) -> list[str]:
     args = ["--model-path", str(model), "--port", str(port), *shlex.split(COMMON), *shlex.split(w.server)]
+    if tp > 1:
+        args += ["--tp-size", str(tp), "--disable-custom-all-reduce"]
     if server == "upstream":
         return [sys.executable, "-m", "sglang.launch_server", "--attention-backend", upstream_backend, *args]
     return [sys.executable, "-m", "sglang_wgkv.launch_server", *args, *shlex.split(w.wgkv)]
@@ -223,9 +229,11 @@ def run(a) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if a.server == "upstream":  # SGLang's plugin whitelist: none of ours (or anyone's) is loaded
         env["SGLANG_PLUGINS"] = "none"
+    if a.tp > 1:
+        env.update(TP_ENV)
     if a.profile_dir:
         env["SGLANG_TORCH_PROFILER_DIR"] = a.profile_dir
-    part = {"server": a.server, "environment": environment(), "runs": []}
+    part = {"server": a.server, "tp": a.tp, "environment": environment(), "runs": []}
     part_file = out_dir / f"part.{a.server}.{a.tag}.json"
 
     def write_part() -> None:
@@ -236,7 +244,7 @@ def run(a) -> None:
         w = WORKLOADS[wid]
         by_config.setdefault((w.server, w.wgkv if a.server == "wgkv" else ""), []).append(w)
     for workloads in by_config.values():
-        cmd = server_command(a.server, workloads[0], model, free_port(), a.upstream_backend)
+        cmd = server_command(a.server, workloads[0], model, free_port(), a.upstream_backend, a.tp)
         srv = ServerProcess(cmd, out_dir / f"server.{a.server}.{'_'.join(w.id for w in workloads)}.log", env)
         try:
             startup = srv.wait_healthy(a.startup_timeout)
@@ -321,17 +329,20 @@ def merge(a) -> None:
         for rec in part["runs"]:
             for summary in (rec.get("profile") or {}).get("summary", []):
                 recategorize(summary)  # phases of the current trace_summary.PHASES
-            if "workload" in rec:
-                runs.setdefault(rec["workload"], {})[part["server"]] = rec
+            if "workload" in rec:  # TP > 1 runs are their own rows ("W1_tp2")
+                tp = part.get("tp", 1)
+                runs.setdefault(rec["workload"] + (f"_tp{tp}" if tp > 1 else ""), {})[part["server"]] = rec
     if "W0" in runs and "W1" in runs and "upstream" not in runs["W0"] and "upstream" in runs["W1"]:
         runs["W0"]["upstream"] = runs["W1"]["upstream"]  # upstream keeps every token in W1 already
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for wid, by_server in sorted(runs.items()):
+    for key, by_server in sorted(runs.items()):
+        wid, _, tp_tag = key.partition("_tp")
+        tp = int(tp_tag or 1)
         w = WORKLOADS[wid]
-        (out / f"{wid}.json").write_text(json.dumps({
-            "workload": {"id": wid, "prompts": w.prompts, "input_len": w.input_len, "output_len": w.output_len,
+        (out / f"{key}.json").write_text(json.dumps({
+            "workload": {"id": wid, "tp": tp, "prompts": w.prompts, "input_len": w.input_len, "output_len": w.output_len,
                          "server_args": w.server, "wgkv_args": w.wgkv, "wgkv_request": w.request_body,
                          "goal": w.goal},
             "environment": envs, "runs": by_server}, indent=1))
@@ -342,7 +353,7 @@ def merge(a) -> None:
             ratio = None
             if up and wg:
                 ratio = up / wg if metric in ("ttft_s", "tpot_ms") else wg / up
-            rows.append({"workload": wid, "metric": metric, "upstream": up, "wgkv": wg, "ratio": ratio,
+            rows.append({"workload": wid, "tp": tp, "metric": metric, "upstream": up, "wgkv": wg, "ratio": ratio,
                          "goal": w.goal, "command": {s: {"server": r.get("server_command"), "bench": r.get("bench_command")}
                                                      for s, r in by_server.items()}})
     (out / "summary.json").write_text(json.dumps({"rows": rows, "ratio": "upstream/wgkv for times, wgkv/upstream "
@@ -379,6 +390,7 @@ def main(argv=None) -> None:
     r.add_argument("--upstream-backend", default="flashinfer")
     r.add_argument("--out-dir", required=True)
     r.add_argument("--tag", default="a")
+    r.add_argument("--tp", type=int, default=1, help="tensor parallel size of both servers (GPUs of one host)")
     r.add_argument("--model-dir", default="/tmp/served_speed_model")
     r.add_argument("--startup-timeout", type=float, default=480)
     r.add_argument("--bench-timeout", type=float, default=540)

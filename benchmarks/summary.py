@@ -185,8 +185,8 @@ def serving_throughput(d: dict) -> list[str]:
 
 def served_speed(d: dict) -> list[str]:
     """``serving/summary.json`` of ``benchmarks/served_speed.py merge``."""
-    rows = [[r["workload"], r["metric"], f(r["upstream"]), f(r["wgkv"]), f"{f(r['ratio'])}x" if r["ratio"] else "",
-             r["goal"]] for r in d["rows"]]
+    rows = [[r["workload"] + (f" (TP={r['tp']})" if r.get("tp", 1) > 1 else ""), r["metric"], f(r["upstream"]),
+             f(r["wgkv"]), f"{f(r['ratio'])}x" if r["ratio"] else "", r["goal"]] for r in d["rows"]]
     lines = [f"WG-KV against upstream SGLang `--attention-backend flashinfer`, `python -m sglang.bench_serving` "
              f"(ratio: {d['ratio']}).", ""]
     lines += table(["workload", "metric", "upstream", "WG-KV", "ratio", "goal"], rows)

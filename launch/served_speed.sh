@@ -9,6 +9,7 @@
 #   1. carry [".kit"]:         bash launch/served_speed.sh setup
 #   2. carry [".kit2", ".fi"]: bash launch/served_speed.sh run wgkv W1,W0 [served_speed.py run args]
 #   3.                         bash launch/served_speed.sh run upstream W1 [...]
+# TP=2 (kind nvidia-h200-x2): add `--tp 2` to both runs (NVLink multicast off; rows get "tp": 2).
 # `run` writes part.<server>.<tag>.json, bench_serving's JSON lines and the server logs to $OUT. The
 # first upstream run on a machine compiles FlashInfer's kernels (~3.5 min) and leaves the cache as
 # $OUT/fi_cache.tgz: unpack it here into .fi/ (tar xzf fi_cache.tgz -C .fi) and carry .fi later, so
