@@ -9,6 +9,8 @@
 #   1. carry [".kit"]:                                                 bash launch/h200.sh setup
 #   2. carry [".model/SmolLM2-135M-Instruct.Q4_1.gguf.part00"]:        bash launch/h200.sh part
 #   3. carry [".model/SmolLM2-135M-Instruct.Q4_1.gguf.part01", ".kit2"]: bash launch/h200.sh serve-bench [server args]
+#   (part01 + .kit2 + the tree came to 67 MB on 2026-11-30, over the 64 MiB a call carries: then carry
+#   [".kit2"] alone with `bash launch/h200.sh kit2` first, and part01 alone in step 3)
 # Step 3 joins the GGUF, checks its SHA-256, converts it (sglang_wgkv.embedded_model), starts
 # `python -m sglang_wgkv.launch_server` (WG-KV, real weights), runs launch/bench_serving.py and writes
 # logs and results to $OUT. `serve-soak [server args]` in its place runs the soak instead
@@ -32,10 +34,13 @@ setup)
     mkdir -p "$M" && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader ;;
 part)
     cp .model/$GGUF.part00 "$M"/ ;;
+kit2)
+    bash .kit/install.sh .kit2 >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .kit2/*.whl
+    touch /tmp/sglang-wheel-installed ;;
 serve-bench|serve-eval|serve-soak|programs|gpu-tests)
     mode=$1; shift
     cp .model/$GGUF.part01 "$M"/ 2>/dev/null || test -f "$M"/$GGUF
-    if [ -d .kit2 ]; then bash .kit/install.sh .kit2 >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .kit2/*.whl; fi
+    if [ -d .kit2 ] && [ ! -e /tmp/sglang-wheel-installed ]; then bash .kit/install.sh .kit2 >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .kit2/*.whl; fi
     cat "$M"/$GGUF.part00 "$M"/$GGUF.part01 > "$M"/$GGUF
     (cd "$M" && echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $GGUF" | sha256sum -c -)
     . /tmp/pp
