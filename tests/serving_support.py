@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = float(os.environ.get("WGKV_TEST_STARTUP_TIMEOUT", "420"))
 # --sleep-on-idle: an idle scheduler otherwise busy-polls a whole core (two servers share 2 cores).
 BASE_ARGS = ("--dtype", "float32", "--max-total-tokens", "2048", "--log-level", "warning", "--sleep-on-idle")
+BASE_DTYPE_BYTES = 4  # BASE_ARGS' float32: the pool's per-slot state costs half as many tokens as in bf16
 
 
 def free_port() -> int:
@@ -146,13 +147,16 @@ def shipped_gates_at(path: Path, local_window: int) -> Path:
     return path
 
 
-def embedded_plan(budget_tokens: int, **options):
+def embedded_plan(budget_tokens: int, dtype_bytes: int = BASE_DTYPE_BYTES, **options):
     """The capacity plan (``integration/capacity.py``) a CPU server of the embedded model (30 layers,
-    9 query / 3 KV heads of 64, context 8192, bf16) makes of ``--max-total-tokens budget_tokens``;
-    ``options``: plan_capacity's keywords (local_window, kv_budget, ...)."""
+    9 query / 3 KV heads of 64, context 8192) makes of ``--max-total-tokens budget_tokens`` in a
+    ``dtype_bytes`` KV dtype (default: the float32 of :data:`BASE_ARGS`; the per-slot state is
+    counted in dense tokens of that dtype); ``options``: plan_capacity's keywords (local_window,
+    kv_budget, ...)."""
     from sglang_wgkv.integration.capacity import ModelShape, plan_capacity
 
-    shape = ModelShape(num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64, context_len=8192, dtype_bytes=2)
+    shape = ModelShape(num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64, context_len=8192,
+                       dtype_bytes=dtype_bytes)
     return plan_capacity(budget_tokens, 10**6, shape=shape, **options)
 
 
