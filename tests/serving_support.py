@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import requests
+
+from sglang_wgkv.server_process import LAUNCHER, ServerProcess, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = float(os.environ.get("WGKV_TEST_STARTUP_TIMEOUT", "420"))
@@ -25,55 +23,19 @@ BASE_ARGS = ("--dtype", "float32", "--max-total-tokens", "2048", "--log-level", 
 BASE_DTYPE_BYTES = 4  # BASE_ARGS' float32: the pool's per-slot state costs half as many tokens as in bf16
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """One server process; ``url`` once :meth:`wait_healthy` returned."""
+class Server(ServerProcess):
+    """One ``sglang_wgkv.launch_server`` process with the test settings; ``url`` once
+    :meth:`wait_healthy` returned."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict | None = None, base_args=BASE_ARGS):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
+        port = free_port()
         full_env = {**os.environ, "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", **(env or {})}
-        cmd = [sys.executable, "-m", "sglang_wgkv.launch_server", *base_args, "--port", str(self.port), *args]
-        self._log = open(log_path, "w")
-        # Own process group: stop() ends the launcher and the scheduler/detokenizer it spawned.
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def log_tail(self, n: int = 60) -> str:
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(line[:400] for line in lines[-n:])
+        super().__init__([*LAUNCHER, *base_args, "--port", str(port), *args], log_path, port=port, env=full_env,
+                         cwd=REPO)
 
     def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> "Server":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if requests.get(self.url + "/health_generate", timeout=60).status_code == 200:
-                    return self
-            except requests.RequestException:
-                pass
-            time.sleep(2)
-        raise TimeoutError(f"server not healthy after {timeout:.0f} s:\n{self.log_tail()}")
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
+        super().wait_healthy(timeout)
+        return self
 
     # -- API helpers ----------------------------------------------------------------------------
     def generate(self, text, max_new_tokens: int = 16, timeout: float = 600, **extra) -> dict | list:
