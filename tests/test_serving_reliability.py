@@ -152,8 +152,9 @@ def test_request_checks_unit():
 
 def test_generate_body_checks_unit():
     """The /generate middleware in-process, on a stand-in app: unknown top-level keys are a 400
-    naming them; a stream whose first event is SGLang's error event becomes that status with the
-    error as JSON; a stream that starts normally, a non-stream request and other paths pass unchanged."""
+    naming them; a stream whose first event is SGLang's error event, or the scheduler's abort with a
+    status, becomes that status with the error as JSON; a stream that starts normally, an abort
+    without a status, a non-stream request and other paths pass unchanged."""
     from sglang_wgkv.integration.request_validation import GenerateBodyChecks
 
     def app_answering(*chunks, status=200):
@@ -191,6 +192,12 @@ def test_generate_body_checks_unit():
     ok = b'data: {"text": "Paris"}\n\n'
     assert call(app_answering(ok, error), b'{"text": "Hi", "stream": true}') == (200, ok + error)
     assert call(app_answering(error), b'{"text": "Hi"}') == (200, error)  # not a stream: untouched
+    too_long = (b'data: {"text": "", "meta_info": {"finish_reason": {"type": "abort", "message": "Input length '
+                b'(6511 tokens) exceeds", "status_code": 400, "err_type": "BadRequestError"}}}\n\n')
+    status, body = call(app_answering(too_long), b'{"text": "Hi", "stream": true}')
+    assert status == 400 and json.loads(body)["error"]["message"] == "Input length (6511 tokens) exceeds"
+    aborted = b'data: {"text": "", "meta_info": {"finish_reason": {"type": "abort", "message": "Abort"}}}\n\n'
+    assert call(app_answering(aborted), b'{"text": "Hi", "stream": true}') == (200, aborted)
 
 
 def _post(server, path, body, timeout=300):

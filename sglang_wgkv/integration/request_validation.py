@@ -29,10 +29,11 @@ before uvicorn starts), because two of its answers happen where no hook reaches:
   The OpenAI endpoints keep SGLang's pydantic semantics (unknown keys ignored, as the OpenAI
   clients' ``extra_body`` and other servers' extensions rely on).
 * ``"stream": true``: SGLang sends the 200 headers before tokenizing and reports a rejected request
-  as the stream's first event (``"code": 400``). The middleware holds the headers until the first
-  event: an error there (every check above and SGLang's own, all raised before the first output)
-  becomes the HTTP status with the same JSON body as a non-streamed request; anything else is sent
-  on unchanged. Holding the headers costs a client nothing: the first event is the first token.
+  as the stream's first event (``"code": 400``; a prompt over the context, rejected by the
+  scheduler, as a first event that is an abort with ``"status_code": 400``). The middleware holds
+  the headers until the first event: a rejection there (:func:`rejection`) becomes the HTTP status
+  with the error as JSON, as a non-streamed request gets it; anything else is sent on unchanged.
+  Holding the headers costs a client nothing: the first event is the first token.
 """
 
 from __future__ import annotations
@@ -113,9 +114,14 @@ def json_object(body: bytes) -> dict | None:
     return obj if isinstance(obj, dict) else None
 
 
-def error_event(chunk: bytes) -> tuple[int, dict] | None:
-    """``(status, body)`` when ``chunk`` is SGLang's in-stream error event
-    (``data: {"error": {..., "code": 400}}``), else None."""
+def rejection(chunk: bytes) -> tuple[int, dict] | None:
+    """``(status, body)`` when ``chunk``, a stream's first event, rejects the request, else None.
+
+    Two shapes, as a non-streamed request would get them: SGLang's error event (``data: {"error":
+    {..., "code": 400}}``: the tokenizer manager's checks, before the request is scheduled), and the
+    scheduler's abort with a status (``meta_info.finish_reason = {"type": "abort", "status_code": 400,
+    "message": ...}``, e.g. a prompt over the context), which a non-streamed request gets as that
+    status. An abort without a status (``/abort_request``, a client that left) is no rejection."""
     if not chunk.startswith(b"data: {"):
         return None
     try:
@@ -123,10 +129,15 @@ def error_event(chunk: bytes) -> tuple[int, dict] | None:
     except orjson.JSONDecodeError:
         return None
     error = event.get("error")
-    if not isinstance(error, dict):
-        return None
-    code = error.get("code")
-    return (code if isinstance(code, int) and 400 <= code < 600 else 400), {"error": error}
+    if isinstance(error, dict):
+        code = error.get("code")
+        return (code if isinstance(code, int) and 400 <= code < 600 else 400), {"error": error}
+    meta = event.get("meta_info")
+    finish = meta.get("finish_reason") if isinstance(meta, dict) else None
+    code = finish.get("status_code") if isinstance(finish, dict) and finish.get("type") == "abort" else None
+    if isinstance(code, int) and 400 <= code < 600:
+        return code, {"error": {"message": finish.get("message", ""), "type": finish.get("err_type"), "code": code}}
+    return None
 
 
 async def _send_json(send, status: int, payload: dict) -> None:
@@ -159,7 +170,7 @@ class _FirstEventStatus:
         chunk = message.get("body", b"")
         if not chunk and message.get("more_body", False):
             return None
-        error = error_event(chunk) if self.start["status"] == 200 else None
+        error = rejection(chunk) if self.start["status"] == 200 else None
         if error is not None:
             self.state = "replaced"
             return await _send_json(self.send, *error)
