@@ -149,8 +149,8 @@ async def _send_json(send, status: int, payload: dict) -> None:
 
 class _FirstEventStatus:
     """An ASGI ``send`` that holds ``http.response.start`` until the first non-empty body chunk:
-    an error event there is sent as a JSON error response with its code (the rest of that stream
-    is dropped), anything else goes out unchanged after the held start."""
+    a :func:`rejection` there is sent as a JSON error response with its status (whatever SGLang
+    sends after it, ``[DONE]``, is dropped), anything else goes out unchanged after the held start."""
 
     def __init__(self, send):
         self.send = send
