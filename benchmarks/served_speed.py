@@ -38,8 +38,6 @@ import platform
 import re
 import shlex
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -47,6 +45,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script: this checkout's sglang_wgkv, not an installed one
+
+from sglang_wgkv.server_process import ServerProcess, free_port  # noqa: E402
+
 CONFIG_DIR = REPO / "launch" / "configs" / "llama-3.1-8b"
 COMMON = ("--load-format dummy --disable-radix-cache --sampling-backend pytorch --disable-prefill-cuda-graph "
           "--log-level info")
@@ -117,12 +119,6 @@ def model_dir(dest: Path) -> Path:
     return dest
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # Tensor parallel: NVLink multicast stays off (it can take the host's shared GPUs out of service).
 TP_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -150,44 +146,6 @@ def bench_command(w: Workload, url: str, out_file: Path, seed: int, prompts: int
             "max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
             "custom_params": {"wgkv": body}}})]
     return cmd
-
-
-class ServerProcess:
-    def __init__(self, cmd: list[str], log_path: Path, env: dict):
-        self.cmd, self.log_path = cmd, log_path
-        self.port = int(cmd[cmd.index("--port") + 1])
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log = open(log_path, "w")
-        self.t0 = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, cwd="/tmp", env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def wait_healthy(self, timeout: float) -> float:
-        import requests
-
-        while time.perf_counter() - self.t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if requests.get(self.url + "/health", timeout=10).status_code == 200:
-                    return time.perf_counter() - self.t0
-            except requests.RequestException:
-                pass
-            time.sleep(2)
-        raise TimeoutError(f"server not healthy after {timeout} s:\n{self.tail()}")
-
-    def tail(self, n: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
 
 
 def server_state(url: str) -> dict:
@@ -244,10 +202,13 @@ def run(a) -> None:
         w = WORKLOADS[wid]
         by_config.setdefault((w.server, w.wgkv if a.server == "wgkv" else ""), []).append(w)
     for workloads in by_config.values():
-        cmd = server_command(a.server, workloads[0], model, free_port(), a.upstream_backend, a.tp)
-        srv = ServerProcess(cmd, out_dir / f"server.{a.server}.{'_'.join(w.id for w in workloads)}.log", env)
+        port = free_port()
+        cmd = server_command(a.server, workloads[0], model, port, a.upstream_backend, a.tp)
+        # cwd /tmp: the checkout comes from PYTHONPATH, never from python -m's working directory
+        srv = ServerProcess(cmd, out_dir / f"server.{a.server}.{'_'.join(w.id for w in workloads)}.log", port=port,
+                            env=env, cwd="/tmp", stop_timeout_s=60)
         try:
-            startup = srv.wait_healthy(a.startup_timeout)
+            startup = srv.wait_healthy(a.startup_timeout, path="/health", probe_timeout_s=10)
             for w in workloads:
                 rec = {"workload": w.id, "server_command": shlex.join(cmd), "startup_s": startup}
                 try:

@@ -18,9 +18,6 @@ import argparse
 import json
 import os
 import platform
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -30,12 +27,9 @@ import psutil
 import requests
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script: this checkout's sglang_wgkv, not an installed one
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from sglang_wgkv.server_process import LAUNCHER, ServerProcess, free_port  # noqa: E402
 
 
 class TreeSampler(threading.Thread):
@@ -143,69 +137,50 @@ def measure(server_args: list[str], label: str, log_path: Path, long_prompt_coun
             long_tokens: int = 6000) -> dict:
     """Start the launcher with ``server_args``, run the phases, stop it; the result dict (module
     docstring). The server is always stopped, also when a phase fails."""
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     vm = psutil.virtual_memory()
-    cmd = [sys.executable, "-m", "sglang_wgkv.launch_server", "--port", str(port), *server_args]
+    cmd = [*LAUNCHER, "--port", str(port), *server_args]
     result = {"label": label, "command": " ".join(["python -m sglang_wgkv.launch_server", *server_args]),
               "machine": {"mem_total_bytes": vm.total, "mem_available_at_start_bytes": vm.available,
                           "cpus": os.cpu_count(), "python": platform.python_version()},
               "phases": {}, "survived": False}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        sampler = TreeSampler(proc.pid)
-        sampler.start()
-        t0 = time.monotonic()
-        try:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {proc.returncode} during start-up")
-                try:
-                    if requests.get(url + "/health_generate", timeout=30).status_code == 200:
-                        break
-                except requests.RequestException:
-                    pass
-                if time.monotonic() - t0 > 900:
-                    raise TimeoutError("server not healthy after 900 s")
-                time.sleep(2)
-            result["startup_s"] = round(time.monotonic() - t0, 1)
-            info = requests.get(url + "/server_info", timeout=60).json()
-            state = info["internal_states"][0]
-            result["server"] = {"max_total_num_tokens": info.get("max_total_num_tokens"),
-                                "max_running_requests": state.get("effective_max_running_requests_per_dp"),
-                                "wgkv": {k: v for k, v in state.get("wgkv", {}).items()
-                                         if k in ("total_pages", "page_bytes", "local_window", "tau")}}
-            result["phases"]["startup"] = {"peak_rss_bytes": sampler.take_phase()}
-            for name, fn in (("frontend", lambda: frontend_program(url)), ("chat", lambda: chat(url)),
-                             ("stream", lambda: stream(url)),
-                             ("long_prompts", lambda: long_prompts(url, long_prompt_count, long_tokens))):
-                t = time.monotonic()
-                try:
-                    detail, ok = fn(), True
-                except KeyboardInterrupt:  # stopped by hand: keep what was measured
-                    detail, ok = "interrupted", False
-                except Exception as e:  # the server may have died: record it and stop
-                    detail, ok = f"{type(e).__name__}: {e}", False
-                time.sleep(2)  # the idle check after the phase
-                result["phases"][name] = {"ok": ok and proc.poll() is None, "seconds": round(time.monotonic() - t, 1),
-                                          "peak_rss_bytes": sampler.take_phase(), "detail": detail}
-                if not result["phases"][name]["ok"]:
-                    break
-            result["survived"] = proc.poll() is None
-            result["exit_code"] = proc.returncode
-        finally:
-            sampler.stop()
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-            result["peak_rss_bytes"] = sampler.peak
-            result["min_mem_available_bytes"] = sampler.min_available
-            result["peak_rss_fraction_of_ram"] = round(sampler.peak / vm.total, 3)
-            result["rss_timeline"] = sampler.samples[::5]
+    srv = ServerProcess(cmd, log_path, port=port, env=dict(os.environ), cwd=REPO, stop_timeout_s=60)
+    sampler = TreeSampler(srv.proc.pid)
+    sampler.start()
+    try:
+        result["startup_s"] = round(srv.wait_healthy(900, probe_timeout_s=30), 1)
+        info = requests.get(url + "/server_info", timeout=60).json()
+        state = info["internal_states"][0]
+        result["server"] = {"max_total_num_tokens": info.get("max_total_num_tokens"),
+                            "max_running_requests": state.get("effective_max_running_requests_per_dp"),
+                            "wgkv": {k: v for k, v in state.get("wgkv", {}).items()
+                                     if k in ("total_pages", "page_bytes", "local_window", "tau")}}
+        result["phases"]["startup"] = {"peak_rss_bytes": sampler.take_phase()}
+        for name, fn in (("frontend", lambda: frontend_program(url)), ("chat", lambda: chat(url)),
+                         ("stream", lambda: stream(url)),
+                         ("long_prompts", lambda: long_prompts(url, long_prompt_count, long_tokens))):
+            t = time.monotonic()
+            try:
+                detail, ok = fn(), True
+            except KeyboardInterrupt:  # stopped by hand: keep what was measured
+                detail, ok = "interrupted", False
+            except Exception as e:  # the server may have died: record it and stop
+                detail, ok = f"{type(e).__name__}: {e}", False
+            time.sleep(2)  # the idle check after the phase
+            result["phases"][name] = {"ok": ok and srv.alive(), "seconds": round(time.monotonic() - t, 1),
+                                      "peak_rss_bytes": sampler.take_phase(), "detail": detail}
+            if not result["phases"][name]["ok"]:
+                break
+        result["survived"] = srv.alive()
+        result["exit_code"] = srv.proc.returncode
+    finally:
+        sampler.stop()
+        srv.stop()
+        result["peak_rss_bytes"] = sampler.peak
+        result["min_mem_available_bytes"] = sampler.min_available
+        result["peak_rss_fraction_of_ram"] = round(sampler.peak / vm.total, 3)
+        result["rss_timeline"] = sampler.samples[::5]
     return result
 
 

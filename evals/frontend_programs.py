@@ -8,7 +8,7 @@ Outcome per program:
 * ``answer``: every request succeeded and every constrained output obeyed its regex, but the function
   raised (an answer check, or parsing the model's answer, e.g. ``eval`` in tool_use);
 * ``error``: a request failed (HTTP status, connection), a constrained output broke its regex, or the
-  server was not healthy afterwards.
+  server did not answer a one-token request afterwards (:func:`server_healthy`).
 
 Constraint check: the frontend turns ``gen_int`` / ``gen(dtype=...)`` / ``gen(regex=...)`` into a
 ``regex`` sampling parameter; each such output must match its regex in full when generation ended on
@@ -107,11 +107,19 @@ def checked_endpoint_class():
     return CheckedEndpoint
 
 
-def server_healthy(url: str) -> bool:
+def server_healthy(url: str, timeout_s: float = 300) -> bool:
+    """Does the server still serve: a one-token greedy ``/generate`` answered within ``timeout_s``.
+
+    Not SGLang's ``/health_generate``: it answers 503 when no output of its own one-token request
+    reached the HTTP process within 20 s (``SGLANG_HEALTH_CHECK_TIMEOUT``), which a live scheduler
+    on a loaded CPU machine misses. A dead scheduler takes the server down (the request fails), a
+    hung one times out here."""
+    body = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
     try:
-        return requests.get(url + "/health_generate", timeout=120).status_code == 200
+        r = requests.post(url + "/generate", json=body, timeout=timeout_s)
     except requests.RequestException:
         return False
+    return r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 1
 
 
 def run_program(url: str, function_name: str, kwargs: dict, max_new_tokens: int | None) -> dict:

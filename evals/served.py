@@ -40,8 +40,6 @@ import json
 import os
 import shlex
 import signal
-import socket
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -50,6 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import requests
+
+from sglang_wgkv.server_process import LAUNCHER, ServerProcess, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 METHOD_ARGS = {"full": ["--disable-wgkv"], "wgkv_served": [], "snapkv_served": ["--disable-wgkv"],
@@ -73,45 +73,12 @@ class Configuration:
         return METHOD_ARGS[self.method] + extra
 
 
-class ServerProcess:
-    """One launcher process in its own process group (stopping it ends the scheduler it spawned)."""
-
-    def __init__(self, args: list[str], log_path: Path, cwd: Path = REPO):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.command = [sys.executable, "-m", "sglang_wgkv.launch_server", "--port", str(self.port), *args]
-        self._log = open(log_path, "w")
-        # python -m puts the working directory first on sys.path: the server runs cwd's sglang_wgkv
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(cwd), os.environ.get("PYTHONPATH", "")])}
-        self.proc = subprocess.Popen(self.command, cwd=cwd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                tail = self.log_path.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{tail}")
-            try:
-                if requests.get(self.url + "/health_generate", timeout=60).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(2)
-        raise TimeoutError(f"server not healthy after {timeout:.0f} s (log: {self.log_path})")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
+def start_server(args: list[str], log_path: Path, cwd: Path = REPO) -> ServerProcess:
+    """A launcher process running checkout ``cwd``'s ``sglang_wgkv`` with ``args``."""
+    port = free_port()
+    # python -m puts the working directory first on sys.path: the server runs cwd's sglang_wgkv
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(cwd), os.environ.get("PYTHONPATH", "")])}
+    return ServerProcess([*LAUNCHER, "--port", str(port), *args], log_path, port=port, env=env, cwd=cwd)
 
 
 def ask(url: str, sample: dict, timeout: float = 3600) -> dict:
@@ -137,7 +104,7 @@ def run_configuration(config: Configuration, samples: list[dict], server_args: l
     """Start the configuration's server (the ``sglang_wgkv`` of checkout ``cwd``), ask every sample
     (``concurrency`` at once), stop it."""
     name = config.method + (f"_{config.budget}" if config.budget is not None else "")
-    server = ServerProcess([*server_args, *config.args()], log_dir / f"{name}.log", cwd)
+    server = start_server([*server_args, *config.args()], log_dir / f"{name}.log", cwd)
     t0 = time.monotonic()
     try:
         server.wait_healthy(startup_timeout)

@@ -9,70 +9,33 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import requests
 
+from sglang_wgkv.server_process import LAUNCHER, ServerProcess, free_port
+
 REPO = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = float(os.environ.get("WGKV_TEST_STARTUP_TIMEOUT", "420"))
 # --sleep-on-idle: an idle scheduler otherwise busy-polls a whole core (two servers share 2 cores).
 BASE_ARGS = ("--dtype", "float32", "--max-total-tokens", "2048", "--log-level", "warning", "--sleep-on-idle")
+BASE_DTYPE_BYTES = 4  # BASE_ARGS' float32: the pool's per-slot state costs half as many tokens as in bf16
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """One server process; ``url`` once :meth:`wait_healthy` returned."""
+class Server(ServerProcess):
+    """One ``sglang_wgkv.launch_server`` process with the test settings; ``url`` once
+    :meth:`wait_healthy` returned."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict | None = None, base_args=BASE_ARGS):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
+        port = free_port()
         full_env = {**os.environ, "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", **(env or {})}
-        cmd = [sys.executable, "-m", "sglang_wgkv.launch_server", *base_args, "--port", str(self.port), *args]
-        self._log = open(log_path, "w")
-        # Own process group: stop() ends the launcher and the scheduler/detokenizer it spawned.
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def log_tail(self, n: int = 60) -> str:
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(line[:400] for line in lines[-n:])
+        super().__init__([*LAUNCHER, *base_args, "--port", str(port), *args], log_path, port=port, env=full_env,
+                         cwd=REPO)
 
     def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> "Server":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if requests.get(self.url + "/health_generate", timeout=60).status_code == 200:
-                    return self
-            except requests.RequestException:
-                pass
-            time.sleep(2)
-        raise TimeoutError(f"server not healthy after {timeout:.0f} s:\n{self.log_tail()}")
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
+        super().wait_healthy(timeout)
+        return self
 
     # -- API helpers ----------------------------------------------------------------------------
     def generate(self, text, max_new_tokens: int = 16, timeout: float = 600, **extra) -> dict | list:
@@ -146,13 +109,16 @@ def shipped_gates_at(path: Path, local_window: int) -> Path:
     return path
 
 
-def embedded_plan(budget_tokens: int, **options):
+def embedded_plan(budget_tokens: int, dtype_bytes: int = BASE_DTYPE_BYTES, **options):
     """The capacity plan (``integration/capacity.py``) a CPU server of the embedded model (30 layers,
-    9 query / 3 KV heads of 64, context 8192, bf16) makes of ``--max-total-tokens budget_tokens``;
-    ``options``: plan_capacity's keywords (local_window, kv_budget, ...)."""
+    9 query / 3 KV heads of 64, context 8192) makes of ``--max-total-tokens budget_tokens`` in a
+    ``dtype_bytes`` KV dtype (default: the float32 of :data:`BASE_ARGS`; the per-slot state is
+    counted in dense tokens of that dtype); ``options``: plan_capacity's keywords (local_window,
+    kv_budget, ...)."""
     from sglang_wgkv.integration.capacity import ModelShape, plan_capacity
 
-    shape = ModelShape(num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64, context_len=8192, dtype_bytes=2)
+    shape = ModelShape(num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64, context_len=8192,
+                       dtype_bytes=dtype_bytes)
     return plan_capacity(budget_tokens, 10**6, shape=shape, **options)
 
 

@@ -39,7 +39,9 @@ SYSTEM = "You are a terse assistant. Answer in one short sentence."
 BAD = [({"text": "Hi", "sampling_params": {"max_new_tokens": "ten"}}, "max_new_tokens"),
        ({"input_ids": [1, 10 ** 7], "sampling_params": {"max_new_tokens": 2}}, "vocabulary"),
        ({"text": "Hi", "sampling_params": {"custom_params": {"wgkv": {"tau": 7}}}}, "custom_params.wgkv"),
-       ({"text": "Hi", "return_logprob": True, "top_logprobs_num": 10 ** 7, "sampling_params": {}}, "top_logprobs")]
+       ({"text": "Hi", "return_logprob": True, "top_logprobs_num": 10 ** 7, "sampling_params": {}}, "top_logprobs"),
+       ({"text": "Hi", "stream": True, "sampling_params": {"max_new_tokens": "ten"}}, "max_new_tokens"),
+       ({"text": "Hi", "max_new_tokens": 2}, "unknown field")]
 
 
 @dataclass(frozen=True)

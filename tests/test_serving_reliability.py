@@ -7,15 +7,18 @@ prefix cache on).
 Bad input (:data:`BAD_INPUT`): each case must get a 4xx with a message while the server stays up
 and two greedy requests running meanwhile produce exactly what they produce alone. Upstream
 SGLang 0.5.17 already answers most of them with 400; the cases marked ``# was`` gave a 500 or killed
-the scheduler before ``integration/request_validation.py``. ``/generate`` with ``"stream": true``
-answers inside the event stream (SGLang sends the 200 before tokenizing): its first event carries
-the error with ``"code": 400``.
+the scheduler before ``integration/request_validation.py``, those marked ``# was 200`` were
+accepted: an unknown top-level key of ``/generate`` (dropped silently), and ``/generate`` with
+``"stream": true``, which upstream answers with a 200 and the error as the stream's first event
+(the ``/generate`` middleware now holds the headers until that event: a 4xx status).
 
-Not rejected, as upstream: unknown top-level keys of ``/generate`` and of the OpenAI requests (the
-HTTP layer drops them before any hook sees the request), and ``n > 1`` with logprobs, which is
-valid and must work with admission on (:func:`test_parallel_sampling_with_logprobs`).
+Accepted (:func:`test_accepted_requests_and_valid_streams`): unknown top-level keys of the OpenAI
+requests (SGLang's pydantic models ignore them, as OpenAI clients' ``extra_body`` relies on), a
+valid ``/generate`` stream (a 200 event stream), and ``n > 1`` with logprobs, which must work with
+admission on (:func:`test_parallel_sampling_with_logprobs`).
 """
 
+import asyncio
 import json
 import threading
 
@@ -82,9 +85,17 @@ BAD_INPUT = [
                                    "custom_params": {"wgkv": {"tau": 5}}}, "custom_params.wgkv"),
     ("bad tau completions stream", COMP, {"model": "default", "prompt": "Hi", "max_tokens": 4, "stream": True,
                                           "custom_params": {"wgkv": {"tau": 5}}}, "custom_params.wgkv"),
-    ("bad tau /generate stream", GEN, {"text": "Hi", "stream": True,
+    ("bad tau /generate stream", GEN, {"text": "Hi", "stream": True,  # was 200
                                        "sampling_params": _sp(custom_params={"wgkv": {"tau": 5}})},
      "custom_params.wgkv"),
+    ("unknown sampling param /generate stream", GEN, {"text": "Hi", "stream": True,  # was 200
+                                                      "sampling_params": _sp(foo=1)}, "unknown field"),
+    ("over-long text /generate stream", GEN, {"text": LONG, "stream": True, "sampling_params": SP},  # was 200
+     "exceeds the maximum allowed length"),
+    ("unknown top-level key", GEN, {"text": "Hi", "sampling_params": SP, "max_new_tokens": 4},  # was 200
+     "unknown field(s) ['max_new_tokens']"),
+    ("unknown top-level key stream", GEN, {"text": "Hi", "stream": True, "sampling_param": SP},  # was 200
+     "unknown field(s) ['sampling_param']"),
     ("id -1", GEN, {"input_ids": [1, -1, 3], "sampling_params": SP}, "outside the vocabulary"),  # was dead
     ("id = vocab", GEN, {"input_ids": [1, 49152], "sampling_params": SP}, "outside the vocabulary"),  # was dead
     ("id 2^63", GEN, {"input_ids": [1, 2 ** 63], "sampling_params": SP}, "int64"),
@@ -92,7 +103,7 @@ BAD_INPUT = [
      "outside the vocabulary"),
     ("id out of vocab completions", COMP, {"model": "default", "prompt": [1, 10 ** 6], "max_tokens": 4},  # was dead
      "outside the vocabulary"),
-    ("id out of vocab stream", GEN, {"input_ids": [1, 10 ** 6], "stream": True, "sampling_params": SP},  # was dead
+    ("id out of vocab stream", GEN, {"input_ids": [1, 10 ** 6], "stream": True, "sampling_params": SP},  # was dead, 200
      "outside the vocabulary"),
     ("over-long text", GEN, {"text": LONG, "sampling_params": SP}, "exceeds the maximum allowed length"),
     ("over-long ids", GEN, {"input_ids": [100] * 10000, "sampling_params": SP}, "longer than the model's context"),
@@ -139,20 +150,61 @@ def test_request_checks_unit():
     check_request(manager, SimpleNamespace(**{**vars(req), "image_data": ["img"]}), [10 ** 6])  # placeholders
 
 
+def test_generate_body_checks_unit():
+    """The /generate middleware in-process, on a stand-in app: unknown top-level keys are a 400
+    naming them; a stream whose first event is SGLang's error event, or the scheduler's abort with a
+    status, becomes that status with the error as JSON; a stream that starts normally, an abort
+    without a status, a non-stream request and other paths pass unchanged."""
+    from sglang_wgkv.integration.request_validation import GenerateBodyChecks
+
+    def app_answering(*chunks, status=200):
+        async def app(scope, receive, send):
+            request = await receive()
+            await send({"type": "http.response.start", "status": status, "headers": []})
+            for chunk in chunks or [request["body"]]:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return app
+
+    def call(app, body, path="/generate"):
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        middleware = GenerateBodyChecks(app, fields=frozenset({"text", "stream", "sampling_params"}))
+        asyncio.run(middleware({"type": "http", "path": path, "method": "POST"}, receive, send))
+        return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+    status, body = call(app_answering(), b'{"text": "Hi", "sampling_param": {}, "foo": 1}')
+    assert status == 400 and b"['foo', 'sampling_param']" in body
+    assert call(app_answering(), b'{"text": "Hi", "foo": 1}', path="/v1/completions")[0] == 200
+    assert call(app_answering(), b'{"text": "Hi"}') == (200, b'{"text": "Hi"}')  # the body is replayed
+    assert call(app_answering(), b"not json")[0] == 200  # SGLang's own parser answers
+
+    error = b'data: {"error": {"message": "bad tau", "type": "invalid_request_error", "code": 400}}\n\n'
+    status, body = call(app_answering(error, b"data: [DONE]\n\n"), b'{"text": "Hi", "stream": true}')
+    assert status == 400 and json.loads(body) == {"error": {"message": "bad tau", "type": "invalid_request_error",
+                                                            "code": 400}}
+    ok = b'data: {"text": "Paris"}\n\n'
+    assert call(app_answering(ok, error), b'{"text": "Hi", "stream": true}') == (200, ok + error)
+    assert call(app_answering(error), b'{"text": "Hi"}') == (200, error)  # not a stream: untouched
+    too_long = (b'data: {"text": "", "meta_info": {"finish_reason": {"type": "abort", "message": "Input length '
+                b'(6511 tokens) exceeds", "status_code": 400, "err_type": "BadRequestError"}}}\n\n')
+    status, body = call(app_answering(too_long), b'{"text": "Hi", "stream": true}')
+    assert status == 400 and json.loads(body)["error"]["message"] == "Input length (6511 tokens) exceeds"
+    aborted = b'data: {"text": "", "meta_info": {"finish_reason": {"type": "abort", "message": "Abort"}}}\n\n'
+    assert call(app_answering(aborted), b'{"text": "Hi", "stream": true}') == (200, aborted)
+
+
 def _post(server, path, body, timeout=300):
     if isinstance(body, bytes):
         return requests.post(server.url + path, data=body, headers={"Content-Type": "application/json"},
                              timeout=timeout)
     return requests.post(server.url + path, json=body, timeout=timeout)
-
-
-def _error_of(response) -> tuple[int, str]:
-    """(status, message) of a rejected request; for a /generate stream, of its first event."""
-    if response.headers.get("content-type", "").startswith("text/event-stream"):
-        first = next(line for line in response.text.splitlines() if line.startswith("data:"))
-        error = json.loads(first[len("data:"):]).get("error", {})
-        return error.get("code", response.status_code), error.get("message", first)
-    return response.status_code, response.text
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +238,8 @@ def test_bad_input_is_4xx_and_harmless(server):
         t.start()
     wrong = []
     for name, path, body, expected in BAD_INPUT:
-        status, message = _error_of(_post(server, path, body))
+        r = _post(server, path, body)
+        status, message = r.status_code, r.text
         if not (400 <= status < 500 and expected in message):
             wrong.append(f"{name}: {status} {message[:200]}")
         assert server.alive(), f"server died on {name!r}:\n{server.log_tail()}"
@@ -216,6 +269,19 @@ def test_parallel_sampling_with_logprobs(server):
     assert len(r.json()["choices"]) == 2
     stats = server.wait_idle_checked()
     assert stats["free_pages"] + stats["radix"]["snapshot_pages"] == stats["total_pages"]
+
+
+def test_accepted_requests_and_valid_streams(server):
+    """Unknown top-level keys of the OpenAI requests are ignored (SGLang's pydantic semantics); a
+    valid ``/generate`` stream is still a 200 event stream, ending with ``[DONE]``."""
+    r = _post(server, CHAT, {"model": "default", "messages": MSG, "max_tokens": 2, "foo": 1})
+    assert r.status_code == 200 and r.json()["choices"], r.text
+    r = _post(server, COMP, {"model": "default", "prompt": "Hi", "max_tokens": 2, "foo": {"bar": 1}})
+    assert r.status_code == 200 and r.json()["choices"], r.text
+    r = _post(server, GEN, {"text": "Hi", "stream": True, "sampling_params": _sp(max_new_tokens=2, ignore_eos=True)})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
+    events = [line for line in r.text.splitlines() if line.startswith("data:")]
+    assert events[-1] == "data: [DONE]" and json.loads(events[-2][len("data:"):])["meta_info"]["completion_tokens"] == 2
 
 
 def _stream(server, path, body, drop_after, out, key):

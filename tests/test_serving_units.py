@@ -279,3 +279,29 @@ def test_server_accepts_official_qwen3_gates_and_checks_the_model(tmp_path):
     (model / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": 4}))
     with pytest.raises(ValueError, match=r"expected \(layers, kv_heads, head_dim\) = \(2, 4, 32\), found \(2, 2, 32\)"):
         check_gates(str(tmp_path / "qwen3_gates.pt"), str(model), 256)
+
+
+def test_server_process_waits_stops_the_group_and_reports_an_exit(tmp_path):
+    """The shared server-process helper on stand-in servers (no SGLang): healthy once its path
+    answers 200, stop() ends a child the server spawned (its process group), and a server that
+    exits during start-up raises with the log's tail."""
+    from sglang_wgkv.server_process import ServerProcess, free_port
+
+    port = free_port()
+    # the "launcher" spawns a child that holds the port, as SGLang's launcher spawns the scheduler
+    child = f"import subprocess, sys; subprocess.run([sys.executable, '-m', 'http.server', '{port}'])"
+    srv = ServerProcess([sys.executable, "-c", child], tmp_path / "ok.log", port=port, env=dict(os.environ),
+                        cwd=tmp_path, stop_timeout_s=10)
+    try:
+        assert srv.wait_healthy(60, path="/", probe_timeout_s=5) > 0 and srv.alive()
+    finally:
+        srv.stop()
+    assert not srv.alive()
+    with pytest.raises(Exception):  # the spawned child went with the group
+        __import__("requests").get(srv.url + "/", timeout=2)
+
+    bad = ServerProcess([sys.executable, "-c", "print('no model here'); raise SystemExit(3)"], tmp_path / "bad.log",
+                        port=free_port(), env=dict(os.environ), cwd=tmp_path)
+    with pytest.raises(RuntimeError, match=r"exited with 3:\n(.|\n)*no model here"):
+        bad.wait_healthy(60)
+    bad.stop()

@@ -9,6 +9,8 @@ attention backend).
 
 from __future__ import annotations
 
+import multiprocessing
+
 from sglang_wgkv.integration.settings import BACKEND_NAME
 
 
@@ -66,6 +68,10 @@ def load_plugin() -> None:
          HookType.AFTER),
     ):
         HookRegistry.register(target, fn, kind)
+    if multiprocessing.parent_process() is None:
+        # the HTTP app lives in the launcher only: the scheduler processes need not import it
+        HookRegistry.register("sglang.srt.entrypoints.http_server._setup_and_run_http_server",
+                              request_validation.install_generate_checks, HookType.BEFORE)
     register_constrained_decoding()
 
 

@@ -20,15 +20,31 @@ tokenized into a scheduler request (each a ValueError, which SGLang answers with
 Valid requests are untouched. Beyond the failures above, a ``custom_params`` that is not an object
 (SGLang accepted and ignored it, so a request's ``wgkv`` settings were silently lost) and SGLang's
 internal fields (``is_normalized`` would skip its normalization) are rejected too.
+
+``/generate`` also gets an ASGI middleware (:class:`GenerateBodyChecks`, added to SGLang's app just
+before uvicorn starts), because two of its answers happen where no hook reaches:
+
+* unknown top-level keys (``{"txt": ...}``, ``{"sampling_param": ...}``): the HTTP layer builds the
+  request dataclass and drops them, so a typo silently ran with defaults. Now a 400 naming them.
+  The OpenAI endpoints keep SGLang's pydantic semantics (unknown keys ignored, as the OpenAI
+  clients' ``extra_body`` and other servers' extensions rely on).
+* ``"stream": true``: SGLang sends the 200 headers before tokenizing and reports a rejected request
+  as the stream's first event (``"code": 400``; a prompt over the context, rejected by the
+  scheduler, as a first event that is an abort with ``"status_code": 400``). The middleware holds
+  the headers until the first event: a rejection there (:func:`rejection`) becomes the HTTP status
+  with the error as JSON, as a non-streamed request gets it; anything else is sent on unchanged.
+  Holding the headers costs a client nothing: the first event is the first token.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import typing
 
 import msgspec
+import orjson
 
 # SamplingParams fields that SGLang sets itself (normalize); a client setting them would skip or
 # corrupt that processing (``is_normalized`` skips ``__post_init__``).
@@ -83,4 +99,127 @@ def check_request(manager, obj, input_ids, *args, **kwargs):
     if input_ids and not multimodal and not 0 <= min(input_ids) <= max(input_ids) < vocab:
         bad = next(i for i, t in enumerate(input_ids) if not 0 <= t < vocab)
         raise ValueError(f"input_ids[{bad}] = {input_ids[bad]} is outside the vocabulary [0, {vocab})")
+    return None
+
+
+GENERATE_PATH = "/generate"
+
+
+def json_object(body: bytes) -> dict | None:
+    """The request body as a JSON object, or None (SGLang's own parser answers anything else)."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def rejection(chunk: bytes) -> tuple[int, dict] | None:
+    """``(status, body)`` when ``chunk``, a stream's first event, rejects the request, else None.
+
+    Two shapes, as a non-streamed request would get them: SGLang's error event (``data: {"error":
+    {..., "code": 400}}``: the tokenizer manager's checks, before the request is scheduled), and the
+    scheduler's abort with a status (``meta_info.finish_reason = {"type": "abort", "status_code": 400,
+    "message": ...}``, e.g. a prompt over the context), which a non-streamed request gets as that
+    status. An abort without a status (``/abort_request``, a client that left) is no rejection."""
+    if not chunk.startswith(b"data: {"):
+        return None
+    try:
+        event = orjson.loads(chunk[len(b"data: "):])
+    except orjson.JSONDecodeError:
+        return None
+    error = event.get("error")
+    if isinstance(error, dict):
+        code = error.get("code")
+        return (code if isinstance(code, int) and 400 <= code < 600 else 400), {"error": error}
+    meta = event.get("meta_info")
+    finish = meta.get("finish_reason") if isinstance(meta, dict) else None
+    code = finish.get("status_code") if isinstance(finish, dict) and finish.get("type") == "abort" else None
+    if isinstance(code, int) and 400 <= code < 600:
+        return code, {"error": {"message": finish.get("message", ""), "type": finish.get("err_type"), "code": code}}
+    return None
+
+
+async def _send_json(send, status: int, payload: dict) -> None:
+    body = orjson.dumps(payload)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class _FirstEventStatus:
+    """An ASGI ``send`` that holds ``http.response.start`` until the first non-empty body chunk:
+    a :func:`rejection` there is sent as a JSON error response with its status (whatever SGLang
+    sends after it, ``[DONE]``, is dropped), anything else goes out unchanged after the held start."""
+
+    def __init__(self, send):
+        self.send = send
+        self.start = None
+        self.state = "holding"  # -> "passing" | "replaced"
+
+    async def __call__(self, message) -> None:
+        if self.state == "passing":
+            return await self.send(message)
+        if self.state == "replaced":
+            return None
+        if message["type"] == "http.response.start":
+            self.start = message
+            return None
+        if message["type"] != "http.response.body" or self.start is None:
+            return await self.send(message)
+        chunk = message.get("body", b"")
+        if not chunk and message.get("more_body", False):
+            return None
+        error = rejection(chunk) if self.start["status"] == 200 else None
+        if error is not None:
+            self.state = "replaced"
+            return await _send_json(self.send, *error)
+        self.state = "passing"
+        await self.send(self.start)
+        return await self.send(message)
+
+
+class GenerateBodyChecks:
+    """ASGI middleware of ``POST/PUT /generate`` (see the module docstring); other paths pass through."""
+
+    def __init__(self, app, fields: frozenset[str]):
+        self.app = app
+        self.fields = fields
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != GENERATE_PATH or scope["method"] not in ("POST", "PUT"):
+            return await self.app(scope, receive, send)
+        chunks, message = [], {"more_body": True}
+        while message.get("more_body", False):
+            message = await receive()
+            if message["type"] != "http.request":  # the client left while sending its body
+                return None
+            chunks.append(message.get("body", b""))
+        body = b"".join(chunks)
+        obj = json_object(body) or {}
+        unknown = sorted(set(obj) - self.fields)
+        if unknown:
+            return await _send_json(send, 400, {"error": {"message": (
+                f"unknown field(s) {unknown} in the {GENERATE_PATH} request body"), "type": "invalid_request_error",
+                "code": 400}})
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # from here on: the client's disconnect
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return await self.app(scope, replay, _FirstEventStatus(send) if obj.get("stream") is True else send)
+
+
+def install_generate_checks(*args, **kwargs):
+    """BEFORE ``http_server._setup_and_run_http_server`` (the launcher, before uvicorn builds the
+    app's middleware stack): adds :class:`GenerateBodyChecks` to SGLang's app."""
+    from sglang.srt.entrypoints import http_server
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    fields = frozenset(f.name for f in dataclasses.fields(GenerateReqInput))
+    http_server.app.add_middleware(GenerateBodyChecks, fields=fields)
     return None
