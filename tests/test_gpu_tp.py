@@ -26,7 +26,7 @@ import requests
 import torch
 
 from serving_support import Server, flush_cache, save_head_gates, stream_generate
-from test_gpu_serving import LOGPROB_TOL, TIE_GAP
+from test_gpu_serving import _agree
 
 pytestmark = [pytest.mark.gpu, pytest.mark.serving,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")]
@@ -106,15 +106,9 @@ def test_tp2_matches_tp1(setup):
         finally:
             server.stop()
     for n, (got, want) in enumerate(zip(results[2], results[1])):
-        ids, lps, _, frac = got
-        ref_ids, ref_lps, ref_top, ref_frac = want
-        first = next((i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), len(ref_ids))
-        if first < len(ref_ids):
-            gap = ref_top[first][0] - ref_top[first][1]
-            assert gap < TIE_GAP, f"prompt {n}: token {first} differs, TP=1 top-2 gap {gap:.3f}"
-        err = max((abs(a - b) for a, b in zip(lps[:first + 1], ref_lps[:first + 1])), default=0.0)
-        assert err < LOGPROB_TOL, f"prompt {n}: logprobs differ by {err:.3f}"
-        assert frac == ref_frac  # promoted / left the ring: exact counts (None: nothing left the ring)
+        # tokens up to a near-tie of TP=1's top-2, logprobs within the GPU serving test's tolerance
+        _agree(got[:3], want[:3], f"prompt {n}")
+        assert got[3] == want[3]  # promoted / left the ring: exact counts (None: nothing left the ring)
     assert counters[2] == counters[1] and counters[1]["tokens_promoted"] > 0
     assert counters[1]["admitted_fraction"] == pytest.approx(0.5)
 

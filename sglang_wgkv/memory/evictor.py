@@ -252,9 +252,12 @@ class SnapKVEvictor:
     def over_budget_candidates(self) -> np.ndarray:
         """Active request slots whose host bound of the longest global cache exceeds their limit:
         the budget, or ``prompt_cap`` while their prompt is being prefilled."""
+        return np.nonzero(self.pool.active & (self._bounds() > self._limits()))[0]
+
+    def _bounds(self) -> np.ndarray:
+        """``[R]`` host upper bound of each slot's longest global cache (no sync)."""
         self._refresh_slots()
-        bound = self._exact_max + self._left_ring() - self._left_at_exact
-        return np.nonzero(self.pool.active & (bound > self._limits()))[0]
+        return self._exact_max + self._left_ring() - self._left_at_exact
 
     def _limits(self, lead: int = 0) -> np.ndarray:
         """``[R]`` the global length each slot's streams may keep at this step boundary; with
@@ -265,14 +268,14 @@ class SnapKVEvictor:
     def maybe_evict(self) -> int:
         """Enforce the budget on every active request; call at a step boundary. Returns the number
         of streams evicted from (0 without touching the device when no bound exceeds its limit)."""
-        if self.over_budget_candidates().size == 0:
+        bound, active = self._bounds(), self.pool.active
+        if not (active & (bound > self._limits())).any():
             self._prompt_end[:] = False
             return 0
         # A look serves every request within `lead` of its limit, not only the one that forced it:
         # after it no bound is above budget - lead, so the next look is at least lead + 1 steps away.
-        bound = self._exact_max + self._left_ring() - self._left_at_exact
         cut = self._limits(self.lead)
-        cand = np.nonzero(self.pool.active & (bound > cut))[0]
+        cand = np.nonzero(active & (bound > cut))[0]
         self.checks += 1
         pool = self.pool
         req = torch.as_tensor(cand, device=pool.device)
