@@ -40,7 +40,7 @@ kit2)
 serve-bench|serve-eval|serve-soak|programs|gpu-tests)
     mode=$1; shift
     cp .model/$GGUF.part01 "$M"/ 2>/dev/null || test -f "$M"/$GGUF
-    if [ -d .kit2 ] && [ ! -e /tmp/sglang-wheel-installed ]; then bash .kit/install.sh .kit2 >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .kit2/*.whl; fi
+    if [ -d .kit2 ] && [ ! -e /tmp/sglang-wheel-installed ]; then bash "$0" kit2; fi
     cat "$M"/$GGUF.part00 "$M"/$GGUF.part01 > "$M"/$GGUF
     (cd "$M" && echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $GGUF" | sha256sum -c -)
     . /tmp/pp
