@@ -24,10 +24,7 @@ setup)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader ;;
 run)
     server=$2 workloads=$3; shift 3
-    if [ -d .kit2 ] && [ ! -e /tmp/sglang-wheel-installed ]; then
-        bash .kit/install.sh .kit2 >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .kit2/*.whl
-        touch /tmp/sglang-wheel-installed
-    fi
+    if [ -d .kit2 ] && [ ! -e /tmp/sglang-wheel-installed ]; then bash launch/h200.sh kit2; fi
     if [ -d .fi/flashinfer ] && [ ! -d ~/.cache/flashinfer ]; then
         mkdir -p ~/.cache && cp -r .fi/flashinfer ~/.cache/
         # The wheels were just unpacked (new mtimes): make the cached objects newer than FlashInfer's
