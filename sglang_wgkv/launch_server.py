@@ -185,6 +185,12 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
                             random_admission=ours.wgkv_random_admission, kv_budget=ours.kv_budget)
     except ValueError as e:
         raise ValueError(f"invalid WG-KV option: {e}") from e
+    workers = _option(sglang_argv, "--tokenizer-worker-num")
+    if workers is not None and workers.isdigit() and int(workers) > 1:
+        # SGLang's extra tokenizer workers are fresh processes that never load plugins: requests they
+        # take would skip WG-KV's request checks (custom_params.wgkv, sampling params, token ids).
+        raise ValueError(f"--tokenizer-worker-num {workers} is not supported with WG-KV (SGLang's extra "
+                         "tokenizer workers load no plugins, so per-request checks would not run); use 1")
     if backend is None:
         sglang_argv += ["--attention-backend", BACKEND_NAME]
     elif backend != BACKEND_NAME:

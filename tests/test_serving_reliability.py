@@ -60,6 +60,10 @@ BAD_INPUT = [
      "sampling_params.temperature"),
     ("top_k a float", GEN, {"text": "Hi", "sampling_params": _sp(top_k=2.5)}, "sampling_params.top_k"),
     ("stop a number", GEN, {"text": "Hi", "sampling_params": _sp(stop=5)}, "sampling_params.stop"),  # was 500
+    ("stop_token_ids nested", GEN, {"text": "Hi", "sampling_params": _sp(stop_token_ids=[[1]])},  # was 500
+     "sampling_params.stop_token_ids"),
+    ("stop_token_ids nested chat", CHAT, {"model": "default", "messages": MSG, "max_tokens": 4,
+                                          "stop_token_ids": [[1]]}, "stop_token_ids"),
     ("logit_bias 1e999", GEN, b'{"text": "Hi", "sampling_params": {"logit_bias": {"5": 1e999}}}', "JSON decode error"),
     ("temperature < 0", GEN, {"text": "Hi", "sampling_params": _sp(temperature=-1)}, "temperature"),
     ("top_p 2", GEN, {"text": "Hi", "sampling_params": _sp(top_p=2)}, "top_p"),

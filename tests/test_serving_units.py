@@ -234,6 +234,8 @@ def test_cpu_default_kv_budget_is_a_fraction_of_ram(monkeypatch):
     (["--disable-wgkv", "--wgkv-tau", "0.2"], "drop --disable-wgkv"),
     (["--disable-wgkv", "--kv-budget", "64", "--wgkv-tau", "0.2"], "SnapKV alone"),
     (["--attention-backend", "triton"], "--disable-wgkv for plain SGLang"),
+    (["--tokenizer-worker-num", "2"], "tokenizer-worker-num 2 is not supported"),
+    (["--disable-wgkv", "--kv-budget", "64", "--tokenizer-worker-num", "4"], "load no plugins"),
     (["--wgkv-gates", "/nonexistent/gates"], "no such gate checkpoint"),
     # the shipped gates were trained with W_local = 256: another served window is refused
     (["--wgkv-local-window", "32"], "trained with W_local = 256 cannot be served with W_local = 32"),
