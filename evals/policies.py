@@ -140,3 +140,37 @@ class EqualBudget:
             score = key_scores(self.stats, layer, k_pre[:, :old], prompt_len, self.max_offset)
             kept.scatter_(1, score.topk(n_select, dim=-1).indices, True)
         return Visibility(_answer_visible(kept, prompt_len), self.window)
+
+
+class ServedPromptEnd:
+    """What the served evictor (``--kv-budget B``, admission off) keeps after a prompt: dense prefill,
+    then the W_local ring plus the ``keep`` older keys ranked by the evictor's own scoring
+    (:func:`sglang_wgkv.memory.snapkv_score.snapkv_scores`: the prompt's last ``obs`` queries, max
+    over the head's query group, summed, max-pooled over ``kernel``); ``keep = B - lead`` as served.
+    Keys leaving the ring while the answer is decoded stay (every token is admitted)."""
+
+    name = "served_snapkv"
+
+    def __init__(self, keep: int, obs: int, kernel: int, local_window: int):
+        self.keep, self.obs, self.kernel, self.window = keep, obs, kernel, local_window
+
+    def visibility(self, layer, q, k_pre, k_post, prompt_len):
+        from sglang_wgkv.memory.snapkv_score import snapkv_scores
+
+        Hkv, T, D = k_post.shape
+        P, dev = prompt_len, k_post.device
+        ng = max(P - self.window, 0)                     # global part at the prompt's end
+        kept = torch.zeros(Hkv, T, dtype=torch.bool, device=dev)
+        kept[:, ng:] = True                              # the ring, then the answer
+        if ng <= self.keep:
+            kept[:, :ng] = True
+            return Visibility(kept, window=1, full_rows=P)
+        obs = min(self.obs, P)
+        group = q.shape[0] // Hkv
+        qw = q[:, P - obs:P].reshape(Hkv, group, obs, D).transpose(1, 2)          # [Hkv, obs, G, D]
+        q_pos = torch.arange(P - obs, P, device=dev)[None].expand(Hkv, -1)
+        r_pos = torch.arange(ng, P, device=dev)[None].expand(Hkv, -1)
+        scores = snapkv_scores(qw, q_pos, k_post[:, :ng], torch.full((Hkv,), ng, device=dev), k_post[:, ng:P],
+                               r_pos, D ** -0.5, self.kernel)
+        kept.scatter_(1, scores.topk(self.keep, dim=-1).indices, True)
+        return Visibility(kept, window=1, full_rows=P)

@@ -179,6 +179,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--summary", default=None)
     a = p.parse_args(argv)
+    command = shlex.join(["python", "-m", "evals.served", *(sys.argv[1:] if argv is None else argv)])
     # a terminated run still stops its server (in its own session): SIGTERM unwinds through finally
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     raw = Path(a.ruler).read_bytes()
@@ -207,7 +208,8 @@ def main(argv=None) -> int:
         own = {"full": a.full_args, "snapkv_served": ""}.get(config.method, a.wgkv_args)
         results.append(run_configuration(config, samples, shlex.split(a.server_args) + shlex.split(own), log_dir,
                                          a.concurrency, a.startup_timeout, Path(a.checkout)))
-        out.write_text(json.dumps({"ruler": a.ruler, "engine": a.engine, "results": results}, indent=1) + "\n")
+        out.write_text(json.dumps({"command": command, "ruler": a.ruler, "engine": a.engine, "results": results},
+                                  indent=1) + "\n")
     rows = summary_rows(results, a.engine)
     if a.summary:
         merge_summary(Path(a.summary), rows)

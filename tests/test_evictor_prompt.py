@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 
+from sglang_wgkv.config import DEFAULT_PROMPT_KERNEL
 from sglang_wgkv.memory import SnapKVEvictor
 
 from test_evictor_run import G, H, L, Run
@@ -40,15 +41,19 @@ def _chunked_prompt(run, slot, chunks):
     return evicted
 
 
-def test_prompt_is_kept_while_prefilled_then_compressed_to_budget_by_its_end():
+@pytest.mark.parametrize("prompt_window", [None, 4])
+def test_prompt_is_kept_while_prefilled_then_compressed_to_budget_by_its_end(prompt_window):
+    """By default the prompt window is the whole (16-query) decode window here; with 4, only the
+    prompt's last 4 queries score it (the decode window stays 16)."""
     budget = 24
-    run = Run(W=16, window=16, budget=budget, pages=600, slots=2, maxlen=300, seed=21)
+    run = Run(W=16, window=16, budget=budget, pages=600, slots=2, maxlen=300, seed=21, prompt_window=prompt_window)
+    assert run.ev.prompt_window == (prompt_window or 16) and run.ev.prompt_kernel == DEFAULT_PROMPT_KERNEL
     run.new(1, 1.0)
     # the last chunk is shorter than the window: the window spans two chunks
     assert _chunked_prompt(run, 1, [60, 80, 10]) == [0, 0]      # nothing evicted inside the prompt
     req = run.reqs[1]
     assert int(run.pool.global_len[1].min()) == 150 - 16           # the whole prompt's global part
-    expected = {(layer, h): run.naive_stream_scores(req, layer, h) for layer in range(L) for h in range(H)}
+    expected = {(layer, h): run.naive_stream_scores(req, layer, h, prompt=True) for layer in range(L) for h in range(H)}
     before = _globals(run, 1)
     assert run.ev.maybe_evict() == L * H                          # the prompt's end: every stream
     after = _globals(run, 1)
@@ -134,3 +139,35 @@ def _needle_run(declare: bool) -> bool:
 def test_needle_read_only_by_the_question_survives_prompt_end_scoring():
     assert _needle_run(declare=True)
     assert not _needle_run(declare=False)
+
+
+def _question_run(prompt_window: int) -> tuple[bool, bool]:
+    """A prompt whose last 4 queries (the question) read a needle while the 12 queries before them
+    read a distractor: budget 1, kernel 1. Returns (needle kept, distractor kept) in every stream."""
+    needle, distractor, n = 10, 30, 120
+    run = Run(W=16, window=16, budget=1, pages=600, slots=2, maxlen=200, seed=29)
+    run.ev = SnapKVEvictor(run.pool, budget=1, num_q_heads=H * G, window=16, prompt_window=prompt_window,
+                           prompt_kernel=1)
+    run.new(1, 1.0)
+    req = run.reqs[1]
+    req.k[..., :2] = 0.0
+    req.k[:, needle, :, 0] = 4.0
+    req.k[:, distractor, :, 1] = 4.0
+    req.q.zero_()
+    req.q[:, n - 16:n - 4, :, 1] = 4.0
+    req.q[:, n - 4:n, :, 0] = 4.0
+    run.extend({1: n})
+    run.ev.mark_extend([1], [True])
+    run.ev.maybe_evict()
+    g = [x for row in _globals(run, 1) for x in row]
+    return all(x == [needle] for x in g), all(x == [distractor] for x in g)
+
+
+def test_the_prompt_window_is_the_question_not_the_decode_window():
+    """Scored by the last 16 queries, the haystack's 12 outvote the question's 4; by the prompt window
+    of 4, the question decides (SnapKV's short observation window; 32 in serving against 256)."""
+    assert _question_run(prompt_window=4) == (True, False)
+    assert _question_run(prompt_window=16) == (False, True)
+    with pytest.raises(ValueError, match="prompt_window"):
+        SnapKVEvictor(Run(W=16, window=16, budget=1, pages=60, slots=1, maxlen=20, seed=1).pool, budget=1,
+                      num_q_heads=H * G, window=16, prompt_window=17)

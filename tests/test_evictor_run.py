@@ -62,12 +62,13 @@ class Req:
 
 
 class Run:
-    def __init__(self, W, window, budget, pages, slots, maxlen, seed, device="cpu", lead=0):
+    def __init__(self, W, window, budget, pages, slots, maxlen, seed, device="cpu", lead=0, prompt_window=None):
         self.W, self.window, self.budget, self.maxlen, self.lead = W, window, budget, maxlen, lead
         self.dev = torch.device(device)
         self.pool = DualCachePool(L, H, D, pages, slots, maxlen, WGKVConfig(local_window=W), dtype=torch.float32,
                                   device=device)
-        self.ev = SnapKVEvictor(self.pool, budget=budget, num_q_heads=H * G, window=window, lead=lead)
+        self.ev = SnapKVEvictor(self.pool, budget=budget, num_q_heads=H * G, window=window, lead=lead,
+                                prompt_window=prompt_window)
         self.gen = torch.Generator().manual_seed(seed)
         self.reqs = {}
         self.evictions_checked = 0
@@ -137,14 +138,17 @@ class Run:
                 for h in range(H):
                     assert self.pool_global(s, layer, h) == r.glob[layer][h], (s, layer, h)
 
-    def naive_stream_scores(self, r, layer, h):
+    def naive_stream_scores(self, r, layer, h, prompt=False):
+        """The independent scores of a stream by the decode window or, with ``prompt``, by the
+        prompt-end window and kernel."""
         W, n = self.W, r.n
-        qpos = list(range(max(0, n - self.window), n))
+        window = self.ev.prompt_window if prompt else self.window
+        qpos = list(range(max(0, n - window), n))
         q = r.q[layer, qpos].view(len(qpos), H, G, D)[:, h]
         gpos = r.glob[layer][h]
         rpos = list(range(max(0, n - W), n))
         return naive_scores(q, qpos, r.k[layer, gpos, h], len(gpos), r.k[layer, rpos, h], rpos,
-                            1 / math.sqrt(D), self.ev.kernel_size)
+                            1 / math.sqrt(D), self.ev.prompt_kernel if prompt else self.ev.kernel_size)
 
     def evict_and_check(self):
         """maybe_evict, checked against the model; then the model follows the pool.

@@ -18,7 +18,8 @@ Per stream (request slot r, layer l, KV head h) with global length ``g > budget`
 2. evict the ``max(floor(ratio * g), 1, g - T)`` lowest-scored entries, ``T = budget - lead``
    (ratio 0.1: the paper's "bottom 10%"; the ``g - T`` term only matters after an extend admitted
    many tokens at once, so the budget holds after every step), ties going to the older entry; at
-   the end of a prompt (below) exactly ``g - T``;
+   the end of a prompt (below) exactly ``g - T``, scored by the prompt's last ``prompt_window``
+   queries (32) and max-pooled over ``prompt_kernel`` (13);
 3. the pool compacts the survivors in order to the front of the stream's global pages
    (:meth:`DualCachePool.compact_global`: now-empty trailing pages released, pages shared with
    another owner, e.g. a prefix snapshot, copied before being rewritten).
@@ -35,10 +36,12 @@ holds the question, not by whichever chunk of it is being prefilled: once the ba
 requests of an extend with :meth:`mark_extend`, a request whose prompt is still being prefilled is
 not evicted from (its global cache grows with the admitted part of the prompt), and at the first
 step boundary after its last prompt chunk each of its streams is compressed to exactly ``budget``
-entries, scored by the prompt's last ``window`` queries (kept across chunks: the window is a ring
-indexed by position). From then on (decode) the bottom-10% rule above applies. ``prompt_cap`` bounds
+entries, scored by the prompt's last ``prompt_window`` queries (kept across chunks: the window is a
+ring indexed by position; SnapKV's 32 queries, not the decode window: scored by the last 256, the
+few queries of the question drown among the haystack's and needles are lost; see config.py).
+From then on (decode) the bottom-10% rule above applies. ``prompt_cap`` bounds
 the deferral: a stream that passes ``prompt_cap`` global entries while its prompt is still open is
-compressed to ``budget`` early, scored by the latest chunk's queries (logged once per request), so a
+compressed to ``budget`` early, scored by the latest chunk's last queries (logged once per request), so a
 request's pages stay within ``W_local + prompt_cap`` plus one extend per stream. Requests never
 declared (``mark_extend`` not called) are evicted at every step boundary, prompt or not.
 
@@ -77,7 +80,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from sglang_wgkv.config import DEFAULT_EVICTOR_WINDOW, PAGE_SIZE
+from sglang_wgkv.config import DEFAULT_EVICTOR_WINDOW, DEFAULT_PROMPT_KERNEL, DEFAULT_PROMPT_WINDOW, PAGE_SIZE
 from sglang_wgkv.memory.dual_pool import DualCachePool
 from sglang_wgkv.memory.snapkv_score import snapkv_scores
 
@@ -93,6 +96,9 @@ class SnapKVEvictor:
     num_q_heads : query heads of the model (a multiple of the pool's KV heads).
     window : observation window W_obs, the last queries kept per (request, layer); at most W_local.
     kernel_size : max-pool kernel along the cache (odd).
+    prompt_window, prompt_kernel : the window (the last queries, at most ``window``; None:
+        ``min(DEFAULT_PROMPT_WINDOW, window)``) and kernel of the compressions to the budget at the end
+        of a prompt (or early, past ``prompt_cap``).
     ratio : fraction of a stream's global cache evicted per trigger.
     sm_scale : softmax scale (default ``1/sqrt(head_dim)``).
     max_score_elems : bound on the float32 attention-score elements scored at once (streams are
@@ -107,6 +113,8 @@ class SnapKVEvictor:
     num_q_heads: int
     window: int = DEFAULT_EVICTOR_WINDOW
     kernel_size: int = 5
+    prompt_window: int | None = None
+    prompt_kernel: int = DEFAULT_PROMPT_KERNEL
     ratio: float = 0.1
     sm_scale: float | None = None
     max_score_elems: int = 1 << 28
@@ -129,8 +137,13 @@ class SnapKVEvictor:
         if not 1 <= self.window <= pool.window:
             raise ValueError(f"window must be in [1, W_local={pool.window}], got {self.window}: global "
                              "entries must precede every window query")
-        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
-            raise ValueError(f"kernel_size must be odd and positive, got {self.kernel_size}")
+        if self.prompt_window is None:
+            self.prompt_window = min(DEFAULT_PROMPT_WINDOW, self.window)
+        if not 1 <= self.prompt_window <= self.window:
+            raise ValueError(f"prompt_window must be in [1, window={self.window}], got {self.prompt_window}")
+        for name in ("kernel_size", "prompt_kernel"):
+            if getattr(self, name) < 1 or getattr(self, name) % 2 == 0:
+                raise ValueError(f"{name} must be odd and positive, got {getattr(self, name)}")
         if not 0.0 <= self.ratio < 1.0:
             raise ValueError(f"ratio must be in [0, 1), got {self.ratio}")
         if not 0 <= self.lead < self.budget:
@@ -302,20 +315,37 @@ class SnapKVEvictor:
 
     def _evict_streams(self, r: torch.Tensor, l: torch.Tensor, h: torch.Tensor, exact: torch.Tensor) -> None:
         """Evict from the streams ``(r[s], l[s], h[s])`` (all over budget), in chunks of streams;
-        ``exact [S]`` bool: cut to the budget exactly (prompt end), else the bottom-ratio rule."""
+        ``exact [S]`` bool: cut to the budget exactly, scored by the prompt window (a prompt's end or
+        an early compression), else the bottom-ratio rule scored by the decode window."""
         pool = self.pool
-        glen = pool.global_len[r, l, h].long()
-        ng = int(glen.max())
-        per_stream = self.group * self.window * (ng + pool.window)
-        chunk = max(1, self.max_score_elems // per_stream)
         freed = []
-        for s in range(0, r.numel(), chunk):
-            freed.append(self._evict_chunk(r[s:s + chunk], l[s:s + chunk], h[s:s + chunk], exact[s:s + chunk]))
+        for prompt in (True, False):
+            sel = torch.nonzero(exact == prompt).flatten()
+            if not sel.numel():
+                continue
+            rs, ls, hs = r[sel], l[sel], h[sel]
+            ng = int(pool.global_len[rs, ls, hs].max())
+            window = self.prompt_window if prompt else self.window
+            chunk = max(1, self.max_score_elems // (self.group * window * (ng + pool.window)))
+            for s in range(0, rs.numel(), chunk):
+                freed.append(self._evict_chunk(rs[s:s + chunk], ls[s:s + chunk], hs[s:s + chunk], prompt))
         pool.release_pages(torch.cat(freed))
         self.stream_triggers[r, l, h] += 1
 
-    def stream_scores(self, r: torch.Tensor, l: torch.Tensor, h: torch.Tensor):
-        """Scores of the global entries of streams ``(r[s], l[s], h[s])``.
+    def _window_queries(self, r: torch.Tensor, l: torch.Tensor, h: torch.Tensor, window: int):
+        """The last ``window`` queries of streams ``(r[s], l[s], h[s])``: ``q [S, window, G, D]`` and
+        their positions ``[S, window]`` (``-1``: empty)."""
+        view = self.q_buf.view(*self.q_buf.shape[:3], self.pool.num_kv_heads, self.group, self.pool.head_dim)
+        if window == self.window:
+            return view[r, l, :, h], self.q_pos[r]
+        pos = self.q_pos[r].amax(1, keepdim=True) - torch.arange(window - 1, -1, -1, device=r.device)
+        slot = torch.remainder(pos, self.window)
+        q_pos = torch.where(self.q_pos[r].gather(1, slot) == pos, pos, -1)
+        return view[r[:, None], l[:, None], slot, h[:, None]], q_pos
+
+    def stream_scores(self, r: torch.Tensor, l: torch.Tensor, h: torch.Tensor, prompt: bool = False):
+        """Scores of the global entries of streams ``(r[s], l[s], h[s])``: by the decode window and
+        kernel or, with ``prompt``, by the prompt window and kernel.
 
         Returns ``scores [S, Ng]`` (float32; ``-inf`` past each stream's length), ``glen [S]``,
         the global pages ``[S, Ng / 16]`` and the gathered global keys ``[S, Ng, D]``.
@@ -331,22 +361,25 @@ class SnapKVEvictor:
         n = torch.as_tensor(pool.cached_len, device=pool.device)[r]             # [S]
         slot = torch.arange(W, device=pool.device)
         r_pos = n[:, None] - 1 - torch.remainder(n[:, None] - 1 - slot, W)     # <0: empty slot
-        q = self.q_buf.view(*self.q_buf.shape[:3], pool.num_kv_heads, self.group, D)[r, l, :, h]
-        q_pos = self.q_pos[r]
-        scores = snapkv_scores(q, q_pos, g_keys, glen, r_keys, r_pos, self.sm_scale, self.kernel_size)
+        q, q_pos = self._window_queries(r, l, h, self.prompt_window if prompt else self.window)
+        kernel = self.prompt_kernel if prompt else self.kernel_size
+        scores = snapkv_scores(q, q_pos, g_keys, glen, r_keys, r_pos, self.sm_scale, kernel)
         return scores, glen, gpages, g_keys
 
-    def _evict_chunk(self, r, l, h, exact) -> torch.Tensor:
-        """Score and select one chunk of streams, then have the pool compact them; returns the page
+    def _evict_chunk(self, r, l, h, exact: bool) -> torch.Tensor:
+        """Score and select one chunk of streams (``exact``: cut to ``budget - lead`` as scored by the
+        prompt window; else the bottom-ratio rule), then have the pool compact them; returns the page
         ids to release."""
         pool = self.pool
-        scores, glen, gpages, g_keys = self.stream_scores(r, l, h)
+        scores, glen, gpages, g_keys = self.stream_scores(r, l, h, prompt=exact)
         S, Ng = scores.shape
         j = torch.arange(Ng, device=pool.device)
         valid = j[None, :] < glen[:, None]
         target = self.budget - self.lead
-        n_evict = torch.maximum(torch.clamp((glen.double() * self.ratio).long(), min=1), glen - target)
-        n_evict = torch.where(exact, glen - target, n_evict)
+        if exact:
+            n_evict = glen - target
+        else:
+            n_evict = torch.maximum(torch.clamp((glen.double() * self.ratio).long(), min=1), glen - target)
         order = torch.argsort(scores.masked_fill(~valid, float("inf")), dim=1, stable=True)
         rank = torch.empty_like(order).scatter_(1, order, j.expand(S, Ng).contiguous())
         keep = valid & (rank >= n_evict[:, None])
