@@ -38,6 +38,7 @@ import platform
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -222,6 +223,9 @@ def run(a) -> None:
                     rec["result"] = run_bench(timed, out_dir / f"bench.{a.server}.{w.id}.jsonl", a.bench_timeout)
                     if a.profile_dir and w.id in a.profile_workloads.split(","):
                         rec["profile"] = profile_decode(srv.url, w, body, a, Path(a.profile_dir) / w.id)
+                    if a.profile_dir and w.id in a.profile_load_workloads.split(","):
+                        rec["profile_under_load"] = profile_under_load(
+                            srv.url, w, body, a, Path(a.profile_dir) / f"{w.id}_load", out_dir)
                     rec.update(server_state(srv.url))
                     rec["max_running_seen"] = max((int(m) for m in re.findall(
                         r"#running-req: (\d+)", srv.log_path.read_text(errors="replace"))), default=None)
@@ -269,6 +273,56 @@ def profile_decode(url: str, w: Workload, body: dict | None, a, trace_dir: Path)
     gaps = sorted(b - a_ for a_, b in zip(stamps[1:], stamps[2:]))
     return {"start_profile": started, "tokens": len(stamps),
             "median_gap_ms": 1000 * gaps[len(gaps) // 2] if gaps else None,
+            **summarize_dir(str(trace_dir), a.profile_steps)}
+
+
+def batch_state(url: str) -> tuple[int, int]:
+    """(running, waiting) requests of the server's first DP rank (SGLang's ``/v1/loads``)."""
+    import requests
+
+    load = requests.get(url + "/v1/loads", params={"include": "core"}, timeout=60).json()["loads"][0]
+    return int(load["num_running_reqs"]), int(load["num_waiting_reqs"])
+
+
+def profile_under_load(url: str, w: Workload, body: dict | None, a, trace_dir: Path, out_dir: Path) -> dict:
+    """The decode steps of a loaded server: ``w``'s own bench_serving run again (another seed), and
+    once ``--profile-load-delay-s`` have passed and no request of it waits (the batch at its full size),
+    SGLang's torch profiler records ``--profile-steps`` forward steps; then the run is stopped (its
+    requests are aborted as their connections close) and the server waits to be idle. Returns the trace
+    summary (:mod:`trace_summary`) and the running batch logged at the start."""
+    import requests
+
+    cmd = bench_command(w, url, out_dir / "profile_load.jsonl", 11, w.prompts, w.output_len, body)
+    bench = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=bench_env(),
+                             start_new_session=True)
+    try:
+        # at least the delay, then until every request of the load runs (none waiting), at most 300 s more
+        time.sleep(a.profile_load_delay_s)
+        deadline = time.monotonic() + 300
+        while bench.poll() is None and time.monotonic() < deadline:
+            running, waiting = batch_state(url)
+            if running and not waiting:
+                break
+            time.sleep(1)
+        if bench.poll() is not None:
+            return {"error": f"the load ended before the profile ({bench.returncode}): lower --profile-load-delay-s"}
+        started = requests.post(url + "/start_profile", timeout=120, json={
+            "output_dir": str(trace_dir), "num_steps": a.profile_steps, "activities": ["CPU", "GPU"]}).text
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not any(trace_dir.rglob("*.json*")):
+            time.sleep(2)  # the trace is written after the last profiled step
+        time.sleep(5)
+    finally:
+        os.killpg(bench.pid, signal.SIGTERM)
+        bench.wait(timeout=60)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # the aborted requests leave before the next workload starts
+        if batch_state(url) == (0, 0):
+            break
+        time.sleep(2)
+    from trace_summary import summarize_dir
+
+    return {"bench_command": shlex.join(cmd), "start_profile": started, "num_running_reqs": running,
             **summarize_dir(str(trace_dir), a.profile_steps)}
 
 
@@ -358,6 +412,9 @@ def main(argv=None) -> None:
     r.add_argument("--profile-dir", default=None, help="after timing them, profile the decode of --profile-workloads")
     r.add_argument("--profile-workloads", default="W1,W0")
     r.add_argument("--profile-steps", type=int, default=12)
+    r.add_argument("--profile-load-workloads", default="", help="with --profile-dir: also profile these "
+                   "workloads' decode steps under their own load (e.g. W3 at batch 128)")
+    r.add_argument("--profile-load-delay-s", type=float, default=30, help="then until no request waits")
     m = sub.add_parser("merge")
     m.add_argument("parts", nargs="+")
     m.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results" / "serving"))

@@ -10,6 +10,8 @@
 #   2. carry [".kit2", ".fi"]: bash launch/served_speed.sh run wgkv W1,W0 [served_speed.py run args]
 #   3.                         bash launch/served_speed.sh run upstream W1 [...]
 # TP=2 (kind nvidia-h200-x2): add `--tp 2` to both runs (NVLink multicast off; rows get "tp": 2).
+# Decode profile under load (issue 15: WG-KV's step at batch 128 is 16.8 ms against ~9 ms of bandwidth):
+#   run wgkv W3 --profile-dir $OUT/prof --profile-workloads none --profile-load-workloads W3 --profile-steps 8
 # `run` writes part.<server>.<tag>.json, bench_serving's JSON lines and the server logs to $OUT. The
 # first upstream run on a machine compiles FlashInfer's kernels (~3.5 min) and leaves the cache as
 # $OUT/fi_cache.tgz: unpack it here into .fi/ (tar xzf fi_cache.tgz -C .fi) and carry .fi later, so
@@ -39,5 +41,5 @@ run)
     cache_after=$(du -s ~/.cache/flashinfer 2>/dev/null | cut -f1 || true)
     if [ -n "$cache_after" ] && [ "$cache_after" != "$cache_before" ]; then tar czf "$OUT/fi_cache.tgz" -C ~/.cache flashinfer; fi ;;
 *)
-    sed -n 2,18p "$0"; exit 2 ;;
+    sed -n 2,20p "$0"; exit 2 ;;
 esac
