@@ -259,7 +259,7 @@ def eval_summary(d: dict) -> list[str]:
     return lines + table(["eval", "method", "lambda", "n", "KV fraction", "accuracy", "NLL"], rows)
 
 
-def accuracy_rows(d: dict) -> list[str]:
+def offline_accuracy(d: dict) -> list[str]:
     """evals.summary: one row per method at equal memory, with the full cache's values."""
     r0 = d["rows"][0]
     lines = [f"Full cache: NLL {f(r0['full_nll'], 4)}, passkey {f(r0['full_passkey'], 3)}, multi-key NIAH "
@@ -290,11 +290,19 @@ def training(d: dict) -> list[str]:
             + table(["lambda", "KV fraction", "global fraction", "soft MSE", "hard MSE"], rows))
 
 
-def accuracy_rows(d: dict) -> list[str]:
-    """``accuracy/summary.json``: one row per (method, budget, engine); other methods' rows too."""
-    rows = [[r.get("method"), r.get("budget") or "", r.get("engine") or "", r.get("n", ""), f(r.get("kv_fraction"), 3),
-             f(r.get("accuracy"), 3), f(r.get("accuracy_vs_full"), 2)] for r in d["rows"]]
-    return table(["method", "budget", "engine", "n", "KV fraction", "accuracy", "vs full"], rows)
+def accuracy_summary(d: dict) -> list[str]:
+    """``accuracy/summary.json``: one row per (method, budget, engine), offline (evals.summary --into:
+    NLL, passkey, NIAH-mk) and served (evals.served: accuracy over the served set) side by side; each
+    value with the full cache's on the same samples."""
+    def vs(r, key, full_key, digits=3):
+        v = r.get(key)
+        return "" if v is None else f"{f(v, digits)} ({f(r.get(full_key), digits)})"
+
+    rows = [[r.get("method"), r.get("lam") or "", r.get("budget") or "", r.get("engine") or "", r.get("n", ""),
+             f(r.get("kv_fraction"), 3), vs(r, "nll", "full_nll", 4), vs(r, "passkey", "full_passkey"),
+             vs(r, "niah_mk", "full_niah_mk"), vs(r, "accuracy", "full_accuracy")] for r in d["rows"]]
+    return ["Each value with the full cache's on the same samples in parentheses.", ""] + table(
+        ["method", "lambda", "budget", "engine", "n", "KV fraction", "NLL", "passkey", "NIAH-mk", "served accuracy"], rows)
 
 
 def served_accuracy(d: dict) -> list[str]:
@@ -329,8 +337,8 @@ def renderer(d: dict):
         return serving_memory
     if "rows" in d and "summary" in d and "config" in d:
         return eval_summary
-    if "rows" in d and d["rows"] and "full_nll" in d["rows"][0]:
-        return accuracy_rows
+    if "rows" in d and "source" in d and d["rows"] and "full_nll" in d["rows"][0]:
+        return offline_accuracy
     if "mass_weighted_recall" in d:
         return head_budgets
     if "train_curve" in d:
@@ -338,7 +346,7 @@ def renderer(d: dict):
     if "results" in d and "engine" in d:
         return served_accuracy
     if set(d) == {"rows"}:
-        return accuracy_rows
+        return accuracy_summary
     return None
 
 

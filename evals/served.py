@@ -49,6 +49,7 @@ from pathlib import Path
 
 import requests
 
+from evals.summary import merge_summary
 from sglang_wgkv.server_process import LAUNCHER, ServerProcess, free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -145,17 +146,6 @@ def summary_rows(results: list[dict], engine: str) -> list[dict]:
                        accuracy_vs_full=row["accuracy"] / full_acc if full_acc else None)
         out.append(row)
     return out
-
-
-def merge_summary(path: Path, rows: list[dict]) -> None:
-    """Add ``rows`` to the ``{"rows": [...]}`` file at ``path``, replacing rows of the same (method,
-    budget, engine) and keeping every other row."""
-    data = json.loads(path.read_text()) if path.exists() else {"rows": []}
-    key = lambda r: (r.get("method"), r.get("budget"), r.get("engine"))
-    new = {key(r) for r in rows}
-    data["rows"] = [r for r in data.get("rows", []) if key(r) not in new] + rows
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1) + "\n")
 
 
 def main(argv=None) -> int:

@@ -8,6 +8,10 @@ evaluation over disjoint samples, pooled per sample) writes ``{"rows": [{"method
 task accuracies, ``kv_fraction`` the mean over every sample of the method, all lengths pooled; the
 ``full_*`` fields repeat the full cache's values on the same samples. A metric the run did not
 measure is ``null``.
+
+``--into benchmarks/results/accuracy/summary.json`` also merges the rows (with ``engine``, e.g.
+``offline_cpu``, ``budget`` null and the run's ``command``) into the accuracy summary that
+``evals.served`` writes its served rows to: one file, one row per (method, budget, engine, λ).
 """
 
 import argparse
@@ -62,11 +66,25 @@ def merge(parts: list[dict]) -> dict:
             "shards": [p["config"].get("command") for p in parts]}
 
 
+def merge_summary(path: Path, rows: list[dict]) -> None:
+    """Add ``rows`` to the ``{"rows": [...]}`` file at ``path``, replacing rows of the same (method,
+    budget, engine, lam) and keeping every other row (offline and served rows live side by side)."""
+    data = json.loads(path.read_text()) if path.exists() else {"rows": []}
+    key = lambda r: (r.get("method"), r.get("budget"), r.get("engine"), r.get("lam"))
+    new = {key(r) for r in rows}
+    data["rows"] = [r for r in data.get("rows", []) if key(r) not in new] + rows
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out")
     p.add_argument("results", nargs="+")
     p.add_argument("--merged", default=None, help="also write the merged results here (for evals.plot)")
+    p.add_argument("--into", default=None, help="also merge the rows into this accuracy summary "
+                   "(benchmarks/results/accuracy/summary.json, beside evals.served's rows)")
+    p.add_argument("--engine", default=None, help="engine label of the --into rows (default offline_<device>)")
     a = p.parse_args(argv)
     parts = [json.loads(Path(r).read_text()) for r in a.results]
     results = merge(parts) if len(parts) > 1 else parts[0]
@@ -76,6 +94,10 @@ def main(argv=None) -> int:
            "source": a.results, "complete": results.get("complete"), "config": results.get("config")}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+    if a.into:
+        engine = a.engine or f"offline_{(results.get('config') or {}).get('device', 'unknown')}"
+        command = out["command"] if isinstance(out["command"], str) else " && ".join(out["command"] or [])
+        merge_summary(Path(a.into), [{**r, "budget": None, "engine": engine, "command": command} for r in out["rows"]])
     for r in out["rows"]:
         print(json.dumps(r))
     return 0

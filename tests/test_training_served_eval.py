@@ -42,3 +42,36 @@ def test_summary_rows_and_merge(tmp_path):
     merged = json.loads(path.read_text())["rows"]
     assert [r["method"] for r in merged] == ["wgkv", "full", "snapkv_served"]
     assert "old" not in merged[2]
+
+
+def test_offline_rows_merge_beside_served_rows(tmp_path):
+    """evals.summary --into: offline rows (one per λ) join the served rows in one file; a re-run
+    replaces only its own engine's rows, and rows differing only in λ are all kept."""
+    from evals.summary import main as summary_main
+
+    def s(ev, method, lam, n, kv, **m):
+        return {"eval": ev, "method": method, "lam": lam, "length": None, "n": n, "kv_fraction": kv, **m}
+
+    results = {"summary": [s("nll", "full", None, 2, 1.0, nll_cont=1.5), s("passkey", "full", None, 4, 1.0, accuracy=1.0),
+                           *(s("passkey", "wgkv", lam, 4, kv, accuracy=acc)
+                             for lam, kv, acc in ((0.01, 0.8, 1.0), (0.1, 0.3, 0.75)))],
+               "config": {"command": "python -m evals.run X", "device": "cpu"}}
+    src = tmp_path / "results.json"
+    src.write_text(json.dumps(results))
+    into = tmp_path / "summary.json"
+    into.write_text(json.dumps({"rows": [{"method": "snapkv_served", "budget": 512, "engine": "cpu", "accuracy": 0.5},
+                                         {"method": "wgkv", "budget": None, "engine": "offline_cpu", "lam": 0.1,
+                                          "passkey": 0.0}]}))
+    for _ in range(2):  # idempotent
+        summary_main([str(tmp_path / "offline.json"), str(src), "--into", str(into)])
+    rows = json.loads(into.read_text())["rows"]
+    assert [(r["method"], r.get("engine"), r.get("lam")) for r in rows] == [
+        ("snapkv_served", "cpu", None), ("wgkv", "offline_cpu", 0.01), ("wgkv", "offline_cpu", 0.1)]
+    assert rows[2]["passkey"] == 0.75 and rows[2]["command"] == "python -m evals.run X" and rows[2]["budget"] is None
+    # a later run of λ 0.1 alone replaces that row and keeps λ 0.01's
+    results["summary"] = [r for r in results["summary"] if r["lam"] != 0.01]
+    results["summary"][-1]["accuracy"] = 0.5
+    src.write_text(json.dumps(results))
+    summary_main([str(tmp_path / "offline.json"), str(src), "--into", str(into)])
+    rows = json.loads(into.read_text())["rows"]
+    assert [(r["method"], r.get("lam"), r.get("passkey")) for r in rows[1:]] == [("wgkv", 0.01, 1.0), ("wgkv", 0.1, 0.5)]
