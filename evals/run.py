@@ -37,7 +37,12 @@ def _answer_scores(backbone: Backbone, hidden: torch.Tensor, prompt_len: int, an
     logits = backbone.logits(hidden[:, prompt_len - 1:prompt_len + A - 1]).float()  # [N, A, V]
     correct = (logits.argmax(-1) == target).all(-1)
     nll = F.cross_entropy(logits.transpose(1, 2), target[None].expand(len(hidden), -1), reduction="none").mean(-1)
-    return correct.tolist(), nll.tolist()
+    # the closest call of greedy decoding: min over answer positions of (target logit - best other logit);
+    # negative where greedy leaves the answer, near 0 a near-tie (evals.agreement)
+    tgt = logits.gather(-1, target[None, :, None].expand(len(hidden), -1, 1))[..., 0]
+    other = logits.scatter(-1, target[None, :, None].expand(len(hidden), -1, 1), float("-inf")).amax(-1)
+    margin = (tgt - other).amin(-1)
+    return correct.tolist(), nll.tolist(), margin.tolist()
 
 
 def _nll(backbone: Backbone, hidden: torch.Tensor, ids: torch.Tensor, prompt_len: int):
@@ -85,10 +90,10 @@ def evaluate(backbone: Backbone, gate_sets: list, tau: float, local_window: int,
             ids = torch.tensor(item["prompt"] + item["answer"], device=dev)
             P = len(item["prompt"])
             recs, hidden = two_pass(backbone, ids, P, gate_sets, tau, local_window, seed=i, stats=stats)
-            correct, nll = _answer_scores(backbone, hidden, P, item["answer"])
-            for r, ok, n in zip(recs, correct, nll):
+            correct, nll, margin = _answer_scores(backbone, hidden, P, item["answer"])
+            for r, ok, n, m in zip(recs, correct, nll, margin):
                 rows.append({"eval": item["task"], "length": L, "index": i, **r, "kv_fraction": r["cache"] / P,
-                             "correct": ok, "answer_nll": n})
+                             "correct": ok, "answer_nll": n, "answer_margin": m})
         log(f"[{time.time() - t0:6.1f}s] {kind} {L} #{i}")
     return {"rows": rows, "complete": complete, "elapsed_s": round(time.time() - t0, 1)}
 

@@ -96,7 +96,8 @@ def ask(url: str, sample: dict, timeout: float = 3600) -> dict:
     cached = usage["cached_tokens"] if usage else meta["prompt_tokens"] + meta["completion_tokens"]
     kv = usage["mean_kv_tokens_per_head"] / cached if usage else 1.0
     return {"task": sample["task"], "length": sample["length"], "index": sample["index"],
-            "correct": list(out["output_ids"][:len(answer)]) == list(answer), "kv_fraction": kv,
+            "correct": list(out["output_ids"][:len(answer)]) == list(answer), "output_ids": out["output_ids"],
+            "kv_fraction": kv,
             "prompt_tokens": meta["prompt_tokens"], "usage": usage, "seconds": round(time.monotonic() - t0, 2)}
 
 

@@ -75,3 +75,46 @@ def test_offline_rows_merge_beside_served_rows(tmp_path):
     summary_main([str(tmp_path / "offline.json"), str(src), "--into", str(into)])
     rows = json.loads(into.read_text())["rows"]
     assert [(r["method"], r.get("lam"), r.get("passkey")) for r in rows[1:]] == [("wgkv", 0.01, 1.0), ("wgkv", 0.1, 0.5)]
+
+
+def test_agreement_of_served_and_offline(tmp_path):
+    """evals.agreement: matched by sample; a disagreement within the near-tie margin is told apart
+    from a hard one; the served prompt share discounts the generated tokens (all in the ring)."""
+    from evals.agreement import main as agreement_main, served_prompt_share
+
+    usage = lambda kv: {"mean_kv_tokens_per_head": kv, "cached_tokens": 1005}
+    served_rows = [{"task": "passkey", "length": 2048, "index": i, "correct": c, "prompt_tokens": 1000,
+                    "usage": usage(kv)} for i, (c, kv) in enumerate([(True, 305.0), (False, 405.0), (True, 305.0)])]
+    assert served_prompt_share(served_rows[0]) == (0.3, 0.005)
+    served = {"command": "s", "results": [{"method": "wgkv_served", "budget": None, "rows": served_rows},
+                                          {"method": "wgkv_snapkv_served", "budget": 512, "rows": served_rows}]}
+    off = lambda i, c, m, kv: {"eval": "passkey", "length": 2048, "index": i, "method": "wgkv", "lam": 0.1,
+                               "correct": c, "answer_margin": m, "kv_fraction": kv}
+    offline = {"config": {"command": "o"}, "rows": [off(0, True, 3.0, 0.302), off(1, True, 0.4, 0.4),
+                                                    off(2, False, -2.5, 0.31), {**off(0, True, 1, 1), "eval": "nll"}]}
+    (tmp_path / "s.json").write_text(json.dumps(served))
+    (tmp_path / "o.json").write_text(json.dumps(offline))
+    agreement_main(["--served", str(tmp_path / "s.json"), "--offline", str(tmp_path / "o.json"),
+                    "--pairs", "wgkv_served=wgkv@0.1", "--out", str(tmp_path / "a.json")])
+    pair = json.loads((tmp_path / "a.json").read_text())["pairs"][0]
+    assert (pair["n"], pair["agree"], pair["near_tie"], pair["hard"]) == (3, 1, 1, 1)
+    assert [x["verdict"] for x in pair["samples"]] == ["agree", "near_tie", "hard"]
+    assert [x["kv_within_tolerance"] for x in pair["samples"]] == [True, True, False]
+    assert not pair["kv_within_tolerance"] and pair["max_kv_gap"] == pytest.approx(0.01)
+
+
+def test_answer_margin_is_the_closest_greedy_call():
+    """evals.run's answer scores: margin = min over answer positions of target - best other logit."""
+    import torch
+
+    from evals.run import _answer_scores
+
+    class Identity:  # hidden states are the logits
+        def logits(self, h):
+            return h
+
+    # prompt of 2 tokens, answer [1, 2]: the logits predicting them sit at positions 1 and 2
+    hidden = torch.tensor([[[0, 0, 0], [0, 5, 1], [0, 2, 3], [0, 0, 0]],     # right: margins 4 and 1
+                           [[0, 0, 0], [0, 5, 1], [0, 3.5, 3], [0, 0, 0]]])  # wrong at the 2nd: -0.5
+    correct, nll, margin = _answer_scores(Identity(), hidden, 2, [1, 2])
+    assert correct == [True, False] and margin == pytest.approx([1.0, -0.5]) and nll[0] < nll[1]
