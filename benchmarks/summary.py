@@ -313,6 +313,33 @@ def served_accuracy(d: dict) -> list[str]:
             + table(["method", "budget", "n", "accuracy", "KV fraction", "request seconds"], rows))
 
 
+def prompt_window(d: dict) -> list[str]:
+    """``evals.prompt_window``: the evictor's prompt-end scoring (observation window : kernel @ budget)
+    against the full cache, offline, per run."""
+    out = []
+    for run in d["runs"]:
+        tasks = sorted({t["task"] for t in run["summary"]}, key=lambda t: (t == "all", t))
+        policies = list(dict.fromkeys(t["policy"] for t in run["summary"]))
+        by = {(t["policy"], t["length"], t["task"]): t for t in run["summary"]}
+        lengths = sorted({t["length"] for t in run["summary"]})
+        rows = [[pol, L] + [f"{by[pol, L, t]['correct']}/{by[pol, L, t]['n']}" if (pol, L, t) in by else ""
+                            for t in tasks] for L in lengths for pol in policies]
+        out += [f"Command: {cmd(run['command'])}; {run['model']}.", ""] + table(["policy", "length", *tasks], rows)
+    return out
+
+
+def agreement(d: dict) -> list[str]:
+    """``evals.agreement``: the served engine against the offline harness, sample by sample."""
+    rows = [[p["served"], p["offline"] + (f"@{p['lam']}" if p.get("lam") is not None else ""), p["n"], p["agree"],
+             p["near_tie"], p["hard"], f(p["served_accuracy"], 3), f(p["offline_accuracy"], 3), f(p["served_kv"], 3),
+             f(p["offline_kv"], 3), f(p["max_kv_gap"], 4), p["kv_within_tolerance"]] for p in d["pairs"]]
+    return ([f"Command: {cmd(d['command'])}; served: {cmd(d['served_command'] or '')}; offline: "
+             f"{cmd(d['offline_command'] or '')}. Near-tie: the offline answer margin within {d['near_tie']} logits; "
+             "served KV is the prompt's share (generated tokens discounted).", ""]
+            + table(["served", "offline", "n", "agree", "near-tie", "hard", "served acc", "offline acc", "served KV",
+                     "offline KV", "max KV gap", "KV within bound"], rows))
+
+
 def renderer(d: dict):
     """The renderer of a result file's kind (None: unknown kind)."""
     if "protocol" in d and "lengths" in d:
@@ -325,6 +352,9 @@ def renderer(d: dict):
         return evictor_step
     if "decode_step_pool_update_ms" in d:
         return pool_update_cpu
+    if isinstance(d.get("runs"), list) and d["runs"] and isinstance(d["runs"][0], dict) \
+            and "policy" in (d["runs"][0].get("summary") or [{}])[0]:
+        return prompt_window
     if "runs" in d and "summary" in d and "workload" in d:
         return serving_throughput
     if "rows" in d and "ratio" in d and all("workload" in r for r in d["rows"]):
@@ -345,6 +375,8 @@ def renderer(d: dict):
         return training
     if "results" in d and "engine" in d:
         return served_accuracy
+    if "pairs" in d and "near_tie" in d:
+        return agreement
     if set(d) == {"rows"}:
         return accuracy_summary
     return None
