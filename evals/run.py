@@ -15,6 +15,7 @@ CLI: ``python -m evals.run --model M --gates DIR[,DIR..] --corpus C --ruler FILE
 """
 
 import argparse
+import gzip
 import json
 import sys
 import time
@@ -127,6 +128,8 @@ def main(argv=None) -> int:
     p.add_argument("--cont", type=int, default=256, help="continuation tokens scored after the prompt")
     p.add_argument("--ruler", default=None, help="samples from `python -m evals.ruler`")
     p.add_argument("--samples", type=int, default=None, help="use at most this many samples per (task, length)")
+    p.add_argument("--lengths", default=None, help="comma-separated task lengths to keep (default: all)")
+    p.add_argument("--tasks", default=None, help="comma-separated tasks to keep (default: all)")
     p.add_argument("--out", required=True)
     p.add_argument("--device", default="auto")
     p.add_argument("--time-budget-s", type=float, default=None)
@@ -142,9 +145,14 @@ def main(argv=None) -> int:
         g.check_model(backbone.shape.num_layers, backbone.shape.num_kv_heads, backbone.shape.head_dim)
     tau = a.tau if a.tau is not None else gate_sets[0].config.tau
     window = gate_sets[0].config.local_window
-    ruler = json.loads(Path(a.ruler).read_text())["samples"] if a.ruler else []
+    raw = Path(a.ruler).read_bytes() if a.ruler else None
+    ruler = json.loads(gzip.decompress(raw) if a.ruler.endswith(".gz") else raw)["samples"] if raw else []
     if a.samples is not None:
         ruler = [s for s in ruler if s["index"] < a.samples]
+    if a.lengths:  # the same filters as evals.served: one sample set for both (evals.agreement)
+        ruler = [s for s in ruler if s["length"] in {int(x) for x in a.lengths.split(",")}]
+    if a.tasks:
+        ruler = [s for s in ruler if s["task"] in a.tasks.split(",")]
     corpus = Corpus(a.corpus) if a.corpus else None
     stats = None
     if corpus is not None and a.calibration_rows > 0:

@@ -70,6 +70,7 @@ class Soak:
         self.url, self.config, self.server_log = url, config, server_log
         self.failures: list[str] = []
         self.counts: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}  # wall seconds per job kind (where a slow soak's time goes)
         self.http_requests = 0
         self._lock = threading.Lock()
         self.prefixes = [long_prompt(n, seed=s) for n, s in ((8, 1), (16, 2), (24, 3))]
@@ -132,12 +133,14 @@ class Soak:
     def run_job(self, job) -> None:
         i, kind, seed = job
         rng = random.Random(seed)
+        t0 = time.monotonic()
         try:
             getattr(self, f"_{kind}")(job, rng)
         except Exception as e:  # a job's failure is recorded; the run goes on (a dead server fails every later job)
             self.fail(job, f"{type(e).__name__}: {e}")
         with self._lock:
             self.counts[kind] = self.counts.get(kind, 0) + 1
+            self.seconds[kind] = self.seconds.get(kind, 0.0) + time.monotonic() - t0
 
     def _prompt(self, rng):
         prefix = rng.choice(self.prefixes)
@@ -314,6 +317,7 @@ class Soak:
         retracted = self.retractions()
         return {"config": asdict(self.config), "jobs": ran, "http_requests": self.http_requests,
                 "counts": dict(sorted(self.counts.items())), "wall_s": round(wall, 1),
+                "mean_job_s": {k: round(self.seconds[k] / self.counts[k], 2) for k in sorted(self.counts)},
                 "jobs_per_s": round(ran / wall, 3),
                 "retractions": None if retracted is None else retracted - retracted0,
                 "probe_equal": probe_after == probe_before, "checkpoints": checkpoints,
