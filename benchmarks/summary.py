@@ -309,7 +309,10 @@ def served_accuracy(d: dict) -> list[str]:
     """``evals/served.py`` per-sample results: accuracy per configuration."""
     rows = [[r["method"], r["budget"] or "", len(r["rows"]), f(sum(x["correct"] for x in r["rows"]) / len(r["rows"]), 3),
              f(sum(x["kv_fraction"] for x in r["rows"]) / len(r["rows"]), 3), f(r["seconds"], 0)] for r in d["results"]]
-    return ([f"Engine {d['engine']}; command: {cmd(d['command'])}" if "command" in d else f"Engine {d['engine']}", ""]
+    commands = d.get("command") or []
+    commands = [commands] if isinstance(commands, str) else commands
+    head = f"Engine {d['engine']}" + "".join(f"; command: {cmd(c)}" for c in commands)
+    return ([head + (f". {d['note']}" if d.get("note") else ""), ""]
             + table(["method", "budget", "n", "accuracy", "KV fraction", "request seconds"], rows))
 
 
@@ -333,8 +336,11 @@ def agreement(d: dict) -> list[str]:
     rows = [[p["served"], p["offline"] + (f"@{p['lam']}" if p.get("lam") is not None else ""), p["n"], p["agree"],
              p["near_tie"], p["hard"], f(p["served_accuracy"], 3), f(p["offline_accuracy"], 3), f(p["served_kv"], 3),
              f(p["offline_kv"], 3), f(p["max_kv_gap"], 4), p["kv_within_tolerance"]] for p in d["pairs"]]
-    return ([f"Command: {cmd(d['command'])}; served: {cmd(d['served_command'] or '')}; offline: "
-             f"{cmd(d['offline_command'] or '')}. Near-tie: the offline answer margin within {d['near_tie']} logits; "
+    def cmds(x) -> str:
+        return " then ".join(cmd(c) for c in ([x] if isinstance(x, str) else x or []))
+
+    return ([f"Command: {cmd(d['command'])}; served: {cmds(d['served_command'])}; offline: "
+             f"{cmds(d['offline_command'])}. Near-tie: the offline answer margin within {d['near_tie']} logits; "
              "served KV is the prompt's share (generated tokens discounted).", ""]
             + table(["served", "offline", "n", "agree", "near-tie", "hard", "served acc", "offline acc", "served KV",
                      "offline KV", "max KV gap", "KV within bound"], rows))
