@@ -24,6 +24,7 @@ SECTIONS = (
     ("serving", "Serving (serving/)"),
     ("accuracy", "Accuracy and gate training (accuracy/)"),
     ("constrained", "SGLang's frontend programs, constrained decoding (constrained/)"),
+    ("reliability", "Reliability: mixed-request soaks (reliability/)"),
 )
 _REPO_DIRS = ("launch/", "benchmarks/", "sglang_wgkv/", "evals/", "tests/")
 
@@ -316,6 +317,18 @@ def served_accuracy(d: dict) -> list[str]:
             + table(["method", "budget", "n", "accuracy", "KV fraction", "request seconds"], rows))
 
 
+def soak(d: dict) -> list[str]:
+    """``tests/soak_workload.py``: mixed jobs against one server, idle-checked pool at every checkpoint."""
+    c = d["config"]
+    head = (f"Command: {cmd(d.get('command') or '')}. {d['jobs']} jobs ({c['concurrency']} at once), "
+            f"{d['http_requests']} HTTP requests in {f(d['wall_s'], 0)} s ({f(d['jobs_per_s'], 3)} jobs/s); "
+            f"{len(d['checkpoints'])} idle-checked checkpoints; retractions {d.get('retractions')}; greedy probe "
+            f"unchanged: {d['probe_equal']}; failures: {len(d['failures'])}." + (f" {d['note']}" if d.get("note") else ""))
+    secs = d.get("mean_job_s") or {}
+    rows = [[k, n, f(secs.get(k), 2)] for k, n in d["counts"].items()]
+    return [head, ""] + table(["job kind", "count", "mean s"], rows)
+
+
 def prompt_window(d: dict) -> list[str]:
     """``evals.prompt_window``: the evictor's prompt-end scoring (observation window : kernel @ budget)
     against the full cache, offline, per run."""
@@ -383,6 +396,8 @@ def renderer(d: dict):
         return served_accuracy
     if "pairs" in d and "near_tie" in d:
         return agreement
+    if "jobs_per_s" in d and "checkpoints" in d:
+        return soak
     if set(d) == {"rows"}:
         return accuracy_summary
     return None

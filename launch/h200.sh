@@ -14,7 +14,7 @@
 # Step 3 joins the GGUF, checks its SHA-256, converts it (sglang_wgkv.embedded_model), starts
 # `python -m sglang_wgkv.launch_server` (WG-KV, real weights), runs launch/bench_serving.py and writes
 # logs and results to $OUT. `serve-soak [server args]` in its place runs the soak instead
-# (tests/soak_workload.py, 1,000 mixed jobs; SOAK_ARGS overrides its options), summary in $OUT/soak.json.
+# (tests/soak_workload.py, 1,000 mixed jobs; SOAK_ARGS overrides its options), summary in $OUT/soak.json (keep it as benchmarks/results/reliability/soak_h200.json).
 # Or, as step 3 (and again in later calls of the same message, each under the 10-minute limit):
 #   bash launch/h200.sh serve-eval [evals.served args]
 # the RULER-style set through one server per configuration (evals/served.py); results accumulate in

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -335,6 +336,7 @@ def main():
     a = p.parse_args()
     config = SoakConfig(**{f: getattr(a, f) for f in asdict(SoakConfig())})
     summary = Soak(a.url, config, a.server_log).run()
+    summary["command"] = "python tests/soak_workload.py " + " ".join(sys.argv[1:])
     print(json.dumps({k: v for k, v in summary.items() if k != "checkpoints"}, indent=1))
     if a.out:
         with open(a.out, "w") as f:

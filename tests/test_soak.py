@@ -3,7 +3,7 @@
 
 CI runs ``WGKV_SOAK_REQUESTS`` jobs (default 150); the issue's 2,000-job run is the same test::
 
-    WGKV_SOAK_REQUESTS=2000 WGKV_SOAK_OUT=benchmarks/results/soak_cpu.json python -m pytest -q -s -m soak tests/test_soak.py
+    WGKV_SOAK_REQUESTS=2000 WGKV_SOAK_OUT=benchmarks/results/reliability/soak_cpu.json python -m pytest -q -s -m soak tests/test_soak.py
 """
 
 import json
@@ -38,6 +38,8 @@ def test_cpu_soak(server):
     summary = Soak(server.url, config, str(server.log_path)).run()
     out = os.environ.get("WGKV_SOAK_OUT")
     if out:
+        summary["command"] = (f"WGKV_SOAK_REQUESTS={N_JOBS} WGKV_SOAK_OUT={out} "
+                              "python -m pytest -q -s -m soak tests/test_soak.py")
         with open(out, "w") as f:
             json.dump(summary, f, indent=1)
     print(json.dumps({k: v for k, v in summary.items() if k not in ("checkpoints", "final_stats")}, indent=1))
