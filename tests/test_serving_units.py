@@ -185,6 +185,11 @@ def test_launcher_fills_in_defaults(monkeypatch):
     assert argv[argv.index("--device") + 1] == "cpu" and env["SGLANG_USE_CPU_ENGINE"] == "1"
     assert argv[argv.index("--attention-backend") + 1] == "wgkv" and "--port" in argv
     assert settings.config.tau == 0.2 and ServingSettings.from_env(env) == settings
+    # OpenMP threads that sleep when idle (a busy box starves spinning ones); the user's policy wins
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert resolve([])[2]["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert resolve([])[2]["OMP_WAIT_POLICY"] == "ACTIVE"
     # the embedded model is served with the gates trained for it; "fresh" opts out
     from sglang_wgkv.embedded_model import SHIPPED_GATES
     assert settings.gates_path == str(SHIPPED_GATES.resolve())
