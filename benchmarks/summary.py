@@ -51,6 +51,11 @@ def cmd(text: str) -> str:
     return "`" + clean_path(text) + "`"
 
 
+def cmds(x, sep: str) -> str:
+    """One command or a list of them (a result of several runs), each cleaned, joined by ``sep``."""
+    return sep.join(cmd(c) for c in ([x] if isinstance(x, str) else x or []))
+
+
 def f(x, digits=2, unit_div=1.0) -> str:
     return "" if x is None else f"{x / unit_div:.{digits}f}"
 
@@ -310,9 +315,7 @@ def served_accuracy(d: dict) -> list[str]:
     """``evals/served.py`` per-sample results: accuracy per configuration."""
     rows = [[r["method"], r["budget"] or "", len(r["rows"]), f(sum(x["correct"] for x in r["rows"]) / len(r["rows"]), 3),
              f(sum(x["kv_fraction"] for x in r["rows"]) / len(r["rows"]), 3), f(r["seconds"], 0)] for r in d["results"]]
-    commands = d.get("command") or []
-    commands = [commands] if isinstance(commands, str) else commands
-    head = f"Engine {d['engine']}" + "".join(f"; command: {cmd(c)}" for c in commands)
+    head = f"Engine {d['engine']}" + (f"; command: {cmds(d['command'], '; command: ')}" if d.get("command") else "")
     return ([head + (f". {d['note']}" if d.get("note") else ""), ""]
             + table(["method", "budget", "n", "accuracy", "KV fraction", "request seconds"], rows))
 
@@ -349,11 +352,8 @@ def agreement(d: dict) -> list[str]:
     rows = [[p["served"], p["offline"] + (f"@{p['lam']}" if p.get("lam") is not None else ""), p["n"], p["agree"],
              p["near_tie"], p["hard"], f(p["served_accuracy"], 3), f(p["offline_accuracy"], 3), f(p["served_kv"], 3),
              f(p["offline_kv"], 3), f(p["max_kv_gap"], 4), p["kv_within_tolerance"]] for p in d["pairs"]]
-    def cmds(x) -> str:
-        return " then ".join(cmd(c) for c in ([x] if isinstance(x, str) else x or []))
-
-    return ([f"Command: {cmd(d['command'])}; served: {cmds(d['served_command'])}; offline: "
-             f"{cmds(d['offline_command'])}. Near-tie: the offline answer margin within {d['near_tie']} logits; "
+    return ([f"Command: {cmd(d['command'])}; served: {cmds(d['served_command'], ' then ')}; offline: "
+             f"{cmds(d['offline_command'], ' then ')}. Near-tie: the offline answer margin within {d['near_tie']} logits; "
              "served KV is the prompt's share (generated tokens discounted).", ""]
             + table(["served", "offline", "n", "agree", "near-tie", "hard", "served acc", "offline acc", "served KV",
                      "offline KV", "max KV gap", "KV within bound"], rows))

@@ -17,7 +17,6 @@ CLI::
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import shlex
 import sys
@@ -26,10 +25,11 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from torch.nn import functional as F
 
 from evals.harness import policy_forward
 from evals.policies import FullCache, ServedPromptEnd
+from evals.ruler import load_samples
+from evals.run import answer_scores
 from sglang_wgkv.config import DEFAULT_LOCAL_WINDOW, WGKVConfig
 from sglang_wgkv.training.backbone import load_backbone
 
@@ -52,10 +52,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     command = shlex.join(["python", "-m", "evals.prompt_window", *(sys.argv[1:] if argv is None else argv)])
-    raw = Path(a.ruler).read_bytes()
-    samples = json.loads(gzip.decompress(raw) if a.ruler.endswith(".gz") else raw)["samples"]
-    lengths, tasks = {int(x) for x in a.lengths.split(",")}, a.tasks.split(",")
-    samples = [s for s in samples if int(s["length"]) in lengths and s["task"] in tasks and int(s["index"]) < a.samples]
+    samples = load_samples(a.ruler, a.samples, a.lengths, a.tasks)
     settings = [parse_setting(x) for x in a.settings.split(",")]
     names = ["full"] + [f"{o}:{k}@{b}" for o, k, b in settings]
     policies = [FullCache()] + [ServedPromptEnd(b - WGKVConfig(kv_budget=b).evictor_lead, o, k, a.local_window)
@@ -64,14 +61,11 @@ def main(argv=None) -> int:
     rows = []
     for s in samples:
         prompt, answer = list(s["prompt"]), list(s["answer"])
-        P, target = len(prompt), torch.tensor(answer)
+        P = len(prompt)
         t0 = time.monotonic()
         # one policy per forward: a 4K prompt's float32 scores of one policy are ~2 GB on CPU
         hidden, _ = policy_forward(backbone, torch.tensor(prompt + answer), policies, P, max_batch_tokens2=1)
-        logits = backbone.logits(hidden[:, P - 1:P + len(answer) - 1]).float()
-        correct = (logits.argmax(-1) == target).all(-1).tolist()
-        nll = F.cross_entropy(logits.transpose(1, 2), target[None].expand(len(policies), -1),
-                              reduction="none").mean(-1).tolist()
+        correct, nll, _ = answer_scores(backbone, hidden, P, answer)
         for name, c, n in zip(names, correct, nll):
             rows.append({"task": s["task"], "length": int(s["length"]), "index": int(s["index"]), "policy": name,
                          "correct": c, "answer_nll": round(n, 4)})

@@ -18,6 +18,7 @@ CLI: ``python -m evals.ruler --tokenizer DIR --corpus DIR --out FILE [--lengths 
 """
 
 import argparse
+import gzip
 import json
 import random
 from pathlib import Path
@@ -99,6 +100,23 @@ class _Builder:
                 f"in the text above, {hops + 1} variables are assigned the value {value}, they are:")
         depths = sorted(rng.random() for _ in chain)
         return self.assemble(rng, head, chain, tail, " " + " ".join(names), length, "noise", depths)
+
+
+def load_samples(path: str | Path, samples: int | None = None, lengths: str | None = None,
+                 tasks: str | None = None) -> list[dict]:
+    """The samples of a file written by this module (``.json`` or ``.json.gz``), optionally only the
+    first ``samples`` per (task, length) and the comma-separated ``lengths`` / ``tasks`` (the filters
+    every consumer takes: evals.run, evals.served and evals.prompt_window then see one sample set)."""
+    raw = Path(path).read_bytes()
+    out = json.loads(gzip.decompress(raw) if str(path).endswith(".gz") else raw)["samples"]
+    if samples is not None:
+        out = [s for s in out if int(s["index"]) < samples]
+    if lengths:
+        keep = {int(x) for x in lengths.split(",")}
+        out = [s for s in out if int(s["length"]) in keep]
+    if tasks:
+        out = [s for s in out if s["task"] in tasks.split(",")]
+    return out
 
 
 def generate(tokenizer, haystack_ids: list[list[int]], tasks=TASKS, lengths=(2048, 4096, 8192),

@@ -15,7 +15,6 @@ CLI: ``python -m evals.run --model M --gates DIR[,DIR..] --corpus C --ruler FILE
 """
 
 import argparse
-import gzip
 import json
 import sys
 import time
@@ -27,12 +26,13 @@ from torch.nn import functional as F
 
 from evals.harness import two_pass
 from evals.query_stats import calibrate
+from evals.ruler import load_samples
 from sglang_wgkv.gate import load_gates
 from sglang_wgkv.training.backbone import Backbone, load_backbone
 from sglang_wgkv.training.corpus import Corpus
 
 
-def _answer_scores(backbone: Backbone, hidden: torch.Tensor, prompt_len: int, answer: list[int]):
+def answer_scores(backbone: Backbone, hidden: torch.Tensor, prompt_len: int, answer: list[int]):
     A = len(answer)
     target = torch.tensor(answer, device=hidden.device)
     logits = backbone.logits(hidden[:, prompt_len - 1:prompt_len + A - 1]).float()  # [N, A, V]
@@ -91,7 +91,7 @@ def evaluate(backbone: Backbone, gate_sets: list, tau: float, local_window: int,
             ids = torch.tensor(item["prompt"] + item["answer"], device=dev)
             P = len(item["prompt"])
             recs, hidden = two_pass(backbone, ids, P, gate_sets, tau, local_window, seed=i, stats=stats)
-            correct, nll, margin = _answer_scores(backbone, hidden, P, item["answer"])
+            correct, nll, margin = answer_scores(backbone, hidden, P, item["answer"])
             for r, ok, n, m in zip(recs, correct, nll, margin):
                 rows.append({"eval": item["task"], "length": L, "index": i, **r, "kv_fraction": r["cache"] / P,
                              "correct": ok, "answer_nll": n, "answer_margin": m})
@@ -145,14 +145,8 @@ def main(argv=None) -> int:
         g.check_model(backbone.shape.num_layers, backbone.shape.num_kv_heads, backbone.shape.head_dim)
     tau = a.tau if a.tau is not None else gate_sets[0].config.tau
     window = gate_sets[0].config.local_window
-    raw = Path(a.ruler).read_bytes() if a.ruler else None
-    ruler = json.loads(gzip.decompress(raw) if a.ruler.endswith(".gz") else raw)["samples"] if raw else []
-    if a.samples is not None:
-        ruler = [s for s in ruler if s["index"] < a.samples]
-    if a.lengths:  # the same filters as evals.served: one sample set for both (evals.agreement)
-        ruler = [s for s in ruler if s["length"] in {int(x) for x in a.lengths.split(",")}]
-    if a.tasks:
-        ruler = [s for s in ruler if s["task"] in a.tasks.split(",")]
+    # the same filters as evals.served: one sample set for both (evals.agreement)
+    ruler = load_samples(a.ruler, a.samples, a.lengths, a.tasks) if a.ruler else []
     corpus = Corpus(a.corpus) if a.corpus else None
     stats = None
     if corpus is not None and a.calibration_rows > 0:

@@ -35,7 +35,6 @@ CLI::
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import shlex
@@ -49,6 +48,7 @@ from pathlib import Path
 
 import requests
 
+from evals.ruler import load_samples
 from evals.summary import merge_summary
 from sglang_wgkv.server_process import LAUNCHER, ServerProcess, free_port
 
@@ -173,15 +173,7 @@ def main(argv=None) -> int:
     command = shlex.join(["python", "-m", "evals.served", *(sys.argv[1:] if argv is None else argv)])
     # a terminated run still stops its server (in its own session): SIGTERM unwinds through finally
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    raw = Path(a.ruler).read_bytes()
-    samples = json.loads(gzip.decompress(raw) if a.ruler.endswith(".gz") else raw)["samples"]
-    if a.samples is not None:
-        samples = [s for s in samples if s["index"] < a.samples]
-    if a.lengths:
-        keep = {int(x) for x in a.lengths.split(",")}
-        samples = [s for s in samples if s["length"] in keep]
-    if a.tasks:
-        samples = [s for s in samples if s["task"] in a.tasks.split(",")]
+    samples = load_samples(a.ruler, a.samples, a.lengths, a.tasks)
     configs = []
     for method in a.methods.split(","):
         budgets = [int(b) for b in a.budgets.split(",")] if method in BUDGETED else [None]

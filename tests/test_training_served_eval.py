@@ -107,7 +107,7 @@ def test_answer_margin_is_the_closest_greedy_call():
     """evals.run's answer scores: margin = min over answer positions of target - best other logit."""
     import torch
 
-    from evals.run import _answer_scores
+    from evals.run import answer_scores
 
     class Identity:  # hidden states are the logits
         def logits(self, h):
@@ -116,5 +116,22 @@ def test_answer_margin_is_the_closest_greedy_call():
     # prompt of 2 tokens, answer [1, 2]: the logits predicting them sit at positions 1 and 2
     hidden = torch.tensor([[[0, 0, 0], [0, 5, 1], [0, 2, 3], [0, 0, 0]],     # right: margins 4 and 1
                            [[0, 0, 0], [0, 5, 1], [0, 3.5, 3], [0, 0, 0]]])  # wrong at the 2nd: -0.5
-    correct, nll, margin = _answer_scores(Identity(), hidden, 2, [1, 2])
+    correct, nll, margin = answer_scores(Identity(), hidden, 2, [1, 2])
     assert correct == [True, False] and margin == pytest.approx([1.0, -0.5]) and nll[0] < nll[1]
+
+
+def test_load_samples_filters_like_every_consumer(tmp_path):
+    """evals.ruler.load_samples: .json and .json.gz, first N per (task, length), lengths, tasks."""
+    import gzip
+
+    from evals.ruler import load_samples
+
+    samples = [{"task": t, "length": L, "index": i, "prompt": [1], "answer": [2]}
+               for t in ("passkey", "vt") for L in (2048, 4096) for i in range(3)]
+    plain, packed = tmp_path / "s.json", tmp_path / "s.json.gz"
+    plain.write_text(json.dumps({"samples": samples}))
+    packed.write_bytes(gzip.compress(json.dumps({"samples": samples}).encode()))
+    assert load_samples(plain) == load_samples(packed) == samples
+    got = load_samples(packed, samples=2, lengths="2048", tasks="passkey")
+    assert [(s["task"], s["length"], s["index"]) for s in got] == [("passkey", 2048, 0), ("passkey", 2048, 1)]
+    assert len(load_samples(plain, lengths="2048,4096", tasks="passkey,vt")) == 12
