@@ -298,8 +298,7 @@ class SnapKVEvictor:
         if over.numel():
             rows = over[:, 0].cpu().numpy()
             exact = self._prompt_end[cand] | self._prompt_open[cand]              # [C] compress to budget
-            self._evict_streams(req[over[:, 0]], over[:, 1], over[:, 2],
-                                torch.as_tensor(exact[rows], device=pool.device))
+            self._evict_streams(req[over[:, 0]], over[:, 1], over[:, 2], exact[rows])
             hit = np.unique(cand[rows])
             self.triggers[hit] += 1
             early = hit[self._prompt_open[hit]]
@@ -313,16 +312,18 @@ class SnapKVEvictor:
         self._prompt_end[:] = False
         return int(over.shape[0])
 
-    def _evict_streams(self, r: torch.Tensor, l: torch.Tensor, h: torch.Tensor, exact: torch.Tensor) -> None:
+    def _evict_streams(self, r: torch.Tensor, l: torch.Tensor, h: torch.Tensor, exact: np.ndarray) -> None:
         """Evict from the streams ``(r[s], l[s], h[s])`` (all over budget), in chunks of streams;
-        ``exact [S]`` bool: cut to the budget exactly, scored by the prompt window (a prompt's end or
-        an early compression), else the bottom-ratio rule scored by the decode window."""
+        ``exact [S]`` host bool: cut to the budget exactly, scored by the prompt window (a prompt's end
+        or an early compression), else the bottom-ratio rule scored by the decode window (split on the
+        host: no device round trip)."""
         pool = self.pool
         freed = []
         for prompt in (True, False):
-            sel = torch.nonzero(exact == prompt).flatten()
-            if not sel.numel():
+            idx = np.nonzero(exact == prompt)[0]
+            if not idx.size:
                 continue
+            sel = torch.as_tensor(idx, device=pool.device)
             rs, ls, hs = r[sel], l[sel], h[sel]
             ng = int(pool.global_len[rs, ls, hs].max())
             window = self.prompt_window if prompt else self.window
