@@ -87,6 +87,23 @@ def test_triton_prefill_reused_plan_and_configs_and_scale():
         _close(out, ref, torch.bfloat16)
 
 
+@pytest.mark.parametrize("p", [0.0, 0.25, 1.0])
+def test_triton_compaction_equals_torch_compaction(p):
+    """The compiled Triton compaction (what the served prefill runs) writes the same compacted rows as
+    the torch scatter, at a size where the scan and the copy span many blocks."""
+    from sglang_wgkv.attention.triton_prefill import compact_admitted_triton
+    from sglang_wgkv.attention.vertical_slash_plan import compact_admitted
+
+    torch.manual_seed(int(p * 100) + 3)
+    lens = [5000, 1, 0, 3071]
+    kv = torch.tensor([0] + lens).cumsum(0).to(DEV)
+    Nk = sum(lens)
+    k, v = (torch.randn(Nk, 8, 128, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    adm = torch.rand(Nk, 8, device=DEV) < p
+    ref, out = compact_admitted(k, v, adm, kv), compact_admitted_triton(k, v, adm, kv)
+    assert torch.equal(out[0][:, :Nk], ref[0][:, :Nk]) and torch.equal(out[1][:, :Nk], ref[1][:, :Nk])
+
+
 def test_triton_prefill_strided_views_of_fused_qkv():
     """q/k/v as column slices of one fused projection output (what a model hands over)."""
     from sglang_wgkv.attention.triton_prefill import vertical_slash_attention

@@ -20,8 +20,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from sglang_wgkv.attention.vertical_slash_plan import (VerticalSlashPlan, build_vertical_slash_plan,
-                                                       compact_admitted)
+from sglang_wgkv.attention.vertical_slash_plan import VerticalSlashPlan, admitted_rank, build_vertical_slash_plan
 
 
 @dataclass(frozen=True)
@@ -112,6 +111,48 @@ def _vertical_slash_fwd(
              out.to(O.dtype.element_ty), mask=m_valid[:, None])
 
 
+@triton.jit
+def _compact_fwd(K, V, Adm, Dest, KC, VC, num_keys,
+                 stride_kn, stride_kh, stride_vn, stride_vh, stride_an, stride_ah, stride_dn, stride_dh, stride_ch,
+                 HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows ``BLOCK * pid(0) ..`` of KV head pid(1): each admitted row copied to its compacted row."""
+    head = tl.program_id(1)
+    n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = n < num_keys
+    n64 = n.to(tl.int64)
+    adm = tl.load(Adm + n64 * stride_an + head * stride_ah, mask=valid, other=0) != 0
+    dest = tl.load(Dest + n64 * stride_dn + head * stride_dh, mask=adm, other=0)
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    rows = adm[:, None]
+    out = head * stride_ch + dest[:, None] * HEAD_DIM + d
+    k = tl.load(K + n64[:, None] * stride_kn + head * stride_kh + d, mask=rows)
+    tl.store(KC + out, k, mask=rows)
+    v = tl.load(V + n64[:, None] * stride_vn + head * stride_vh + d, mask=rows)
+    tl.store(VC + out, v, mask=rows)
+
+
+def compact_admitted_triton(k: torch.Tensor, v: torch.Tensor, admitted: torch.Tensor, kv_indptr: torch.Tensor,
+                            out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                            block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~sglang_wgkv.attention.vertical_slash_plan.compact_admitted` with one Triton copy: only
+    admitted rows are read and written (the torch version scatters every row, the rejected ones to a
+    scratch row, through a two-index ``index_put``). Same contract and result; k/v rows may be strided
+    but each head's ``D`` values contiguous."""
+    Nk, H, D = k.shape
+    if out is None:
+        out = (k.new_zeros(H, Nk + 1, D), v.new_zeros(H, Nk + 1, D))
+    if Nk == 0:
+        return out
+    if k.stride(2) != 1 or v.stride(2) != 1 or any(o.shape != (H, Nk + 1, D) or not o.is_contiguous() for o in out):
+        raise ValueError("k/v need contiguous head rows and out two contiguous [Hkv, Nk + 1, D] buffers")
+    dest = admitted_rank(admitted, kv_indptr)
+    adm = admitted.view(torch.uint8)
+    _compact_fwd[(triton.cdiv(Nk, block), H)](
+        k, v, adm, dest, out[0], out[1], Nk, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        adm.stride(0), adm.stride(1), dest.stride(0), dest.stride(1), out[0].stride(0), HEAD_DIM=D, BLOCK=block)
+    return out
+
+
 def _check_inputs(q, k, v, admitted, qo_indptr, kv_indptr, q_pos, k_pos, local_window):
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
         raise ValueError(f"q [Nq, Hq, D], k/v [Nk, Hkv, D] expected, got {tuple(q.shape)}, "
@@ -157,7 +198,8 @@ def vertical_slash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
     plan : work lists from :func:`build_vertical_slash_plan` (built here when None; reusable across
         layers that share ``admitted`` and positions).
-    compacted : ``(k_compact, v_compact)`` from :func:`compact_admitted` (built here when None).
+    compacted : ``(k_compact, v_compact)`` from :func:`compact_admitted_triton` (or the torch
+        :func:`compact_admitted`; built here when None).
     config : launch shape (:func:`default_config` when None); ``plan.block_m`` must match it.
 
     Positions must not decrease within each sequence. Returns ``[Nq, Hq, D]`` in q's dtype; nothing is
@@ -172,7 +214,7 @@ def vertical_slash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     elif plan.block_m != cfg.block_m:
         raise ValueError(f"plan.block_m {plan.block_m} != config.block_m {cfg.block_m}")
     if compacted is None:
-        kc, vc = compact_admitted(k, v, admitted, kv_indptr)
+        kc, vc = compact_admitted_triton(k, v, admitted, kv_indptr)
     else:
         kc, vc = compacted
     out = torch.empty_like(q)

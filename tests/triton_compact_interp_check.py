@@ -1,0 +1,54 @@
+"""Run as a script with ``TRITON_INTERPRET=1`` (set before Triton is imported) by
+``test_triton_compact_interp.py``: the Triton compaction of admitted keys against the torch
+``compact_admitted`` on CPU.
+
+``python tests/triton_compact_interp_check.py SEED`` exits non-zero on the first difference.
+"""
+
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from sglang_wgkv.attention.triton_prefill import compact_admitted_triton  # noqa: E402
+from sglang_wgkv.attention.vertical_slash_plan import compact_admitted  # noqa: E402
+
+
+def check(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    B = 1 + seed % 4
+    lens = torch.randint(0, 150, (B,), generator=gen).tolist()
+    H, D = (1 + seed % 3, 16 if seed % 2 else 32)
+    Nk = sum(lens)
+    kv_indptr = torch.tensor([0] + lens).cumsum(0)
+    p = [0.0, 0.3, 1.0][seed % 3]
+    admitted = torch.rand(Nk, H, generator=gen) < p
+    if seed % 4 == 3:  # strided rows and heads: k/v as views of a fused [Nk, 3, H, D] buffer
+        fused = torch.randn(Nk, 3, H, D, generator=gen).to(torch.bfloat16)
+        k, v = fused[:, 1], fused[:, 2]
+        admitted = torch.rand(H, Nk, generator=gen).t() < p  # a transposed (non-contiguous) mask
+    else:
+        k = torch.randn(Nk, H, D, generator=gen).to(torch.bfloat16)
+        v = torch.randn(Nk, H, D, generator=gen).to(torch.bfloat16)
+    ref = compact_admitted(k, v, admitted, kv_indptr)
+    out = compact_admitted_triton(k, v, admitted, kv_indptr, block=16)
+    for name, a, b in (("k", out[0], ref[0]), ("v", out[1], ref[1])):
+        # Row Nk is scratch for the torch version (rejected rows land there); the Triton copy skips them.
+        if not torch.equal(a[:, :Nk], b[:, :Nk]):
+            raise SystemExit(f"seed {seed}: {name} differs (lens {lens}, H {H}, p {p})")
+    # Each sequence's admitted rows, in order, at the front of its range.
+    for b, (lo, hi) in enumerate(zip(kv_indptr[:-1].tolist(), kv_indptr[1:].tolist())):
+        for h in range(H):
+            rows = k[lo:hi, h][admitted[lo:hi, h]]
+            if not torch.equal(out[0][h, lo:lo + rows.shape[0]], rows):
+                raise SystemExit(f"seed {seed}: sequence {b} head {h} not compacted in order")
+
+
+if __name__ == "__main__":
+    seed = int(sys.argv[1])
+    check(seed)
+    print(f"ok seed {seed}")
