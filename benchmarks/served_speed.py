@@ -371,6 +371,13 @@ def merge(a) -> None:
             rows.append({"workload": wid, "tp": tp, "metric": metric, "upstream": up, "wgkv": wg, "ratio": ratio,
                          "goal": w.goal, "command": {s: {"server": r.get("server_command"), "bench": r.get("bench_command")}
                                                      for s, r in by_server.items()}})
+    # Rows of workloads this merge did not measure stay as an earlier lease left them (each row carries
+    # its own commands; the workload files say which lease).
+    merged = {(r["workload"], r["tp"]) for r in rows}
+    if (out / "summary.json").exists():
+        kept = [r for r in json.loads((out / "summary.json").read_text())["rows"]
+                if (r["workload"], r.get("tp", 1)) not in merged]
+        rows = sorted(rows + kept, key=lambda r: (r["workload"], r.get("tp", 1)))
     (out / "summary.json").write_text(json.dumps({"rows": rows, "ratio": "upstream/wgkv for times, wgkv/upstream "
                                                   "for throughput: > 1 means WG-KV is faster"}, indent=1))
     plot(rows, out / "summary.png")
