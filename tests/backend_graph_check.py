@@ -67,7 +67,8 @@ def make_backend(pool: DualCachePool, use_kernels: bool) -> WGKVAttnBackend:
         capture=Capture(), gates=GATES, req_pool=SimpleNamespace(slot_tau=slot_tau), num_q_heads=HQ,
         decode_gate=DecodeGate(GATES, max_rows=8 * H) if use_kernels else None, _sms=4,
         evictor=SnapKVEvictor(pool=pool, budget=10_000, num_q_heads=HQ, window=16), _extend=None,
-        _rows=None, _row_tau=None, batch_slots=None, batch_prompt_ends=None, _graph=None, _graph_launch={})
+        _rows=None, _row_tau=None, batch_slots=None, batch_prompt_ends=None, _graph=None, _graph_launch={},
+        _gate_stream=None)
     return b
 
 

@@ -161,9 +161,12 @@ def test_stateful_run_exercised_exhaustion():
     assert EXHAUSTED, "the stateful run never exhausted the pool; shrink PAGES"
 
 
-def test_write_decode_rows_matches_write_decode():
+@pytest.mark.parametrize("halves", [False, True])
+def test_write_decode_rows_matches_write_decode(halves):
     """The explicit-rows ring write (the graph path's, torch ops on a non-Triton pool) leaves the pool
-    exactly as :meth:`write_decode` after the same :meth:`begin_decode`."""
+    exactly as :meth:`write_decode` after the same :meth:`begin_decode`; also in two halves, keys and
+    values first (``admit=None``), flags after (:meth:`write_decode_flags`: the served decode's side
+    stream)."""
     import copy
 
     from sglang_wgkv.config import WGKVConfig
@@ -186,7 +189,11 @@ def test_write_decode_rows_matches_write_decode():
         k, v = torch.randn(3, H, D, generator=gen), torch.randn(3, H, D, generator=gen)
         admit = torch.rand(3, H, generator=gen) < 0.5
         a.write_decode(layer, k, v, admit)
-        b.write_decode_rows(layer, plan_b.req, plan_b.pos, k, v, admit)
+        if halves:
+            b.write_decode_rows(layer, plan_b.req, plan_b.pos, k, v, None)
+            b.write_decode_flags(layer, plan_b.req, plan_b.pos, admit)
+        else:
+            b.write_decode_rows(layer, plan_b.req, plan_b.pos, k, v, admit)
     for name in ("k_pages", "v_pages", "ring_flag", "page_table", "global_len"):
         assert torch.equal(getattr(a, name)[:-1] if name.endswith("pages") else getattr(a, name),
                            getattr(b, name)[:-1] if name.endswith("pages") else getattr(b, name)), name

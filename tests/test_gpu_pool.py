@@ -57,7 +57,11 @@ def check_prefill_then_decode(n, W, p, dtype, dev, steps=40, L=3, H=4, D=128):
             k, v = torch.randn(1, H, D, device=dev), torch.randn(1, H, D, device=dev)
             admit = torch.rand(1, H, device=dev) < p
             torch_pool.write_decode(layer, k, v, admit)
-            decode_write(triton_pool, layer, req, pos, k, v, admit)
+            if (step + layer) % 2:  # in two halves (the served decode: flags from the gate's stream)
+                decode_write(triton_pool, layer, req, pos, k, v, None)
+                decode_write(triton_pool, layer, req, pos, None, None, admit)
+            else:
+                decode_write(triton_pool, layer, req, pos, k, v, admit)
         assert_same_pool(torch_pool, triton_pool)
     torch_pool.check_integrity()
     triton_pool.check_integrity()

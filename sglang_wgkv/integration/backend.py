@@ -18,9 +18,10 @@ pages in decode), and the new K/V are written to the pool.
 Attention implementations (``ServingSettings.attention``): the torch reference
 (:mod:`sglang_wgkv.attention.reference`, any device; syncs per layer, no CUDA graphs) or, on CUDA,
 the kernels: Triton vertical-slash prefill (syncs per layer: per-request context gathering) and a
-decode of device work only: gate + admission in one launch
-(:class:`~sglang_wgkv.gate.triton_gate.DecodeGate`), :meth:`DualCachePool.write_decode_rows` (Triton),
-:func:`~sglang_wgkv.attention.triton_decode.folded_decode` (split-KV over ring + global pages).
+decode of device work only: :meth:`DualCachePool.write_decode_rows` (Triton) writes the new keys and
+values, :func:`~sglang_wgkv.attention.triton_decode.folded_decode` (split-KV over ring + global pages)
+reads them, and beside it, on a side stream, gate + admission in one launch
+(:class:`~sglang_wgkv.gate.triton_gate.DecodeGate`) and the flags' write.
 
 CUDA graphs (decode only, kernels path). SGLang's decode graph runner calls
 ``init_forward_metadata_out_graph`` eagerly before capture (``in_capture=True``) and before every
@@ -43,6 +44,7 @@ batch.reqs]`` on the batch and on the backend, so no step reads the device tenso
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -172,6 +174,8 @@ class WGKVAttnBackend(AttentionBackend):
             self._prefill = vertical_slash_attention
             self.decode_gate = DecodeGate(self.gates, max_rows=model_runner.req_to_token_pool.size * len(self.kv_heads))
             self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        # forward_decode (kernels): the gate beside the attention, on CUDA
+        self._gate_stream = torch.cuda.Stream(self.device) if self.use_kernels and self.device.type == "cuda" else None
         self.evictor = runtime.evictor
         self.req_pool = model_runner.req_to_token_pool  # per-slot tau (request_control)
         self.num_q_heads = model_runner.model_config.get_num_attention_heads(par.attn_tp_size)
@@ -367,14 +371,28 @@ class WGKVAttnBackend(AttentionBackend):
         if self.evictor is not None:
             self.evictor.observe_decode(layer.layer_id, q3, req=rows.req, pos=rows.pos)
         uniform = rows.uniform[:, layer.layer_id] if rows.uniform is not None else None
-        admit = self.decode_gate(layer.layer_id, self.capture.take(k3), k3, rows.tau, uniform,
-                                 self.config.random_admission if uniform is not None else None, rows.gate_splits)
+        k_pre = self.capture.take(k3)
         if k3.stride() != v3.stride() or k3.stride(2) != 1:  # the ring write reads both with k's strides
             k3, v3 = k3.contiguous(), v3.contiguous()
-        self.dual.write_decode_rows(layer.layer_id, rows.req, rows.pos, k3, v3, admit)
+        # The gate and the flags it decides run on a side stream, beside this layer's attention: the
+        # attention reads the new token's key and value (written here first) but not its flag, which
+        # only the next step's promotion reads. The main stream joins the side stream after the
+        # attention launch, so a captured graph forks and joins within the layer.
+        # (One stream where there is none: the Triton interpreter on CPU.)
+        side = self._gate_stream
+        main = torch.cuda.current_stream(self.device) if side is not None else None
+        if side is not None:
+            side.wait_stream(main)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            admit = self.decode_gate(layer.layer_id, k_pre, k3, rows.tau, uniform,
+                                     self.config.random_admission if uniform is not None else None, rows.gate_splits)
+            self.dual.write_decode_flags(layer.layer_id, rows.req, rows.pos, admit)
+        self.dual.write_decode_rows(layer.layer_id, rows.req, rows.pos, k3, v3, None)
         out = folded_decode(q3.to(self.dual.dtype), self.dual.k_pages, self.dual.v_pages, self.dual.page_table,
                             self.dual.global_len, rows.req, rows.ring, layer.layer_id, sm_scale=layer.scaling,
                             num_splits=rows.num_splits, workspace=rows.workspace)
+        if side is not None:
+            main.wait_stream(side)
         return out.to(q.dtype).reshape(-1, Hq * Dv)
 
     def support_triton(self):

@@ -120,11 +120,13 @@ class DecodeStep:
         self.ring_flag[p.req[:, None], layer, self._heads[None, :], (p.pos % self.window)[:, None]] = admit
 
     def write_decode_rows(self, layer: int, req: torch.Tensor, pos: torch.Tensor, k: torch.Tensor,
-                          v: torch.Tensor, admit: torch.Tensor) -> None:
+                          v: torch.Tensor, admit: torch.Tensor | None) -> None:
         """:meth:`write_decode` with the step's rows given explicitly (``req``, ``pos`` ``[B]`` int64
         device tensors, e.g. static CUDA-graph buffers), so that a captured graph can replay it. k, v
-        ``[B, H, D]`` with equal strides and a contiguous last dim; admit ``[B, H]`` bool. One Triton
-        launch on a ``triton_decode`` pool, torch ops otherwise."""
+        ``[B, H, D]`` with equal strides and a contiguous last dim; admit ``[B, H]`` bool, or None to
+        write only the keys and values (then :meth:`write_decode_flags` writes the flags, e.g. from
+        another stream, before the next step's promotion). One Triton launch on a ``triton_decode``
+        pool, torch ops otherwise."""
         if self.triton_decode:
             from sglang_wgkv.memory.triton_pool import decode_write
 
@@ -135,7 +137,18 @@ class DecodeStep:
         off = (slot % PAGE_SIZE)[:, None]
         self.k_pages[page, off] = k.to(self.dtype)
         self.v_pages[page, off] = v.to(self.dtype)
-        self.ring_flag[req[:, None], layer, self._heads[None, :], slot[:, None]] = admit
+        if admit is not None:
+            self.write_decode_flags(layer, req, pos, admit)
+
+    def write_decode_flags(self, layer: int, req: torch.Tensor, pos: torch.Tensor, admit: torch.Tensor) -> None:
+        """The admission flags ``[B, H]`` of the step's new tokens (the other half of
+        :meth:`write_decode_rows` with ``admit=None``)."""
+        if self.triton_decode:
+            from sglang_wgkv.memory.triton_pool import decode_write
+
+            decode_write(self, layer, req, pos, None, None, admit)
+            return
+        self.ring_flag[req[:, None], layer, self._heads[None, :], (pos % self.window)[:, None]] = admit
 
     def decode_page_rows(self, layer: int):
         """Page lists of the current decode batch in ``layer`` (after :meth:`write_decode`).

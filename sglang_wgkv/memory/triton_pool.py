@@ -50,20 +50,22 @@ def _prefill_write_kernel(K, V, KPages, VPages, PageRow, Admit, Rank, GlobalLen,
 def _decode_write_kernel(K, V, KPages, VPages, PageTable, RingFlag, Admit, Req, Pos,
                          layer, window, stride_kb, stride_kh, stride_pr, stride_pl, stride_ph,
                          stride_fr, stride_fl, stride_fh, stride_ab,
-                         HEAD_DIM: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, WRITE_KV: tl.constexpr, WRITE_FLAG: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
     r = tl.load(Req + b).to(tl.int64)
     slot = tl.load(Pos + b).to(tl.int64) % window
-    row = r * stride_pr + layer * stride_pl + h * stride_ph
-    page = tl.load(PageTable + row + slot // 16).to(tl.int64)
-    dst = (page * 16 + slot % 16) * HEAD_DIM + d
-    src = b * stride_kb + h * stride_kh + d
-    tl.store(KPages + dst, tl.load(K + src).to(KPages.dtype.element_ty))
-    tl.store(VPages + dst, tl.load(V + src).to(VPages.dtype.element_ty))
-    flag = tl.load(Admit + b * stride_ab + h)
-    tl.store(RingFlag + r * stride_fr + layer * stride_fl + h * stride_fh + slot, flag)
+    if WRITE_KV:
+        row = r * stride_pr + layer * stride_pl + h * stride_ph
+        page = tl.load(PageTable + row + slot // 16).to(tl.int64)
+        dst = (page * 16 + slot % 16) * HEAD_DIM + d
+        src = b * stride_kb + h * stride_kh + d
+        tl.store(KPages + dst, tl.load(K + src).to(KPages.dtype.element_ty))
+        tl.store(VPages + dst, tl.load(V + src).to(VPages.dtype.element_ty))
+    if WRITE_FLAG:
+        flag = tl.load(Admit + b * stride_ab + h)
+        tl.store(RingFlag + r * stride_fr + layer * stride_fl + h * stride_fh + slot, flag)
 
 
 def begin_prefill(pool, r: int, n: int) -> None:
@@ -131,23 +133,35 @@ def prefill_write(pool, r: int, layer: int, k: torch.Tensor, v: torch.Tensor, ad
     pool.promoted[layer] += cnt
 
 
-def decode_write(pool, layer: int, req: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 admit: torch.Tensor) -> None:
+def decode_write(pool, layer: int, req: torch.Tensor, pos: torch.Tensor, k: torch.Tensor | None,
+                 v: torch.Tensor | None, admit: torch.Tensor | None) -> None:
     """The new token of each request into its ring slot ``pos % W`` of ``layer`` (after the step's
-    promotion). req, pos ``[B]`` int64 device tensors; k, v ``[B, H, D]``; admit ``[B, H]`` bool."""
-    B, H, D = k.shape
-    if v.shape != k.shape or admit.shape != (B, H) or req.shape != (B,) or pos.shape != (B,):
-        raise ValueError(f"req/pos [B], k/v [B, H, D], admit [B, H] expected, got {tuple(req.shape)}, "
-                         f"{tuple(pos.shape)}, {tuple(k.shape)}, {tuple(admit.shape)}")
-    if k.stride(2) != 1 or v.stride() != k.stride():
+    promotion). req, pos ``[B]`` int64 device tensors; k, v ``[B, H, D]``; admit ``[B, H]`` bool.
+    ``admit=None`` writes only the keys and values, ``k=v=None`` only the flags (the two halves may
+    run on different streams: attention reads the keys and values, the next promotion the flags)."""
+    if k is None and v is None and admit is None:
+        raise ValueError("nothing to write: k/v and admit are all None")
+    if (k is None) != (v is None):
+        raise ValueError("k and v go together")
+    B, H = req.shape[0], pool.num_kv_heads
+    D = pool.head_dim
+    if k is not None and (k.shape != (B, H, D) or v.shape != k.shape):
+        raise ValueError(f"k/v [{B}, {H}, {D}] expected, got {tuple(k.shape)}, {tuple(v.shape)}")
+    if admit is not None and admit.shape != (B, H):
+        raise ValueError(f"admit [{B}, {H}] expected, got {tuple(admit.shape)}")
+    if pos.shape != (B,):
+        raise ValueError(f"req/pos [B] expected, got {tuple(req.shape)}, {tuple(pos.shape)}")
+    if k is not None and (k.stride(2) != 1 or v.stride() != k.stride()):
         raise ValueError("k and v need equal strides and a contiguous last dim")
     pt, rf = pool.page_table, pool.ring_flag
-    adm = admit.contiguous()
-    _decode_write_kernel[(B, H)](k, v, pool.k_pages, pool.v_pages, pt, rf.view(torch.uint8),
-                                 adm.view(torch.uint8), req, pos, layer, pool.window,
-                                 k.stride(0), k.stride(1), pt.stride(0), pt.stride(1), pt.stride(2),
+    adm = admit.contiguous().view(torch.uint8) if admit is not None else rf.view(torch.uint8)
+    kk, vv = (k, v) if k is not None else (pool.k_pages, pool.v_pages)
+    _decode_write_kernel[(B, H)](kk, vv, pool.k_pages, pool.v_pages, pt, rf.view(torch.uint8),
+                                 adm, req, pos, layer, pool.window,
+                                 kk.stride(0) if k is not None else 0, kk.stride(1) if k is not None else 0,
+                                 pt.stride(0), pt.stride(1), pt.stride(2),
                                  rf.stride(0), rf.stride(1), rf.stride(2), adm.stride(0),
-                                 HEAD_DIM=D, num_warps=1)
+                                 HEAD_DIM=D, WRITE_KV=k is not None, WRITE_FLAG=admit is not None, num_warps=1)
 
 
 @triton.jit
