@@ -223,6 +223,8 @@ def run(a) -> None:
                     rec["result"] = run_bench(timed, out_dir / f"bench.{a.server}.{w.id}.jsonl", a.bench_timeout)
                     if a.profile_dir and w.id in a.profile_workloads.split(","):
                         rec["profile"] = profile_decode(srv.url, w, body, a, Path(a.profile_dir) / w.id)
+                    if a.profile_dir and w.id in a.profile_prefill_workloads.split(","):
+                        rec["profile_prefill"] = profile_prefill(srv.url, w, body, a, Path(a.profile_dir) / f"{w.id}_prefill")
                     if a.profile_dir and w.id in a.profile_load_workloads.split(","):
                         rec["profile_under_load"] = profile_under_load(
                             srv.url, w, body, a, Path(a.profile_dir) / f"{w.id}_load", out_dir)
@@ -274,6 +276,35 @@ def profile_decode(url: str, w: Workload, body: dict | None, a, trace_dir: Path)
     return {"start_profile": started, "tokens": len(stamps),
             "median_gap_ms": 1000 * gaps[len(gaps) // 2] if gaps else None,
             **summarize_dir(str(trace_dir), a.profile_steps)}
+
+
+def profile_prefill(url: str, w: Workload, body: dict | None, a, trace_dir: Path) -> dict:
+    """The prefill of one request of ``w``'s prompt length on an idle server: SGLang's torch profiler
+    is started for as many forward steps as the prompt has chunks (``chunked_prefill_size`` from
+    ``/get_server_info``), then the request (one output token) is sent. Returns the trace summary
+    (:mod:`trace_summary`) with the request's wall time."""
+    import random
+
+    import requests
+
+    info = requests.get(url + "/get_server_info", timeout=60).json()
+    chunk = int(info.get("chunked_prefill_size") or w.input_len)
+    steps = -(-w.input_len // chunk) if chunk > 0 else 1
+    started = requests.post(url + "/start_profile", timeout=60, json={
+        "output_dir": str(trace_dir), "num_steps": steps, "activities": ["CPU", "GPU"]}).text
+    rng = random.Random(4)
+    params = {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+    if body:
+        params["custom_params"] = {"wgkv": body}
+    t0 = time.perf_counter()
+    requests.post(url + "/generate", json={"input_ids": [rng.randrange(1000, 100000) for _ in range(w.input_len)],
+                                           "sampling_params": params}, timeout=a.bench_timeout).raise_for_status()
+    wall = time.perf_counter() - t0
+    time.sleep(10)  # the trace is written after the last profiled step
+    from trace_summary import summarize_dir
+
+    return {"start_profile": started, "chunk": chunk, "steps": steps, "request_s": wall,
+            **summarize_dir(str(trace_dir), steps)}
 
 
 def batch_state(url: str) -> tuple[int, int]:
@@ -421,6 +452,8 @@ def main(argv=None) -> None:
     r.add_argument("--profile-steps", type=int, default=12)
     r.add_argument("--profile-load-workloads", default="", help="with --profile-dir: also profile these "
                    "workloads' decode steps under their own load (e.g. W3 at batch 128)")
+    r.add_argument("--profile-prefill-workloads", default="", help="with --profile-dir: also profile the "
+                   "prefill (every chunk) of one request of these workloads on the idle server")
     r.add_argument("--profile-load-delay-s", type=float, default=30, help="then until no request waits")
     m = sub.add_parser("merge")
     m.add_argument("parts", nargs="+")

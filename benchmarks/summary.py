@@ -332,6 +332,21 @@ def soak(d: dict) -> list[str]:
     return [head, ""] + table(["job kind", "count", "mean s"], rows)
 
 
+def decode_ab(d: dict) -> list[str]:
+    """Two versions of the WG-KV decode, each in its own H200 lease against that lease's upstream:
+    TPOT, profiled step and per-layer kernel times."""
+    head = f"{d['what']}. Commands: {cmds(list(d['commands'].values()), '; ')}."
+    rows = []
+    for lease in d["leases"]:
+        for w in ("W1", "W0"):
+            rows.append([lease["code"], w, f(lease["upstream_tpot_ms"], 3), f(lease[f"wgkv_{w}_tpot_ms"], 3),
+                         f(lease["upstream_tpot_ms"] / lease[f"wgkv_{w}_tpot_ms"], 3),
+                         f(lease["profile_median_gap_ms"][w], 3),
+                         ", ".join(f"{k} {v}" for k, v in lease["per_layer_us"][w].items())])
+    return [head, ""] + table(["decode", "workload", "upstream TPOT ms", "WG-KV TPOT ms", "ratio",
+                               "profiled step ms", "per layer (us)"], rows) + ["", d["reading"], ""]
+
+
 def prompt_window(d: dict) -> list[str]:
     """``evals.prompt_window``: the evictor's prompt-end scoring (observation window : kernel @ budget)
     against the full cache, offline, per run."""
@@ -398,6 +413,8 @@ def renderer(d: dict):
         return agreement
     if "jobs_per_s" in d and "checkpoints" in d:
         return soak
+    if "leases" in d and "reading" in d:
+        return decode_ab
     if set(d) == {"rows"}:
         return accuracy_summary
     return None
