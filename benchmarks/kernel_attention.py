@@ -82,7 +82,8 @@ def run_prefill(args, deadline, results, path):
 def _prefill_lengths(args, deadline, results, path, cfg):
     import flashinfer
 
-    from sglang_wgkv.attention.triton_prefill import compact_admitted_triton, vertical_slash_attention
+    from sglang_wgkv.attention.triton_prefill import (build_vertical_slash_plan_triton, compact_admitted_triton,
+                                                      vertical_slash_attention)
     from sglang_wgkv.attention.vertical_slash_plan import _exclusive_count, build_vertical_slash_plan, compact_admitted
 
     results["prefill_config"] = cfg.__dict__
@@ -125,7 +126,8 @@ def _prefill_lengths(args, deadline, results, path, cfg):
             adm = torch.rand(n, HKV, device="cuda") >= rej
             pairs = visible_pairs(adm, n)
             flops = 4 * D * (HQ // HKV) * pairs
-            plan_ms = cuda_ms(lambda: build_vertical_slash_plan(adm, ind, ind, pos, pos, W, cfg.block_m), reps=3)
+            plan_ms = cuda_ms(lambda: build_vertical_slash_plan_triton(adm, ind, ind, pos, pos, W, cfg.block_m), reps=3)
+            plan_torch_ms = cuda_ms(lambda: build_vertical_slash_plan(adm, ind, ind, pos, pos, W, cfg.block_m), reps=3)
             # What the served prefill runs (Triton copy of admitted rows), and, same run, the torch
             # scatter it replaced and the 2-D row scan the plan used before (2026-12-01).
             comp_ms = cuda_ms(lambda: compact_admitted_triton(k, v, adm, ind), reps=3)
@@ -139,7 +141,7 @@ def _prefill_lengths(args, deadline, results, path, cfg):
                            reps=reps, warmup=1 if n <= 131072 else 0)
             total = min(kern) + min(plan_ms) + min(comp_ms)
             wg = {"rejection": rej, "kernel_ms": min(kern), "plan_ms": min(plan_ms), "compact_ms": min(comp_ms),
-                  "compact_torch_ms": min(comp_torch_ms), "scan_1d_ms": min(scan_1d_ms),
+                  "plan_torch_ms": min(plan_torch_ms), "compact_torch_ms": min(comp_torch_ms), "scan_1d_ms": min(scan_1d_ms),
                   "scan_2d_ms": min(scan_2d_ms),
                   "total_ms": total, "visible_pairs": pairs, "tflops_useful": flops / min(kern) / 1e9}
             for base in ("flashinfer_fa3", "flashinfer_fa2", "torch_sdpa_flash"):

@@ -104,6 +104,24 @@ def test_triton_compaction_equals_torch_compaction(p):
     assert torch.equal(out[0][:, :Nk], ref[0][:, :Nk]) and torch.equal(out[1][:, :Nk], ref[1][:, :Nk])
 
 
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_triton_plan_equals_torch_plan(case):
+    """The one-launch Triton plan (what the served prefill builds) equals the torch plan."""
+    from sglang_wgkv.attention.triton_prefill import build_vertical_slash_plan_triton
+    from sglang_wgkv.attention.vertical_slash_plan import build_vertical_slash_plan
+
+    lens_q, lens_k, W, p, far = case
+    torch.manual_seed(17)
+    _, _, _, adm, qo, kv, qp, kp = _packed_case(lens_q, lens_k, 8, 2, 64, p, torch.bfloat16, far)
+    ref, out = (build(adm, qo, kv, qp, kp, W, 128) for build in (build_vertical_slash_plan,
+                                                                 build_vertical_slash_plan_triton))
+    rows = ref.q_start < ref.q_end
+    assert torch.equal(out.q_start, ref.q_start) and torch.equal(out.q_end, ref.q_end)
+    assert torch.equal(out.vertical_len, ref.vertical_len)
+    for name in ("kv_start", "band_start", "band_end"):
+        assert torch.equal(getattr(out, name)[rows], getattr(ref, name)[rows]), name
+
+
 def test_triton_prefill_strided_views_of_fused_qkv():
     """q/k/v as column slices of one fused projection output (what a model hands over)."""
     from sglang_wgkv.attention.triton_prefill import vertical_slash_attention

@@ -1,7 +1,8 @@
-"""Triton compaction of admitted keys (``triton_prefill.compact_admitted_triton``) equals the torch
-``compact_admitted`` on the compacted rows: checked on CPU under the Triton interpreter, in a
-subprocess (``TRITON_INTERPRET=1`` must be set before Triton is imported). On a GPU host the compiled
-kernel is tested by tests/test_gpu_attention.py."""
+"""The Triton prefill helpers against their torch oracles, on CPU under the Triton interpreter, in
+subprocesses (``TRITON_INTERPRET=1`` must be set before Triton is imported): the compaction of
+admitted keys (``compact_admitted_triton`` vs ``compact_admitted``, on the compacted rows) and the
+one-launch plan (``build_vertical_slash_plan_triton`` vs ``build_vertical_slash_plan``). On a GPU host
+the compiled kernels are tested by tests/test_gpu_attention.py."""
 
 import os
 import subprocess
@@ -13,12 +14,22 @@ import torch
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter is the CPU CI stand-in; the GPU runs the compiled kernel (gpu marker)")
 pytestmark = [pytest.mark.core, CPU_ONLY]
 
-CHECK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "triton_compact_interp_check.py")
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHECK = os.path.join(HERE, "triton_compact_interp_check.py")
+PLAN_CHECK = os.path.join(HERE, "triton_plan_interp_check.py")
 
 
 @pytest.mark.parametrize("seed", range(8))
 def test_compact_admitted_matches_torch_under_interpreter(seed):
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     res = subprocess.run([sys.executable, CHECK, str(seed)], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert res.stdout.startswith(f"ok seed {seed}"), res.stdout
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_plan_matches_torch_under_interpreter(seed):
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run([sys.executable, PLAN_CHECK, str(seed)], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     assert res.stdout.startswith(f"ok seed {seed}"), res.stdout
