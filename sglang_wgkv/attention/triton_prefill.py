@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from sglang_wgkv.attention.vertical_slash_plan import VerticalSlashPlan, _exclusive_count, admitted_rank
+from sglang_wgkv.attention.vertical_slash_plan import (VerticalSlashPlan, _exclusive_count, admitted_rank,
+                                                       build_vertical_slash_plan)
 
 
 @dataclass(frozen=True)
@@ -276,9 +277,9 @@ def vertical_slash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     Parameters are those of the reference (q ``[Nq, Hq, D]``, k/v ``[Nk, Hkv, D]``, admitted
     ``[Nk, Hkv]`` bool, qo_indptr/kv_indptr ``[B + 1]``, q_pos ``[Nq]``, k_pos ``[Nk]``), plus:
 
-    plan : work lists from :func:`build_vertical_slash_plan_triton` (or the torch
-        ``vertical_slash_plan.build_vertical_slash_plan``; built here when None; reusable across layers that share
-        ``admitted`` and positions).
+    plan : work lists from ``vertical_slash_plan.build_vertical_slash_plan`` (built here when None)
+        or :func:`build_vertical_slash_plan_triton`; reusable across layers that share
+        ``admitted`` and positions.
     compacted : ``(k_compact, v_compact)`` from :func:`compact_admitted_triton` (or the torch
         :func:`compact_admitted`; built here when None).
     config : launch shape (:func:`default_config` when None); ``plan.block_m`` must match it.
@@ -291,8 +292,8 @@ def vertical_slash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     Nk, Hkv = k.shape[:2]
     cfg = config or default_config(D)
     if plan is None:
-        plan = build_vertical_slash_plan_triton(admitted, qo_indptr, kv_indptr, q_pos, k_pos, local_window,
-                                                cfg.block_m)
+        # The torch plan until the one-launch Triton plan has run on the H200 (interpreter-checked only).
+        plan = build_vertical_slash_plan(admitted, qo_indptr, kv_indptr, q_pos, k_pos, local_window, cfg.block_m)
     elif plan.block_m != cfg.block_m:
         raise ValueError(f"plan.block_m {plan.block_m} != config.block_m {cfg.block_m}")
     if compacted is None:
