@@ -106,7 +106,7 @@ def test_triton_compaction_equals_torch_compaction(p):
 
 @pytest.mark.parametrize("case", PREFILL_CASES)
 def test_triton_plan_equals_torch_plan(case):
-    """The one-launch Triton plan (what the served prefill builds) equals the torch plan."""
+    """The one-launch Triton plan equals the torch plan (which the served prefill builds until this passes)."""
     from sglang_wgkv.attention.triton_prefill import build_vertical_slash_plan_triton
     from sglang_wgkv.attention.vertical_slash_plan import build_vertical_slash_plan
 

@@ -19,17 +19,10 @@ CHECK = os.path.join(HERE, "triton_compact_interp_check.py")
 PLAN_CHECK = os.path.join(HERE, "triton_plan_interp_check.py")
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_compact_admitted_matches_torch_under_interpreter(seed):
+@pytest.mark.parametrize("check,seed", [(CHECK, s) for s in range(8)] + [(PLAN_CHECK, s) for s in range(12)],
+                         ids=[f"compact-{s}" for s in range(8)] + [f"plan-{s}" for s in range(12)])
+def test_triton_helper_matches_torch_under_interpreter(check, seed):
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    res = subprocess.run([sys.executable, CHECK, str(seed)], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
-    assert res.stdout.startswith(f"ok seed {seed}"), res.stdout
-
-
-@pytest.mark.parametrize("seed", range(12))
-def test_plan_matches_torch_under_interpreter(seed):
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    res = subprocess.run([sys.executable, PLAN_CHECK, str(seed)], env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, check, str(seed)], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     assert res.stdout.startswith(f"ok seed {seed}"), res.stdout

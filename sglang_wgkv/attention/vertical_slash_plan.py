@@ -73,11 +73,10 @@ def _exclusive_count(admitted: torch.Tensor) -> torch.Tensor:
     """``[Nk + 1, Hkv]`` int32 (a transposed view), row n = admitted keys among rows < n (over the
     packed batch).
 
-    One 1-D scan over the heads laid end to end, then each head's running total before it is taken
-    off: on CUDA torch scans a 1-D tensor with CUB, but the rows of a 2-D one with a thread block
-    stepping along each row (the plan that scanned ``[Hkv, Nk]`` took 5.35 ms at 32K keys and 21 ms
-    at 128K on the H200, kernels/kernel_attention.json of 2026-11-29; scanning the outer dim of
-    ``[Nk, Hkv]`` took tens of ms)."""
+    One 1-D scan over the heads laid end to end (CUB on CUDA), then each head's running total before
+    it is taken off. Same run on the H200 (kernels/kernel_prefill_compaction.json): 0.09 ms at 32K
+    keys and 0.10 ms at 128K, against 0.05-0.06 ms and 0.20-0.21 ms for torch's row scan of the
+    transposed ``[Hkv, Nk]``; scanning the outer dim of ``[Nk, Hkv]`` took tens of ms."""
     Nk, H = admitted.shape
     dtype = torch.int32 if H * Nk < 2**31 else torch.int64
     excl = torch.zeros(H, Nk + 1, dtype=dtype, device=admitted.device)
