@@ -187,7 +187,7 @@ class WGKVEngine(Engine):
 
             cols = self.pool.page_table.shape[-1]
             self.num_splits = choose_num_splits(1, HKV, cols * 16, DEVICE)
-            self.ws = FoldedDecodeWorkspace(1, HQ, D, self.num_splits, DEVICE)
+            self.ws = FoldedDecodeWorkspace(1, HQ, D, self.num_splits, DEVICE, num_kv_heads=HKV)
             self.attn_out = torch.empty(1, HQ, D, dtype=DT, device=DEVICE)
             # The step's decode plan (ring page / offset / ring tokens), written by the promotion launch.
             self.plan = (torch.empty(1, L, HKV, dtype=torch.long, device=DEVICE),

@@ -9,17 +9,22 @@ and rejection rate, every (request, layer, KV head) stream holds the full ring (
 * ``dense_flashinfer``: ``BatchDecodeWithPagedKVCacheWrapper`` over all n tokens (random page order);
 * ``folded_flashinfer``: :class:`FoldedPagedDecode` run (its host ``plan`` and the per-layer index
   build are outside the timed graph: they favour FlashInfer here);
-* ``triton``: :func:`folded_decode` reading the page table directly (nothing outside the graph).
+* ``triton``: :func:`folded_decode` reading the page table directly (nothing outside the graph), one
+  launch per layer (the split kernel merges: ``DecodeConfig.fused_merge``, the default);
+* ``triton_two_launch``: the same with a separate merge launch per layer (``fused_merge=False``).
 
-Effective TB/s = K+V bytes the kernel must read / time. A small launch-shape sweep (block_n, warps,
-stages, splits) runs first at one shape and is reported; the timed runs use the defaults unless
-``--use-best``.
+``--fused-merge`` picks the Triton rows: ``both`` (default), ``fused`` (``triton`` alone) or
+``two_launch`` (``triton_two_launch`` alone). Effective TB/s = K+V bytes the kernel must read / time.
+A small launch-shape sweep (block_n, warps, stages, splits; fused merge unless ``two_launch``) runs
+first at one shape and is reported; the timed runs use the defaults unless ``--use-best``.
 
 usage: python benchmarks/kernel_decode.py [--out DIR] [--lengths ...] [--rejections ...] [--batches 1 8]
                                           [--deadline S] [--no-sweep] [--use-best]
+                                          [--fused-merge {both,fused,two_launch}]
 """
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -35,6 +40,8 @@ DT = torch.bfloat16
 TOKEN_BYTES = D * 2 * 2          # K + V of one token of one KV head, bf16
 WORKING_SET = 256 << 20          # bytes each timed graph reads at least (L2 is 50 MB)
 SWEEP_CONFIGS = [(64, 4, 2), (64, 8, 2), (32, 4, 2), (128, 8, 2), (64, 4, 3), (64, 4, 4)]
+TRITON_ROWS = {"fused": [("triton", True)], "two_launch": [("triton_two_launch", False)],
+               "both": [("triton", True), ("triton_two_launch", False)]}   # --fused-merge -> (key, fused_merge)
 
 
 def layers_for(bytes_per_layer: int, cap: int) -> int:
@@ -100,7 +107,7 @@ def triton_fn(pool, q, out, splits, cfg):
     from sglang_wgkv.attention.triton_decode import FoldedDecodeWorkspace, folded_decode
 
     B, L = q.shape[0], pool.page_table.shape[1]
-    ws = FoldedDecodeWorkspace(B, HQ, D, splits, "cuda")
+    ws = FoldedDecodeWorkspace(B, HQ, D, splits, "cuda", num_kv_heads=HKV)
 
     def run():
         for layer in range(L):
@@ -121,9 +128,10 @@ def sweep(args, results, gen):
     out = torch.empty_like(q)
     base = choose_num_splits(1, HKV, n, "cuda")
     rows = []
+    fused = args.fused_merge != "two_launch"
     for bn, warps, stages in SWEEP_CONFIGS:
         for splits in sorted({max(1, base // 2), base, min(MAX_SPLIT_COUNT, base * 2)}):
-            cfg = DecodeConfig(bn, warps, stages)
+            cfg = DecodeConfig(bn, warps, stages, fused)
             try:
                 t = graph_ms(triton_fn(pool, q, out, splits, cfg)) / L
                 rows.append({"block_n": bn, "num_warps": warps, "num_stages": stages, "splits": splits,
@@ -133,7 +141,8 @@ def sweep(args, results, gen):
                              "error": repr(exc)[:300]})
     ok = [r for r in rows if "ms_per_layer" in r]
     best = min(ok, key=lambda r: r["ms_per_layer"]) if ok else None
-    results["sweep"] = {"n": n, "rejection": 0.75, "batch": 1, "default_splits": base, "rows": rows, "best": best}
+    results["sweep"] = {"n": n, "rejection": 0.75, "batch": 1, "default_splits": base, "fused_merge": fused,
+                        "rows": rows, "best": best}
     print("sweep best:", best, flush=True)
     del pool
     torch.cuda.empty_cache()
@@ -187,7 +196,8 @@ def run(args, deadline, results, path, best):
             splits = best["splits"] if args.use_best and best else choose_num_splits(B, HKV, n, "cuda")
             cfg = DecodeConfig(best["block_n"], best["num_warps"], best["num_stages"]) \
                 if args.use_best and best else DecodeConfig()
-            entry["triton_launch"] = {"splits": splits, **cfg.__dict__}
+            entry["triton_launch"] = {"splits": splits, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
+                                      "num_stages": cfg.num_stages}
             for rej in args.rejections:
                 if deadline.left() < 8:
                     entry.setdefault("folded", []).append({"rejection": rej, "skipped": "deadline"})
@@ -208,15 +218,18 @@ def run(args, deadline, results, path, best):
                     del decs
                 except Exception as exc:
                     res["folded_flashinfer"] = {"error": repr(exc)[:300]}
-                try:
-                    t = graph_ms(triton_fn(pool, q, out, splits, cfg)) / L
-                    res["triton"] = {"ms": t, "tbps": pool.kv_bytes_per_layer / t / 1e9}
-                except Exception as exc:
-                    res["triton"] = {"error": repr(exc)[:300]}
-                for base in ("dense_flashinfer", "folded_flashinfer"):
-                    ref = entry.get(base) if base == "dense_flashinfer" else res.get(base)
-                    if "ms" in (ref or {}) and "ms" in res["triton"]:
-                        res["triton"][f"speedup_vs_{base}"] = ref["ms"] / res["triton"]["ms"]
+                for key, fused in TRITON_ROWS[args.fused_merge]:
+                    try:
+                        t = graph_ms(triton_fn(pool, q, out, splits, dataclasses.replace(cfg, fused_merge=fused))) / L
+                        res[key] = {"ms": t, "tbps": pool.kv_bytes_per_layer / t / 1e9}
+                    except Exception as exc:
+                        res[key] = {"error": repr(exc)[:300]}
+                    for base in ("dense_flashinfer", "folded_flashinfer"):
+                        ref = entry.get(base) if base == "dense_flashinfer" else res.get(base)
+                        if "ms" in (ref or {}) and "ms" in res[key]:
+                            res[key][f"speedup_vs_{base}"] = ref["ms"] / res[key]["ms"]
+                if "ms" in res.get("triton", {}) and "ms" in res.get("triton_two_launch", {}):
+                    res["triton"]["speedup_vs_two_launch"] = res["triton_two_launch"]["ms"] / res["triton"]["ms"]
                 if "ms" in res["folded_flashinfer"] and "ms" in entry.get("dense_flashinfer", {}):
                     res["folded_flashinfer"]["speedup_vs_dense_flashinfer"] = \
                         entry["dense_flashinfer"]["ms"] / res["folded_flashinfer"]["ms"]
@@ -250,11 +263,12 @@ def plot(results, png):
         rejs = sorted({f["rejection"] for r in rb for f in r.get("folded", []) if "skipped" not in f})
         for j, rej in enumerate(rejs):
             color = plt.cm.viridis(j / max(1, len(rejs) - 1))
-            for kern, style in (("folded_flashinfer", "s:"), ("triton", "o-")):
+            for kern, style, name in (("folded_flashinfer", "s:", "FlashInfer folded"), ("triton", "o-", "Triton"),
+                                      ("triton_two_launch", "^--", "Triton 2 launches")):
                 pts = [(r["n"], f[kern]["ms"], f[kern]["tbps"]) for r in rb for f in r.get("folded", [])
                        if f.get("rejection") == rej and "ms" in f.get(kern, {})]
                 if pts:
-                    label = f"{'Triton' if kern == 'triton' else 'FlashInfer folded'} {int(rej * 100)}% rej."
+                    label = f"{name} {int(rej * 100)}% rej."
                     ax_ms.plot([p[0] for p in pts], [p[1] for p in pts], style, color=color, label=label)
                     ax_bw.plot([p[0] for p in pts], [p[2] for p in pts], style, color=color, label=label)
         ax_ms.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="ms per layer",
@@ -277,6 +291,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-dense-gb", type=float, default=24.0, help="skip shapes whose dense KV per layer is larger")
     ap.add_argument("--no-sweep", action="store_true", help="skip the launch-shape sweep")
     ap.add_argument("--use-best", action="store_true", help="time the sweep's best launch shape, not the default")
+    ap.add_argument("--fused-merge", choices=sorted(TRITON_ROWS), default="both",
+                    help="Triton rows: one launch per layer (triton), two (triton_two_launch) or both")
     args = ap.parse_args(argv)
     if any(n < W for n in args.lengths) or any(not 0.0 <= r <= 1.0 for r in args.rejections):
         ap.error(f"lengths must be >= {W} and rejections in [0, 1]")

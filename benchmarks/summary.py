@@ -102,6 +102,8 @@ def kernel_decode(d: dict) -> list[str]:
     s = d["shape"]
     lines = [f"Command: {cmd(d['env']['command'])}; {d['env'].get('gpu')}. One layer: Hq {s['Hq']}, Hkv {s['Hkv']}, "
              f"D {s['head_dim']}, {s['dtype']}; CUDA-graph replay; TB/s = K+V bytes read / time.", ""]
+    # Files from before the fused merge have one Triton row (two launches per layer then, named triton).
+    two = any("triton_two_launch" in fo for r in d["decode"] for fo in r["folded"])
     rows = []
     for r in d["decode"]:
         dense = r["dense_flashinfer"]
@@ -109,9 +111,11 @@ def kernel_decode(d: dict) -> list[str]:
             fi, tr = fo.get("folded_flashinfer", {}), fo.get("triton", {})
             rows.append([r["batch"], r["n"], f(dense["ms"], 3), f(dense["tbps"]), f(fo["rejection"]),
                          f(fo["kv_bytes_vs_dense"], 3), f(fi.get("ms"), 3), f(fi.get("tbps")), f(tr.get("ms"), 3),
-                         f(tr.get("tbps")), f(tr.get("speedup_vs_dense_flashinfer")) + "x"])
+                         f(tr.get("tbps")), f(tr.get("speedup_vs_dense_flashinfer")) + "x"]
+                        + ([f(fo.get("triton_two_launch", {}).get("ms"), 3)] if two else []))
     lines += table(["batch", "N", "dense FlashInfer ms", "TB/s", "rejection", "KV vs dense", "FlashInfer folded ms",
-                    "TB/s", "Triton folded ms", "TB/s", "Triton vs dense"], rows)
+                    "TB/s", "Triton folded ms", "TB/s", "Triton vs dense"] + (["Triton 2-launch ms"] if two else []),
+                   rows)
     sweep = d.get("sweep")
     if sweep:
         b = sweep["best"]

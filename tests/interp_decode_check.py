@@ -5,7 +5,7 @@ since ``TRITON_INTERPRET=1`` must be set before the kernel module is imported::
 
     TRITON_INTERPRET=1 python tests/interp_decode_check.py CASE
 
-prints one JSON line per comparison and exits 1 on the first mismatch.
+prints one JSON line per comparison and exits 1 if any mismatched.
 """
 
 import json
@@ -18,16 +18,20 @@ from sglang_wgkv.attention.reference import paged_decode_attention
 from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.memory import DualCachePool
 
+EMPTY_SLOT = 0  # PoolCase never allocates request slots 0 and 1
 TOL = {torch.float16: (3e-3, 2e-2), torch.bfloat16: (2e-2, 8e-2)}  # (relative norm, max abs)
 
 # Interpreter cases: small, but with ring-only streams, ring + global streams, a 1-token stream
-# (a request that joins at position 0), many splits (some empty) and several block sizes.
+# (a request that joins at position 0), many splits (some empty), several block sizes and groups.
 CASES = {
     # D, Hq, Hkv, dtype, W, prefill lengths, late joiners, decode steps, admit prob, [(splits, block_n)]
     "d64_g3_fp16": dict(D=64, Hq=9, Hkv=3, dtype=torch.float16, W=32, plens=[300, 20, 77], late=0, steps=2,
                         p_admit=0.5, launches=[(1, 64), (3, 32), (8, 16)]),
     "d128_g4_bf16": dict(D=128, Hq=8, Hkv=2, dtype=torch.bfloat16, W=32, plens=[200, 45], late=1, steps=2,
                          p_admit=0.3, launches=[(2, 64), (16, 16)]),
+    # group 6: the fused merge takes the query heads of a KV head in two passes of at most 4
+    "d64_g6_fp16": dict(D=64, Hq=12, Hkv=2, dtype=torch.float16, W=32, plens=[120, 50], late=1, steps=1,
+                        p_admit=0.5, launches=[(1, 64), (4, 16)]),
 }
 
 
@@ -100,24 +104,44 @@ class PoolCase:
 
 
 def run_case(name: str, device: str = "cpu") -> bool:
-    from sglang_wgkv.attention.triton_decode import DecodeConfig, folded_decode
+    """Every launch of the case with the fused merge and with two launches, over the pool's batch plus
+    one row whose request slot holds no token (ring_tokens 0: its streams are empty, zeros expected).
+    All runs share one workspace, and each runs twice into NaN-filled outputs: the second must repeat
+    the first bit for bit (the fused merge's counters were reset, every output row was written)."""
+    from sglang_wgkv.attention.triton_decode import DecodeConfig, FoldedDecodeWorkspace, folded_decode
 
     c = CASES[name]
     case = PoolCase(c["D"], c["Hq"], c["Hkv"], c["dtype"], c["W"], c["plens"], c["late"], c["p_admit"], device)
+    assert not case.pool.global_len[EMPTY_SLOT].any()
+    ws = FoldedDecodeWorkspace(len(case.slots) + 1, c["Hq"], c["D"], max(s for s, _ in c["launches"]), device,
+                               num_kv_heads=c["Hkv"])
     ok_all = True
     for step in range(c["steps"]):
         for layer in case.step():
-            q = case.query()
-            ref = case.reference(q, layer)
+            q = torch.cat([case.query(), case.randn(1, c["Hq"], c["D"])])
+            req = torch.cat([case.plan.req, case.plan.req.new_full((1,), EMPTY_SLOT)])
+            ring = torch.cat([case.plan.ring_tokens, case.plan.ring_tokens.new_zeros(1)])
+            ref = torch.cat([case.reference(q[:-1], layer), torch.zeros_like(q[-1:])])
+            kv_len = case.kv_lengths(layer)
+            n = torch.cat([kv_len, kv_len.new_zeros(1, c["Hkv"])]).long()
             for splits, block_n in c["launches"]:
-                out = folded_decode(q, case.pool.k_pages, case.pool.v_pages, case.pool.page_table,
-                                    case.pool.global_len, case.plan.req, case.plan.ring_tokens, layer,
-                                    num_splits=splits, config=DecodeConfig(block_n=block_n))
-                ok, rel, mx = close(out, ref, c["dtype"])
-                print(json.dumps({"case": name, "step": step, "layer": layer, "splits": splits, "block_n": block_n,
-                                  "kv_len": case.kv_lengths(layer).tolist(), "rel": rel, "max_abs": mx, "ok": ok}),
-                      flush=True)
-                ok_all &= ok
+                chunk = ((n + splits - 1) // splits + block_n - 1) // block_n * block_n
+                used = (n + chunk.clamp(min=1) - 1) // chunk.clamp(min=1)  # non-empty splits per stream
+                for fused in (True, False):
+                    outs = [folded_decode(q, case.pool.k_pages, case.pool.v_pages, case.pool.page_table,
+                                          case.pool.global_len, req, ring, layer, num_splits=splits, workspace=ws,
+                                          out=torch.full_like(q, float("nan")),
+                                          config=DecodeConfig(block_n=block_n, fused_merge=fused))
+                            for _ in range(2)]
+                    ok, rel, mx = close(outs[0], ref, c["dtype"])
+                    repeat = torch.equal(outs[0], outs[1])
+                    print(json.dumps({"case": name, "step": step, "layer": layer, "splits": splits,
+                                      "block_n": block_n, "fused": fused, "kv_len": kv_len.tolist(),
+                                      "empty_streams": int((used == 0).sum()),
+                                      "partial_streams": int(((used > 0) & (used < splits)).sum()),
+                                      "rel": rel, "max_abs": mx, "repeat_equal": repeat, "ok": ok and repeat}),
+                          flush=True)
+                    ok_all &= ok and repeat
     return ok_all
 
 

@@ -27,9 +27,12 @@ def test_interpreted_decode_matches_reference(name):
                           capture_output=True, text=True, timeout=300)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     c = CASES[name]
-    assert len(rows) == c["steps"] * 2 * len(c["launches"]), proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert len(rows) == c["steps"] * 2 * len(c["launches"]) * 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     bad = [r for r in rows if not r["ok"]]
     assert proc.returncode == 0 and not bad, bad or proc.stderr[-3000:]
+    # Both merges ran; every batch had an empty stream, and some stream used fewer splits than launched.
+    assert {r["fused"] for r in rows} == {True, False}
+    assert all(r["empty_streams"] == c["Hkv"] for r in rows) and any(r["partial_streams"] for r in rows)
     # The comparisons covered ring-only and ring + global streams, and a 1-token stream when asked.
     lens = [n for r in rows for per_req in r["kv_len"] for n in per_req]
     assert max(lens) > c["W"] and min(lens) < c["W"]
@@ -46,14 +49,20 @@ def test_choose_num_splits_and_validation():
     assert choose_num_splits(64, 8, 131072) <= 2
     assert choose_num_splits(1, 8, 100) == 1
     assert 1 <= choose_num_splits(1, 1, 10**7) <= MAX_SPLIT_COUNT
-    ws = FoldedDecodeWorkspace(2, 8, 64, 4, "cpu")
+    ws = FoldedDecodeWorkspace(2, 8, 64, 4, "cpu", num_kv_heads=2)
     assert ws.part_out.shape == (2, 8, 4, 64) and ws.part_lse.shape == (2, 8, 4)
+    assert ws.splits_done.shape == (2, 2) and ws.splits_done.dtype == torch.int32 and not ws.splits_done.any()
+    assert FoldedDecodeWorkspace(2, 8, 64, 4, "cpu").splits_done.shape == (2, 8)  # fits any grouping
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        FoldedDecodeWorkspace(2, 8, 64, 4, "cpu", num_kv_heads=3)
     case = PoolCase(64, 8, 2, torch.float16, 32, [40, 5], 0, 0.5, "cpu", num_layers=1)
     next(case.step())
     p = case.pool
     args = (case.query(), p.k_pages, p.v_pages, p.page_table, p.global_len, case.plan.req, case.plan.ring_tokens, 0)
     with pytest.raises(ValueError, match="workspace"):
         folded_decode(*args, num_splits=5, workspace=ws)
+    with pytest.raises(ValueError, match="workspace"):  # the case has 2 KV heads
+        folded_decode(*args, num_splits=4, workspace=FoldedDecodeWorkspace(2, 8, 64, 4, "cpu", num_kv_heads=1))
     with pytest.raises(ValueError, match="layer"):
         folded_decode(*args[:-1], 1)
     with pytest.raises(ValueError, match="dtype"):
@@ -76,14 +85,16 @@ GPU_CASES = [
 
 @pytest.mark.gpu
 @requires_cuda
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_launch"])
 @pytest.mark.parametrize("case_args", GPU_CASES, ids=lambda c: f"d{c[0]}_hq{c[1]}_hkv{c[2]}_{str(c[3])[6:]}")
-def test_gpu_decode_matches_reference(case_args):
+def test_gpu_decode_matches_reference(case_args, fused):
     from sglang_wgkv.attention.triton_decode import DecodeConfig, folded_decode
 
     D, Hq, Hkv, dtype, W, plens, late, p = case_args
     case = PoolCase(D, Hq, Hkv, dtype, W, plens, late, p, "cuda", num_layers=2, seed=D + Hq)
-    launches = [(None, None), (1, DecodeConfig()), (7, DecodeConfig(32, 4, 2)), (64, DecodeConfig(64, 8, 3)),
-                (128, DecodeConfig(16, 4, 2)), (16, DecodeConfig(128, 8, 2))]
+    launches = [(None, DecodeConfig(fused_merge=fused)), (1, DecodeConfig(fused_merge=fused)),
+                (7, DecodeConfig(32, 4, 2, fused)), (64, DecodeConfig(64, 8, 3, fused)),
+                (128, DecodeConfig(16, 4, 2, fused)), (16, DecodeConfig(128, 8, 2, fused))]
     for _ in range(3):
         for layer in case.step():
             q = case.query()
@@ -98,8 +109,20 @@ def test_gpu_decode_matches_reference(case_args):
 
 @pytest.mark.gpu
 @requires_cuda
-def test_gpu_decode_batch16_long_streams():
-    from sglang_wgkv.attention.triton_decode import choose_num_splits, folded_decode
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gpu_interpreter_cases_compiled(name):
+    """The interpreter cases on the compiled kernels: both merges, an empty stream, every launch run
+    twice on one shared workspace."""
+    from interp_decode_check import run_case
+
+    assert run_case(name, "cuda")
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_launch"])
+def test_gpu_decode_batch16_long_streams(fused):
+    from sglang_wgkv.attention.triton_decode import DecodeConfig, choose_num_splits, folded_decode
 
     plens = [8000, 1, 4000, 600, 12000, 33, 256, 257, 3000, 7000, 100, 2048, 5000, 64, 9000, 1500]
     case = PoolCase(128, 32, 8, torch.bfloat16, 256, plens, 0, 0.6, "cuda", num_layers=1, seed=16)
@@ -108,24 +131,55 @@ def test_gpu_decode_batch16_long_streams():
         ref = case.reference(q, layer)
         for splits in (choose_num_splits(16, 8, 12288), 1, 3, 32, 128):
             out = folded_decode(q, case.pool.k_pages, case.pool.v_pages, case.pool.page_table, case.pool.global_len,
-                                case.plan.req, case.plan.ring_tokens, layer, num_splits=splits)
+                                case.plan.req, case.plan.ring_tokens, layer, num_splits=splits,
+                                config=DecodeConfig(fused_merge=fused))
             ok, rel, mx = close(out, ref, torch.bfloat16)
             assert ok, f"splits {splits}: rel {rel:.2e} max {mx:.2e}"
 
 
 @pytest.mark.gpu
 @requires_cuda
+def test_gpu_fused_merge_back_to_back_launches():
+    """Many fused launches on one workspace with no host sync between them, the query alternating
+    between two, so the partials change every launch: each output equals the first of its query bit for
+    bit (every launch's counters start at zero, the last split of a stream reads only this launch's
+    partials), and matches the reference."""
+    from sglang_wgkv.attention.triton_decode import FoldedDecodeWorkspace, folded_decode
+
+    case = PoolCase(128, 32, 8, torch.bfloat16, 256, [6000, 3000, 800, 40], 1, 0.6, "cuda", num_layers=1, seed=11)
+    p, B = case.pool, len(case.slots)
+    ws = FoldedDecodeWorkspace(B, 32, 128, 128, "cuda", num_kv_heads=8)
+    for layer in case.step():
+        qs = [case.query(), case.query()]
+        for splits in (128, 37, 5):
+            outs = torch.full((40, B, 32, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+            for i in range(len(outs)):
+                folded_decode(qs[i % 2], p.k_pages, p.v_pages, p.page_table, p.global_len, case.plan.req,
+                              case.plan.ring_tokens, layer, num_splits=splits, workspace=ws, out=outs[i])
+            for j, q in enumerate(qs):
+                ok, rel, mx = close(outs[j], case.reference(q, layer), torch.bfloat16)
+                assert ok, f"splits {splits} query {j}: rel {rel:.2e} max {mx:.2e}"
+                assert all(torch.equal(o, outs[j]) for o in outs[j::2]), f"splits {splits}: a launch differs"
+    assert not ws.splits_done.any()
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_launch"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_decode_cuda_graph_replay_after_pool_changes(dtype):
+def test_gpu_decode_cuda_graph_replay_after_pool_changes(dtype, fused):
     """Capture one decode (all layers) with static buffers, decode more steps (more global tokens,
-    new pages, a ring page crossing), replay, compare each layer with the reference."""
-    from sglang_wgkv.attention.triton_decode import FoldedDecodeWorkspace, choose_num_splits, folded_decode
+    new pages, a ring page crossing), replay, compare each layer with the reference; a second replay
+    repeats the first bit for bit (the fused merge's counters start from zero on every replay)."""
+    from sglang_wgkv.attention.triton_decode import (DecodeConfig, FoldedDecodeWorkspace, choose_num_splits,
+                                                     folded_decode)
 
     D, Hq, Hkv, L = 128, 32, 8, 2
     case = PoolCase(D, Hq, Hkv, dtype, 64, [3000, 700, 20], 1, 0.8, "cuda", num_layers=L, max_context=3200, seed=7)
     p, B = case.pool, len(case.slots)
     splits = choose_num_splits(B, Hkv, p.max_context_len, "cuda")
-    ws = FoldedDecodeWorkspace(B, Hq, D, splits, "cuda")
+    ws = FoldedDecodeWorkspace(B, Hq, D, splits, "cuda", num_kv_heads=Hkv)
+    cfg = DecodeConfig(fused_merge=fused)
     q = torch.zeros(L, B, Hq, D, device="cuda", dtype=dtype)
     req = torch.zeros(B, dtype=torch.int64, device="cuda")
     ring = torch.zeros(B, dtype=torch.int64, device="cuda")
@@ -134,7 +188,7 @@ def test_gpu_decode_cuda_graph_replay_after_pool_changes(dtype):
     def decode_all_layers():
         for layer in range(L):
             folded_decode(q[layer], p.k_pages, p.v_pages, p.page_table, p.global_len, req, ring, layer,
-                          num_splits=splits, workspace=ws, out=out[layer])
+                          num_splits=splits, workspace=ws, out=out[layer], config=cfg)
 
     for _ in case.step():
         pass
@@ -160,4 +214,8 @@ def test_gpu_decode_cuda_graph_replay_after_pool_changes(dtype):
             for layer in range(L):
                 ok, rel, mx = close(out[layer], case.reference(q[layer], layer), dtype)
                 assert ok, f"step {step} layer {layer}: rel {rel:.2e} max {mx:.2e}"
+            first = out.clone()
+            out.fill_(float("nan"))
+            graph.replay()
+            assert torch.equal(out, first), f"step {step}: a second replay differs"
     assert p.global_len.sum().item() > glen_before

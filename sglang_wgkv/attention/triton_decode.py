@@ -7,16 +7,24 @@ after ``write_decode`` the stream (request slot r, layer l, KV head h) holds exa
 offset ``i % 16`` (ring pages are full whenever a global token exists). Decode has no positional
 mask, so the order of the tokens does not matter.
 
-Two launches, both with host-fixed grids (CUDA-graph safe, no host sync):
+Host-fixed grids (CUDA-graph safe, no host sync, no per-call memset):
 
 1. split: grid ``(B * H, num_splits)``. A program takes one (request, KV head) and one contiguous
    chunk of its tokens, ``chunk = ceil(ceil(n / num_splits) / BLOCK_N) * BLOCK_N`` computed on the
-   device from the actual length n (programs past the end exit at once). Per step it loads the page
-   ids of ``BLOCK_N`` tokens, gathers their K/V rows, scores the GQA group (padded to 16 rows) with
-   one ``tl.dot`` and runs an online softmax; it writes a normalised partial output and its
-   log2-sum-exp to the workspace.
-2. merge: grid ``(B * Hq,)``. Recomputes the chunk, weighs the non-empty splits by their
-   log-sum-exp and writes the output in q's dtype.
+   device from the actual length n (programs past the end exit at once, so a stream has
+   ``cdiv(n, chunk)`` non-empty splits). Per step it loads the page ids of ``BLOCK_N`` tokens,
+   gathers their K/V rows, scores the GQA group (padded to 16 rows) with one ``tl.dot`` and runs an
+   online softmax; it writes a normalised partial output and its log2-sum-exp to the workspace.
+2. merge: weighs a stream's non-empty splits by their log-sum-exp (``exp2(lse - max) / sum``) and
+   writes the output in q's dtype; an empty stream (n == 0) outputs zeros, like the reference.
+   :attr:`DecodeConfig.fused_merge` says where it runs:
+
+   * fused (the default; one launch): each non-empty split, after storing its partials, counts
+     itself on its stream's counter in the workspace (an acquire-release atomic add at GPU scope);
+     the program that takes the last count (``cdiv(n, chunk) - 1``) resets the counter to 0, so the
+     next launch or graph replay starts from zero, and merges the stream's GROUP query heads. An
+     empty stream has no split to count: its split-0 program writes the zeros.
+   * two launches: a merge kernel, grid ``(B * Hq,)``, after the split kernel.
 """
 
 import math
@@ -31,15 +39,23 @@ from sglang_wgkv.config import PAGE_SIZE
 
 _LOG2E = 1.4426950408889634
 MAX_SPLIT_COUNT = 128
+# The fused merge takes _MERGE_ROWS query heads at once (masked past the group) and loads _MERGE_TILE
+# fp32 partials (rows x splits x D) per loop step. With these, ptxas (sm_90, 4 warps) gives the split
+# kernel the registers it has without the merge for D 64/128/256 and groups 1-16, except D 256 group 1;
+# 2 or 8 rows, or an 8192 tile, took more at some groups.
+_MERGE_ROWS = 4
+_MERGE_TILE = 4096
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch shape of the split kernel: tokens per step (a multiple of 16), warps, pipeline stages."""
+    """Launch shape of the split kernel: tokens per step (a multiple of 16), warps, pipeline stages;
+    and whether the split kernel merges the splits itself (one launch) or a merge kernel follows."""
 
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    fused_merge: bool = True
 
     def __post_init__(self):
         if self.block_n < PAGE_SIZE or self.block_n & (self.block_n - 1):
@@ -47,19 +63,28 @@ class DecodeConfig:
 
 
 class FoldedDecodeWorkspace:
-    """Partial outputs ``[max_batch, Hq, max_splits, D]`` and log2-sum-exps ``[max_batch, Hq, max_splits]``.
+    """Partial outputs ``[max_batch, Hq, max_splits, D]``, log2-sum-exps ``[max_batch, Hq, max_splits]``
+    and, for the fused merge, ``splits_done`` ``[max_batch, num_kv_heads]`` int32: the splits of each
+    stream that have stored their partials in the running launch, zero between launches (zeroed here
+    once; the last split of each stream resets its counter).
 
     Allocated once; :func:`folded_decode` with this workspace allocates nothing, so it can be captured
     in a CUDA graph. Runs that share a workspace must not overlap (one stream).
+    ``num_kv_heads`` defaults to ``num_q_heads``, which fits any GQA grouping of those heads.
     """
 
     def __init__(self, max_batch: int, num_q_heads: int, head_dim: int, max_splits: int, device,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, *, num_kv_heads: int | None = None):
         if not 1 <= max_splits <= MAX_SPLIT_COUNT:
             raise ValueError(f"max_splits must be in [1, {MAX_SPLIT_COUNT}], got {max_splits}")
+        num_kv_heads = num_q_heads if num_kv_heads is None else num_kv_heads
+        if not 1 <= num_kv_heads <= num_q_heads or num_q_heads % num_kv_heads:
+            raise ValueError(f"num_kv_heads must divide num_q_heads {num_q_heads}, got {num_kv_heads}")
         self.max_batch, self.num_q_heads, self.head_dim, self.max_splits = max_batch, num_q_heads, head_dim, max_splits
+        self.num_kv_heads = num_kv_heads
         self.part_out = torch.empty(max_batch, num_q_heads, max_splits, head_dim, dtype=dtype, device=device)
         self.part_lse = torch.empty(max_batch, num_q_heads, max_splits, dtype=torch.float32, device=device)
+        self.splits_done = torch.zeros(max_batch, num_kv_heads, dtype=torch.int32, device=device)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_kv_len: int, device=None) -> int:
@@ -93,23 +118,73 @@ def _stream_chunk(Req, RingTokens, GlobalLen, b, h, stride_gr, stride_gh, num_sp
 
 
 @triton.jit
+def _merge_rows(Out, PartO, PartLse, b, heads, head_ok, used,
+                stride_outb, stride_outh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_S: tl.constexpr):
+    """``out[b, heads]`` (``heads`` ``[ROWS]``, rows with ``head_ok``): the partials of splits
+    ``0 .. used - 1`` weighed by ``exp2(lse - max)`` over their sum; zeros where ``used == 0``."""
+    # .cg (L2, not L1): in the fused merge other SMs wrote these lines during this launch, and an
+    # earlier launch may have left them in this SM's L1; they are read once either way.
+    b64 = b.to(tl.int64)
+    lse_row = PartLse + b64 * stride_lb + heads[:, None] * stride_lh                    # [ROWS, 1]
+    o_row = PartO + b64 * stride_ob + heads[:, None, None] * stride_oh                 # [ROWS, 1, 1]
+    all_s = tl.arange(0, SPLITS_PAD)[None, :]
+    lse = tl.load(lse_row + all_s, mask=head_ok[:, None] & (all_s < used), other=float("-inf"), cache_modifier=".cg")
+    m = tl.where(head_ok & (used > 0), tl.max(lse, 1), 0.0)
+    denom = tl.sum(tl.math.exp2(lse - m[:, None]), 1)
+    offs_d = tl.arange(0, HEAD_DIM)[None, None, :]
+    offs_s = tl.arange(0, BLOCK_S)[None, :]
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    for s0 in range(0, used, BLOCK_S):
+        s = s0 + offs_s                                                                 # [1, BLOCK_S]
+        ok = head_ok[:, None] & (s < used)
+        w = tl.math.exp2(tl.load(lse_row + s, mask=ok, other=float("-inf"), cache_modifier=".cg") - m[:, None])
+        part = tl.load(o_row + s[:, :, None] * stride_os + offs_d, mask=ok[:, :, None], other=0.0,
+                       cache_modifier=".cg")
+        acc += tl.sum(w[:, :, None] * part, 1)
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+    tl.store(Out + b64 * stride_outb + heads[:, None] * stride_outh + tl.arange(0, HEAD_DIM)[None, :],
+             out.to(Out.dtype.element_ty), mask=head_ok[:, None])
+
+
+@triton.jit
+def _merge_group(Out, PartO, PartLse, b, h, used,
+                 stride_outb, stride_outh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                 GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                 BLOCK_S: tl.constexpr):
+    """The GROUP query heads of KV head h, ``MERGE_ROWS`` at a time (see :data:`_MERGE_ROWS`)."""
+    rows = tl.arange(0, MERGE_ROWS)
+    for g0 in tl.static_range(0, GROUP, MERGE_ROWS):
+        _merge_rows(Out, PartO, PartLse, b, h * GROUP + g0 + rows, g0 + rows < GROUP, used,
+                    stride_outb, stride_outh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                    MERGE_ROWS, HEAD_DIM, SPLITS_PAD, BLOCK_S)
+
+
+@triton.jit
 def _split_kernel(
-    Q, K, V, PageTable, GlobalLen, Req, RingTokens, PartO, PartLse,
+    Q, K, V, PageTable, GlobalLen, Req, RingTokens, PartO, PartLse, Out, SplitsDone,
     stride_qb, stride_qh, stride_kp, stride_kt, stride_vp, stride_vt,
     stride_pr, stride_ph, stride_pc, stride_gr, stride_gh,
-    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh, stride_db,
     qk_scale, num_kv_heads, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, UPCAST: tl.constexpr,
+    FUSED: tl.constexpr, MERGE_ROWS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // num_kv_heads
     h = bh % num_kv_heads
     r, n, chunk = _stream_chunk(Req, RingTokens, GlobalLen, b, h, stride_gr, stride_gh, num_splits, BLOCK_N)
+    used = tl.cdiv(n, tl.maximum(chunk, 1))  # non-empty splits
     start = split * chunk
     end = tl.minimum(start + chunk, n)
     if start >= end:
+        if FUSED:
+            if (used == 0) & (split == 0):  # no split will count: write the empty stream's zeros here
+                _merge_group(Out, PartO, PartLse, b, h, used,
+                             stride_outb, stride_outh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                             GROUP, MERGE_ROWS, HEAD_DIM, SPLITS_PAD, BLOCK_S)
         return
     rows = tl.arange(0, GROUP_PAD)
     row_ok = rows < GROUP
@@ -141,6 +216,19 @@ def _split_kernel(
     o_ptr = PartO + b.to(tl.int64) * stride_ob + qhead[:, None] * stride_oh + split * stride_os + offs_d[None, :]
     tl.store(o_ptr, acc / l_i[:, None], mask=row_ok[:, None])
     tl.store(PartLse + b.to(tl.int64) * stride_lb + qhead * stride_lh + split, m_i + tl.math.log2(l_i), mask=row_ok)
+    if FUSED:
+        # The scalar atomic runs on one thread: the barrier orders every thread's partial stores before
+        # it, and its release (at GPU scope) publishes them with the count. The acquire half makes the
+        # other splits' partials visible to the program that counts last; the barrier after it passes
+        # that ordering on to all its threads before they read them (.cg, in _merge_rows).
+        tl.debug_barrier()
+        done_ptr = SplitsDone + b.to(tl.int64) * stride_db + h
+        if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu") == used - 1:
+            tl.store(done_ptr, 0)  # every split of this launch has counted: zero for the next launch
+            tl.debug_barrier()
+            _merge_group(Out, PartO, PartLse, b, h, used,
+                         stride_outb, stride_outh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                         GROUP, MERGE_ROWS, HEAD_DIM, SPLITS_PAD, BLOCK_S)
 
 
 @triton.jit
@@ -157,25 +245,10 @@ def _merge_kernel(
     qh = pid % num_q_heads
     _, n, chunk = _stream_chunk(Req, RingTokens, GlobalLen, b, qh // GROUP, stride_gr, stride_gh, num_splits,
                                 BLOCK_N)
-    used = tl.cdiv(n, tl.maximum(chunk, 1))
-    offs_d = tl.arange(0, HEAD_DIM)
-    lse_row = PartLse + b.to(tl.int64) * stride_lb + qh * stride_lh
-    o_row = PartO + b.to(tl.int64) * stride_ob + qh * stride_oh
-    all_s = tl.arange(0, SPLITS_PAD)
-    lse = tl.load(lse_row + all_s, mask=all_s < used, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(used > 0, m, 0.0)  # an empty stream (no token) outputs zeros, like the reference
-    denom = tl.sum(tl.math.exp2(lse - m), 0)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
-    offs_s = tl.arange(0, BLOCK_S)
-    for s0 in range(0, used, BLOCK_S):
-        s = s0 + offs_s
-        ok = s < used
-        w = tl.math.exp2(tl.load(lse_row + s, mask=ok, other=float("-inf")) - m)
-        part = tl.load(o_row + s[:, None] * stride_os + offs_d[None, :], mask=ok[:, None], other=0.0)
-        acc += tl.sum(w[:, None] * part, 0)
-    out = acc / tl.where(denom > 0, denom, 1.0)
-    tl.store(Out + b.to(tl.int64) * stride_outb + qh * stride_outh + offs_d, out.to(Out.dtype.element_ty))
+    head = qh + tl.arange(0, 1)
+    _merge_rows(Out, PartO, PartLse, b, head, head < num_q_heads, tl.cdiv(n, tl.maximum(chunk, 1)),
+                stride_outb, stride_outh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                1, HEAD_DIM, SPLITS_PAD, BLOCK_S)
 
 
 def _check_inputs(q, k_pages, v_pages, page_table, global_len, req, ring_tokens, layer):
@@ -225,7 +298,7 @@ def folded_decode(q, k_pages, v_pages, page_table, global_len, req, ring_tokens,
         capturing a graph); at most ``workspace.max_splits``.
     workspace, out : preallocated buffers (``out`` ``[B, Hq, D]`` in q's dtype); with both given
         nothing is allocated. Nothing is ever synchronised with the host.
-    config : launch shape of the split kernel (:class:`DecodeConfig` defaults when None).
+    config : launch shape and merge placement (:class:`DecodeConfig` defaults when None).
 
     Returns ``[B, Hq, D]`` in q's dtype.
     """
@@ -236,12 +309,14 @@ def folded_decode(q, k_pages, v_pages, page_table, global_len, req, ring_tokens,
     if num_splits is None:
         num_splits = choose_num_splits(B, H, page_table.shape[3] * PAGE_SIZE, q.device)
     if workspace is None:
-        workspace = FoldedDecodeWorkspace(B, Hq, D, num_splits, q.device)
+        workspace = FoldedDecodeWorkspace(B, Hq, D, num_splits, q.device, num_kv_heads=H)
     ws = workspace
-    if not 1 <= num_splits <= ws.max_splits or B > ws.max_batch or (ws.num_q_heads, ws.head_dim) != (Hq, D):
-        raise ValueError(f"workspace [{ws.max_batch}, {ws.num_q_heads}, {ws.max_splits}, {ws.head_dim}] does not "
-                         f"fit B={B}, Hq={Hq}, D={D}, num_splits={num_splits}")
-    tensors = (q, k_pages, v_pages, page_table, global_len, req, ring_tokens, ws.part_out, ws.part_lse)
+    if (not 1 <= num_splits <= ws.max_splits or B > ws.max_batch or (ws.num_q_heads, ws.head_dim) != (Hq, D)
+            or H > ws.num_kv_heads):
+        raise ValueError(f"workspace [{ws.max_batch}, {ws.num_q_heads} (KV {ws.num_kv_heads}), {ws.max_splits}, "
+                         f"{ws.head_dim}] does not fit B={B}, Hq={Hq}, H={H}, D={D}, num_splits={num_splits}")
+    tensors = (q, k_pages, v_pages, page_table, global_len, req, ring_tokens, ws.part_out, ws.part_lse,
+               ws.splits_done)
     if any(t.device != q.device for t in tensors):
         raise ValueError("all inputs and the workspace must be on one device")
     if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -256,18 +331,23 @@ def folded_decode(q, k_pages, v_pages, page_table, global_len, req, ring_tokens,
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
     pt = page_table[:, layer]
     gl = global_len[:, layer]
-    po, pl = ws.part_out, ws.part_lse
+    po, pl, done = ws.part_out, ws.part_lse, ws.splits_done
+    splits_pad = triton.next_power_of_2(num_splits)
     _split_kernel[(B * H, num_splits)](
-        q, k_pages, v_pages, pt, gl, req, ring_tokens, po, pl,
+        q, k_pages, v_pages, pt, gl, req, ring_tokens, po, pl, out, done,
         q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), v_pages.stride(0), v_pages.stride(1),
         pt.stride(0), pt.stride(1), pt.stride(2), gl.stride(0), gl.stride(1),
-        po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
+        po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), out.stride(0), out.stride(1),
+        done.stride(0),
         scale * _LOG2E, H, num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK_N=cfg.block_n,
         PAGE=PAGE_SIZE, UPCAST=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+        FUSED=cfg.fused_merge, MERGE_ROWS=_MERGE_ROWS, SPLITS_PAD=splits_pad,
+        BLOCK_S=min(splits_pad, _MERGE_TILE // (_MERGE_ROWS * D)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    splits_pad = triton.next_power_of_2(num_splits)
+    if cfg.fused_merge:
+        return out
     _merge_kernel[(B * Hq,)](
         out, gl, req, ring_tokens, po, pl,
         out.stride(0), out.stride(1), gl.stride(0), gl.stride(1),

@@ -288,7 +288,8 @@ class WGKVAttnBackend(AttentionBackend):
         if bs not in self._graph_launch:
             splits = choose_num_splits(bs, self.dual.num_kv_heads, self.dual.max_context_len, self.device)
             self._graph_launch[bs] = (splits, FoldedDecodeWorkspace(bs, self.num_q_heads, self.dual.head_dim,
-                                                                    splits, self.device),
+                                                                    splits, self.device,
+                                                                    num_kv_heads=self.dual.num_kv_heads),
                                       self.decode_gate.num_splits(bs * self.dual.num_kv_heads, self._sms))
         splits, workspace, gate_splits = self._graph_launch[bs]
         self._extend = None
