@@ -126,23 +126,26 @@ def _prefill_lengths(args, deadline, results, path, cfg):
             adm = torch.rand(n, HKV, device="cuda") >= rej
             pairs = visible_pairs(adm, n)
             flops = 4 * D * (HQ // HKV) * pairs
-            # What the served prefill runs (the torch plan, the Triton copy of admitted rows), and, same
-            # run, the one-launch Triton plan, the torch scatter and the 2-D row scan used before.
-            plan_ms = cuda_ms(lambda: build_vertical_slash_plan(adm, ind, ind, pos, pos, W, cfg.block_m), reps=3)
-            plan_triton_ms = cuda_ms(lambda: build_vertical_slash_plan_triton(adm, ind, ind, pos, pos, W, cfg.block_m),
-                                     reps=3)
+            # What the served prefill runs (the one-launch Triton plan, the Triton copy of admitted rows),
+            # and, same run, the torch plan, the torch scatter and the 2-D row scan used before.
+            # Files without "served_plan" predate the switch: their plan_ms is the torch plan.
+            plan_ms = cuda_ms(lambda: build_vertical_slash_plan_triton(adm, ind, ind, pos, pos, W, cfg.block_m),
+                              reps=3)
+            plan_torch_ms = cuda_ms(lambda: build_vertical_slash_plan(adm, ind, ind, pos, pos, W, cfg.block_m), reps=3)
             comp_ms = cuda_ms(lambda: compact_admitted_triton(k, v, adm, ind), reps=3)
             comp_torch_ms = cuda_ms(lambda: compact_admitted(k, v, adm, ind), reps=3)
             scan_1d_ms = cuda_ms(lambda: _exclusive_count(adm), reps=3)
             scan_2d_ms = cuda_ms(lambda: torch.cumsum(adm.t().contiguous(), 1, dtype=torch.int32), reps=3)
-            plan = build_vertical_slash_plan(adm, ind, ind, pos, pos, W, cfg.block_m)
+            plan = build_vertical_slash_plan_triton(adm, ind, ind, pos, pos, W, cfg.block_m)
             comp = compact_admitted_triton(k, v, adm, ind)
             kern = cuda_ms(lambda: vertical_slash_attention(q, k, v, adm, ind, ind, pos, pos, W, plan=plan,
                                                             compacted=comp, config=cfg),
                            reps=reps, warmup=1 if n <= 131072 else 0)
             total = min(kern) + min(plan_ms) + min(comp_ms)
             wg = {"rejection": rej, "kernel_ms": min(kern), "plan_ms": min(plan_ms), "compact_ms": min(comp_ms),
-                  "plan_triton_ms": min(plan_triton_ms), "compact_torch_ms": min(comp_torch_ms), "scan_1d_ms": min(scan_1d_ms),
+                  "served_plan": "triton",
+                  "plan_torch_ms": min(plan_torch_ms), "compact_torch_ms": min(comp_torch_ms),
+                  "scan_1d_ms": min(scan_1d_ms),
                   "scan_2d_ms": min(scan_2d_ms),
                   "total_ms": total, "visible_pairs": pairs, "tflops_useful": flops / min(kern) / 1e9}
             for base in ("flashinfer_fa3", "flashinfer_fa2", "torch_sdpa_flash"):

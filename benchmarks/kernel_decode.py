@@ -130,7 +130,8 @@ def sweep(args, results, gen):
     rows = []
     fused = args.fused_merge != "two_launch"
     for bn, warps, stages in SWEEP_CONFIGS:
-        for splits in sorted({max(1, base // 2), base, min(MAX_SPLIT_COUNT, base * 2)}):
+        for splits in sorted(set(args.sweep_splits) if args.sweep_splits else
+                             {max(1, base // 2), base, min(MAX_SPLIT_COUNT, base * 2)}):
             cfg = DecodeConfig(bn, warps, stages, fused)
             try:
                 t = graph_ms(triton_fn(pool, q, out, splits, cfg)) / L
@@ -290,6 +291,8 @@ def parse_args(argv=None):
     ap.add_argument("--deadline", type=float, default=90.0, help="seconds for the whole run")
     ap.add_argument("--max-dense-gb", type=float, default=24.0, help="skip shapes whose dense KV per layer is larger")
     ap.add_argument("--no-sweep", action="store_true", help="skip the launch-shape sweep")
+    ap.add_argument("--sweep-splits", type=int, nargs="+", default=None,
+                    help="split counts the sweep tries (default: half, once and twice choose_num_splits)")
     ap.add_argument("--use-best", action="store_true", help="time the sweep's best launch shape, not the default")
     ap.add_argument("--fused-merge", choices=sorted(TRITON_ROWS), default="both",
                     help="Triton rows: one launch per layer (triton), two (triton_two_launch) or both")

@@ -21,6 +21,7 @@ import torch
 
 from interp_gate_check import make_gates
 from sglang_wgkv.config import WGKVConfig
+from sglang_wgkv.gate.admission import DeferredGateCheck
 from sglang_wgkv.gate.triton_gate import DecodeGate
 from sglang_wgkv.integration.backend import SCRATCH_SLOT, WGKVAttnBackend, _DecodeRows
 from sglang_wgkv.memory import DualCachePool
@@ -68,7 +69,8 @@ def make_backend(pool: DualCachePool, use_kernels: bool) -> WGKVAttnBackend:
         decode_gate=DecodeGate(GATES, max_rows=8 * H) if use_kernels else None, _sms=4,
         evictor=SnapKVEvictor(pool=pool, budget=10_000, num_q_heads=HQ, window=16), _extend=None,
         _rows=None, _row_tau=None, batch_slots=None, batch_prompt_ends=None, _graph=None, _graph_launch={},
-        _gate_stream=None)
+        _gate_stream=None, _extend_plan=None, _indptrs=None,
+        _gate_check=DeferredGateCheck(pool.num_layers, pool.device))
     return b
 
 

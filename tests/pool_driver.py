@@ -8,13 +8,16 @@ from sglang_wgkv.attention.reference import paged_decode_attention, vertical_sla
 
 def run_extend(pool, slots, prefix_lens, extend_lens, q, k, v, admit, window):
     """q: [L, N, Hq, D] packed over requests; returns [L, N, Hq, D]."""
-    pool.begin_extend(slots, prefix_lens, extend_lens)
+    plan = pool.begin_extend(slots, prefix_lens, extend_lens)
     outs = []
     for layer in range(q.shape[0]):
         out = torch.empty_like(q[layer])
         off = 0
-        for r, S, n in zip(slots, prefix_lens, extend_lens):
-            ck, cv, cpos, cadm = pool.gather_context(layer, r, S)
+        for b, (r, S, n) in enumerate(zip(slots, prefix_lens, extend_lens)):
+            # the served path reads the context with the plan's host-known page columns (no sync)
+            ck, cv, cpos, cadm = pool.gather_context(layer, r, S, plan.context_gcols[b][layer])
+            exact = pool.gather_context(layer, r, S)
+            assert all(torch.equal(a, e) for a, e in zip((ck, cv, cpos, cadm), exact)), (layer, r, S)
             kk = torch.cat([ck, k[layer, off:off + n].to(ck.dtype)])
             vv = torch.cat([cv, v[layer, off:off + n].to(cv.dtype)])
             pos = torch.arange(S, S + n)

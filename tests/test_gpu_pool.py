@@ -1,5 +1,6 @@
 """Triton pool writes leave the dual-cache pool exactly as its torch ops do."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -162,3 +163,64 @@ def test_triton_decode_promote_graph_replay():
             tri.write_decode(layer, kk[layer], vv[layer], aa[layer])
     assert ref.allocator.free_floor == tri.allocator.free_floor
     tri.check_integrity()
+
+
+def test_served_extend_layers_never_wait_for_the_host():
+    """The per-layer work of a served prefill (context gather with the plan's page columns, gate
+    check, Triton plan + compaction + attention, pool write) issues no host sync: under
+    ``set_sync_debug_mode("error")`` any synchronising op raises. (The W2 profile of 2026-12-01 found
+    five syncs per layer; with them the GPU idled about half of each prefill.)"""
+    from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
+    from sglang_wgkv.gate.admission import DeferredGateCheck
+    from sglang_wgkv.memory.extend_step import to_device
+
+    dev, L, H, Hq, D, W = "cuda", 2, 4, 8, 128, 64
+    pool = _pool(L, H, D, W, torch.bfloat16, dev)
+    pool.alloc_request(1)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    check = DeferredGateCheck(L, dev)
+    for S, n in ((0, 300), (300, 200), (500, 40)):
+        plan = pool.begin_extend([1], [S], [n])  # once per forward; may sync
+        nk = [n + (plan.context_gcols[0][layer] * 16 + min(S, W) if S else 0) for layer in range(L)]
+        kv_indptr = [to_device(dev, np.array([0, m])) for m in nk]
+        qo_indptr = to_device(dev, np.array([0, n]))
+        q = torch.randn(n, Hq, D, device=dev, dtype=torch.bfloat16, generator=gen)
+        k, v = (torch.randn(n, H, D, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        admit = torch.rand(n, H, device=dev, generator=gen) < 0.5
+        pos = torch.arange(S, S + n, device=dev)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for layer in range(L):
+                check.record(torch.rand(n, H, device=dev, generator=gen), layer)
+                keys, values, kpos, adm = k, v, pos, admit
+                if S:
+                    ck, cv, cpos, cadm = pool.gather_context(layer, 1, S, plan.context_gcols[0][layer])
+                    keys, values = torch.cat([ck, k]), torch.cat([cv, v])
+                    kpos, adm = torch.cat([cpos, pos]), torch.cat([cadm, admit])
+                vertical_slash_attention(q, keys, values, adm, qo_indptr, kv_indptr[layer], pos, kpos, W)
+                pool.write_extend(layer, k, v, admit)
+            check.end_forward()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert keys.shape[0] == nk[-1]
+    torch.cuda.synchronize()
+    check.poll()  # every gate value was in [0, 1]
+
+
+def test_deferred_gate_check_raises_once_the_counts_land():
+    from sglang_wgkv.gate import GateOutputError
+    from sglang_wgkv.gate.admission import DeferredGateCheck
+
+    check = DeferredGateCheck(3, "cuda")
+    check.record(torch.full((5, 2), 0.5, device="cuda"), 0)
+    check.end_forward()
+    torch.cuda.synchronize()
+    check.poll()
+    g = torch.full((5, 2), 0.5, device="cuda")
+    g[2, 1] = float("nan")
+    check.record(g, 2)
+    check.end_forward()
+    torch.cuda.synchronize()
+    with pytest.raises(GateOutputError, match="1 NaN/out-of-range values \\(first in layer 2\\)"):
+        check.poll()

@@ -16,6 +16,48 @@ def check_gate_output(g: torch.Tensor, layer_id: int | None = None) -> None:
                               "the gate checkpoint or the model's keys are broken")
 
 
+class DeferredGateCheck:
+    """:func:`check_gate_output` for the served prefill without a host sync per layer.
+
+    On CUDA, :meth:`record` adds each layer's count of NaN/out-of-range gate values to a device
+    counter; :meth:`end_forward` copies the counters to pinned host memory behind an event;
+    :meth:`poll` raises :class:`GateOutputError` once that copy has landed and is not zero (it never
+    waits, so the error surfaces at a later forward than the one that produced it). The counts
+    accumulate, so a copy overtaken by the next one loses nothing. Elsewhere :meth:`record` checks at
+    once (a sync costs nothing on the CPU).
+    """
+
+    def __init__(self, num_layers: int, device):
+        self.device = torch.device(device)
+        self.deferred = self.device.type == "cuda"
+        self.bad = torch.zeros(num_layers, dtype=torch.int64, device=self.device)
+        self.host = torch.zeros(num_layers, dtype=torch.int64, pin_memory=self.deferred)
+        self._event = torch.cuda.Event() if self.deferred else None
+        self._pending = False
+
+    def record(self, g: torch.Tensor, layer_id: int) -> None:
+        if not self.deferred:
+            check_gate_output(g, layer_id)
+            return
+        self.bad[layer_id] += (~((g >= 0) & (g <= 1))).sum()
+
+    def end_forward(self) -> None:
+        if self.deferred:
+            self.host.copy_(self.bad, non_blocking=True)
+            self._event.record()
+            self._pending = True
+
+    def poll(self) -> None:
+        if not self._pending or not self._event.query():
+            return
+        self._pending = False
+        bad = self.host.tolist()
+        if any(bad):
+            layer = next(i for i, c in enumerate(bad) if c)
+            raise GateOutputError(f"write gate produced {sum(bad)} NaN/out-of-range values (first in layer "
+                                  f"{layer}); the gate checkpoint or the model's keys are broken")
+
+
 def admission_flags(g: torch.Tensor, tau: float, random_admission: float | None = None,
                     generator: torch.Generator | None = None) -> torch.Tensor:
     """``g >= tau`` (bool, same shape), or Bernoulli(``random_admission``) flags for profiling runs

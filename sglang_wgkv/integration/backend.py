@@ -49,18 +49,21 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from sglang_wgkv.attention.folded_index import build_folded_indices
 from sglang_wgkv.attention import reference
+from sglang_wgkv.config import PAGE_SIZE
 from sglang_wgkv.gate import GateConfig, WriteGates, load_gates
-from sglang_wgkv.gate.admission import admission_flags, check_gate_output
+from sglang_wgkv.gate.admission import DeferredGateCheck, admission_flags
 from sglang_wgkv.gate.checkpoint import check_served_window
 from sglang_wgkv.integration.key_capture import PreRopeKeyCapture
 from sglang_wgkv.integration.kv_pool import WGKVTokenToKVPool
 from sglang_wgkv.integration.runtime import get_runtime
 from sglang_wgkv.integration.settings import BACKEND_NAME, ServingSettings
+from sglang_wgkv.memory.extend_step import to_device
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -164,6 +167,9 @@ class WGKVAttnBackend(AttentionBackend):
         if self.config.random_admission is not None:
             self.generator = torch.Generator(device=self.device).manual_seed(self.settings.seed)
         self._extend = None   # (slots, prefix_lens, extend_lens) of the current extend forward
+        self._extend_plan = None  # the pool's ExtendPlan of that forward
+        self._indptrs = None  # (qo_indptr [B + 1], kv_indptr [L, B + 1]) on the device, per extend forward
+        self._gate_check = DeferredGateCheck(self.dual.num_layers, self.device)  # prefill gate values
         self.use_kernels = runtime.use_kernels  # the runtime's one torch/Triton choice
         self._prefill = reference.vertical_slash_attention
         self.decode_gate = None
@@ -197,6 +203,7 @@ class WGKVAttnBackend(AttentionBackend):
         mode = forward_batch.forward_mode
         if mode.is_idle():
             return
+        self._gate_check.poll()
         if self.evictor is not None:  # step boundary: bound what the previous forward admitted
             self.evictor.maybe_evict()
         slots = forward_batch.req_pool_indices
@@ -217,14 +224,27 @@ class WGKVAttnBackend(AttentionBackend):
             prefix, extend = forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
             self._extend = (self._host_slots(forward_batch), list(prefix), list(extend))
             self._rows = None
-            self.dual.begin_extend(*self._extend)
+            self._extend_plan = plan = self.dual.begin_extend(*self._extend)
+            self._indptrs = self._extend_indptrs(plan)
             declared = self.batch_prompt_ends
             if self.evictor is not None and declared is not None and declared[0] == self._extend[0]:
                 self.evictor.mark_extend(*declared)
-            self._row_tau = torch.repeat_interleave(self.req_pool.slot_tau[slots],
-                                                    forward_batch.extend_seq_lens)[:, None]
+            self._row_tau = torch.repeat_interleave(self.req_pool.slot_tau[slots], forward_batch.extend_seq_lens,
+                                                    output_size=sum(extend))[:, None]
         else:
             raise NotImplementedError(f"the {BACKEND_NAME} backend does not run forward mode {mode.name}")
+
+    def _extend_indptrs(self, plan):
+        """``qo_indptr [B + 1]`` and ``kv_indptr [L, B + 1]`` of the extend forward, built on the host
+        (each request's keys: its gathered context, ``gather_context`` with ``plan.context_gcols``, then
+        its new tokens) and copied once, so no layer waits for the host."""
+        W, L = self.dual.window, self.dual.num_layers
+        qo = np.concatenate([[0], np.cumsum(plan.extend_lens)])
+        keys = np.array([[n + (gc[layer] * PAGE_SIZE + min(S, W) if S else 0)
+                          for gc, S, n in zip(plan.context_gcols, plan.prefix_lens, plan.extend_lens)]
+                         for layer in range(L)], dtype=np.int64).reshape(L, -1)
+        kv = np.concatenate([np.zeros((L, 1), np.int64), np.cumsum(keys, 1)], 1)
+        return to_device(self.device, qo), to_device(self.device, kv)
 
     def _draw_uniform(self, batch: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The step's ``[B, L, H]`` random-admission draws on the kernels path (drawn eagerly, so a
@@ -302,7 +322,7 @@ class WGKVAttnBackend(AttentionBackend):
         k_pre = self.capture.take(k)
         g = self.gates(layer.layer_id, k_pre, k)
         if check:
-            check_gate_output(g, layer.layer_id)
+            self._gate_check.record(g, layer.layer_id)
         tau = tau.to(g.dtype)  # g's dtype: the same rounding as a scalar tau
         if uniform is not None:
             admit = uniform[:, layer.layer_id] < self.config.random_admission
@@ -328,26 +348,24 @@ class WGKVAttnBackend(AttentionBackend):
         if self.evictor is not None:
             self.evictor.observe_extend(layer.layer_id, q3)
         slots, prefix_lens, extend_lens = self._extend
-        keys, values, k_pos, admitted, kv_indptr, qo_indptr = [], [], [], [], [0], [0]
+        gcols = self._extend_plan.context_gcols
+        keys, values, k_pos, admitted = [], [], [], []
         start = 0
-        for r, S, n in zip(slots, prefix_lens, extend_lens):
-            num_keys = n
+        for b, (r, S, n) in enumerate(zip(slots, prefix_lens, extend_lens)):
             if S:  # cached context first: global entries (admitted) and the ring
-                ck, cv, cpos, cadm = self.dual.gather_context(layer.layer_id, r, S)
+                ck, cv, cpos, cadm = self.dual.gather_context(layer.layer_id, r, S, gcols[b][layer.layer_id])
                 keys.append(ck), values.append(cv), k_pos.append(cpos), admitted.append(cadm)
-                num_keys += ck.shape[0]
             keys.append(k3[start:start + n]), values.append(v3[start:start + n])
             k_pos.append(forward_batch.positions[start:start + n]), admitted.append(admit[start:start + n])
-            kv_indptr.append(kv_indptr[-1] + num_keys)
             start += n
-            qo_indptr.append(start)
-        dev = q.device
+        qo_indptr, kv_indptr = self._indptrs
         out = self._prefill(
             q3, torch.cat(keys).to(q.dtype), torch.cat(values).to(q.dtype), torch.cat(admitted),
-            torch.tensor(qo_indptr, device=dev), torch.tensor(kv_indptr, device=dev),
-            forward_batch.positions, torch.cat(k_pos).to(forward_batch.positions.dtype),
-            self.config.local_window, sm_scale=layer.scaling)
+            qo_indptr, kv_indptr[layer.layer_id], forward_batch.positions,
+            torch.cat(k_pos).to(forward_batch.positions.dtype), self.config.local_window, sm_scale=layer.scaling)
         self.dual.write_extend(layer.layer_id, k3, v3, admit)
+        if layer.layer_id == self.dual.num_layers - 1:
+            self._gate_check.end_forward()
         return out.reshape(-1, Hq * Dv)
 
     def forward_decode(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,

@@ -15,6 +15,18 @@ from sglang_wgkv.config import PAGE_SIZE
 FAR_POSITION = -(2**30)  # position given to global entries: beyond every query's local band
 
 
+def to_device(device: torch.device, parts, dtype=np.int64) -> torch.Tensor:
+    """A host array (or a list of arrays, concatenated) as a tensor on ``device``, copied without a
+    host sync on CUDA: pinned staging and a non-blocking copy (``torch.tensor(list, device=cuda)``
+    waits for the stream, which stops the host from running ahead of the GPU)."""
+    if isinstance(parts, list):
+        parts = np.concatenate(parts) if parts else np.zeros(0)
+    host = torch.from_numpy(np.ascontiguousarray(parts, dtype=dtype))
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class ExtendPlan:
     """Host-built index lists for one extend forward, shared by all layers (device tensors)."""
@@ -32,6 +44,7 @@ class ExtendPlan:
     rw_b: torch.Tensor         # [M] batch index of each new token that lands in the ring
     rw_slot: torch.Tensor      # [M] its ring slot
     rw_src: torch.Tensor       # [M] its packed token index
+    context_gcols: list        # [B][L] host: global page columns gather_context reads (0 without a prefix)
 
 
 
@@ -78,36 +91,46 @@ class ExtendStep:
         rw_b, rw_slot, rw_src = [], [], []
         offset = 0
         for b, (S, n) in enumerate(zip(prefix_lens, extend_lens)):
-            start = len(cand_b)
+            start = sum(map(len, cand_b))
             lo = max(S - W, 0)
             old = np.arange(lo, max(lo, min(S, S + n - W)))
             new = np.arange(S, max(S, S + n - W))
             cnt = len(old) + len(new)
-            cand_b += [b] * cnt
-            cand_ring += [True] * len(old) + [False] * len(new)
-            cand_slot += list(old % W) + [0] * len(new)
-            cand_src += [0] * len(old) + list(offset + new - S)
-            cand_start += [start] * cnt
+            cand_b.append(np.full(cnt, b))
+            cand_ring.append(np.arange(cnt) < len(old))
+            cand_slot.append(np.concatenate([old % W, np.zeros(len(new), np.int64)]))
+            cand_src.append(np.concatenate([np.zeros(len(old), np.int64), offset + new - S]))
+            cand_start.append(np.full(cnt, start))
             t = np.arange(max(0, n - W), n)
-            rw_b += [b] * len(t)
-            rw_slot += list((S + t) % W)
-            rw_src += list(offset + t)
+            rw_b.append(np.full(len(t), b))
+            rw_slot.append((S + t) % W)
+            rw_src.append(offset + t)
             offset += n
             self.cached_len[req_slots[b]] = S + n
-        dev, i64 = self.device, torch.int64
         plan = ExtendPlan(
-            req=torch.tensor(req_slots, dtype=i64, device=dev), prefix_lens=prefix_lens,
+            req=to_device(self.device, np.asarray(req_slots)), prefix_lens=prefix_lens,
             req_slots=req_slots, extend_lens=extend_lens,
-            cand_b=torch.tensor(cand_b, dtype=i64, device=dev),
-            cand_from_ring=torch.tensor(cand_ring, dtype=torch.bool, device=dev),
-            cand_slot=torch.tensor(cand_slot, dtype=i64, device=dev),
-            cand_src=torch.tensor(cand_src, dtype=i64, device=dev),
-            cand_seg_start=torch.tensor(cand_start, dtype=i64, device=dev),
-            max_new_pages=max_new_pages,
-            rw_b=torch.tensor(rw_b, dtype=i64, device=dev), rw_slot=torch.tensor(rw_slot, dtype=i64, device=dev),
-            rw_src=torch.tensor(rw_src, dtype=i64, device=dev))
+            cand_b=to_device(self.device, cand_b), cand_from_ring=to_device(self.device, cand_ring, np.bool_),
+            cand_slot=to_device(self.device, cand_slot), cand_src=to_device(self.device, cand_src),
+            cand_seg_start=to_device(self.device, cand_start), max_new_pages=max_new_pages,
+            rw_b=to_device(self.device, rw_b), rw_slot=to_device(self.device, rw_slot),
+            rw_src=to_device(self.device, rw_src),
+            context_gcols=self._context_gcols(req_slots, prefix_lens))
         self._extend, self._decode = plan, None
         return plan
+
+    def _context_gcols(self, req_slots, prefix_lens) -> list:
+        """``[B][L]`` global page columns of each request's cached context per layer (the longest KV
+        head's): what :meth:`gather_context` reads. One host sync per forward, and only when a request
+        has global entries (prefix longer than the ring): this forward's layers then gather without one."""
+        L = self.num_layers
+        ctx = [b for b, S in enumerate(prefix_lens) if S > self.window]
+        cols = [[0] * L for _ in prefix_lens]
+        if ctx:
+            glen = self.global_len[torch.as_tensor([req_slots[b] for b in ctx], device=self.device)].amax(-1)
+            for b, row in zip(ctx, (-(-glen // PAGE_SIZE)).tolist()):
+                cols[b] = row
+        return cols
 
     def write_extend(self, layer: int, k: torch.Tensor, v: torch.Tensor, admit: torch.Tensor) -> None:
         """Write one layer's new tokens: promote admitted tokens leaving the ring, fill the ring.
@@ -153,17 +176,19 @@ class ExtendStep:
             self.v_pages[page, slot % PAGE_SIZE] = v[p.rw_src].to(self.dtype)
             self.ring_flag[rr, layer, heads, slot] = admit[p.rw_src]
 
-    def gather_context(self, layer: int, r: int, prefix_len: int):
+    def gather_context(self, layer: int, r: int, prefix_len: int, gcols: int | None = None):
         """The cached context of slot ``r`` in ``layer`` before an extend after ``prefix_len`` tokens.
 
         Returns ``k, v [Nk, H, D]``, ``k_pos [Nk]`` and ``admitted [Nk, H]``, ready for
         :func:`~sglang_wgkv.attention.reference.vertical_slash_attention`: global entries (padded to
         the longest head; padding not admitted) at ``FAR_POSITION``, then ring entries in position
-        order with their flags. Syncs (CPU path).
+        order with their flags. ``gcols``: the global page columns to read, ``ExtendPlan.context_gcols``
+        (no host sync); when None it is read from the pool (syncs).
         """
         W, H = self.window, self.num_kv_heads
         glen = self.global_len[r, layer].long()
-        gcols = -(-int(glen.max()) // PAGE_SIZE) if H else 0
+        if gcols is None:
+            gcols = -(-int(glen.max()) // PAGE_SIZE) if H else 0
         pages = self.page_table[r, layer, :, self.ring_cols:self.ring_cols + gcols].long()    # [H, gc]
         gk = self.k_pages[pages].reshape(H, gcols * PAGE_SIZE, self.head_dim).transpose(0, 1)
         gv = self.v_pages[pages].reshape(H, gcols * PAGE_SIZE, self.head_dim).transpose(0, 1)

@@ -69,7 +69,7 @@ class PageAllocator:
         pages = torch.where(flat, self.free_stack[idx], self.dump_page)
         self.num_free -= flat.sum()
         self.ref.index_fill_(0, pages, 1)
-        self.ref[self.dump_page] = 0
+        self.ref.narrow(0, self.dump_page, 1).zero_()  # not `ref[i] = 0`: a host scalar copy syncs
         self.free_floor -= flat.numel()
         return pages.view(need.shape)
 
@@ -81,7 +81,7 @@ class PageAllocator:
     def incref(self, pages: torch.Tensor) -> None:
         """Add one reference to each page in ``pages`` (dump page entries ignored)."""
         self.ref.index_add_(0, pages.reshape(-1).long(), torch.ones_like(pages.reshape(-1), dtype=torch.int32))
-        self.ref[self.dump_page] = 0
+        self.ref.narrow(0, self.dump_page, 1).zero_()  # not `ref[i] = 0`: a host scalar copy syncs
 
     def free(self, pages: torch.Tensor) -> int:
         """Drop one reference from each page (duplicates count twice; dump entries ignored); pages
