@@ -1,6 +1,7 @@
 """The fused Triton decode gate (:mod:`sglang_wgkv.gate.triton_gate`) against the torch gate and
 admission rule: on the CPU through Triton's interpreter (core), on CUDA with bf16 keys, the Llama-8B
-gate shape and CUDA-graph replay (gpu)."""
+gate shape and CUDA-graph replay (gpu). The prefill gate (:mod:`sglang_wgkv.gate.triton_prefill_gate`)
+on CUDA at the profiled 8,192-token chunk (gpu; its interpreter check: test_triton_prefill_gate_interp.py)."""
 
 import json
 import os
@@ -80,3 +81,26 @@ def test_gpu_gate_graph_replay():
     for case in CASES:
         rows = check(*case[:-2], torch.bfloat16, case[-1], device="cuda", graph=True)
         assert all(r["ok"] and r["counts_reset"] for r in rows), rows
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("T,H,D,inner,dtype,layout", [
+    (8192, 8, 128, 512, torch.bfloat16, "fused"),   # the Llama-3.1-8B shape of the profiled prefill chunk
+    (8192, 8, 128, 512, torch.bfloat16, "contig"),
+    (1000, 8, 128, 192, torch.bfloat16, "heads"),   # Qwen3's I = 1.5 * D; T not a multiple of the block
+    (777, 3, 64, 96, torch.float16, "fused"),
+    (333, 8, 128, 512, torch.float32, "fused"),
+])
+def test_gpu_prefill_gate_matches_torch(T, H, D, inner, dtype, layout):
+    from triton_prefill_gate_interp_check import check
+
+    # The oracle in float32 proper: no TF32 in the torch einsums.
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        rows = check(T, H, D, inner, dtype, layout, device="cuda", seed=T)
+    finally:
+        torch.set_float32_matmul_precision(old)
+    assert all(r["ok"] for r in rows), rows
+    assert all(0 < r["below_half"] < r["of"] for r in rows), rows

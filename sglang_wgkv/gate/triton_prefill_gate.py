@@ -1,0 +1,130 @@
+"""Triton prefill gate: the write gate of one layer over a prefill chunk in one launch.
+
+Same values as :class:`~sglang_wgkv.gate.mlp.LayerGate` (``g = sigmoid(w2 . GELU(w1 [RMSNorm(k_pre);
+RMSNorm(k_post)] + b1) + b2)`` per KV head), for the ``T`` new keys of a prefill chunk. The torch
+path runs two float32 RMSNorms, a concatenation, an einsum over ``w1`` that cuBLAS serves with a
+float32 SIMT sgemm, GELU, an einsum with ``w2`` and a sigmoid: about ten elementwise kernels over
+``[T, H, D]`` float32 and a matmul without tensor cores. On the H200 profile of an 8,192-token chunk
+of Llama-3.1-8B (32 layers, H = 8, D = 128, I = 512) that came to about 25 ms of a 331 ms chunk.
+
+Grid ``(cdiv(T, BLOCK_T), H)``: a program takes ``BLOCK_T`` rows of one KV head, loads both keys
+and RMS-normalises them in float32 in registers, then walks the hidden width in blocks of
+``BLOCK_I``: ``hidden = pre_n @ w1[h, :D, i] + post_n @ w1[h, D:, i] + b1[h, i]`` on the tensor cores,
+exact-erf GELU, and ``acc += sum(gelu * w2[h, i])``; it stores ``sigmoid(acc + b2[h])``. Nothing of
+``[T, H, I]`` or ``[T, H, 2D]`` reaches memory.
+
+The matmuls take float32 operands with ``input_precision="tf32x3"`` (three TF32 products per
+product: about float32 accuracy). Admission is ``g >= tau``, so a logit must stay within about
+``1e-5`` of the float32 torch gate; plain TF32's 10-bit mantissa would not keep it there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Shared memory bounds the tiles (float32 tf32x3 operands): at D = 128, BLOCK_T x BLOCK_I = 64 x 64
+# asks 320 KiB with Triton's default 3 stages and 128 x 64 asks 320 KiB even with one, over the
+# H200's 227 KiB per block, so the kernel does not compile. 32 x 64 in one stage with 4 warps was
+# the fastest that compiled in sweeps over BLOCK_T 16-128, BLOCK_I 32-128, 4/8 warps and 1-3 stages
+# on the H200 (Llama-3.1-8B shape, one run each).
+BLOCK_T = 32
+BLOCK_I = 64
+NUM_WARPS = 4
+NUM_STAGES = 1
+
+_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def _prefill_gate_kernel(KPre, KPost, PreNorm, PostNorm, W1, B1, W2, B2, G,
+                         T, H, stride_pt, stride_ph, stride_qt, stride_qh, eps,
+                         HEAD_DIM: tl.constexpr, INNER: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr):
+    h = tl.program_id(1)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    live_t = t < T
+    t = t.to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    pre = tl.load(KPre + t[:, None] * stride_pt + h * stride_ph + d[None, :], mask=live_t[:, None],
+                  other=0.0).to(tl.float32)
+    post = tl.load(KPost + t[:, None] * stride_qt + h * stride_qh + d[None, :], mask=live_t[:, None],
+                   other=0.0).to(tl.float32)
+    # Rows past T are zeros: rsqrt(eps) * 0 stays 0, and their gate values are never stored.
+    pre = pre * tl.rsqrt(tl.sum(pre * pre, 1) / HEAD_DIM + eps)[:, None] * tl.load(PreNorm + d)[None, :]
+    post = post * tl.rsqrt(tl.sum(post * post, 1) / HEAD_DIM + eps)[:, None] * tl.load(PostNorm + d)[None, :]
+    w1 = W1 + h.to(tl.int64) * (2 * HEAD_DIM * INNER)
+    acc = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for i0 in range(0, INNER, BLOCK_I):
+        i = i0 + tl.arange(0, BLOCK_I)
+        live = i < INNER
+        # Hidden units past I load zero weights and bias: GELU(0) * 0 adds nothing.
+        top = tl.load(w1 + d[:, None] * INNER + i[None, :], mask=live[None, :], other=0.0)
+        bottom = tl.load(w1 + (d[:, None] + HEAD_DIM) * INNER + i[None, :], mask=live[None, :], other=0.0)
+        hidden = tl.dot(pre, top, input_precision="tf32x3")
+        hidden = tl.dot(post, bottom, hidden, input_precision="tf32x3")
+        hidden += tl.load(B1 + h * INNER + i, mask=live, other=0.0)[None, :]
+        gelu = 0.5 * hidden * (1.0 + tl.math.erf(hidden * 0.7071067811865476))
+        acc += tl.sum(gelu * tl.load(W2 + h * INNER + i, mask=live, other=0.0)[None, :], 1)
+    g = 1.0 / (1.0 + tl.exp(-(acc + tl.load(B2 + h))))
+    tl.store(G + t * H + h, g, mask=live_t)
+
+
+class PrefillGate:
+    """The fused prefill gate of every layer of a :class:`~sglang_wgkv.gate.mlp.WriteGates`.
+
+    Parameters
+    ----------
+    gates : the model's gates (any float dtype; kept as float32 contiguous copies or views).
+        ``head_dim`` must be a power of two, at least 16 (a ``tl.dot`` operand dimension).
+    """
+
+    def __init__(self, gates):
+        self.layers = []
+        for layer in gates.layers:
+            self.layers.append(tuple(getattr(layer, name).detach().float().contiguous()
+                                     for name in ("pre_norm", "post_norm", "w1", "b1", "w2", "b2")))
+        first = gates.layers[0]
+        self.num_kv_heads, self.head_dim, self.eps = first.num_kv_heads, first.head_dim, first.eps
+        self.inner = first.w1.shape[-1]
+        self.device = first.w1.device
+        D = self.head_dim
+        if D < 16 or D & (D - 1):
+            raise ValueError(f"the prefill gate needs a power-of-two head_dim >= 16, got {D}")
+
+    def __call__(self, layer: int, k_pre: torch.Tensor, k_post: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """Gate values ``[T, H]`` float32 in [0, 1] of one layer's ``T`` new keys.
+
+        layer : index into the gates' layers;
+        k_pre, k_post : ``[T, H, D]`` bf16 / fp16 / fp32 on the gates' device (last dim contiguous;
+            any row / head strides, e.g. views of a fused qkv buffer);
+        out : optional contiguous float32 ``[T, H]`` that receives the values (returned).
+        """
+        T, H, D = k_post.shape
+        if k_pre.shape != (T, H, D) or H != self.num_kv_heads or D != self.head_dim:
+            raise ValueError(f"k_pre/k_post [T, {self.num_kv_heads}, {self.head_dim}] expected, got "
+                             f"{tuple(k_pre.shape)}, {tuple(k_post.shape)}")
+        if k_pre.dtype not in _INPUT_DTYPES or k_post.dtype not in _INPUT_DTYPES:
+            raise ValueError(f"k_pre/k_post must be bf16, fp16 or fp32, got {k_pre.dtype}, {k_post.dtype}")
+        if k_pre.stride(2) != 1 or k_post.stride(2) != 1:
+            raise ValueError("k_pre and k_post need a contiguous last dim")
+        if k_pre.device != self.device or k_post.device != self.device:
+            raise ValueError(f"k_pre/k_post must be on {self.device}, got {k_pre.device}, {k_post.device}")
+        if not 0 <= layer < len(self.layers):
+            raise ValueError(f"layer {layer} out of range for {len(self.layers)} gate layers")
+        if out is None:
+            out = torch.empty(T, H, dtype=torch.float32, device=self.device)
+        elif out.shape != (T, H) or out.dtype != torch.float32 or not out.is_contiguous() or out.device != self.device:
+            raise ValueError(f"out must be a contiguous float32 [T, H] on {self.device}, got "
+                             f"{out.dtype} {tuple(out.shape)} on {out.device}")
+        if T == 0:
+            return out
+        pre_norm, post_norm, w1, b1, w2, b2 = self.layers[layer]
+        _prefill_gate_kernel[(triton.cdiv(T, BLOCK_T), H)](
+            k_pre, k_post, pre_norm, post_norm, w1, b1, w2, b2, out,
+            T, H, k_pre.stride(0), k_pre.stride(1), k_post.stride(0), k_post.stride(1), float(self.eps),
+            HEAD_DIM=D, INNER=self.inner, BLOCK_T=BLOCK_T, BLOCK_I=BLOCK_I,
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        return out

@@ -1,0 +1,59 @@
+"""The Triton prefill gate (:mod:`sglang_wgkv.gate.triton_prefill_gate`) against the torch
+:class:`~sglang_wgkv.gate.mlp.LayerGate` on CPU under the Triton interpreter, in a subprocess
+(``TRITON_INTERPRET=1`` must be set before Triton is imported); and its argument checks, which run
+before any launch. On a GPU host the compiled kernel is tested by tests/test_triton_gate.py."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter is the CPU CI stand-in; the GPU runs the compiled kernel (gpu marker)")
+pytestmark = pytest.mark.core
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHECK = os.path.join(HERE, "triton_prefill_gate_interp_check.py")
+
+
+@CPU_ONLY
+def test_prefill_gate_matches_torch_under_interpreter():
+    from triton_prefill_gate_interp_check import CASES
+
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run([sys.executable, CHECK], env=env, capture_output=True, text=True, timeout=300)
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 2 * len(CASES), res.stdout[-2000:] + res.stderr[-3000:]
+    assert res.returncode == 0 and all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+    # Gate values on both sides of 1/2 wherever there are enough of them (a gate stuck near 0 or 1
+    # would hide errors in the logits).
+    assert all(0 < r["below_half"] < r["of"] for r in rows if r["of"] >= 63), rows
+
+
+def test_validation():
+    from triton_prefill_gate_interp_check import make_gates
+    from sglang_wgkv.gate.triton_prefill_gate import PrefillGate
+
+    fused = PrefillGate(make_gates(2, 64, 96, 0, "cpu"))
+    k = torch.zeros(5, 2, 64)
+    with pytest.raises(ValueError, match="k_pre/k_post"):
+        fused(0, torch.zeros(5, 3, 64), torch.zeros(5, 3, 64))
+    with pytest.raises(ValueError, match="k_pre/k_post"):
+        fused(0, torch.zeros(4, 2, 64), k)
+    with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
+        fused(0, k.double(), k.double())
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        fused(0, torch.zeros(5, 2, 128)[..., ::2], k)
+    with pytest.raises(ValueError, match="layer 2 out of range"):
+        fused(2, k, k)
+    with pytest.raises(ValueError, match="out must be"):
+        fused(0, k, k, out=torch.zeros(5, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="out must be"):
+        fused(0, k, k, out=torch.zeros(2, 5).t())
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        PrefillGate(make_gates(2, 48, 96, 0, "cpu"))
+    # No rows: an empty [0, H] and no launch (a launch on the CPU without the interpreter would raise).
+    empty = fused(1, torch.zeros(0, 2, 64, dtype=torch.bfloat16), torch.zeros(0, 2, 64, dtype=torch.bfloat16))
+    assert empty.shape == (0, 2) and empty.dtype == torch.float32

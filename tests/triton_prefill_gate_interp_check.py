@@ -1,0 +1,100 @@
+"""Triton :class:`~sglang_wgkv.gate.triton_prefill_gate.PrefillGate` against the torch
+:class:`~sglang_wgkv.gate.mlp.LayerGate`.
+
+Imported by the GPU test (tests/test_triton_gate.py); run as a script for the CPU interpreter test
+(``TRITON_INTERPRET=1`` must be set before Triton is imported)::
+
+    TRITON_INTERPRET=1 python tests/triton_prefill_gate_interp_check.py
+
+prints one JSON line per case and exits non-zero if any differs.
+"""
+
+import json
+import os
+import sys
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from sglang_wgkv.gate import GateConfig, WriteGates  # noqa: E402
+from sglang_wgkv.gate.triton_prefill_gate import PrefillGate  # noqa: E402
+
+G_TOL = 1e-5  # gate values: float32 (tf32x3 on the GPU) sums in another order
+
+# (T, H, D, I, dtype, layout). Row counts on and off the row blocks (1, 63, 64, 65, 129, 200), I = 4D
+# and the Qwen3 layout's 1.5D (not a multiple of the 64-unit block at D = 64), and three key layouts:
+# "fused" (k_pre, k_post as column slices of a [T, 3*H*D] qkv-like buffer: row stride 3HD),
+# "heads" (from a [T, H, 2, D] buffer: head stride 2D), "contig".
+CASES = [
+    (1, 1, 64, 256, torch.float32, "contig"),
+    (63, 3, 64, 96, torch.bfloat16, "fused"),
+    (64, 8, 128, 512, torch.bfloat16, "fused"),
+    (65, 3, 128, 192, torch.float32, "heads"),
+    (200, 8, 64, 96, torch.bfloat16, "heads"),
+    (200, 1, 128, 512, torch.float16, "fused"),
+    (65, 8, 64, 256, torch.float32, "fused"),
+    (63, 1, 128, 192, torch.bfloat16, "contig"),
+    (1, 8, 128, 512, torch.bfloat16, "fused"),
+    (129, 3, 64, 256, torch.bfloat16, "fused"),
+    (0, 3, 64, 96, torch.bfloat16, "fused"),
+]
+
+
+def make_gates(H: int, D: int, inner: int, seed: int, device) -> WriteGates:
+    """Two layers of gates with every parameter perturbed, logits spread around 0."""
+    gen = torch.Generator().manual_seed(seed)
+    gates = WriteGates(GateConfig(num_layers=2, num_kv_heads=H, head_dim=D, hidden=inner))
+    for layer in gates.layers:
+        layer.pre_norm = nn.Parameter(1 + 0.3 * torch.randn(D, generator=gen))
+        layer.post_norm = nn.Parameter(1 + 0.3 * torch.randn(D, generator=gen))
+        layer.w1 = nn.Parameter(torch.randn(H, 2 * D, inner, generator=gen) / (2 * D) ** 0.5)
+        layer.b1 = nn.Parameter(0.3 * torch.randn(H, inner, generator=gen))
+        layer.w2 = nn.Parameter(2 * torch.randn(H, inner, generator=gen) / inner ** 0.5)
+        layer.b2 = nn.Parameter(0.3 * torch.randn(H, generator=gen) - 0.5)
+    return gates.to(device).eval().requires_grad_(False)
+
+
+def make_keys(T: int, H: int, D: int, dtype, layout: str, gen, device):
+    """k_pre, k_post ``[T, H, D]`` in ``layout`` (see CASES), with row scales that vary (RMSNorm)."""
+    scale = torch.rand(T, 1, generator=gen) * 4 + 0.1
+    if layout == "fused":
+        qkv = (torch.randn(T, 3 * H * D, generator=gen) * scale).to(device, dtype)
+        return qkv[:, 2 * H * D:].view(T, H, D), qkv[:, H * D:2 * H * D].view(T, H, D)
+    if layout == "heads":
+        both = (torch.randn(T, H * 2 * D, generator=gen) * scale).to(device, dtype).view(T, H, 2, D)
+        return both[:, :, 0], both[:, :, 1]
+    return tuple((torch.randn(T, H * D, generator=gen) * scale).to(device, dtype).view(T, H, D) for _ in range(2))
+
+
+def check(T, H, D, inner, dtype, layout, device, seed=0) -> list[dict]:
+    gates = make_gates(H, D, inner, seed, device)
+    fused = PrefillGate(gates)
+    gen = torch.Generator().manual_seed(seed + 1)
+    k_pre, k_post = make_keys(T, H, D, dtype, layout, gen, device)
+    rows = []
+    for layer in range(2):
+        out = torch.full((T, H), float("nan"), device=device)  # poisoned: every element must be written
+        g = fused(layer, k_pre, k_post, out=out)
+        ref = gates.layers[layer](k_pre, k_post)
+        written = not bool(torch.isnan(g).any())
+        g_err = (g - ref).abs().max().item() if T else 0.0
+        rows.append(dict(case=[T, H, D, inner, str(dtype), layout], layer=layer, seed=seed,
+                         ok=written and g_err <= G_TOL and g.shape == (T, H) and g.data_ptr() == out.data_ptr(),
+                         written=written, g_err=g_err, below_half=int((ref < 0.5).sum()), of=ref.numel()))
+    return rows
+
+
+def main() -> int:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    failed = 0
+    for seed, case in enumerate(CASES):
+        for row in check(*case, device="cpu", seed=seed):
+            print(json.dumps(row), flush=True)
+            failed += not row["ok"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
