@@ -16,7 +16,7 @@ from pathlib import Path
 
 # (phase, regex on the kernel name), first match wins.
 PHASES = [
-    ("wgkv_gate", r"decode_gate"),
+    ("wgkv_gate", r"decode_gate|prefill_gate"),
     ("wgkv_ring_write", r"decode_write|prefill_write"),
     ("wgkv_promotion", r"promote"),
     ("wgkv_decode_attention", r"_split_kernel|_merge_kernel|folded"),

@@ -66,7 +66,7 @@ def make_backend(pool: DualCachePool, use_kernels: bool) -> WGKVAttnBackend:
     b.__dict__.update(
         dual=pool, config=pool.config, device=pool.device, use_kernels=use_kernels, generator=None,
         capture=Capture(), gates=GATES, req_pool=SimpleNamespace(slot_tau=slot_tau), num_q_heads=HQ,
-        decode_gate=DecodeGate(GATES, max_rows=8 * H) if use_kernels else None, _sms=4,
+        decode_gate=DecodeGate(GATES, max_rows=8 * H) if use_kernels else None, prefill_gate=None, _sms=4,
         evictor=SnapKVEvictor(pool=pool, budget=10_000, num_q_heads=HQ, window=16), _extend=None,
         _rows=None, _row_tau=None, batch_slots=None, batch_prompt_ends=None, _graph=None, _graph_launch={},
         _gate_stream=None, _extend_plan=None, _indptrs=None,

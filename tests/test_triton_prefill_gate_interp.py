@@ -57,3 +57,39 @@ def test_validation():
     # No rows: an empty [0, H] and no launch (a launch on the CPU without the interpreter would raise).
     empty = fused(1, torch.zeros(0, 2, 64, dtype=torch.bfloat16), torch.zeros(0, 2, 64, dtype=torch.bfloat16))
     assert empty.shape == (0, 2) and empty.dtype == torch.float32
+
+
+@CPU_ONLY
+def test_start_up_check_falls_back_where_the_kernel_cannot_run(caplog):
+    """Without a GPU (and without the interpreter) the launch fails: the check answers None and says
+    so in the log, so a server would prefill with the torch gate instead of failing at a request."""
+    from triton_prefill_gate_interp_check import make_gates
+    from sglang_wgkv.gate.triton_prefill_gate import checked_prefill_gate
+
+    with caplog.at_level("WARNING"):
+        assert checked_prefill_gate(make_gates(2, 64, 96, 0, "cpu"), rows=8) is None
+    assert "failed its start-up check" in caplog.text
+
+
+START_UP_CHECK = """
+import json
+from triton_prefill_gate_interp_check import make_gates
+from sglang_wgkv.gate import triton_prefill_gate as m
+
+gates = make_gates(2, 64, 96, 1, "cpu")
+kept = m.checked_prefill_gate(gates, rows=40)
+call = m.PrefillGate.__call__
+m.PrefillGate.__call__ = lambda self, *a, **k: call(self, *a, **k) + 3 * m.CHECK_TOLERANCE
+wrong = m.checked_prefill_gate(gates, rows=40)
+print(json.dumps({"kept": type(kept).__name__, "wrong": wrong is None}))
+"""
+
+
+@CPU_ONLY
+def test_start_up_check_accepts_the_kernel_and_refuses_a_wrong_one():
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join(
+        [HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, "-c", START_UP_CHECK], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=HERE)
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert rows == [{"kept": "PrefillGate", "wrong": True}], res.stdout[-2000:] + res.stderr[-3000:]

@@ -70,6 +70,13 @@ def _decode_gate_kernel(KPre, KPost, PreNorm, PostNorm, W1, B1, W2, B2, Tau, Uni
         tl.atomic_xchg(Count + bh, 0)
 
 
+def float32_weights(gates) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer, ``(pre_norm, post_norm, w1, b1, w2, b2)`` of ``gates`` as float32 contiguous tensors
+    (views where they already are): what the Triton gates read."""
+    return [tuple(getattr(layer, name).detach().float().contiguous()
+                  for name in ("pre_norm", "post_norm", "w1", "b1", "w2", "b2")) for layer in gates.layers]
+
+
 class DecodeGate:
     """The fused decode gate of every layer of a :class:`~sglang_wgkv.gate.mlp.WriteGates`.
 
@@ -80,10 +87,7 @@ class DecodeGate:
     """
 
     def __init__(self, gates, max_rows: int):
-        self.layers = []
-        for layer in gates.layers:
-            self.layers.append(tuple(getattr(layer, name).detach().float().contiguous()
-                                     for name in ("pre_norm", "post_norm", "w1", "b1", "w2", "b2")))
+        self.layers = float32_weights(gates)
         first = gates.layers[0]
         self.num_kv_heads, self.head_dim, self.eps = first.num_kv_heads, first.head_dim, first.eps
         self.inner = first.w1.shape[-1]

@@ -20,6 +20,8 @@ product: about float32 accuracy). Admission is ``g >= tau``, so a logit must sta
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
@@ -35,6 +37,10 @@ NUM_WARPS = 4
 NUM_STAGES = 1
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Largest |g - g_torch| :func:`checked_prefill_gate` accepts (the tf32x3 dots give ~1e-6).
+CHECK_TOLERANCE = 1e-4
+
+logger = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -78,13 +84,16 @@ class PrefillGate:
     ----------
     gates : the model's gates (any float dtype; kept as float32 contiguous copies or views).
         ``head_dim`` must be a power of two, at least 16 (a ``tl.dot`` operand dimension).
+    weights : the per-layer float32 tuples of a :class:`~sglang_wgkv.gate.triton_gate.DecodeGate`
+        of the same gates (``DecodeGate.layers``), shared instead of copied again.
     """
 
-    def __init__(self, gates):
-        self.layers = []
-        for layer in gates.layers:
-            self.layers.append(tuple(getattr(layer, name).detach().float().contiguous()
-                                     for name in ("pre_norm", "post_norm", "w1", "b1", "w2", "b2")))
+    def __init__(self, gates, weights: list[tuple] | None = None):
+        from sglang_wgkv.gate.triton_gate import float32_weights
+
+        self.layers = weights if weights is not None else float32_weights(gates)
+        if len(self.layers) != len(gates.layers):
+            raise ValueError(f"{len(self.layers)} layers of weights for {len(gates.layers)} gate layers")
         first = gates.layers[0]
         self.num_kv_heads, self.head_dim, self.eps = first.num_kv_heads, first.head_dim, first.eps
         self.inner = first.w1.shape[-1]
@@ -128,3 +137,29 @@ class PrefillGate:
             HEAD_DIM=D, INNER=self.inner, BLOCK_T=BLOCK_T, BLOCK_I=BLOCK_I,
             num_warps=NUM_WARPS, num_stages=NUM_STAGES)
         return out
+
+
+def checked_prefill_gate(gates, weights: list[tuple] | None = None, rows: int = 300) -> PrefillGate | None:
+    """A :class:`PrefillGate` of ``gates`` after one check on their device against the torch gate
+    (every layer, ``rows`` random float32 keys); None, with a warning in the log, when it does not
+    compile there, fails to launch or differs by more than :data:`CHECK_TOLERANCE`. A server then
+    prefills with the torch gate instead of failing at its first request."""
+    c = gates.config
+    try:
+        gate = PrefillGate(gates, weights)
+        gen = torch.Generator(device=gate.device).manual_seed(0)
+        worst = 0.0
+        for layer in range(len(gates.layers)):
+            k_pre, k_post = (torch.randn(rows, c.num_kv_heads, c.head_dim, generator=gen, device=gate.device)
+                             for _ in range(2))
+            worst = max(worst, float((gate(layer, k_pre, k_post) - gates(layer, k_pre, k_post)).abs().max()))
+    except Exception as exc:  # a compile or launch failure must not take the server down
+        logger.warning("wgkv: the Triton prefill gate failed its start-up check (%s: %s); the prefill uses "
+                       "the torch gate", type(exc).__name__, str(exc)[:500])
+        return None
+    if not worst <= CHECK_TOLERANCE:  # NaN fails too
+        logger.warning("wgkv: the Triton prefill gate differs from the torch gate by %.3g (> %g) at start-up; "
+                       "the prefill uses the torch gate", worst, CHECK_TOLERANCE)
+        return None
+    logger.info("wgkv: Triton prefill gate (start-up check: max |g - g_torch| = %.2g)", worst)
+    return gate

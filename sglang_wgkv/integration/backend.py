@@ -173,12 +173,15 @@ class WGKVAttnBackend(AttentionBackend):
         self.use_kernels = runtime.use_kernels  # the runtime's one torch/Triton choice
         self._prefill = reference.vertical_slash_attention
         self.decode_gate = None
+        self.prefill_gate = None  # the Triton prefill gate; None: the torch gate (self.gates)
         if self.use_kernels:
             from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
             from sglang_wgkv.gate.triton_gate import DecodeGate
+            from sglang_wgkv.gate.triton_prefill_gate import checked_prefill_gate
 
             self._prefill = vertical_slash_attention
             self.decode_gate = DecodeGate(self.gates, max_rows=model_runner.req_to_token_pool.size * len(self.kv_heads))
+            self.prefill_gate = checked_prefill_gate(self.gates, self.decode_gate.layers)
             self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         # forward_decode (kernels): the gate beside the attention, on CUDA
         self._gate_stream = torch.cuda.Stream(self.device) if self.use_kernels and self.device.type == "cuda" else None
@@ -320,7 +323,8 @@ class WGKVAttnBackend(AttentionBackend):
     def _admit(self, layer: RadixAttention, k: torch.Tensor, tau: torch.Tensor, check: bool,
                uniform: torch.Tensor | None = None) -> torch.Tensor:
         k_pre = self.capture.take(k)
-        g = self.gates(layer.layer_id, k_pre, k)
+        gate = self.prefill_gate if self.prefill_gate is not None else self.gates
+        g = gate(layer.layer_id, k_pre, k)
         if check:
             self._gate_check.record(g, layer.layer_id)
         tau = tau.to(g.dtype)  # g's dtype: the same rounding as a scalar tau
