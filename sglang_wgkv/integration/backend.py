@@ -17,8 +17,10 @@ pages in decode), and the new K/V are written to the pool.
 
 Attention implementations (``ServingSettings.attention``): the torch reference
 (:mod:`sglang_wgkv.attention.reference`, any device; syncs per layer, no CUDA graphs) or, on CUDA,
-the kernels: Triton vertical-slash prefill (syncs per layer: per-request context gathering) and a
-decode of device work only: :meth:`DualCachePool.write_decode_rows` (Triton) writes the new keys and
+the kernels: a prefill with no host sync per layer (the Triton prefill gate,
+:func:`~sglang_wgkv.gate.triton_prefill_gate.checked_prefill_gate`, or the torch gate where its
+start-up check fails; Triton vertical-slash attention over context gathered at host-known page
+columns) and a decode of device work only: :meth:`DualCachePool.write_decode_rows` (Triton) writes the new keys and
 values, :func:`~sglang_wgkv.attention.triton_decode.folded_decode` (split-KV over ring + global pages)
 reads them, and beside it, on a side stream, gate + admission in one launch
 (:class:`~sglang_wgkv.gate.triton_gate.DecodeGate`) and the flags' write.
