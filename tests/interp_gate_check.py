@@ -30,17 +30,19 @@ CASES = [
 ]
 
 
-def make_gates(D: int, H: int, inner: int, seed: int, device) -> WriteGates:
-    """Two layers of gates with varied, decision-relevant parameters and hidden width ``inner``."""
+def make_gates(D: int, H: int, inner: int, seed: int, device, b1_scale: float = 0.1, w2_scale: float = 1.0,
+               b2_scale: float = 1.5, b2_shift: float = 0.0) -> WriteGates:
+    """Two layers of gates with varied, decision-relevant parameters and hidden width ``inner``
+    (``b1 ~ b1_scale N``, ``w2 ~ w2_scale N / sqrt(inner)``, ``b2 ~ b2_scale N + b2_shift``)."""
     gen = torch.Generator().manual_seed(seed)
     gates = WriteGates(GateConfig(num_layers=2, num_kv_heads=H, head_dim=D, hidden=inner))
     for layer in gates.layers:
         layer.pre_norm = nn.Parameter(1 + 0.3 * torch.randn(D, generator=gen))
         layer.post_norm = nn.Parameter(1 + 0.3 * torch.randn(D, generator=gen))
         layer.w1 = nn.Parameter(torch.randn(H, 2 * D, inner, generator=gen) / (2 * D) ** 0.5)
-        layer.b1 = nn.Parameter(0.1 * torch.randn(H, inner, generator=gen))
-        layer.w2 = nn.Parameter(torch.randn(H, inner, generator=gen) / inner ** 0.5)
-        layer.b2 = nn.Parameter(1.5 * torch.randn(H, generator=gen))
+        layer.b1 = nn.Parameter(b1_scale * torch.randn(H, inner, generator=gen))
+        layer.w2 = nn.Parameter(w2_scale * torch.randn(H, inner, generator=gen) / inner ** 0.5)
+        layer.b2 = nn.Parameter(b2_scale * torch.randn(H, generator=gen) + b2_shift)
     return gates.to(device).eval().requires_grad_(False)
 
 

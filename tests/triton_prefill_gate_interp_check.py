@@ -14,11 +14,13 @@ import os
 import sys
 
 import torch
-from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from sglang_wgkv.gate import GateConfig, WriteGates  # noqa: E402
+import interp_gate_check  # noqa: E402
+
+from sglang_wgkv.gate import WriteGates  # noqa: E402
 from sglang_wgkv.gate.triton_prefill_gate import PrefillGate  # noqa: E402
 
 G_TOL = 1e-5  # gate values: float32 (tf32x3 on the GPU) sums in another order
@@ -44,16 +46,8 @@ CASES = [
 
 def make_gates(H: int, D: int, inner: int, seed: int, device) -> WriteGates:
     """Two layers of gates with every parameter perturbed, logits spread around 0."""
-    gen = torch.Generator().manual_seed(seed)
-    gates = WriteGates(GateConfig(num_layers=2, num_kv_heads=H, head_dim=D, hidden=inner))
-    for layer in gates.layers:
-        layer.pre_norm = nn.Parameter(1 + 0.3 * torch.randn(D, generator=gen))
-        layer.post_norm = nn.Parameter(1 + 0.3 * torch.randn(D, generator=gen))
-        layer.w1 = nn.Parameter(torch.randn(H, 2 * D, inner, generator=gen) / (2 * D) ** 0.5)
-        layer.b1 = nn.Parameter(0.3 * torch.randn(H, inner, generator=gen))
-        layer.w2 = nn.Parameter(2 * torch.randn(H, inner, generator=gen) / inner ** 0.5)
-        layer.b2 = nn.Parameter(0.3 * torch.randn(H, generator=gen) - 0.5)
-    return gates.to(device).eval().requires_grad_(False)
+    return interp_gate_check.make_gates(D, H, inner, seed, device, b1_scale=0.3, w2_scale=2.0, b2_scale=0.3,
+                                        b2_shift=-0.5)
 
 
 def make_keys(T: int, H: int, D: int, dtype, layout: str, gen, device):
