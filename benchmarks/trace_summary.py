@@ -67,6 +67,7 @@ def summarize_events(events: list[dict], steps: int | None = None) -> dict:
             cur_e = max(cur_e, t)
     busy += cur_e - cur_s
     span = spans[-1][1] - spans[0][0]
+    gaps = idle_gaps(kernels)
     runtime = defaultdict(lambda: [0, 0.0])
     for e in events:
         if e.get("ph") == "X" and e.get("cat") == "cuda_runtime":
@@ -83,7 +84,42 @@ def summarize_events(events: list[dict], steps: int | None = None) -> dict:
                         for n, t in top],
         "cuda_runtime_calls": {k: {"calls": c, "us": round(t, 1)}
                                for k, (c, t) in sorted(runtime.items(), key=lambda kv: -kv[1][1])[:12]},
+        "idle_in_gaps_over_1ms_us_per_step": sum(g - a for a, g, *_ in gaps if g - a > 1000) / per,
+        "largest_idle_gaps": [describe_gap(g, events) for g in sorted(gaps, key=lambda g: g[0] - g[1])[:TOP_GAPS]],
     }
+
+
+# CPU-side trace events whose overlap with an idle gap says what the host was doing meanwhile.
+HOST_CATS = ("cpu_op", "user_annotation", "python_function", "cuda_runtime")
+TOP_GAPS = 8
+
+
+def idle_gaps(kernels: list[dict]) -> list[tuple[float, float, str, str]]:
+    """``(start, end, kernel before, kernel after)`` of every stretch with no kernel running."""
+    order = sorted(kernels, key=lambda e: e["ts"])
+    gaps, end, last = [], order[0]["ts"] + order[0]["dur"], order[0]["name"]
+    for e in order[1:]:
+        if e["ts"] > end:
+            gaps.append((end, e["ts"], last, e["name"]))
+        if e["ts"] + e["dur"] >= end:
+            end, last = e["ts"] + e["dur"], e["name"]
+    return gaps
+
+
+def describe_gap(gap: tuple[float, float, str, str], events: list[dict], top: int = 5) -> dict:
+    """One idle gap: its length, the kernels around it, and the host events overlapping it most
+    (shortest first among equal overlaps: the innermost call, not the step around it)."""
+    a, b, before, after = gap
+    host = []
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in HOST_CATS:
+            overlap = min(b, e["ts"] + e["dur"]) - max(a, e["ts"])
+            if overlap > 0:
+                host.append((-overlap, e["dur"], e["name"][:100], e["cat"]))
+    host.sort()
+    return {"idle_us": round(b - a, 1), "after_kernel": before[:100], "before_kernel": after[:100],
+            "host": [{"name": n, "cat": c, "overlap_us": round(-o, 1), "dur_us": round(d, 1)}
+                     for o, d, n, c in host[:top]]}
 
 
 def recategorize(summary: dict) -> dict:

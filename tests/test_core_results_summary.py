@@ -38,3 +38,32 @@ def test_machine_paths_are_replaced():
     assert clean("/opt/torch/.venv/bin/python3 -m a --model-path /root/.cache/sglang_wgkv/SmolLM2-135M-Instruct") == \
         "python -m a --model-path EMBEDDED_MODEL"
     assert clean("--gates /tmp/wgkv_run/lam0.1") == "--gates <lam0.1>"
+
+
+def test_trace_summary_attributes_idle_gaps_to_host_events():
+    """The summary of a profiler trace names its longest GPU idle gaps, the kernels around them and
+    the host calls that ran meanwhile (synthetic trace: two kernels, a 2 ms gap covered by a Python
+    op inside a longer step annotation)."""
+    spec = importlib.util.spec_from_file_location("trace_summary", REPO / "benchmarks" / "trace_summary.py")
+    ts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ts)
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "nvjet_gemm", "ts": 0.0, "dur": 500.0},
+        {"ph": "X", "cat": "kernel", "name": "_vertical_slash_fwd", "ts": 2500.0, "dur": 100.0},
+        {"ph": "X", "cat": "kernel", "name": "memcpy32_post", "ts": 2550.0, "dur": 10.0},  # inside the busy span
+        {"ph": "X", "cat": "kernel", "name": "act_and_mul_kernel", "ts": 2700.0, "dur": 100.0},
+        {"ph": "X", "cat": "user_annotation", "name": "forward_step", "ts": 0.0, "dur": 3000.0},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::index_put_", "ts": 450.0, "dur": 1900.0},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 2400.0, "dur": 50.0},
+    ]
+    out = ts.summarize_events(events, steps=1)
+    assert out["gpu_idle_us_per_step"] == 2000.0 + 100.0
+    assert out["idle_in_gaps_over_1ms_us_per_step"] == 2000.0
+    first, second = out["largest_idle_gaps"]
+    assert (first["idle_us"], first["after_kernel"], first["before_kernel"]) == (2000.0, "nvjet_gemm",
+                                                                              "_vertical_slash_fwd")
+    # the Python op covers 1,850 us of the gap, the step annotation all 2,000 (listed first); aten::add 50
+    assert [h["name"] for h in first["host"]] == ["forward_step", "aten::index_put_", "aten::add"]
+    assert first["host"][1]["overlap_us"] == 1850.0
+    assert (second["idle_us"], second["after_kernel"], second["before_kernel"]) == (100.0, "_vertical_slash_fwd",
+                                                                                 "act_and_mul_kernel")
