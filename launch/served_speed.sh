@@ -12,6 +12,11 @@
 # TP=2 (kind nvidia-h200-x2): add `--tp 2` to both runs (NVLink multicast off; rows get "tp": 2).
 # Decode profile under load (issue 15: WG-KV's step at batch 128 is 16.8 ms against ~9 ms of bandwidth):
 #   run wgkv W3 --profile-dir $OUT/prof --profile-workloads none --profile-load-workloads W3 --profile-steps 8
+# Device time these calls took on 2026-12-01 (plan a lease with them; a session has 1,800 s):
+#   setup 4-15 s; `run wgkv W1,W0,W2` with the W1/W0 decode and W2 prefill profiles 458 s (startup
+#   ~140 s: 63 s of decode-graph capture, bs 1-64, then ~25 s of Triton compiles in the warm-up);
+#   `run upstream W1,W2` with the W1 profile and a cold FlashInfer JIT 391 s; `run wgkv W2` alone
+#   ~230 s (did not fit in 225 s). Session 4: W3 ~150 s (WG-KV) + ~250 s (upstream), W4 ~120 + ~190 s.
 # `run` writes part.<server>.<tag>.json, bench_serving's JSON lines and the server logs to $OUT. The
 # first upstream run on a machine compiles FlashInfer's kernels (~3.5 min) and leaves the cache as
 # $OUT/fi_cache.tgz: unpack it here into .fi/ (tar xzf fi_cache.tgz -C .fi) and carry .fi later, so
