@@ -73,11 +73,12 @@ def test_start_up_check_falls_back_where_the_kernel_cannot_run(caplog):
 
 START_UP_CHECK = """
 import json
+import torch
 from triton_prefill_gate_interp_check import make_gates
 from sglang_wgkv.gate import triton_prefill_gate as m
 
 gates = make_gates(2, 64, 96, 1, "cpu")
-kept = m.checked_prefill_gate(gates, rows=40)
+kept = m.checked_prefill_gate(gates, rows=40, dtype=torch.bfloat16)
 call = m.PrefillGate.__call__
 m.PrefillGate.__call__ = lambda self, *a, **k: call(self, *a, **k) + 3 * m.CHECK_TOLERANCE
 wrong = m.checked_prefill_gate(gates, rows=40)

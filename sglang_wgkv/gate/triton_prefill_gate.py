@@ -139,9 +139,11 @@ class PrefillGate:
         return out
 
 
-def checked_prefill_gate(gates, weights: list[tuple] | None = None, rows: int = 300) -> PrefillGate | None:
+def checked_prefill_gate(gates, weights: list[tuple] | None = None, rows: int = 300,
+                         dtype: torch.dtype = torch.float32) -> PrefillGate | None:
     """A :class:`PrefillGate` of ``gates`` after one check on their device against the torch gate
-    (every layer, ``rows`` random float32 keys); None, with a warning in the log, when it does not
+    (every layer, ``rows`` random keys of ``dtype``, the served keys' dtype, so the launch the prefill
+    will make is the one compiled here); None, with a warning in the log, when it does not
     compile there, fails to launch or differs by more than :data:`CHECK_TOLERANCE`. A server then
     prefills with the torch gate instead of failing at its first request."""
     c = gates.config
@@ -150,7 +152,7 @@ def checked_prefill_gate(gates, weights: list[tuple] | None = None, rows: int = 
         gen = torch.Generator(device=gate.device).manual_seed(0)
         worst = 0.0
         for layer in range(len(gates.layers)):
-            k_pre, k_post = (torch.randn(rows, c.num_kv_heads, c.head_dim, generator=gen, device=gate.device)
+            k_pre, k_post = (torch.randn(rows, c.num_kv_heads, c.head_dim, generator=gen, device=gate.device).to(dtype)
                              for _ in range(2))
             worst = max(worst, float((gate(layer, k_pre, k_post) - gates(layer, k_pre, k_post)).abs().max()))
     except Exception as exc:  # a compile or launch failure must not take the server down

@@ -183,7 +183,8 @@ class WGKVAttnBackend(AttentionBackend):
 
             self._prefill = vertical_slash_attention
             self.decode_gate = DecodeGate(self.gates, max_rows=model_runner.req_to_token_pool.size * len(self.kv_heads))
-            self.prefill_gate = checked_prefill_gate(self.gates, self.decode_gate.layers)
+            self.prefill_gate = checked_prefill_gate(self.gates, self.decode_gate.layers,
+                                                     dtype=model_runner.model_config.dtype)
             self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         # forward_decode (kernels): the gate beside the attention, on CUDA
         self._gate_stream = torch.cuda.Stream(self.device) if self.use_kernels and self.device.type == "cuda" else None
