@@ -57,17 +57,9 @@ def summarize_events(events: list[dict], steps: int | None = None) -> dict:
         by_phase[phase_of(e["name"])] += e["dur"]
         by_name[e["name"][:140]] += e["dur"]
         count[e["name"][:140]] += 1
-    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
-    busy, cur_s, cur_e = 0.0, *spans[0]
-    for s, t in spans[1:]:
-        if s > cur_e:
-            busy += cur_e - cur_s
-            cur_s, cur_e = s, t
-        else:
-            cur_e = max(cur_e, t)
-    busy += cur_e - cur_s
-    span = spans[-1][1] - spans[0][0]
     gaps = idle_gaps(kernels)
+    span = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
+    busy = span - sum(b - a for a, b, *_ in gaps)
     runtime = defaultdict(lambda: [0, 0.0])
     for e in events:
         if e.get("ph") == "X" and e.get("cat") == "cuda_runtime":

@@ -20,8 +20,8 @@ Attention implementations (``ServingSettings.attention``): the torch reference
 the kernels: a prefill with no host sync per layer (the Triton prefill gate,
 :func:`~sglang_wgkv.gate.triton_prefill_gate.checked_prefill_gate`, or the torch gate where its
 start-up check fails; Triton vertical-slash attention over context gathered at host-known page
-columns) and a decode of device work only: :meth:`DualCachePool.write_decode_rows` (Triton) writes the new keys and
-values, :func:`~sglang_wgkv.attention.triton_decode.folded_decode` (split-KV over ring + global pages)
+columns) and a decode of device work only: :meth:`DualCachePool.write_decode_rows` (Triton) writes
+the new keys and values, :func:`~sglang_wgkv.attention.triton_decode.folded_decode` (split-KV over ring + global pages)
 reads them, and beside it, on a side stream, gate + admission in one launch
 (:class:`~sglang_wgkv.gate.triton_gate.DecodeGate`) and the flags' write.
 
