@@ -80,12 +80,15 @@ class PoolCase:
     def admit(self, *shape):
         return (torch.rand(*shape, generator=self.gen) < self.p_admit).to(self.device)
 
-    def step(self):
-        """Begin a decode step; yields each layer after its write, ready to be read."""
+    def step(self, before_write=None):
+        """Begin a decode step; yields each layer after its write, ready to be read.
+        ``before_write(layer, k, v)``, if given, sees each layer's new keys and values before the write."""
         self.plan = self.pool.begin_decode(self.slots, self.seq)
         B = len(self.slots)
         for layer in range(self.L):
             k, v = self.randn(B, self.Hkv, self.D), self.randn(B, self.Hkv, self.D)
+            if before_write is not None:
+                before_write(layer, k, v)
             self.pool.write_decode(layer, k, v, self.admit(B, self.Hkv))
             yield layer
         self.seq = [s + 1 for s in self.seq]
@@ -107,7 +110,11 @@ def run_case(name: str, device: str = "cpu") -> bool:
     """Every launch of the case with the fused merge and with two launches, over the pool's batch plus
     one row whose request slot holds no token (ring_tokens 0: its streams are empty, zeros expected).
     All runs share one workspace, and each runs twice into NaN-filled outputs: the second must repeat
-    the first bit for bit (the fused merge's counters were reset, every output row was written)."""
+    the first bit for bit (the fused merge's counters were reset, every output row was written).
+
+    Each launch also runs with the ring write fused (``new_k``/``new_v``: ``write_new``), on a copy
+    of the pages taken before the pool's own ``write_decode``: its output must match the reference
+    after that write, and its copy of the pages must then equal the pool's, bit for bit."""
     from sglang_wgkv.attention.triton_decode import DecodeConfig, FoldedDecodeWorkspace, folded_decode
 
     c = CASES[name]
@@ -116,32 +123,59 @@ def run_case(name: str, device: str = "cpu") -> bool:
     ws = FoldedDecodeWorkspace(len(case.slots) + 1, c["Hq"], c["D"], max(s for s, _ in c["launches"]), device,
                                num_kv_heads=c["Hkv"])
     ok_all = True
+    fused_writes = {}  # (layer, launch, merge) -> (outputs, k pages, v pages) of the fused-write runs
+
+    def launch(q, req, ring, layer, splits, block_n, fused, k_pages, v_pages, new=None):
+        extra = dict(zip(("new_k", "new_v", "pos", "window"), new)) if new else {}
+        return folded_decode(q, k_pages, v_pages, case.pool.page_table, case.pool.global_len, req, ring, layer,
+                             num_splits=splits, workspace=ws, out=torch.full_like(q, float("nan")),
+                             config=DecodeConfig(block_n=block_n, fused_merge=fused), **extra)
+
+    def rows(q_main):
+        q = torch.cat([q_main, case.randn(1, c["Hq"], c["D"])])
+        req = torch.cat([case.plan.req, case.plan.req.new_full((1,), EMPTY_SLOT)])
+        ring = torch.cat([case.plan.ring_tokens, case.plan.ring_tokens.new_zeros(1)])
+        return q, req, ring
+
+    def before_write(layer, k, v):
+        q, req, ring = rows(case.query())
+        pos = torch.cat([case.plan.pos, case.plan.pos.new_zeros(1)])
+        new = (torch.cat([k, k[:1]]), torch.cat([v, v[:1]]), pos, c["W"])
+        for splits, block_n in c["launches"]:
+            for fused in (True, False):
+                kp, vp = case.pool.k_pages.clone(), case.pool.v_pages.clone()
+                outs = [launch(q, req, ring, layer, splits, block_n, fused, kp, vp, new) for _ in range(2)]
+                fused_writes[layer, splits, block_n, fused] = (q, outs, kp, vp)
+
     for step in range(c["steps"]):
-        for layer in case.step():
-            q = torch.cat([case.query(), case.randn(1, c["Hq"], c["D"])])
-            req = torch.cat([case.plan.req, case.plan.req.new_full((1,), EMPTY_SLOT)])
-            ring = torch.cat([case.plan.ring_tokens, case.plan.ring_tokens.new_zeros(1)])
-            ref = torch.cat([case.reference(q[:-1], layer), torch.zeros_like(q[-1:])])
+        for layer in case.step(before_write):
             kv_len = case.kv_lengths(layer)
             n = torch.cat([kv_len, kv_len.new_zeros(1, c["Hkv"])]).long()
+            q, req, ring = rows(case.query())
             for splits, block_n in c["launches"]:
                 chunk = ((n + splits - 1) // splits + block_n - 1) // block_n * block_n
                 used = (n + chunk.clamp(min=1) - 1) // chunk.clamp(min=1)  # non-empty splits per stream
                 for fused in (True, False):
-                    outs = [folded_decode(q, case.pool.k_pages, case.pool.v_pages, case.pool.page_table,
-                                          case.pool.global_len, req, ring, layer, num_splits=splits, workspace=ws,
-                                          out=torch.full_like(q, float("nan")),
-                                          config=DecodeConfig(block_n=block_n, fused_merge=fused))
-                            for _ in range(2)]
-                    ok, rel, mx = close(outs[0], ref, c["dtype"])
-                    repeat = torch.equal(outs[0], outs[1])
-                    print(json.dumps({"case": name, "step": step, "layer": layer, "splits": splits,
-                                      "block_n": block_n, "fused": fused, "kv_len": kv_len.tolist(),
-                                      "empty_streams": int((used == 0).sum()),
-                                      "partial_streams": int(((used > 0) & (used < splits)).sum()),
-                                      "rel": rel, "max_abs": mx, "repeat_equal": repeat, "ok": ok and repeat}),
-                          flush=True)
-                    ok_all &= ok and repeat
+                    for write_new in (False, True):
+                        if write_new:
+                            q_w, outs, kp, vp = fused_writes.pop((layer, splits, block_n, fused))
+                            ref = torch.cat([case.reference(q_w[:-1], layer), torch.zeros_like(q_w[-1:])])
+                            pages_equal = torch.equal(kp, case.pool.k_pages) and torch.equal(vp, case.pool.v_pages)
+                        else:
+                            outs = [launch(q, req, ring, layer, splits, block_n, fused, case.pool.k_pages,
+                                           case.pool.v_pages) for _ in range(2)]
+                            ref = torch.cat([case.reference(q[:-1], layer), torch.zeros_like(q[-1:])])
+                            pages_equal = True
+                        ok, rel, mx = close(outs[0], ref, c["dtype"])
+                        repeat = torch.equal(outs[0], outs[1])
+                        good = ok and repeat and pages_equal
+                        print(json.dumps({"case": name, "step": step, "layer": layer, "splits": splits,
+                                          "block_n": block_n, "fused": fused, "write_new": write_new,
+                                          "kv_len": kv_len.tolist(), "empty_streams": int((used == 0).sum()),
+                                          "partial_streams": int(((used > 0) & (used < splits)).sum()),
+                                          "rel": rel, "max_abs": mx, "repeat_equal": repeat,
+                                          "pages_equal": pages_equal, "ok": good}), flush=True)
+                        ok_all &= good
     return ok_all
 
 

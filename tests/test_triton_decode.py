@@ -27,11 +27,12 @@ def test_interpreted_decode_matches_reference(name):
                           capture_output=True, text=True, timeout=300)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     c = CASES[name]
-    assert len(rows) == c["steps"] * 2 * len(c["launches"]) * 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert len(rows) == c["steps"] * 2 * len(c["launches"]) * 2 * 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     bad = [r for r in rows if not r["ok"]]
     assert proc.returncode == 0 and not bad, bad or proc.stderr[-3000:]
-    # Both merges ran; every batch had an empty stream, and some stream used fewer splits than launched.
-    assert {r["fused"] for r in rows} == {True, False}
+    # Both merges ran, with and without the fused ring write; every batch had an empty stream, and
+    # some stream used fewer splits than launched.
+    assert {(r["fused"], r["write_new"]) for r in rows} == {(a, b) for a in (True, False) for b in (True, False)}
     assert all(r["empty_streams"] == c["Hkv"] for r in rows) and any(r["partial_streams"] for r in rows)
     # The comparisons covered ring-only and ring + global streams, and a 1-token stream when asked.
     lens = [n for r in rows for per_req in r["kv_len"] for n in per_req]

@@ -15,6 +15,10 @@ Host-fixed grids (CUDA-graph safe, no host sync, no per-call memset):
    ``cdiv(n, chunk)`` non-empty splits). Per step it loads the page ids of ``BLOCK_N`` tokens,
    gathers their K/V rows, scores the GQA group (padded to 16 rows) with one ``tl.dot`` and runs an
    online softmax; it writes a normalised partial output and its log2-sum-exp to the workspace.
+   With the step's new keys and values given (``new_k``/``new_v``, the decode step's ring write
+   fused), the program whose chunk holds the new token's ring slot ``pos % window`` takes that token
+   from them (one more softmax step, after its loop, which skips the slot) and writes it to its page:
+   no other program reads that slot in the launch, so the write races with nothing.
 2. merge: weighs a stream's non-empty splits by their log-sum-exp (``exp2(lse - max) / sum``) and
    writes the output in q's dtype; an empty stream (n == 0) outputs zeros, like the reference.
    :attr:`DecodeConfig.fused_merge` says where it runs:
@@ -45,6 +49,9 @@ MAX_SPLIT_COUNT = 128
 # 2 or 8 rows, or an 8192 tile, took more at some groups.
 _MERGE_ROWS = 4
 _MERGE_TILE = 4096
+# The merge loop loads the next tile of partials before it reduces the current one (the loads of one
+# step overlap the previous step's arithmetic instead of each step waiting a full L2 round trip).
+_MERGE_PREFETCH = True
 
 
 @dataclass(frozen=True)
@@ -120,7 +127,8 @@ def _stream_chunk(Req, RingTokens, GlobalLen, b, h, stride_gr, stride_gh, num_sp
 @triton.jit
 def _merge_rows(Out, PartO, PartLse, b, heads, head_ok, used,
                 stride_outb, stride_outh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_S: tl.constexpr):
+                ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
+                PREFETCH: tl.constexpr):
     """``out[b, heads]`` (``heads`` ``[ROWS]``, rows with ``head_ok``): the partials of splits
     ``0 .. used - 1`` weighed by ``exp2(lse - max)`` over their sum; zeros where ``used == 0``."""
     # .cg (L2, not L1): in the fused merge other SMs wrote these lines during this launch, and an
@@ -135,13 +143,29 @@ def _merge_rows(Out, PartO, PartLse, b, heads, head_ok, used,
     offs_d = tl.arange(0, HEAD_DIM)[None, None, :]
     offs_s = tl.arange(0, BLOCK_S)[None, :]
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-    for s0 in range(0, used, BLOCK_S):
-        s = s0 + offs_s                                                                 # [1, BLOCK_S]
+    if PREFETCH:
+        s = offs_s                                                                      # [1, BLOCK_S]
         ok = head_ok[:, None] & (s < used)
-        w = tl.math.exp2(tl.load(lse_row + s, mask=ok, other=float("-inf"), cache_modifier=".cg") - m[:, None])
-        part = tl.load(o_row + s[:, :, None] * stride_os + offs_d, mask=ok[:, :, None], other=0.0,
-                       cache_modifier=".cg")
-        acc += tl.sum(w[:, :, None] * part, 1)
+        lse_c = tl.load(lse_row + s, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        part_c = tl.load(o_row + s[:, :, None] * stride_os + offs_d, mask=ok[:, :, None], other=0.0,
+                         cache_modifier=".cg")
+        for s0 in range(BLOCK_S, used, BLOCK_S):
+            s = s0 + offs_s
+            ok = head_ok[:, None] & (s < used)
+            lse_n = tl.load(lse_row + s, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            part_n = tl.load(o_row + s[:, :, None] * stride_os + offs_d, mask=ok[:, :, None], other=0.0,
+                             cache_modifier=".cg")
+            acc += tl.sum(tl.math.exp2(lse_c - m[:, None])[:, :, None] * part_c, 1)
+            lse_c, part_c = lse_n, part_n
+        acc += tl.sum(tl.math.exp2(lse_c - m[:, None])[:, :, None] * part_c, 1)
+    else:
+        for s0 in range(0, used, BLOCK_S):
+            s = s0 + offs_s                                                             # [1, BLOCK_S]
+            ok = head_ok[:, None] & (s < used)
+            w = tl.math.exp2(tl.load(lse_row + s, mask=ok, other=float("-inf"), cache_modifier=".cg") - m[:, None])
+            part = tl.load(o_row + s[:, :, None] * stride_os + offs_d, mask=ok[:, :, None], other=0.0,
+                           cache_modifier=".cg")
+            acc += tl.sum(w[:, :, None] * part, 1)
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(Out + b64 * stride_outb + heads[:, None] * stride_outh + tl.arange(0, HEAD_DIM)[None, :],
              out.to(Out.dtype.element_ty), mask=head_ok[:, None])
@@ -151,25 +175,26 @@ def _merge_rows(Out, PartO, PartLse, b, heads, head_ok, used,
 def _merge_group(Out, PartO, PartLse, b, h, used,
                  stride_outb, stride_outh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                  GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                 BLOCK_S: tl.constexpr):
+                 BLOCK_S: tl.constexpr, PREFETCH: tl.constexpr):
     """The GROUP query heads of KV head h, ``MERGE_ROWS`` at a time (see :data:`_MERGE_ROWS`)."""
     rows = tl.arange(0, MERGE_ROWS)
     for g0 in tl.static_range(0, GROUP, MERGE_ROWS):
         _merge_rows(Out, PartO, PartLse, b, h * GROUP + g0 + rows, g0 + rows < GROUP, used,
                     stride_outb, stride_outh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                    MERGE_ROWS, HEAD_DIM, SPLITS_PAD, BLOCK_S)
+                    MERGE_ROWS, HEAD_DIM, SPLITS_PAD, BLOCK_S, PREFETCH)
 
 
 @triton.jit
 def _split_kernel(
-    Q, K, V, PageTable, GlobalLen, Req, RingTokens, PartO, PartLse, Out, SplitsDone,
-    stride_qb, stride_qh, stride_kp, stride_kt, stride_vp, stride_vt,
+    Q, K, V, PageTable, GlobalLen, Req, RingTokens, PartO, PartLse, Out, SplitsDone, KNew, VNew, Pos,
+    stride_qb, stride_qh, stride_kp, stride_kt, stride_vp, stride_vt, stride_nb, stride_nh, window,
     stride_pr, stride_ph, stride_pc, stride_gr, stride_gh,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh, stride_db,
     qk_scale, num_kv_heads, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, UPCAST: tl.constexpr,
+    PAGE: tl.constexpr, UPCAST: tl.constexpr, WRITE_NEW: tl.constexpr,
     FUSED: tl.constexpr, MERGE_ROWS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -184,7 +209,7 @@ def _split_kernel(
             if (used == 0) & (split == 0):  # no split will count: write the empty stream's zeros here
                 _merge_group(Out, PartO, PartLse, b, h, used,
                              stride_outb, stride_outh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                             GROUP, MERGE_ROWS, HEAD_DIM, SPLITS_PAD, BLOCK_S)
+                             GROUP, MERGE_ROWS, HEAD_DIM, SPLITS_PAD, BLOCK_S, PREFETCH)
         return
     rows = tl.arange(0, GROUP_PAD)
     row_ok = rows < GROUP
@@ -197,10 +222,11 @@ def _split_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    # Every step holds at least one token of the stream, so m_i is finite after the first one.
+    # The new token's ring slot (WRITE_NEW): read from KNew / VNew after the loop, not from the pages.
+    new_tok = (tl.load(Pos + b) % window).to(tl.int32) if WRITE_NEW else -1
     for s in range(start, end, BLOCK_N):
         tok = s + offs_n
-        ok = tok < end
+        ok = (tok < end) & (tok != new_tok)
         page = tl.load(pt_row + (tok // PAGE) * stride_pc, mask=ok, other=0).to(tl.int64)
         slot = (tok % PAGE)[:, None]
         k = tl.load(K + page[:, None] * stride_kp + slot * stride_kt + offs_d[None, :], mask=ok[:, None], other=0.0)
@@ -208,11 +234,30 @@ def _split_kernel(
         qk = _dot(q, tl.trans(k), UPCAST) * qk_scale
         qk = tl.where(ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
+        # A step whose only token is the new one has no score: m_new stays -inf, p and alpha 0.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_ref[:, None])
+        alpha = tl.math.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
         m_i = m_new
+    if WRITE_NEW:
+        if (new_tok >= start) & (new_tok < end):
+            # This program holds the new token's slot: one more online-softmax step with its key and
+            # value (rounded to the pool's dtype, as read back later), then the ring write.
+            b64 = b.to(tl.int64)
+            kn = tl.load(KNew + b64 * stride_nb + h * stride_nh + offs_d).to(K.dtype.element_ty)
+            vn = tl.load(VNew + b64 * stride_nb + h * stride_nh + offs_d).to(V.dtype.element_ty)
+            qk_n = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], 1) * qk_scale
+            m_new = tl.maximum(m_i, qk_n)
+            p_n = tl.math.exp2(qk_n - m_new)
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + p_n
+            acc = acc * alpha[:, None] + p_n[:, None] * vn.to(tl.float32)[None, :]
+            m_i = m_new
+            page = tl.load(pt_row + (new_tok // PAGE) * stride_pc).to(tl.int64)
+            tl.store(K + page * stride_kp + (new_tok % PAGE) * stride_kt + offs_d, kn)
+            tl.store(V + page * stride_vp + (new_tok % PAGE) * stride_vt + offs_d, vn)
     o_ptr = PartO + b.to(tl.int64) * stride_ob + qhead[:, None] * stride_oh + split * stride_os + offs_d[None, :]
     tl.store(o_ptr, acc / l_i[:, None], mask=row_ok[:, None])
     tl.store(PartLse + b.to(tl.int64) * stride_lb + qhead * stride_lh + split, m_i + tl.math.log2(l_i), mask=row_ok)
@@ -228,7 +273,7 @@ def _split_kernel(
             tl.debug_barrier()
             _merge_group(Out, PartO, PartLse, b, h, used,
                          stride_outb, stride_outh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                         GROUP, MERGE_ROWS, HEAD_DIM, SPLITS_PAD, BLOCK_S)
+                         GROUP, MERGE_ROWS, HEAD_DIM, SPLITS_PAD, BLOCK_S, PREFETCH)
 
 
 @triton.jit
@@ -238,7 +283,7 @@ def _merge_kernel(
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     num_q_heads, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // num_q_heads
@@ -248,7 +293,7 @@ def _merge_kernel(
     head = qh + tl.arange(0, 1)
     _merge_rows(Out, PartO, PartLse, b, head, head < num_q_heads, tl.cdiv(n, tl.maximum(chunk, 1)),
                 stride_outb, stride_outh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                1, HEAD_DIM, SPLITS_PAD, BLOCK_S)
+                1, HEAD_DIM, SPLITS_PAD, BLOCK_S, PREFETCH)
 
 
 def _check_inputs(q, k_pages, v_pages, page_table, global_len, req, ring_tokens, layer):
@@ -282,7 +327,8 @@ def _check_inputs(q, k_pages, v_pages, page_table, global_len, req, ring_tokens,
 def folded_decode(q, k_pages, v_pages, page_table, global_len, req, ring_tokens, layer: int,
                   sm_scale: float | None = None, num_splits: int | None = None,
                   workspace: FoldedDecodeWorkspace | None = None, out=None,
-                  config: DecodeConfig | None = None) -> torch.Tensor:
+                  config: DecodeConfig | None = None, new_k=None, new_v=None, pos=None,
+                  window: int | None = None) -> torch.Tensor:
     """Decode attention of one layer over the dual-cache pool.
 
     Parameters
@@ -299,6 +345,12 @@ def folded_decode(q, k_pages, v_pages, page_table, global_len, req, ring_tokens,
     workspace, out : preallocated buffers (``out`` ``[B, Hq, D]`` in q's dtype); with both given
         nothing is allocated. Nothing is ever synchronised with the host.
     config : launch shape and merge placement (:class:`DecodeConfig` defaults when None).
+    new_k, new_v, pos, window : the step's ring write, fused (all four or none): ``new_k``/``new_v``
+        ``[B, H, D]`` (float16/bfloat16, last dim contiguous, equal strides), ``pos`` ``[B]`` the
+        decoded positions. Token ``pos % window`` of each stream is then read from ``new_k``/``new_v``
+        (rounded to the pages' dtype), not from the pages, and the program that holds it writes it
+        there: the pool afterwards equals ``write_decode_rows`` + this call without them. The slot
+        must lie within the stream (``pos % window < ring_tokens``: true for ``min(pos + 1, window)``).
 
     Returns ``[B, Hq, D]`` in q's dtype.
     """
@@ -325,6 +377,18 @@ def folded_decode(q, k_pages, v_pages, page_table, global_len, req, ring_tokens,
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be {q.dtype} [{B}, {Hq}, {D}] contiguous in D, got {out.dtype} {tuple(out.shape)}")
+    write_new = new_k is not None
+    if (new_v is not None, pos is not None, window is not None) != (write_new,) * 3:
+        raise ValueError("new_k, new_v, pos and window go together")
+    if write_new:
+        if new_k.shape != (B, H, D) or new_v.shape != new_k.shape or new_v.stride() != new_k.stride() \
+                or new_k.stride(2) != 1:
+            raise ValueError(f"new_k/new_v must be [{B}, {H}, {D}] with equal strides, contiguous in D; got "
+                             f"{tuple(new_k.shape)} {new_k.stride()}, {tuple(new_v.shape)} {new_v.stride()}")
+        if new_k.dtype not in (torch.float16, torch.bfloat16) or new_v.dtype != new_k.dtype:
+            raise ValueError(f"new_k/new_v must share dtype float16 or bfloat16, got {new_k.dtype}, {new_v.dtype}")
+        if pos.shape != (B,) or window < 1 or any(t.device != q.device for t in (new_k, new_v, pos)):
+            raise ValueError(f"pos must be [{B}] on q's device and window >= 1, got {tuple(pos.shape)}, {window}")
     if B == 0:
         return out
     group = Hq // H
@@ -333,17 +397,19 @@ def folded_decode(q, k_pages, v_pages, page_table, global_len, req, ring_tokens,
     gl = global_len[:, layer]
     po, pl, done = ws.part_out, ws.part_lse, ws.splits_done
     splits_pad = triton.next_power_of_2(num_splits)
+    nk, nv, npos = (new_k, new_v, pos) if write_new else (q, q, req)  # placeholders: never read
     _split_kernel[(B * H, num_splits)](
-        q, k_pages, v_pages, pt, gl, req, ring_tokens, po, pl, out, done,
+        q, k_pages, v_pages, pt, gl, req, ring_tokens, po, pl, out, done, nk, nv, npos,
         q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), v_pages.stride(0), v_pages.stride(1),
+        nk.stride(0), nk.stride(1), window or 1,
         pt.stride(0), pt.stride(1), pt.stride(2), gl.stride(0), gl.stride(1),
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), out.stride(0), out.stride(1),
         done.stride(0),
         scale * _LOG2E, H, num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK_N=cfg.block_n,
         PAGE=PAGE_SIZE, UPCAST=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
-        FUSED=cfg.fused_merge, MERGE_ROWS=_MERGE_ROWS, SPLITS_PAD=splits_pad,
-        BLOCK_S=min(splits_pad, _MERGE_TILE // (_MERGE_ROWS * D)),
+        WRITE_NEW=write_new, FUSED=cfg.fused_merge, MERGE_ROWS=_MERGE_ROWS, SPLITS_PAD=splits_pad,
+        BLOCK_S=min(splits_pad, _MERGE_TILE // (_MERGE_ROWS * D)), PREFETCH=_MERGE_PREFETCH,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.fused_merge:
@@ -354,6 +420,6 @@ def folded_decode(q, k_pages, v_pages, page_table, global_len, req, ring_tokens,
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
         Hq, num_splits,
         GROUP=group, HEAD_DIM=D, BLOCK_N=cfg.block_n, SPLITS_PAD=splits_pad, BLOCK_S=min(splits_pad, 16),
-        num_warps=4,
+        PREFETCH=_MERGE_PREFETCH, num_warps=4,
     )
     return out

@@ -20,9 +20,9 @@ Attention implementations (``ServingSettings.attention``): the torch reference
 the kernels: a prefill with no host sync per layer (the Triton prefill gate,
 :func:`~sglang_wgkv.gate.triton_prefill_gate.checked_prefill_gate`, or the torch gate where its
 start-up check fails; Triton vertical-slash attention over context gathered at host-known page
-columns) and a decode of device work only: :meth:`DualCachePool.write_decode_rows` (Triton) writes
-the new keys and values, :func:`~sglang_wgkv.attention.triton_decode.folded_decode` (split-KV over ring + global pages)
-reads them, and beside it, on a side stream, gate + admission in one launch
+columns) and a decode of device work only: :func:`~sglang_wgkv.attention.triton_decode.folded_decode`
+(split-KV over ring + global pages, one launch per layer, whose programs also write the new keys and
+values into their ring slots), and beside it, on a side stream, gate + admission in one launch
 (:class:`~sglang_wgkv.gate.triton_gate.DecodeGate`) and the flags' write.
 
 CUDA graphs (decode only, kernels path). SGLang's decode graph runner calls
@@ -398,7 +398,7 @@ class WGKVAttnBackend(AttentionBackend):
             self.evictor.observe_decode(layer.layer_id, q3, req=rows.req, pos=rows.pos)
         uniform = rows.uniform[:, layer.layer_id] if rows.uniform is not None else None
         k_pre = self.capture.take(k3)
-        if k3.stride() != v3.stride() or k3.stride(2) != 1:  # the ring write reads both with k's strides
+        if k3.stride() != v3.stride() or k3.stride(2) != 1:  # the fused ring write reads both with k's strides
             k3, v3 = k3.contiguous(), v3.contiguous()
         # The gate and the flags it decides run on a side stream, beside this layer's attention: the
         # attention reads the new token's key and value (written here first) but not its flag, which
@@ -413,10 +413,12 @@ class WGKVAttnBackend(AttentionBackend):
             admit = self.decode_gate(layer.layer_id, k_pre, k3, rows.tau, uniform,
                                      self.config.random_admission if uniform is not None else None, rows.gate_splits)
             self.dual.write_decode_flags(layer.layer_id, rows.req, rows.pos, admit)
-        self.dual.write_decode_rows(layer.layer_id, rows.req, rows.pos, k3, v3, None)
+        # The split kernel writes the new key and value into their ring slot itself (the program that
+        # holds the slot reads them from k3 / v3): no separate ring-write launch on the main stream.
         out = folded_decode(q3.to(self.dual.dtype), self.dual.k_pages, self.dual.v_pages, self.dual.page_table,
                             self.dual.global_len, rows.req, rows.ring, layer.layer_id, sm_scale=layer.scaling,
-                            num_splits=rows.num_splits, workspace=rows.workspace)
+                            num_splits=rows.num_splits, workspace=rows.workspace,
+                            new_k=k3, new_v=v3, pos=rows.pos, window=self.dual.window)
         if side is not None:
             main.wait_stream(side)
         return out.to(q.dtype).reshape(-1, Hq * Dv)

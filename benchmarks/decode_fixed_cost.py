@@ -1,0 +1,138 @@
+"""Where one decode launch's time goes at the served W1 shape (issue 15): the fixed cost per launch.
+
+Batch 1, Llama-3.1-8B layer (Hq 32, Hkv 8, D 128, bf16), W_local 256, 75% rejection (25% of the tokens
+past the ring admitted), pages in random order (:class:`benchmarks.kernel_decode.FoldedPool`). Each
+variant is timed per layer under CUDA-graph replay over several layers (working set > L2) at several
+context lengths, and fitted as ``ms = fixed + bytes / bandwidth`` (least squares over the lengths):
+``fixed`` is what a launch costs whatever it reads (launch gap, prologue, the merge tail).
+
+Variants (all :func:`folded_decode`, default launch shape unless named):
+
+* ``fused``: one launch per layer, the split kernel merges (the served default);
+* ``fused_write``: the same with the step's ring write fused (``new_k``/``new_v``; served since
+  this script was written) - its extra cost over ``fused`` is what the separate write launch saved;
+* ``fused_no_prefetch``: the fused merge without the next-tile prefetch in its loop;
+* ``two_launch``: a separate merge kernel; ``split_only``: the split kernel alone (merge launch
+  stubbed out: wrong output, timing only) - ``two_launch - split_only`` is the merge kernel;
+* ``empty``: a launch over streams of one token each (the launch gap and the prologue alone).
+
+Then a split-count sweep of ``fused_write`` at the W1 length. Writes JSON (command included).
+
+usage: python benchmarks/decode_fixed_cost.py [--out DIR] [--lengths ...] [--splits ...] [--deadline S]
+"""
+
+import argparse
+import os
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import Deadline, environment, write_json  # noqa: E402
+from benchmarks.kernel_decode import D, DT, HKV, HQ, TOKEN_BYTES, W, FoldedPool, global_lengths, graph_ms, layers_for  # noqa: E402
+
+W1_TOKENS = 126976 + 128
+W1_POS = W1_TOKENS - 1  # the decoded position of fused_write: slot pos % W lies in the (full) ring
+
+
+class _NoLaunch:
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` does nothing (``split_only``)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def variant_fn(name, pool, q, out, splits, td):
+    B, L = q.shape[0], pool.page_table.shape[1]
+    ws = td.FoldedDecodeWorkspace(B, HQ, D, splits, "cuda", num_kv_heads=HKV)
+    cfg = td.DecodeConfig(fused_merge=name not in ("two_launch", "split_only"))
+    extra = {}
+    if name == "fused_write":
+        k_new = torch.randn(B, HKV, D, device="cuda", dtype=DT)
+        pos = torch.full((B,), W1_POS, dtype=torch.int64, device="cuda")
+        extra = dict(new_k=k_new, new_v=torch.randn_like(k_new), pos=pos, window=W)
+
+    def run():
+        for layer in range(L):
+            td.folded_decode(q, pool.k_pages, pool.v_pages, pool.page_table, pool.global_len, pool.req, pool.ring,
+                             layer, num_splits=splits, workspace=ws, out=out, config=cfg, **extra)
+    return run
+
+
+def timed(name, pool, q, out, splits, td):
+    saved = (td._merge_kernel, td._MERGE_PREFETCH)
+    try:
+        if name == "split_only":
+            td._merge_kernel = _NoLaunch()
+        if name == "fused_no_prefetch":
+            td._MERGE_PREFETCH = False
+        return graph_ms(variant_fn(name, pool, q, out, splits, td))
+    finally:
+        td._merge_kernel, td._MERGE_PREFETCH = saved
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results/kernels")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[32768, 65536, W1_TOKENS, 262144])
+    ap.add_argument("--splits", type=int, nargs="+", default=[24, 33, 40, 44, 49, 55, 66, 80, 99, 128])
+    ap.add_argument("--variants", nargs="+", default=["fused", "fused_write", "fused_no_prefetch", "two_launch",
+                                                      "split_only", "empty"])
+    ap.add_argument("--deadline", type=float, default=150.0)
+    args = ap.parse_args()
+    from sglang_wgkv.attention import triton_decode as td
+
+    deadline = Deadline(args.deadline)
+    path = os.path.join(args.out, "decode_fixed_cost.json")
+    results = {"env": environment(), "command": "python3 " + " ".join(sys.argv),
+               "shape": {"batch": 1, "Hq": HQ, "Hkv": HKV, "head_dim": D, "local_window": W, "rejection": 0.75},
+               "by_length": [], "fit": {}, "splits_sweep": []}
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, HQ, D, device="cuda", dtype=DT)
+    out = torch.empty_like(q)
+    splits = td.choose_num_splits(1, HKV, 131072, "cuda")
+    results["default_splits"] = splits
+    for n in args.lengths:
+        if deadline.left() < 20:
+            results["by_length"].append({"n": n, "skipped": "deadline"})
+            continue
+        per_layer = HKV * (W + 0.25 * (n - W)) * TOKEN_BYTES
+        L = layers_for(int(per_layer), 16)
+        pool = FoldedPool(global_lengths(1, L, n, 0.75, gen), gen)
+        row = {"n": n, "layers": L, "kv_bytes_per_layer": pool.kv_bytes_per_layer, "ms_per_layer": {}}
+        for name in args.variants:
+            if name == "empty":
+                continue
+            row["ms_per_layer"][name] = timed(name, pool, q, out, splits, td) / L
+        results["by_length"].append(row)
+        print(row, flush=True)
+        if n == W1_TOKENS:
+            for s in args.splits:
+                if deadline.left() < 10:
+                    break
+                t = timed("fused_write", pool, q, out, s, td) / L
+                results["splits_sweep"].append({"splits": s, "ms_per_layer": t,
+                                                "tbps": pool.kv_bytes_per_layer / t / 1e9})
+                print("splits", s, t, flush=True)
+        del pool
+        torch.cuda.empty_cache()
+        write_json(path, results)
+    if "empty" in args.variants:  # one token per stream: launch gap + prologue + a one-split merge
+        empty = FoldedPool(torch.zeros(1, 16, HKV, dtype=torch.int32), gen)
+        empty.ring.fill_(1)
+        results["empty_ms_per_layer"] = timed("fused", empty, q, out, splits, td) / 16
+    rows = [r for r in results["by_length"] if "ms_per_layer" in r]
+    if len(rows) >= 2:
+        x = np.array([r["kv_bytes_per_layer"] for r in rows])
+        for name in rows[0]["ms_per_layer"]:
+            y = np.array([r["ms_per_layer"][name] for r in rows])
+            slope, fixed = np.polyfit(x, y, 1)
+            results["fit"][name] = {"fixed_us": fixed * 1e3, "tbps_marginal": 1e-9 / (slope * 1e-3)}
+    write_json(path, results)
+    print({"fit": results["fit"], "empty_ms_per_layer": results.get("empty_ms_per_layer")}, flush=True)
+
+
+if __name__ == "__main__":
+    main()
