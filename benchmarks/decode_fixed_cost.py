@@ -9,9 +9,11 @@ context lengths, and fitted as ``ms = fixed + bytes / bandwidth`` (least squares
 Variants (all :func:`folded_decode`, default launch shape unless named):
 
 * ``fused``: one launch per layer, the split kernel merges (the served default);
-* ``fused_write``: the same with the step's ring write fused (``new_k``/``new_v``; served since
-  this script was written) - its extra cost over ``fused`` is what the separate write launch saved;
-* ``fused_no_prefetch``: the fused merge without the next-tile prefetch in its loop;
+* ``fused_write``: the same with the step's ring write fused (``new_k``/``new_v``, as served):
+  its extra time over ``fused`` is what the fused write adds to the split kernel (the separate
+  write launch it replaced took ~3.9 us per layer in the served W1 profile);
+* ``fused_no_prefetch`` (the 2026-12-01 results only): then ``fused`` prefetched the next tile of
+  partials in its merge loop and this row did not; 42.92 vs 42.86 us at W1, so the prefetch went;
 * ``two_launch``: a separate merge kernel; ``split_only``: the split kernel alone (merge launch
   stubbed out: wrong output, timing only) - ``two_launch - split_only`` is the merge kernel;
 * ``empty``: a launch over streams of one token each (the launch gap and the prologue alone).
@@ -62,15 +64,13 @@ def variant_fn(name, pool, q, out, splits, td):
 
 
 def timed(name, pool, q, out, splits, td):
-    saved = (td._merge_kernel, td._MERGE_PREFETCH)
+    saved = td._merge_kernel
     try:
         if name == "split_only":
             td._merge_kernel = _NoLaunch()
-        if name == "fused_no_prefetch":
-            td._MERGE_PREFETCH = False
         return graph_ms(variant_fn(name, pool, q, out, splits, td))
     finally:
-        td._merge_kernel, td._MERGE_PREFETCH = saved
+        td._merge_kernel = saved
 
 
 def main():
@@ -78,8 +78,7 @@ def main():
     ap.add_argument("--out", default="benchmarks/results/kernels")
     ap.add_argument("--lengths", type=int, nargs="+", default=[32768, 65536, W1_TOKENS, 262144])
     ap.add_argument("--splits", type=int, nargs="+", default=[24, 33, 40, 44, 49, 55, 66, 80, 99, 128])
-    ap.add_argument("--variants", nargs="+", default=["fused", "fused_write", "fused_no_prefetch", "two_launch",
-                                                      "split_only", "empty"])
+    ap.add_argument("--variants", nargs="+", default=["fused", "fused_write", "two_launch", "split_only", "empty"])
     ap.add_argument("--deadline", type=float, default=150.0)
     args = ap.parse_args()
     from sglang_wgkv.attention import triton_decode as td

@@ -52,11 +52,24 @@ def test_validation():
         fused(0, k, k, out=torch.zeros(5, 2, dtype=torch.float64))
     with pytest.raises(ValueError, match="out must be"):
         fused(0, k, k, out=torch.zeros(2, 5).t())
+    tau = torch.zeros(5)
+    with pytest.raises(ValueError, match="tau must be float32"):
+        fused.admit(0, k, k, torch.zeros(4))
+    with pytest.raises(ValueError, match="tau must be float32"):
+        fused.admit(0, k, k, tau.double())
+    with pytest.raises(ValueError, match="go together"):
+        fused.admit(0, k, k, tau, uniform=torch.zeros(5, 2))
+    with pytest.raises(ValueError, match="uniform must be"):
+        fused.admit(0, k, k, tau, uniform=torch.zeros(2, 5).t(), random_p=0.5)
+    with pytest.raises(ValueError, match="g_out must be"):
+        fused.admit(0, k, k, tau, g_out=torch.zeros(5, 3))
     with pytest.raises(ValueError, match="power-of-two head_dim"):
         PrefillGate(make_gates(2, 48, 96, 0, "cpu"))
     # No rows: an empty [0, H] and no launch (a launch on the CPU without the interpreter would raise).
     empty = fused(1, torch.zeros(0, 2, 64, dtype=torch.bfloat16), torch.zeros(0, 2, 64, dtype=torch.bfloat16))
     assert empty.shape == (0, 2) and empty.dtype == torch.float32
+    none = fused.admit(0, torch.zeros(0, 2, 64), torch.zeros(0, 2, 64), torch.zeros(0))
+    assert none.shape == (0, 2) and none.dtype == torch.bool
 
 
 @CPU_ONLY

@@ -74,10 +74,36 @@ def check(T, H, D, inner, dtype, layout, device, seed=0) -> list[dict]:
         ref = gates.layers[layer](k_pre, k_post)
         written = not bool(torch.isnan(g).any())
         g_err = (g - ref).abs().max().item() if T else 0.0
+        flags = admission_errors(fused, gates.layers[layer], layer, k_pre, k_post, ref, gen, device)
         rows.append(dict(case=[T, H, D, inner, str(dtype), layout], layer=layer, seed=seed,
-                         ok=written and g_err <= G_TOL and g.shape == (T, H) and g.data_ptr() == out.data_ptr(),
-                         written=written, g_err=g_err, below_half=int((ref < 0.5).sum()), of=ref.numel()))
+                         ok=(written and g_err <= G_TOL and g.shape == (T, H) and g.data_ptr() == out.data_ptr()
+                             and not any(flags.values())),
+                         written=written, g_err=g_err, below_half=int((ref < 0.5).sum()), of=ref.numel(), **flags))
     return rows
+
+
+def admission_errors(fused, gate_layer, layer, k_pre, k_post, ref, gen, device) -> dict:
+    """:meth:`PrefillGate.admit` against :func:`reference_decode_gate` (the decode gate's oracle),
+    thresholded (per-row tau drawn around the gate values, one row with admission off) and random:
+    the flags that differ (thresholded: only where ``|g - tau|`` exceeds the gate tolerance counts)
+    and whether the gate values written beside them differ from :meth:`PrefillGate.__call__`'s."""
+    from sglang_wgkv.gate.triton_gate import reference_decode_gate
+
+    T, H = ref.shape
+    tau = (torch.rand(T, 1, generator=gen) * 0.8 + 0.1).to(device)
+    if T:
+        tau[T // 2] = float("-inf")
+    uniform = torch.rand(T, H, generator=gen).to(device)
+    g_side = torch.full((T, H), float("nan"), device=device)
+    got = fused.admit(layer, k_pre, k_post, tau, g_out=g_side)
+    want = reference_decode_gate(gate_layer, k_pre, k_post, tau)
+    decided = (ref - tau).abs() > G_TOL
+    got_r = fused.admit(layer, k_pre, k_post, tau[:, 0], uniform=uniform, random_p=0.3)
+    want_r = reference_decode_gate(gate_layer, k_pre, k_post, tau, uniform=uniform, random_p=0.3)
+    return {"threshold_flag_errors": int(((got != want) & decided).sum()),
+            "random_flag_errors": int((got_r != want_r).sum()),
+            "g_out_errors": int((g_side != fused(layer, k_pre, k_post)).sum()),
+            "wrong_flag_dtype": int(got.dtype != torch.bool or got_r.shape != (T, H))}
 
 
 def main() -> int:

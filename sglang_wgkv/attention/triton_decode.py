@@ -49,9 +49,6 @@ MAX_SPLIT_COUNT = 128
 # 2 or 8 rows, or an 8192 tile, took more at some groups.
 _MERGE_ROWS = 4
 _MERGE_TILE = 4096
-# The merge loop loads the next tile of partials before it reduces the current one (the loads of one
-# step overlap the previous step's arithmetic instead of each step waiting a full L2 round trip).
-_MERGE_PREFETCH = True
 
 
 @dataclass(frozen=True)
@@ -127,8 +124,7 @@ def _stream_chunk(Req, RingTokens, GlobalLen, b, h, stride_gr, stride_gh, num_sp
 @triton.jit
 def _merge_rows(Out, PartO, PartLse, b, heads, head_ok, used,
                 stride_outb, stride_outh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
-                PREFETCH: tl.constexpr):
+                ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_S: tl.constexpr):
     """``out[b, heads]`` (``heads`` ``[ROWS]``, rows with ``head_ok``): the partials of splits
     ``0 .. used - 1`` weighed by ``exp2(lse - max)`` over their sum; zeros where ``used == 0``."""
     # .cg (L2, not L1): in the fused merge other SMs wrote these lines during this launch, and an
@@ -143,29 +139,13 @@ def _merge_rows(Out, PartO, PartLse, b, heads, head_ok, used,
     offs_d = tl.arange(0, HEAD_DIM)[None, None, :]
     offs_s = tl.arange(0, BLOCK_S)[None, :]
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-    if PREFETCH:
-        s = offs_s                                                                      # [1, BLOCK_S]
+    for s0 in range(0, used, BLOCK_S):
+        s = s0 + offs_s                                                                 # [1, BLOCK_S]
         ok = head_ok[:, None] & (s < used)
-        lse_c = tl.load(lse_row + s, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        part_c = tl.load(o_row + s[:, :, None] * stride_os + offs_d, mask=ok[:, :, None], other=0.0,
-                         cache_modifier=".cg")
-        for s0 in range(BLOCK_S, used, BLOCK_S):
-            s = s0 + offs_s
-            ok = head_ok[:, None] & (s < used)
-            lse_n = tl.load(lse_row + s, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            part_n = tl.load(o_row + s[:, :, None] * stride_os + offs_d, mask=ok[:, :, None], other=0.0,
-                             cache_modifier=".cg")
-            acc += tl.sum(tl.math.exp2(lse_c - m[:, None])[:, :, None] * part_c, 1)
-            lse_c, part_c = lse_n, part_n
-        acc += tl.sum(tl.math.exp2(lse_c - m[:, None])[:, :, None] * part_c, 1)
-    else:
-        for s0 in range(0, used, BLOCK_S):
-            s = s0 + offs_s                                                             # [1, BLOCK_S]
-            ok = head_ok[:, None] & (s < used)
-            w = tl.math.exp2(tl.load(lse_row + s, mask=ok, other=float("-inf"), cache_modifier=".cg") - m[:, None])
-            part = tl.load(o_row + s[:, :, None] * stride_os + offs_d, mask=ok[:, :, None], other=0.0,
-                           cache_modifier=".cg")
-            acc += tl.sum(w[:, :, None] * part, 1)
+        w = tl.math.exp2(tl.load(lse_row + s, mask=ok, other=float("-inf"), cache_modifier=".cg") - m[:, None])
+        part = tl.load(o_row + s[:, :, None] * stride_os + offs_d, mask=ok[:, :, None], other=0.0,
+                       cache_modifier=".cg")
+        acc += tl.sum(w[:, :, None] * part, 1)
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(Out + b64 * stride_outb + heads[:, None] * stride_outh + tl.arange(0, HEAD_DIM)[None, :],
              out.to(Out.dtype.element_ty), mask=head_ok[:, None])
@@ -175,13 +155,13 @@ def _merge_rows(Out, PartO, PartLse, b, heads, head_ok, used,
 def _merge_group(Out, PartO, PartLse, b, h, used,
                  stride_outb, stride_outh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                  GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                 BLOCK_S: tl.constexpr, PREFETCH: tl.constexpr):
+                 BLOCK_S: tl.constexpr):
     """The GROUP query heads of KV head h, ``MERGE_ROWS`` at a time (see :data:`_MERGE_ROWS`)."""
     rows = tl.arange(0, MERGE_ROWS)
     for g0 in tl.static_range(0, GROUP, MERGE_ROWS):
         _merge_rows(Out, PartO, PartLse, b, h * GROUP + g0 + rows, g0 + rows < GROUP, used,
                     stride_outb, stride_outh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                    MERGE_ROWS, HEAD_DIM, SPLITS_PAD, BLOCK_S, PREFETCH)
+                    MERGE_ROWS, HEAD_DIM, SPLITS_PAD, BLOCK_S)
 
 
 @triton.jit
@@ -194,7 +174,6 @@ def _split_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, UPCAST: tl.constexpr, WRITE_NEW: tl.constexpr,
     FUSED: tl.constexpr, MERGE_ROWS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -209,7 +188,7 @@ def _split_kernel(
             if (used == 0) & (split == 0):  # no split will count: write the empty stream's zeros here
                 _merge_group(Out, PartO, PartLse, b, h, used,
                              stride_outb, stride_outh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                             GROUP, MERGE_ROWS, HEAD_DIM, SPLITS_PAD, BLOCK_S, PREFETCH)
+                             GROUP, MERGE_ROWS, HEAD_DIM, SPLITS_PAD, BLOCK_S)
         return
     rows = tl.arange(0, GROUP_PAD)
     row_ok = rows < GROUP
@@ -273,7 +252,7 @@ def _split_kernel(
             tl.debug_barrier()
             _merge_group(Out, PartO, PartLse, b, h, used,
                          stride_outb, stride_outh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                         GROUP, MERGE_ROWS, HEAD_DIM, SPLITS_PAD, BLOCK_S, PREFETCH)
+                         GROUP, MERGE_ROWS, HEAD_DIM, SPLITS_PAD, BLOCK_S)
 
 
 @triton.jit
@@ -283,7 +262,7 @@ def _merge_kernel(
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     num_q_heads, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    BLOCK_S: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // num_q_heads
@@ -293,7 +272,7 @@ def _merge_kernel(
     head = qh + tl.arange(0, 1)
     _merge_rows(Out, PartO, PartLse, b, head, head < num_q_heads, tl.cdiv(n, tl.maximum(chunk, 1)),
                 stride_outb, stride_outh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                1, HEAD_DIM, SPLITS_PAD, BLOCK_S, PREFETCH)
+                1, HEAD_DIM, SPLITS_PAD, BLOCK_S)
 
 
 def _check_inputs(q, k_pages, v_pages, page_table, global_len, req, ring_tokens, layer):
@@ -409,7 +388,7 @@ def folded_decode(q, k_pages, v_pages, page_table, global_len, req, ring_tokens,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK_N=cfg.block_n,
         PAGE=PAGE_SIZE, UPCAST=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
         WRITE_NEW=write_new, FUSED=cfg.fused_merge, MERGE_ROWS=_MERGE_ROWS, SPLITS_PAD=splits_pad,
-        BLOCK_S=min(splits_pad, _MERGE_TILE // (_MERGE_ROWS * D)), PREFETCH=_MERGE_PREFETCH,
+        BLOCK_S=min(splits_pad, _MERGE_TILE // (_MERGE_ROWS * D)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.fused_merge:
@@ -420,6 +399,6 @@ def folded_decode(q, k_pages, v_pages, page_table, global_len, req, ring_tokens,
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
         Hq, num_splits,
         GROUP=group, HEAD_DIM=D, BLOCK_N=cfg.block_n, SPLITS_PAD=splits_pad, BLOCK_S=min(splits_pad, 16),
-        PREFETCH=_MERGE_PREFETCH, num_warps=4,
+        num_warps=4,
     )
     return out

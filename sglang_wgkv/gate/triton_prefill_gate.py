@@ -36,7 +36,16 @@ BLOCK_I = 64
 NUM_WARPS = 4
 NUM_STAGES = 1
 
+# In decode, the backend takes this kernel instead of DecodeGate's from this many (row, KV head) pairs
+# a step (batch 16 at 8 KV heads). DecodeGate gives every pair a program that reads its head's whole w1
+# (2D x I float32: 512 KiB at D 128, I 512), so its traffic grows with the batch: on the H200 W3
+# profile (batch 128, Llama-3.1-8B) it took 92 us per layer, 2,957 us per step, on the side stream
+# beside the attention it shares the SMs with. Here a program reads w1 once per 32 rows. The
+# crossover itself is an estimate (not yet timed).
+DECODE_MIN_ROWS = 128
+
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_NO_ADMIT, _THRESHOLD, _RANDOM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 # Largest |g - g_torch| :func:`checked_prefill_gate` accepts (the tf32x3 dots give ~1e-6).
 CHECK_TOLERANCE = 1e-4
 
@@ -44,10 +53,11 @@ logger = logging.getLogger(__name__)
 
 
 @triton.jit
-def _prefill_gate_kernel(KPre, KPost, PreNorm, PostNorm, W1, B1, W2, B2, G,
-                         T, H, stride_pt, stride_ph, stride_qt, stride_qh, eps,
+def _prefill_gate_kernel(KPre, KPost, PreNorm, PostNorm, W1, B1, W2, B2, G, Tau, Uniform, Admit,
+                         T, H, stride_pt, stride_ph, stride_qt, stride_qh, stride_ut, random_p, eps,
                          HEAD_DIM: tl.constexpr, INNER: tl.constexpr,
-                         BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr):
+                         BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr, WRITE_G: tl.constexpr,
+                         ADMIT: tl.constexpr):
     h = tl.program_id(1)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     live_t = t < T
@@ -74,7 +84,15 @@ def _prefill_gate_kernel(KPre, KPost, PreNorm, PostNorm, W1, B1, W2, B2, G,
         gelu = 0.5 * hidden * (1.0 + tl.math.erf(hidden * 0.7071067811865476))
         acc += tl.sum(gelu * tl.load(W2 + h * INNER + i, mask=live, other=0.0)[None, :], 1)
     g = 1.0 / (1.0 + tl.exp(-(acc + tl.load(B2 + h))))
-    tl.store(G + t * H + h, g, mask=live_t)
+    if WRITE_G:
+        tl.store(G + t * H + h, g, mask=live_t)
+    if ADMIT != _NO_ADMIT:  # the decode step's flags (as DecodeGate decides them)
+        tau = tl.load(Tau + t, mask=live_t, other=0.0)
+        if ADMIT == _RANDOM:
+            admit = (tl.load(Uniform + t * stride_ut + h, mask=live_t, other=1.0) < random_p) | (tau == float("-inf"))
+        else:
+            admit = g >= tau
+        tl.store(Admit + t * H + h, admit.to(tl.uint8), mask=live_t)
 
 
 class PrefillGate:
@@ -111,6 +129,64 @@ class PrefillGate:
             any row / head strides, e.g. views of a fused qkv buffer);
         out : optional contiguous float32 ``[T, H]`` that receives the values (returned).
         """
+        T, H = self._check(layer, k_pre, k_post)
+        out = self._g_out(out, T, H, "out")
+        if out is None:
+            out = torch.empty(T, H, dtype=torch.float32, device=self.device)
+        if T:
+            self._launch(layer, k_pre, k_post, out, None, None, None, 0.0)
+        return out
+
+    def admit(self, layer: int, k_pre: torch.Tensor, k_post: torch.Tensor, tau: torch.Tensor,
+              uniform: torch.Tensor | None = None, random_p: float | None = None,
+              g_out: torch.Tensor | None = None) -> torch.Tensor:
+        """Admission flags ``[T, H]`` (bool) of one layer's new keys, decided as
+        :class:`~sglang_wgkv.gate.triton_gate.DecodeGate` decides them, in the same one launch as
+        the gate values (the decode step's gate at large batches: :data:`DECODE_MIN_ROWS`).
+
+        tau : ``[T]`` or ``[T, 1]`` float32 threshold per row (``-inf``: admission off): admit
+            ``g >= tau``; with ``random_p``: admit ``uniform < random_p`` (or ``tau == -inf``),
+            ``uniform`` ``[T, H]`` float32 draws (head stride 1);
+        g_out : optional contiguous ``[T, H]`` float32 that receives the gate values.
+        """
+        T, H = self._check(layer, k_pre, k_post)
+        tau = tau.reshape(-1)
+        if tau.shape != (T,) or tau.dtype != torch.float32 or tau.device != self.device:
+            raise ValueError(f"tau must be float32 [T] on {self.device}, got {tau.dtype} {tuple(tau.shape)}")
+        if (random_p is None) != (uniform is None):
+            raise ValueError("uniform draws and random_p go together")
+        if uniform is not None and (uniform.shape != (T, H) or uniform.stride(1) != 1 or uniform.dtype != torch.float32
+                                    or uniform.device != self.device):
+            raise ValueError(f"uniform must be float32 [T, H] with head stride 1, got {uniform.dtype} "
+                             f"{tuple(uniform.shape)}")
+        g_out = self._g_out(g_out, T, H, "g_out")
+        flags = torch.empty(T, H, dtype=torch.uint8, device=self.device)
+        if T:
+            self._launch(layer, k_pre, k_post, g_out, flags, tau, uniform, float(random_p or 0.0))
+        return flags.view(torch.bool)
+
+    def _g_out(self, out, T, H, name):
+        if out is not None and (out.shape != (T, H) or out.dtype != torch.float32 or not out.is_contiguous()
+                                or out.device != self.device):
+            raise ValueError(f"{name} must be a contiguous float32 [T, H] on {self.device}, got "
+                             f"{out.dtype} {tuple(out.shape)} on {out.device}")
+        return out
+
+    def _launch(self, layer, k_pre, k_post, g, flags, tau, uniform, random_p):
+        T, H, D = k_post.shape
+        pre_norm, post_norm, w1, b1, w2, b2 = self.layers[layer]
+        admit = (_NO_ADMIT if flags is None else _RANDOM if uniform is not None else _THRESHOLD).value
+        any_f32 = g if g is not None else tau  # placeholders where a pointer is not read
+        _prefill_gate_kernel[(triton.cdiv(T, BLOCK_T), H)](
+            k_pre, k_post, pre_norm, post_norm, w1, b1, w2, b2,
+            any_f32, tau if tau is not None else any_f32, uniform if uniform is not None else any_f32,
+            flags if flags is not None else any_f32,
+            T, H, k_pre.stride(0), k_pre.stride(1), k_post.stride(0), k_post.stride(1),
+            uniform.stride(0) if uniform is not None else 0, random_p, float(self.eps),
+            HEAD_DIM=D, INNER=self.inner, BLOCK_T=BLOCK_T, BLOCK_I=BLOCK_I, WRITE_G=g is not None,
+            ADMIT=admit, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+
+    def _check(self, layer, k_pre, k_post) -> tuple[int, int]:
         T, H, D = k_post.shape
         if k_pre.shape != (T, H, D) or H != self.num_kv_heads or D != self.head_dim:
             raise ValueError(f"k_pre/k_post [T, {self.num_kv_heads}, {self.head_dim}] expected, got "
@@ -123,20 +199,7 @@ class PrefillGate:
             raise ValueError(f"k_pre/k_post must be on {self.device}, got {k_pre.device}, {k_post.device}")
         if not 0 <= layer < len(self.layers):
             raise ValueError(f"layer {layer} out of range for {len(self.layers)} gate layers")
-        if out is None:
-            out = torch.empty(T, H, dtype=torch.float32, device=self.device)
-        elif out.shape != (T, H) or out.dtype != torch.float32 or not out.is_contiguous() or out.device != self.device:
-            raise ValueError(f"out must be a contiguous float32 [T, H] on {self.device}, got "
-                             f"{out.dtype} {tuple(out.shape)} on {out.device}")
-        if T == 0:
-            return out
-        pre_norm, post_norm, w1, b1, w2, b2 = self.layers[layer]
-        _prefill_gate_kernel[(triton.cdiv(T, BLOCK_T), H)](
-            k_pre, k_post, pre_norm, post_norm, w1, b1, w2, b2, out,
-            T, H, k_pre.stride(0), k_pre.stride(1), k_post.stride(0), k_post.stride(1), float(self.eps),
-            HEAD_DIM=D, INNER=self.inner, BLOCK_T=BLOCK_T, BLOCK_I=BLOCK_I,
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-        return out
+        return T, H
 
 
 def checked_prefill_gate(gates, weights: list[tuple] | None = None, rows: int = 300,

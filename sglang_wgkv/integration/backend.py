@@ -23,7 +23,9 @@ start-up check fails; Triton vertical-slash attention over context gathered at h
 columns) and a decode of device work only: :func:`~sglang_wgkv.attention.triton_decode.folded_decode`
 (split-KV over ring + global pages, one launch per layer, whose programs also write the new keys and
 values into their ring slots), and beside it, on a side stream, gate + admission in one launch
-(:class:`~sglang_wgkv.gate.triton_gate.DecodeGate`) and the flags' write.
+(:class:`~sglang_wgkv.gate.triton_gate.DecodeGate`; from
+:data:`~sglang_wgkv.gate.triton_prefill_gate.DECODE_MIN_ROWS` (row, KV head) pairs a step, the
+prefill gate's tensor-core launch, :meth:`PrefillGate.admit`) and the flags' write.
 
 CUDA graphs (decode only, kernels path). SGLang's decode graph runner calls
 ``init_forward_metadata_out_graph`` eagerly before capture (``in_capture=True``) and before every
@@ -179,12 +181,14 @@ class WGKVAttnBackend(AttentionBackend):
         if self.use_kernels:
             from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
             from sglang_wgkv.gate.triton_gate import DecodeGate
-            from sglang_wgkv.gate.triton_prefill_gate import checked_prefill_gate
+            from sglang_wgkv.gate.triton_prefill_gate import DECODE_MIN_ROWS, checked_prefill_gate
 
             self._prefill = vertical_slash_attention
             self.decode_gate = DecodeGate(self.gates, max_rows=model_runner.req_to_token_pool.size * len(self.kv_heads))
             self.prefill_gate = checked_prefill_gate(self.gates, self.decode_gate.layers,
                                                      dtype=model_runner.model_config.dtype)
+            # decode steps of at least this many (row, KV head) pairs take the prefill gate's launch
+            self._tensor_core_gate_rows = DECODE_MIN_ROWS
             self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         # forward_decode (kernels): the gate beside the attention, on CUDA
         self._gate_stream = torch.cuda.Stream(self.device) if self.use_kernels and self.device.type == "cuda" else None
@@ -409,9 +413,12 @@ class WGKVAttnBackend(AttentionBackend):
         main = torch.cuda.current_stream(self.device) if side is not None else None
         if side is not None:
             side.wait_stream(main)
+        random_p = self.config.random_admission if uniform is not None else None
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            admit = self.decode_gate(layer.layer_id, k_pre, k3, rows.tau, uniform,
-                                     self.config.random_admission if uniform is not None else None, rows.gate_splits)
+            if self.prefill_gate is not None and k3.shape[0] * H >= self._tensor_core_gate_rows:  # tensor cores
+                admit = self.prefill_gate.admit(layer.layer_id, k_pre, k3, rows.tau, uniform, random_p)
+            else:
+                admit = self.decode_gate(layer.layer_id, k_pre, k3, rows.tau, uniform, random_p, rows.gate_splits)
             self.dual.write_decode_flags(layer.layer_id, rows.req, rows.pos, admit)
         # The split kernel writes the new key and value into their ring slot itself (the program that
         # holds the slot reads them from k3 / v3): no separate ring-write launch on the main stream.
