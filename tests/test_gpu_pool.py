@@ -108,8 +108,14 @@ def _twin_decode_run(seed, dev, L=4, H=8, D=128, W=64, steps=48):
         pool.check_integrity()
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_triton_decode_promote_matches_torch(seed):
+@pytest.mark.parametrize("seed,scan_block", [(0, None), (1, None), (1, 32)])
+def test_triton_decode_promote_matches_torch(seed, scan_block, monkeypatch):
+    """Scan block 32: the 4 x 32 items of a step run as four parallel blocks (counts, allocation,
+    num_free) instead of the single-program scan."""
+    from sglang_wgkv.memory import triton_pool
+
+    if scan_block:
+        monkeypatch.setattr(triton_pool, "PROMOTE_SCAN_BLOCK", scan_block)
     assert DualCachePool(1, 1, 16, 4, 1, 64, config=WGKVConfig(local_window=16), device="cuda").triton_decode
     _twin_decode_run(seed, "cuda")
 

@@ -47,7 +47,8 @@ class DecodeStep:
 
         No host sync unless :meth:`PageAllocator.ensure` needs one (its free-page floor ran out).
         With ``triton_decode``: promotion and the plan's ring page / offset / length come from two
-        Triton launches (plus three small ``torch.empty``), the only other device work being the
+        Triton launches (four past ``triton_pool.PROMOTE_SCAN_BLOCK`` request x layer x head items;
+        plus three small ``torch.empty``), the only other device work being the
         ring-page allocation of a request whose ring crosses a page boundary (``seq_len < W``).
         """
         req_slots, seq_lens = np.asarray(req_slots, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64)
