@@ -33,7 +33,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import Deadline, environment, write_json  # noqa: E402
-from benchmarks.kernel_decode import D, DT, HKV, HQ, TOKEN_BYTES, W, FoldedPool, global_lengths, graph_ms, layers_for  # noqa: E402
+from benchmarks.kernel_decode import (D, DT, HKV, HQ, TOKEN_BYTES, W, FoldedPool, global_lengths,  # noqa: E402
+                                      graph_ms, layers_for)
 
 W1_TOKENS = 126976 + 128
 W1_POS = W1_TOKENS - 1  # the decoded position of fused_write: slot pos % W lies in the (full) ring

@@ -201,8 +201,15 @@ def _split_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    # The new token's ring slot (WRITE_NEW): read from KNew / VNew after the loop, not from the pages.
+    # The new token's ring slot (WRITE_NEW): its key, value and page are loaded here, ahead of the loop
+    # (their latency hidden behind it), by the program whose chunk holds it; the loop skips the slot.
     new_tok = (tl.load(Pos + b) % window).to(tl.int32) if WRITE_NEW else -1
+    holds_new = (new_tok >= start) & (new_tok < end)
+    if WRITE_NEW:
+        new_row = b.to(tl.int64) * stride_nb + h * stride_nh + offs_d
+        kn = tl.load(KNew + new_row, mask=holds_new, other=0.0).to(K.dtype.element_ty)
+        vn = tl.load(VNew + new_row, mask=holds_new, other=0.0).to(V.dtype.element_ty)
+        new_page = tl.load(pt_row + (new_tok // PAGE) * stride_pc, mask=holds_new, other=0).to(tl.int64)
     for s in range(start, end, BLOCK_N):
         tok = s + offs_n
         ok = (tok < end) & (tok != new_tok)
@@ -221,12 +228,9 @@ def _split_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
         m_i = m_new
     if WRITE_NEW:
-        if (new_tok >= start) & (new_tok < end):
-            # This program holds the new token's slot: one more online-softmax step with its key and
-            # value (rounded to the pool's dtype, as read back later), then the ring write.
-            b64 = b.to(tl.int64)
-            kn = tl.load(KNew + b64 * stride_nb + h * stride_nh + offs_d).to(K.dtype.element_ty)
-            vn = tl.load(VNew + b64 * stride_nb + h * stride_nh + offs_d).to(V.dtype.element_ty)
+        if holds_new:
+            # One more online-softmax step with the new key and value (rounded to the pool's dtype, as
+            # read back later), then the ring write.
             qk_n = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], 1) * qk_scale
             m_new = tl.maximum(m_i, qk_n)
             p_n = tl.math.exp2(qk_n - m_new)
@@ -234,9 +238,8 @@ def _split_kernel(
             l_i = l_i * alpha + p_n
             acc = acc * alpha[:, None] + p_n[:, None] * vn.to(tl.float32)[None, :]
             m_i = m_new
-            page = tl.load(pt_row + (new_tok // PAGE) * stride_pc).to(tl.int64)
-            tl.store(K + page * stride_kp + (new_tok % PAGE) * stride_kt + offs_d, kn)
-            tl.store(V + page * stride_vp + (new_tok % PAGE) * stride_vt + offs_d, vn)
+            tl.store(K + new_page * stride_kp + (new_tok % PAGE) * stride_kt + offs_d, kn)
+            tl.store(V + new_page * stride_vp + (new_tok % PAGE) * stride_vt + offs_d, vn)
     o_ptr = PartO + b.to(tl.int64) * stride_ob + qhead[:, None] * stride_oh + split * stride_os + offs_d[None, :]
     tl.store(o_ptr, acc / l_i[:, None], mask=row_ok[:, None])
     tl.store(PartLse + b.to(tl.int64) * stride_lb + qhead * stride_lh + split, m_i + tl.math.log2(l_i), mask=row_ok)

@@ -276,7 +276,8 @@ def decode_promote(pool, req: torch.Tensor, pos: torch.Tensor, plan_out=None, lo
     Two kernel launches (one single-program allocation scan, one grid that moves the rows); past
     :data:`PROMOTE_SCAN_BLOCK` items (``B * L * H``) the scan runs over blocks of that many in
     parallel (three launches: counts, allocation, ``num_free``; one ``[blocks]`` int64 allocation).
-    No host sync: capturable in a CUDA graph (the values of ``req`` / ``pos`` at replay are used). The host-side ``free_floor`` bookkeeping (``-= B * L * H``, skipped with
+    No host sync: capturable in a CUDA graph (the values of ``req`` / ``pos`` at replay are used).
+    The host-side ``free_floor`` bookkeeping (``-= B * L * H``, skipped with
     ``lower_floor=False``) happens at call time only, so a caller that replays a captured promotion
     must call ``ensure`` and lower ``pool.allocator.free_floor`` itself before each replay.
 
