@@ -125,6 +125,28 @@ def kernel_decode(d: dict) -> list[str]:
     return lines
 
 
+def decode_fixed_cost(d: dict) -> list[str]:
+    """``decode_fixed_cost.py``: per-layer time of each decode variant by length, the fit
+    ``fixed + bytes / bandwidth`` and the split sweep at the W1 length."""
+    s = d["shape"]
+    lines = [f"Command: {cmd(d['command'])}; {d['env'].get('gpu')}. Batch {s['batch']}, Hq {s['Hq']}, Hkv {s['Hkv']}, "
+             f"D {s['head_dim']}, W_local {s['local_window']}, rejection {s['rejection']}; us per layer under "
+             f"CUDA-graph replay, {d['default_splits']} splits.", ""]
+    rows = [r for r in d["by_length"] if "ms_per_layer" in r]
+    names = list(rows[0]["ms_per_layer"]) if rows else []
+    lines += table(["N", "KV MB per layer"] + names,
+                   [[r["n"], f(r["kv_bytes_per_layer"] / 1e6, 1)] + [f(r["ms_per_layer"][k] * 1e3, 1) for k in names]
+                    for r in rows])
+    lines += table(["variant", "fixed us per launch", "marginal TB/s"],
+                   [[k, f(v["fixed_us"], 2), f(v["tbps_marginal"] / 1e3, 2)] for k, v in d["fit"].items()])
+    if d.get("empty_ms_per_layer") is not None:
+        lines += [f"Empty launch (one token per stream): {f(d['empty_ms_per_layer'] * 1e3, 2)} us per layer.", ""]
+    if d.get("splits_sweep"):
+        lines += table(["splits (W1 length, fused write)", "us per layer", "TB/s"],
+                       [[r["splits"], f(r["ms_per_layer"] * 1e3, 1), f(r["tbps"])] for r in d["splits_sweep"]])
+    return lines
+
+
 def kernel_attention(d: dict) -> list[str]:
     lines = [f"Command: {cmd(d['env']['command'])}; {d['env'].get('gpu')}.", ""]
     rows = []
@@ -213,7 +235,7 @@ def served_workload(d: dict) -> list[str]:
     """``serving/W*.json``: one workload, both engines, with the decode profile where one was taken."""
     w = d["workload"]
     lines = [f"{w['id']}: {w['prompts']} x ({w['input_len']} + {w['output_len']}) tokens; goal: {w['goal']}.", ""]
-    rows, phases = [], {}
+    rows, phases, loaded, prefill = [], {}, {}, {}
     for server, run in d["runs"].items():
         r = run.get("result") or {}
         rows.append([server, f(run.get("startup_s"), 0), run.get("max_total_num_tokens"), run.get("max_running_seen"),
@@ -221,19 +243,25 @@ def served_workload(d: dict) -> list[str]:
                      f(r.get("output_throughput"), 1), run.get("error", "")[:80] if run.get("error") else ""])
         for summ in (run.get("profile") or {}).get("summary", []):
             phases[server] = summ
+        for summ in (run.get("profile_under_load") or {}).get("summary", []):
+            loaded[server] = summ
+        for summ in (run.get("profile_prefill") or {}).get("summary", []):
+            prefill[server] = summ
     lines += table(["server", "start s", "KV tokens (logical)", "max running", "TTFT p50 s", "TPOT p50 ms",
                     "output tok/s", "error"], rows)
     if d.get("leases"):
         lines += ["", f"Machines: {d['leases']}."]
-    if phases:
-        names = sorted({k for p in phases.values() for k in p.get("phase_us_per_step", {})},
-                       key=lambda k: -max(p.get("phase_us_per_step", {}).get(k, 0) for p in phases.values()))
-        prow = [[k] + [f(p.get("phase_us_per_step", {}).get(k), 0) for p in phases.values()] for k in names]
-        prow += [["GPU busy / idle per step"] + [f"{f(p['gpu_busy_us_per_step'], 0)} / {f(p['gpu_idle_us_per_step'], 0)}"
-                                                for p in phases.values()]]
-        lines += [f"Decode step, GPU time per phase (us per step; torch profiler over {next(iter(phases.values()))['steps']}"
-                  " decode steps, CPU activities recorded too):", ""]
-        lines += table(["phase"] + list(phases), prow)
+    for what, got in (("Decode step on the idle server", phases), ("Decode step under the workload's load", loaded),
+                      ("Prefill chunk", prefill)):
+        if got:
+            names = sorted({k for p in got.values() for k in p.get("phase_us_per_step", {})},
+                           key=lambda k: -max(p.get("phase_us_per_step", {}).get(k, 0) for p in got.values()))
+            prow = [[k] + [f(p.get("phase_us_per_step", {}).get(k), 0) for p in got.values()] for k in names]
+            prow += [["GPU busy / idle"] + [f"{f(p['gpu_busy_us_per_step'], 0)} / {f(p['gpu_idle_us_per_step'], 0)}"
+                                            for p in got.values()]]
+            lines += [f"{what}, GPU time per phase (us per {'chunk' if got is prefill else 'step'}; torch profiler "
+                      f"over {next(iter(got.values()))['steps']} of them, CPU activities recorded too):", ""]
+            lines += table(["phase"] + list(got), prow)
     return lines
 
 
@@ -384,6 +412,8 @@ def renderer(d: dict):
         return fig8
     if "sweep" in d and "decode" in d:
         return kernel_decode
+    if "fit" in d and "by_length" in d:
+        return decode_fixed_cost
     if "prefill" in d or ("decode" in d and "shape" in d):
         return kernel_attention
     if "maybe_evict_no_candidate_us" in d:
