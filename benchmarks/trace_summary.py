@@ -99,19 +99,27 @@ def idle_gaps(kernels: list[dict]) -> list[tuple[float, float, str, str]]:
 
 
 def describe_gap(gap: tuple[float, float, str, str], events: list[dict], top: int = 5) -> dict:
-    """One idle gap: its length, the kernels around it, and the host events overlapping it most
-    (shortest first among equal overlaps: the innermost call, not the step around it)."""
+    """One idle gap: its length, the kernels around it, the host events overlapping it most
+    (shortest first among equal overlaps: the innermost call, not the step around it), and under
+    ``inside`` the host calls that ran mostly within it (at least half of their own time), largest
+    overlap first: when no single call covers the gap (several calls in turn), these say which."""
     a, b, before, after = gap
-    host = []
+    host, inside = [], []
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in HOST_CATS:
             overlap = min(b, e["ts"] + e["dur"]) - max(a, e["ts"])
             if overlap > 0:
-                host.append((-overlap, e["dur"], e["name"][:100], e["cat"]))
+                row = (-overlap, e["dur"], e["name"][:100], e["cat"])
+                host.append(row)
+                if overlap >= 0.5 * e["dur"] and e["dur"] < b - a:
+                    inside.append(row)
     host.sort()
+    inside.sort()
+
+    def rows(found):
+        return [{"name": n, "cat": c, "overlap_us": round(-o, 1), "dur_us": round(d, 1)} for o, d, n, c in found[:top]]
     return {"idle_us": round(b - a, 1), "after_kernel": before[:100], "before_kernel": after[:100],
-            "host": [{"name": n, "cat": c, "overlap_us": round(-o, 1), "dur_us": round(d, 1)}
-                     for o, d, n, c in host[:top]]}
+            "host": rows(host), "inside": rows(inside)}
 
 
 def recategorize(summary: dict) -> dict:

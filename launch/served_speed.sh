@@ -17,6 +17,11 @@
 #   ~140 s: 63 s of decode-graph capture, bs 1-64, then ~25 s of Triton compiles in the warm-up);
 #   `run upstream W1,W2` with the W1 profile and a cold FlashInfer JIT 391 s; `run wgkv W2` alone
 #   ~230 s (did not fit in 225 s). Session 4: W3 ~150 s (WG-KV) + ~250 s (upstream), W4 ~120 + ~190 s.
+#   2026-12-01 night, one lease of 1,704 s: setup + GPU tests (52) + benchmarks/decode_fixed_cost.py 211 s;
+#   `run wgkv W1,W0,W2` (W1 decode + W2 prefill profiles) 426 s; `run upstream W1,W2` (cold JIT) 398 s;
+#   `run wgkv W3` with the load profile 233 s; `run upstream W3` (warm JIT) 324 s.
+# To read a trace here (host gaps: trace_summary's largest_idle_gaps / inside), give --profile-dir
+# under $OUT (a .trace.json.gz under 16 MB comes back).
 # `run` writes part.<server>.<tag>.json, bench_serving's JSON lines and the server logs to $OUT. The
 # first upstream run on a machine compiles FlashInfer's kernels (~3.5 min) and leaves the cache as
 # $OUT/fi_cache.tgz: unpack it here into .fi/ (tar xzf fi_cache.tgz -C .fi) and carry .fi later, so

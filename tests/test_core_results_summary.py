@@ -65,5 +65,7 @@ def test_trace_summary_attributes_idle_gaps_to_host_events():
     # the Python op covers 1,850 us of the gap, the step annotation all 2,000 (listed first); aten::add 50
     assert [h["name"] for h in first["host"]] == ["forward_step", "aten::index_put_", "aten::add"]
     assert first["host"][1]["overlap_us"] == 1850.0
+    # Calls that ran mostly within the gap (not the step around it): the Python op, then aten::add.
+    assert [h["name"] for h in first["inside"]] == ["aten::index_put_", "aten::add"]
     assert (second["idle_us"], second["after_kernel"], second["before_kernel"]) == (100.0, "_vertical_slash_fwd",
                                                                                  "act_and_mul_kernel")
