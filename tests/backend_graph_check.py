@@ -8,8 +8,9 @@ imports), by :mod:`tests.test_backend_graph_cpu`::
 Two identical pools hold three prefilled requests (one past W_local, so with global pages; slot 0 is
 SGLang's padding row). Backend A decodes them eagerly on the reference path; backend B runs what a
 decode CUDA graph runs: capture preparation (every row padding) plus two warm-up forwards, then the
-replay preparation for a batch of 3 padded to 5 and the per-layer kernels path (fused gate +
-admission -> ``decode_write`` -> ``folded_decode``; the reference path runs the torch gate). Checks: capture and warm-up leave every live request's pool
+replay preparation for a batch of 3 padded to 5 and the per-layer kernels path (``folded_decode``
+with the ring write fused, the gate + admission in one launch - DecodeGate's, then in a second run
+the prefill gate's tensor-core launch - and the flags' write; the reference path runs the torch gate). Checks: capture and warm-up leave every live request's pool
 state untouched; the replay gives A's attention outputs and pool state (per-request tau included);
 the evictor's window records the same queries. Prints ``OK`` or raises.
 """
@@ -23,6 +24,7 @@ from interp_gate_check import make_gates
 from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.gate.admission import DeferredGateCheck
 from sglang_wgkv.gate.triton_gate import DecodeGate
+from sglang_wgkv.gate.triton_prefill_gate import PrefillGate
 from sglang_wgkv.integration.backend import SCRATCH_SLOT, WGKVAttnBackend, _DecodeRows
 from sglang_wgkv.memory import DualCachePool
 from sglang_wgkv.memory.evictor import SnapKVEvictor
@@ -58,7 +60,9 @@ class Capture:
 GATES = make_gates(D, H, 2 * D, seed=5, device="cpu")  # real write gates with varied decisions
 
 
-def make_backend(pool: DualCachePool, use_kernels: bool) -> WGKVAttnBackend:
+def make_backend(pool: DualCachePool, use_kernels: bool, tensor_core_gate: bool = False) -> WGKVAttnBackend:
+    """``tensor_core_gate``: the decode gate of every batch is the prefill gate's launch
+    (:meth:`PrefillGate.admit`; served from ``DECODE_MIN_ROWS`` (row, head) pairs a step)."""
     b = object.__new__(WGKVAttnBackend)
     slot_tau = torch.full((pool.max_requests,), pool.config.tau)
     for r, t in TAU.items():
@@ -70,7 +74,9 @@ def make_backend(pool: DualCachePool, use_kernels: bool) -> WGKVAttnBackend:
         evictor=SnapKVEvictor(pool=pool, budget=10_000, num_q_heads=HQ, window=16), _extend=None,
         _rows=None, _row_tau=None, batch_slots=None, batch_prompt_ends=None, _graph=None, _graph_launch={},
         _gate_stream=None, _extend_plan=None, _indptrs=None,
-        _gate_check=DeferredGateCheck(pool.num_layers, pool.device))
+        _gate_check=DeferredGateCheck(pool.num_layers, pool.device), _tensor_core_gate_rows=1)
+    if tensor_core_gate:
+        b.prefill_gate = PrefillGate(GATES, b.decode_gate.layers)
     return b
 
 
@@ -112,11 +118,11 @@ def assert_same(a, b, what):
         assert bool(same), f"{what}: {key} differs"
 
 
-def main():
+def main(tensor_core_gate: bool):
     pool_a = build_pool()
     pool_b = copy.deepcopy(pool_a)
     pool_b.triton_decode = True  # the kernels path's pool: Triton promotion and ring write (interpreted)
-    a, b = make_backend(pool_a, use_kernels=False), make_backend(pool_b, use_kernels=True)
+    a, b = make_backend(pool_a, use_kernels=False), make_backend(pool_b, True, tensor_core_gate)
     gen = torch.Generator().manual_seed(1)
     B, BS = len(SLOTS), 5
 
@@ -161,8 +167,9 @@ def main():
     live = torch.tensor(SLOTS)
     assert torch.equal(ev_a.q_pos[live], ev_b.q_pos[live]) and torch.equal(ev_a.q_buf[live], ev_b.q_buf[live])
     pool_b.check_integrity()
-    print("OK")
+    print("decode gate:", "PrefillGate.admit" if tensor_core_gate else "DecodeGate", "OK")
 
 
 if __name__ == "__main__":
-    main()
+    for tensor_core in (False, True):
+        main(tensor_core)

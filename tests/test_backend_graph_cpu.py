@@ -21,4 +21,6 @@ def test_graph_decode_path_matches_eager_reference():
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}  # CPU even on a GPU host
     proc = subprocess.run([sys.executable, os.path.join(HERE, "backend_graph_check.py")], env=env,
                           capture_output=True, text=True, timeout=600, cwd=os.path.dirname(HERE))
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0 and lines[-2:] == ["decode gate: DecodeGate OK", "decode gate: PrefillGate.admit OK"], \
+        proc.stdout[-3000:] + proc.stderr[-3000:]

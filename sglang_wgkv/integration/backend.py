@@ -405,14 +405,22 @@ class WGKVAttnBackend(AttentionBackend):
         if k3.stride() != v3.stride() or k3.stride(2) != 1:  # the fused ring write reads both with k's strides
             k3, v3 = k3.contiguous(), v3.contiguous()
         # The gate and the flags it decides run on a side stream, beside this layer's attention: the
-        # attention reads the new token's key and value (written here first) but not its flag, which
-        # only the next step's promotion reads. The main stream joins the side stream after the
-        # attention launch, so a captured graph forks and joins within the layer.
-        # (One stream where there is none: the Triton interpreter on CPU.)
+        # attention reads the new token's key and value (and writes them into their ring slot: the
+        # program that holds the slot reads them from k3 / v3) but not its flag, which only the next
+        # step's promotion reads. The split kernel is launched first, the side stream forking from
+        # the point before it, so that in a captured graph its programs are issued ahead of the
+        # gate's (which take the SMs it leaves); the main stream joins the side stream after it, so
+        # the graph forks and joins within the layer. (One stream where there is none: the Triton
+        # interpreter on CPU.)
         side = self._gate_stream
         main = torch.cuda.current_stream(self.device) if side is not None else None
+        fork = main.record_event() if side is not None else None
+        out = folded_decode(q3.to(self.dual.dtype), self.dual.k_pages, self.dual.v_pages, self.dual.page_table,
+                            self.dual.global_len, rows.req, rows.ring, layer.layer_id, sm_scale=layer.scaling,
+                            num_splits=rows.num_splits, workspace=rows.workspace,
+                            new_k=k3, new_v=v3, pos=rows.pos, window=self.dual.window)
         if side is not None:
-            side.wait_stream(main)
+            side.wait_event(fork)
         random_p = self.config.random_admission if uniform is not None else None
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             if self.prefill_gate is not None and k3.shape[0] * H >= self._tensor_core_gate_rows:  # tensor cores
@@ -420,12 +428,6 @@ class WGKVAttnBackend(AttentionBackend):
             else:
                 admit = self.decode_gate(layer.layer_id, k_pre, k3, rows.tau, uniform, random_p, rows.gate_splits)
             self.dual.write_decode_flags(layer.layer_id, rows.req, rows.pos, admit)
-        # The split kernel writes the new key and value into their ring slot itself (the program that
-        # holds the slot reads them from k3 / v3): no separate ring-write launch on the main stream.
-        out = folded_decode(q3.to(self.dual.dtype), self.dual.k_pages, self.dual.v_pages, self.dual.page_table,
-                            self.dual.global_len, rows.req, rows.ring, layer.layer_id, sm_scale=layer.scaling,
-                            num_splits=rows.num_splits, workspace=rows.workspace,
-                            new_k=k3, new_v=v3, pos=rows.pos, window=self.dual.window)
         if side is not None:
             main.wait_stream(side)
         return out.to(q.dtype).reshape(-1, Hq * Dv)
