@@ -150,7 +150,7 @@ class PrefillGate:
         g_out : optional contiguous ``[T, H]`` float32 that receives the gate values.
         """
         T, H = self._check(layer, k_pre, k_post)
-        tau = tau.reshape(-1)
+        tau = tau.reshape(-1).contiguous()  # the kernel reads Tau + row
         if tau.shape != (T,) or tau.dtype != torch.float32 or tau.device != self.device:
             raise ValueError(f"tau must be float32 [T] on {self.device}, got {tau.dtype} {tuple(tau.shape)}")
         if (random_p is None) != (uniform is None):
