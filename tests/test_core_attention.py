@@ -156,3 +156,22 @@ def test_vertical_slash_in_query_blocks_equals_one_block(monkeypatch, block):
     whole = reference.vertical_slash_attention(*args)
     monkeypatch.setattr(reference, "SCORE_BLOCK_ELEMS", block)
     torch.testing.assert_close(reference.vertical_slash_attention(*args), whole, rtol=1e-5, atol=1e-6)
+
+
+def test_vertical_slash_query_that_sees_no_key_gets_zeros():
+    """A query positioned before every key (none visible) outputs zeros, not NaN; the others of its
+    block are unaffected (the in-place softmax guards its all-masked rows)."""
+    from sglang_wgkv.attention.reference import vertical_slash_attention
+
+    gen = torch.Generator().manual_seed(1)
+    Hq, Hkv, D, n = 4, 2, 8, 6
+    q = torch.randn(3, Hq, D, generator=gen)
+    k, v = torch.randn(n, Hkv, D, generator=gen), torch.randn(n, Hkv, D, generator=gen)
+    k_pos = torch.arange(10, 10 + n)
+    q_pos = torch.tensor([2, 12, 15])  # the first sees nothing; the second the keys at 10-12
+    out = vertical_slash_attention(q, k, v, torch.zeros(n, Hkv, dtype=torch.bool), torch.tensor([0, 3]),
+                                   torch.tensor([0, n]), q_pos, k_pos, local_window=4)
+    assert torch.isfinite(out).all() and not out[0].any()
+    for h in range(Hq):  # query 1 attends to keys 0..2 of its KV head (positions 10-12, all in the band)
+        kk, vv = k[:3, h // 2], v[:3, h // 2]
+        torch.testing.assert_close(out[1, h], torch.softmax(q[1, h] @ kk.t() / D ** 0.5, -1) @ vv)

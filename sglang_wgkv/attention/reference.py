@@ -14,7 +14,8 @@ import math
 
 import torch
 
-# Attention scores (float32) computed at once by :func:`vertical_slash_attention` (64 MiB).
+# Attention scores (float32) computed at once by :func:`vertical_slash_attention` (64 MiB; the softmax
+# runs in place on them, so one block is most of what a prefill layer holds on the CPU path).
 SCORE_BLOCK_ELEMS = 1 << 24
 
 
@@ -88,17 +89,24 @@ def vertical_slash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         qs, qe, ks, ke = qo[b], qo[b + 1], kv[b], kv[b + 1]
         if qe == qs or ke == ks:
             continue
-        kb = _expand_gqa(k[ks:ke].transpose(0, 1).float(), group, 0)   # [Hq, nk, D]
-        vb = _expand_gqa(v[ks:ke].transpose(0, 1).float(), group, 0)
-        rows = max(1, SCORE_BLOCK_ELEMS // (Hq * (ke - ks)))
+        nk = ke - ks
+        kb = k[ks:ke].transpose(0, 1).float()   # [Hkv, nk, D]: a GQA group's queries share their head's keys
+        vb = v[ks:ke].transpose(0, 1).float()
+        rows = max(1, SCORE_BLOCK_ELEMS // (Hq * nk))
         for q0 in range(qs, qe, rows):
             q1 = min(qe, q0 + rows)
-            mask = vertical_slash_mask(q_pos[q0:q1], k_pos[ks:ke], admitted[ks:ke], local_window)
-            mask = _expand_gqa(mask, group, 0)  # [Hq, nq, nk]
-            qb = q[q0:q1].transpose(0, 1).float()  # [Hq, nq, D]
-            scores = (qb @ kb.transpose(1, 2)).mul_(scale).masked_fill_(~mask, float("-inf"))
-            probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
-            out[q0:q1] = (probs @ vb).transpose(0, 1).to(q.dtype)
+            nq = q1 - q0
+            mask = vertical_slash_mask(q_pos[q0:q1], k_pos[ks:ke], admitted[ks:ke], local_window)  # [Hkv, nq, nk]
+            qb = q[q0:q1].float().view(nq, Hkv, group, D).permute(1, 2, 0, 3).reshape(Hkv, group * nq, D)
+            scores = torch.bmm(qb, kb.transpose(1, 2)).view(Hkv, group, nq, nk)
+            # softmax over the visible keys, in place (one score block of temporaries); a query that
+            # sees no key gets zeros
+            scores.mul_(scale).masked_fill_(~mask[:, None], float("-inf"))
+            peak = scores.amax(-1, keepdim=True)
+            scores.sub_(peak.nan_to_num_(0.0, posinf=0.0, neginf=0.0)).exp_()
+            scores.div_(scores.sum(-1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny))
+            o = torch.bmm(scores.view(Hkv, group * nq, nk), vb)                  # [Hkv, group * nq, D]
+            out[q0:q1] = o.view(Hkv, group, nq, D).permute(2, 0, 1, 3).reshape(nq, Hq, D).to(q.dtype)
     return out
 
 
