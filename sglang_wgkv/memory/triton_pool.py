@@ -201,12 +201,10 @@ def _promote_block(Req, Pos, RingFlag, GlobalLen, PageTable, FreeStack, Ref, Lef
 @triton.jit
 def _promote_alloc_kernel(Req, Pos, RingFlag, GlobalLen, PageTable, FreeStack, NumFree, Ref, LeftRing, Promoted,
                           n_items, LH, window, ring_cols, cols, BLOCK: tl.constexpr):
-    # One program, the blocks in order: the allocation order of alloc_where.
+    # One program, every item in one block (n_items <= BLOCK): the allocation order of alloc_where.
     num_free = tl.load(NumFree)
-    taken = num_free * 0
-    for start in range(0, n_items, BLOCK):
-        taken += _promote_block(Req, Pos, RingFlag, GlobalLen, PageTable, FreeStack, Ref, LeftRing, Promoted,
-                                start, n_items, num_free, taken, LH, window, ring_cols, cols, BLOCK)
+    taken = _promote_block(Req, Pos, RingFlag, GlobalLen, PageTable, FreeStack, Ref, LeftRing, Promoted,
+                           0, n_items, num_free, num_free * 0, LH, window, ring_cols, cols, BLOCK)
     tl.store(NumFree, num_free - taken)
 
 
