@@ -217,6 +217,8 @@ def run(a) -> None:
                     # Compiles kernels and captures nothing new: 1 x (<= 8K + 16) tokens, another seed.
                     warm = bench_command(w, srv.url, out_dir / "warmup.jsonl", 7, 1, 16, body, min(w.input_len, 8192))
                     run_bench(warm, out_dir / "warmup.jsonl", a.bench_timeout)
+                    if a.warm_only:  # compiles (FlashInfer's JIT cache) and times nothing
+                        continue
                     timed = bench_command(w, srv.url, out_dir / f"bench.{a.server}.{w.id}.jsonl", 1,
                                           w.prompts, w.output_len, body)
                     rec["bench_command"] = shlex.join(timed)
@@ -454,6 +456,8 @@ def main(argv=None) -> None:
                    "workloads' decode steps under their own load (e.g. W3 at batch 128)")
     r.add_argument("--profile-prefill-workloads", default="", help="with --profile-dir: also profile the "
                    "prefill (every chunk) of one request of these workloads on the idle server")
+    r.add_argument("--warm-only", action="store_true", help="start each server and send the warm-up request "
+                   "only (builds FlashInfer's JIT cache beside other work; writes no runs)")
     r.add_argument("--profile-load-delay-s", type=float, default=30, help="then until no request waits")
     m = sub.add_parser("merge")
     m.add_argument("parts", nargs="+")
