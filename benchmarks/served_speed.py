@@ -51,8 +51,13 @@ sys.path.insert(0, str(REPO))  # run as a script: this checkout's sglang_wgkv, n
 from sglang_wgkv.server_process import ServerProcess, free_port  # noqa: E402
 
 CONFIG_DIR = REPO / "launch" / "configs" / "llama-3.1-8b"
+# --incremental-streaming-output (both servers): SGLang's /generate stream otherwise repeats the whole
+# text so far in every chunk, O(n^2) per request in the server's tokenizer manager and in
+# bench_serving's one asyncio thread. Seen on 2026-12-02 (W3, 128 streams x 4,096 tokens): the WG-KV
+# server decoded at 14.6K-10K tok/s by its own log, the client saw median ITL 9.2 ms but mean 18.2 ms
+# (p99 159 ms) and finished 25 s after the server's last decode step.
 COMMON = ("--load-format dummy --disable-radix-cache --sampling-backend pytorch --disable-prefill-cuda-graph "
-          "--log-level info")
+          "--incremental-streaming-output --log-level info")
 WGKV_ADMISSION = "--wgkv-random-admission 0.25"
 
 
