@@ -20,6 +20,10 @@
 #   2026-12-01 night, one lease of 1,704 s: setup + GPU tests (52) + benchmarks/decode_fixed_cost.py 211 s;
 #   `run wgkv W1,W0,W2` (W1 decode + W2 prefill profiles) 426 s; `run upstream W1,W2` (cold JIT) 398 s;
 #   `run wgkv W3` with the load profile 233 s; `run upstream W3` (warm JIT) 324 s.
+#   2026-12-02, two leases: call 1 setup 5 s; call 2 (carry .kit2) GPU tests (53) beside a
+#   `run upstream W3 --warm-only` in the background that builds the FlashInfer cache (~300 s in all,
+#   401 s); `run wgkv W3` with the load profile 278 s; `run upstream W3` (warm) 338 s. Second lease
+#   (carry .kit2 + .fi): `run wgkv W3` 287 s; `run upstream W3` did not finish in the 373 s left.
 # To read a trace here (host gaps: trace_summary's largest_idle_gaps / inside), give --profile-dir
 # under $OUT (a .trace.json.gz under 16 MB comes back).
 # `run` writes part.<server>.<tag>.json, bench_serving's JSON lines and the server logs to $OUT. The
@@ -40,8 +44,10 @@ run)
     if [ -d .fi/flashinfer ] && [ ! -d ~/.cache/flashinfer ]; then
         mkdir -p ~/.cache && cp -r .fi/flashinfer ~/.cache/
         # The wheels were just unpacked (new mtimes): make the cached objects newer than FlashInfer's
-        # headers, or ninja rebuilds every module (~3 min, seen on 2026-11-30).
-        find ~/.cache/flashinfer -type f -exec touch {} +
+        # headers, or ninja rebuilds every module (~3 min, seen on 2026-11-30). One timestamp for all:
+        # touched one after the other, a generated source can come out newer than its object, and
+        # ninja rebuilds that module (2026-12-02: norm.so rebuilt, upstream's start 178 s against 42).
+        now=$(date +%s); find ~/.cache/flashinfer -type f -exec touch -d "@$now" {} +
     fi
     cache_before=$(du -s ~/.cache/flashinfer 2>/dev/null | cut -f1 || true)
     . /tmp/pp
