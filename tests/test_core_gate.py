@@ -66,6 +66,23 @@ def _official_forward(state, i, kp, kq, eps=1e-6):
 
 # The two published layouts: Llama gates with I = 4 * head_dim, Qwen3 gates with I = 1.5 * head_dim
 # (192 for head_dim 128; here 48 for head_dim 32, which is no multiple of head_dim either).
+@pytest.mark.parametrize("T", [1, 7, 8, 9, 16, 23])
+def test_blocked_inference_equals_one_pass(monkeypatch, T):
+    """Without autograd the gate runs rows in blocks (bounded temporaries); every row's value is the
+    one-pass value across block edges and a short last block (to rounding: a one-row block's matmul
+    sums in another order)."""
+    from sglang_wgkv.gate import mlp
+
+    monkeypatch.setattr(mlp, "INFERENCE_ROW_BLOCK", 8)
+    gates = _gates()
+    kp, kq = torch.randn(T, 2, 16), torch.randn(T, 2, 16)
+    one_pass = gates(2, kp, kq).detach()  # autograd on: never blocked
+    with torch.no_grad():
+        blocked = gates(2, kp, kq)
+    assert blocked.shape == (T, 2)
+    torch.testing.assert_close(blocked, one_pass, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("layout, H, D, hidden", [("llama", 3, 8, 32), ("qwen3", 2, 32, 48), ("qwen3-d128", 1, 128, 192)])
 def test_official_pt_round_trip(tmp_path, layout, H, D, hidden):
     gates = _gates(L=2, H=H, D=D, hidden=hidden)
