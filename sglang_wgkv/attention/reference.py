@@ -14,11 +14,12 @@ import math
 
 import torch
 
-# Attention scores (float32) computed at once by :func:`vertical_slash_attention` (16 MiB; the softmax
-# runs in place on them, so one block is most of what a prefill layer holds on the CPU path). A 2K x
-# 6.6K extend of SmolLM2's shape held ~70 MiB of temporaries with this, ~200 MiB with 1 << 24, at the
-# same speed (2-core CPU).
-SCORE_BLOCK_ELEMS = 1 << 22
+# Attention scores (float32) computed at once by :func:`vertical_slash_attention` (4 MiB; the softmax
+# runs in place on them, so one block is most of what a prefill layer holds on the CPU path). One
+# 6.5K-token extend of SmolLM2's shape (ru_maxrss, 2-core CPU): 1 << 22 held 105-135 MiB (glibc keeps
+# freed blocks of that size in its heap), 1 << 20 65 MiB, at the same speed (2.8 s a layer); the README
+# server's peak RSS with three 6.5K prompts went 7.03 -> 6.98 GiB (upstream 7.01 GiB, same box).
+SCORE_BLOCK_ELEMS = 1 << 20
 
 
 def _expand_gqa(x: torch.Tensor, group: int, dim: int) -> torch.Tensor:
@@ -92,8 +93,10 @@ def vertical_slash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         if qe == qs or ke == ks:
             continue
         nk = ke - ks
-        kb = k[ks:ke].transpose(0, 1).float()   # [Hkv, nk, D]: a GQA group's queries share their head's keys
-        vb = v[ks:ke].transpose(0, 1).float()
+        # [Hkv, nk, D], contiguous once (bmm would copy a strided operand every block): a GQA group's
+        # queries share their head's keys
+        kb = k[ks:ke].transpose(0, 1).float().contiguous()
+        vb = v[ks:ke].transpose(0, 1).float().contiguous()
         rows = max(1, SCORE_BLOCK_ELEMS // (Hq * nk))
         for q0 in range(qs, qe, rows):
             q1 = min(qe, q0 + rows)
