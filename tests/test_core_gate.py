@@ -64,8 +64,6 @@ def _official_forward(state, i, kp, kq, eps=1e-6):
     return torch.sigmoid(F.conv1d(hid, state[p + "conv2.weight"], state[p + "conv2.bias"], groups=H))[0].t()
 
 
-# The two published layouts: Llama gates with I = 4 * head_dim, Qwen3 gates with I = 1.5 * head_dim
-# (192 for head_dim 128; here 48 for head_dim 32, which is no multiple of head_dim either).
 @pytest.mark.parametrize("T", [1, 7, 8, 9, 16, 23])
 def test_blocked_inference_equals_one_pass(monkeypatch, T):
     """Without autograd the gate runs rows in blocks (bounded temporaries); every row's value is the
@@ -83,6 +81,8 @@ def test_blocked_inference_equals_one_pass(monkeypatch, T):
     torch.testing.assert_close(blocked, one_pass, rtol=1e-6, atol=1e-7)
 
 
+# The two published layouts: Llama gates with I = 4 * head_dim, Qwen3 gates with I = 1.5 * head_dim
+# (192 for head_dim 128; here 48 for head_dim 32, which is no multiple of head_dim either).
 @pytest.mark.parametrize("layout, H, D, hidden", [("llama", 3, 8, 32), ("qwen3", 2, 32, 48), ("qwen3-d128", 1, 128, 192)])
 def test_official_pt_round_trip(tmp_path, layout, H, D, hidden):
     gates = _gates(L=2, H=H, D=D, hidden=hidden)
