@@ -7,6 +7,7 @@
 #   printf '/.kit/\n/.kit2/\n/.fi/\n' >> .git/info/exclude
 # Device calls, in ONE message (same machine, back to back; /tmp and ~/.cache survive between them):
 #   1. carry [".kit"]:         bash launch/served_speed.sh setup
+#   (1b. carry [".kit2"]:      bash launch/served_speed.sh tests-beside-warm W3   GPU tests + cold FlashInfer cache)
 #   2. carry [".kit2", ".fi"]: bash launch/served_speed.sh run wgkv W1,W0 [served_speed.py run args]
 #   3.                         bash launch/served_speed.sh run upstream W1 [...]
 # TP=2 (kind nvidia-h200-x2): add `--tp 2` to both runs (NVLink multicast off; rows get "tp": 2).
@@ -38,6 +39,20 @@ setup)
     bash .kit/install.sh | tail -1 > /tmp/pp
     python3 launch/register_entry_points.py /tmp/site
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader ;;
+tests-beside-warm)
+    # GPU tests while an upstream server of workload ${2:-W3} starts and takes its warm-up request in
+    # the background (FlashInfer's cold compile, ~300 s, costs no call of its own); the cache comes
+    # back as $OUT/fi_cache.tgz. Carry [".kit2"] after `setup`.
+    warm=${2:-W3}; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+    bash launch/h200.sh kit2
+    OUT=/tmp/warm bash "$0" run upstream "$warm" --warm-only --tag warm > /tmp/warm.log 2>&1 &
+    warm_pid=$!
+    . /tmp/pp
+    export PYTHONPATH="$PWD:/tmp/site:${PYTHONPATH:-}"
+    python3 -m pytest -q -p no:cacheprovider tests/test_triton_decode.py tests/test_gpu_pool.py tests/test_triton_gate.py \
+        2>&1 | tail -30 | tee "$OUT/gpu_tests.log" || true
+    wait $warm_pid || echo "warm-up server failed: see $OUT/warm.log"
+    cp /tmp/warm.log "$OUT/warm.log"; cp /tmp/warm/fi_cache.tgz "$OUT/" 2>/dev/null || true ;;
 run)
     server=$2 workloads=$3; shift 3
     if [ -d .kit2 ] && [ ! -e /tmp/sglang-wheel-installed ]; then bash launch/h200.sh kit2; fi
