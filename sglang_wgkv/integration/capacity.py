@@ -24,25 +24,34 @@ tokens, admits no more requests than a dense pool would.
 
 Bounded split (``--kv-budget B`` with chunked prefill). The SnapKV evictor cuts every stream back to
 ``B`` global tokens at each step boundary: between steps a stream holds its ring (``W_local/16``
-pages) and at most ``ceil(B/16)`` global pages; one step adds at most one page per decoding stream,
-or ``ceil(n/16) + 1`` per extending stream of ``n`` new tokens, and SGLang puts at most
-``chunked_prefill_size`` (C) new tokens into one extend batch. So::
+pages) and at most ``ceil(B/16)`` global pages; one decode step adds at most one page per stream.
+So a request slot's pages are bounded by ``S = W_local + 16 ceil(B/16) + 32`` tokens, and::
 
-    physical tokens >= R x (W_local + 16 ceil(B/16) + 32) + 16 ceil(C/16)
+    physical tokens >= R x S
 
 holds for ``R`` request slots whatever their lengths: SGLang gets ``R`` slots and a logical pool of
 ``R x context length`` tokens (more concurrent requests than a dense pool of the same memory whenever
 contexts exceed the per-request bound; requests beyond ``R`` queue).
 
-Prompt-end scoring (:mod:`sglang_wgkv.memory.evictor`) lets a prompt keep its admitted part until its
-last chunk, so one request may pass ``B`` between steps: the one whose prompt is being prefilled
-across step boundaries (SGLang chunks one request at a time; every other prompt of an extend batch
-ends in it and is compressed at the next boundary, within the extend reserve). The split reserves
-``P`` more tokens for it (:func:`prompt_reserve`: what the longest prompt could admit, at most
-:data:`MAX_PROMPT_FRACTION` of the budget) and the evictor's ``prompt_cap = 16 ceil(B/16) + P``
-compresses a stream that passes it before its prompt ends (logged)::
+Prompts pass the bound while they are prefilled. An extend writes a prompt's chunk before the
+boundary that cuts it, and prompt-end scoring (:mod:`sglang_wgkv.memory.evictor`) keeps a prompt's
+admitted part until its last chunk, so a request whose prompt is longer than ``S`` holds more than
+``S`` until the boundary after its last chunk: at most ``W_local + prompt_cap + C`` per stream
+(``C`` = ``chunked_prefill_size``; the evictor's ``prompt_cap = 16 ceil(B/16) + P`` compresses a
+stream that passes it before its prompt ends, logged; ``P``, :func:`prompt_reserve`: what the longest
+prompt could admit beyond the bound, at most :data:`MAX_PROMPT_FRACTION` of the budget). The
+scheduler pays for that excess with the pages of request slots no request holds
+(:class:`PromptRule`, :mod:`~sglang_wgkv.integration.prefill_guard`): a request is admitted only if
+the excess of every prompt of the prefill batch, its own included, fits in the free slots' pages and
+the spare pages beyond ``R x S``::
 
-    physical tokens >= R x (W_local + 16 ceil(B/16) + 32) + 16 ceil(C/16) + P
+    sum over the batch's prompts of excess <= (R - running - batch) x S + spare
+
+so the room for prompts is taken only while prompts that need it are being prefilled, and nothing
+is set aside for prompts that are not there (a server of short prompts runs ``R`` of them). SGLang's
+chunked request (at most one, continued first in every prefill batch until its prompt ends) counts
+in every batch of its chunks. The plan keeps ``P`` small enough that the longest prompt fits beside
+nothing else, so no request waits forever.
 
 Overcommit split (``--wgkv-overcommit F``, :mod:`~sglang_wgkv.integration.overcommit`; the
 launcher's default on CUDA without ``--kv-budget``): F times the dense-equivalent logical pool and
@@ -74,6 +83,44 @@ MAX_PROMPT_FRACTION = 0.25
 
 
 @dataclass(frozen=True)
+class PromptRule:
+    """What a prompt may hold while it is prefilled in bounded mode and where that room comes from
+    (module docstring), in tokens per stream.
+
+    local_window : W_local.
+    slot_tokens : ``S``, the pages one request slot holds between steps (ring + budget + 2 pages).
+    cap : ``prompt_cap``, the global entries a stream keeps until its prompt ends (budget + ``P``).
+    chunk_tokens : ``C``, SGLang's ``chunked_prefill_size`` (new tokens of one extend at most).
+    requests : ``R``, the request slots.
+    spare_tokens : the dual pool's pages beyond ``R x S``.
+    """
+
+    local_window: int
+    slot_tokens: int
+    cap: int
+    chunk_tokens: int
+    requests: int
+    spare_tokens: int
+
+    def excess_tokens(self, prompt_len: int) -> int:
+        """Tokens per stream beyond ``slot_tokens`` that a prompt of ``prompt_len`` tokens (prefix
+        included) may hold while it is prefilled: at a boundary, or within an extend of up to
+        ``chunk_tokens`` new tokens with what its step reserves. A chunk starts from at most ``cap``
+        global entries and adds at most its own tokens, so the global part stays within
+        ``min(prompt_len - W_local, cap + C)``; on top of the ring and those pages, one page for the
+        two partial pages (the chunk's and the cache's) and the two that ``begin_extend`` reserves
+        (:meth:`~sglang_wgkv.memory.DualCachePool.extend_bound`)."""
+        held_global = min(max(0, prompt_len - self.local_window), self.cap + self.chunk_tokens)
+        held = self.local_window + PAGE_SIZE * (-(-held_global // PAGE_SIZE) + 3)
+        return max(0, held - self.slot_tokens)
+
+    def room(self, holding: int) -> int:
+        """Tokens per stream of the pages no request slot's bound covers while ``holding`` requests
+        (running, and in the prefill batch) hold a slot: the other slots' and the spare pages."""
+        return (self.requests - holding) * self.slot_tokens + self.spare_tokens
+
+
+@dataclass(frozen=True)
 class CapacityPlan:
     """What SGLang and the dual pool get out of SGLang's KV budget (dense tokens).
 
@@ -84,7 +131,7 @@ class CapacityPlan:
     max_request_tokens : overcommit only: the longest request (prompt + output).
     mode : ``dense``, ``bounded`` or ``overcommit``.
     fixed_tokens : the budget spent on per-slot state (page-table rows, flags, evictor windows).
-    prompt_cap : bounded only: global tokens per stream a prompt may keep while it is prefilled.
+    prompt : bounded only: the prompt rule (:class:`PromptRule`: ``prompt_cap``, prompt slots).
     """
 
     logical_tokens: int
@@ -94,7 +141,12 @@ class CapacityPlan:
     max_request_tokens: int | None = None
     mode: str = "dense"
     fixed_tokens: int = 0
-    prompt_cap: int | None = None
+    prompt: PromptRule | None = None
+
+    @property
+    def prompt_cap(self) -> int | None:
+        """Bounded only: global tokens per stream a prompt may keep while it is prefilled."""
+        return None if self.prompt is None else self.prompt.cap
 
 
 @dataclass(frozen=True)
@@ -184,9 +236,9 @@ def request_bound_tokens(kv_budget: int, local_window: int) -> int:
 
 
 def prompt_reserve(budget_tokens: int, *, kv_budget: int, local_window: int, context_len: int) -> int:
-    """Dense tokens reserved in the bounded split for the prompt being prefilled (module docstring):
-    the global entries a stream of the longest prompt could hold beyond the budget, in whole pages,
-    at most :data:`MAX_PROMPT_FRACTION` of ``budget_tokens``."""
+    """``P`` of the bounded split (module docstring): the global entries a stream of the longest
+    prompt could hold beyond the budget while it is prefilled, in whole pages, at most
+    :data:`MAX_PROMPT_FRACTION` of ``budget_tokens``."""
     want = max(0, context_len - request_bound_tokens(kv_budget, local_window))
     room = int(budget_tokens * MAX_PROMPT_FRACTION) // PAGE_SIZE
     return PAGE_SIZE * min(-(-want // PAGE_SIZE), room)
@@ -196,20 +248,19 @@ def bounded_split(budget_tokens: int, max_running_requests: int, *, kv_budget: i
                   chunk_tokens: int, context_len: int, window_tokens: int = 0,
                   prefix_cache: bool = False) -> CapacityPlan | None:
     """The bounded split (module docstring) of SGLang's KV budget, or None when the budget cannot hold
-    one request plus the extend and prompt reserves. ``window_tokens``: fixed state per request slot
-    (evictor window, page-table row), also carved from the budget; ``physical_tokens`` is what is
-    left for the dual pool. With ``prefix_cache``, snapshots pinned between a match and their restore
-    (at most ``restore_slots``) get a reserve of one request bound each, a prompt's included (a
-    snapshot may be taken before the prompt's end; unpinned snapshots are dropped when a step needs
-    room)."""
+    the longest prompt beside nothing else. ``window_tokens``: fixed state per request slot (evictor
+    window, page-table row), also carved from the budget; ``physical_tokens`` is what is left for the
+    dual pool. With ``prefix_cache``, snapshots pinned between a match and their restore (at most
+    ``restore_slots``) get a reserve of one request bound each, a prompt's included (a snapshot may be
+    taken before the prompt's end; unpinned snapshots are dropped when a step needs room)."""
     steady = request_bound_tokens(kv_budget, local_window)
-    per_request = steady + 2 * PAGE_SIZE + window_tokens
+    slot = steady + 2 * PAGE_SIZE
+    per_request = slot + window_tokens
     prompt = prompt_reserve(budget_tokens, kv_budget=kv_budget, local_window=local_window,
                             context_len=context_len)
-    fixed = PAGE_SIZE * -(-chunk_tokens // PAGE_SIZE) + prompt
 
     def fit(reserve: int) -> int:
-        return min(max_running_requests, (budget_tokens - fixed - reserve) // per_request)
+        return min(max_running_requests, (budget_tokens - reserve) // per_request)
 
     requests, slots = fit(0), 0
     if prefix_cache and requests >= 1:
@@ -219,10 +270,23 @@ def bounded_split(budget_tokens: int, max_running_requests: int, *, kv_budget: i
         requests = fit(slots * restored)
     if requests < 1:
         return None
-    return CapacityPlan(logical_tokens=requests * context_len, max_requests=requests,
-                        physical_tokens=budget_tokens - requests * window_tokens, restore_slots=slots,
-                        mode="bounded", fixed_tokens=requests * window_tokens,
-                        prompt_cap=steady - local_window + prompt)
+    chunk = PAGE_SIZE * -(-chunk_tokens // PAGE_SIZE)
+    physical = budget_tokens - requests * window_tokens
+
+    def rule(p: int) -> PromptRule:
+        return PromptRule(local_window=local_window, slot_tokens=slot, cap=steady - local_window + p,
+                          chunk_tokens=chunk, requests=requests, spare_tokens=physical - requests * slot)
+
+    # the longest prompt must fit beside nothing else (its excess within room(1)), or it would wait
+    # forever: P shrinks, in whole pages; None when even P = 0 (one chunk's excess) does not fit
+    room = rule(prompt).room(1)
+    if rule(prompt).excess_tokens(context_len) > room:
+        prompt = min(prompt, PAGE_SIZE * ((room - chunk - PAGE_SIZE) // PAGE_SIZE))
+        if prompt < 0 or rule(prompt).excess_tokens(context_len) > room:
+            return None
+    return CapacityPlan(logical_tokens=requests * context_len, max_requests=requests, physical_tokens=physical,
+                        restore_slots=slots, mode="bounded", fixed_tokens=requests * window_tokens,
+                        prompt=rule(prompt))
 
 
 def overcommit_split(budget_tokens: int, max_running_requests: int, factor: float,

@@ -16,8 +16,8 @@ utils.common.support_triton                             AROUND  False on CPU (SG
 model_executor.forward_batch_info.ForwardBatch.init_new AFTER   host copy of the batch's request slots
 managers.scheduler.Scheduler.init_model_worker          AFTER   overcommit: cap one request's length
 managers.schedule_batch.ScheduleBatch.check_decode_mem  AFTER   overcommit: the dual pool holds the step
-managers.schedule_policy.PrefillAdder.add_one_req       AROUND  overcommit: the dual pool holds the prompt
-managers.schedule_policy.PrefillAdder.add_chunked_req   AROUND  overcommit: reserve the chunked prompt
+managers.schedule_policy.PrefillAdder.add_one_req       AROUND  prefill_guard: overcommit / bounded prompts
+managers.schedule_policy.PrefillAdder.add_chunked_req   AROUND  prefill_guard: the chunked prompt counts
 ======================================================  ======  ==========================================
 """
 

@@ -82,8 +82,9 @@ def _extend_bound(dual, req, restore: bool = False) -> int:
 
 
 def add_one_req(original, adder, req, *args, **kwargs):
-    """AROUND ``PrefillAdder.add_one_req``: ``NO_TOKEN`` unless the dual pool holds the request's whole
-    remaining prompt on top of what this batch reserved, plus a decode step of every running request."""
+    """AROUND ``PrefillAdder.add_one_req`` (through :mod:`~.prefill_guard`): ``NO_TOKEN`` unless the
+    dual pool holds the request's whole remaining prompt on top of what this batch reserved, plus a
+    decode step of every running request."""
     pool = _guarded_pool(adder.token_to_kv_pool_allocator)
     if pool is None:
         return original(adder, req, *args, **kwargs)
@@ -105,8 +106,8 @@ def add_one_req(original, adder, req, *args, **kwargs):
 
 
 def add_chunked_req(original, adder, req):
-    """AROUND ``PrefillAdder.add_chunked_req``: the chunked request always runs; its whole remaining
-    prompt is reserved before other requests join the batch."""
+    """AROUND ``PrefillAdder.add_chunked_req`` (through :mod:`~.prefill_guard`): the chunked request
+    always runs; its whole remaining prompt is reserved before other requests join the batch."""
     pool = _guarded_pool(adder.token_to_kv_pool_allocator)
     if pool is not None:
         adder.wgkv_reserved_pages = getattr(adder, "wgkv_reserved_pages", 0) + _extend_bound(pool.dual, req)

@@ -27,7 +27,8 @@ def load_plugin() -> None:
 
     from radix_ext import factory as radix_factory
 
-    from sglang_wgkv.integration import hooks, metrics, overcommit, request_control, request_validation
+    from sglang_wgkv.integration import (hooks, metrics, overcommit, prefill_guard, request_control,
+                                         request_validation)
     from sglang_wgkv.integration.backend import record_batch_slots
 
     register_attention_backend(BACKEND_NAME)(create_wgkv_backend)
@@ -47,8 +48,8 @@ def load_plugin() -> None:
         ("sglang.srt.managers.scheduler.Scheduler.init_model_worker", overcommit.cap_request_length, HookType.AFTER),
         ("sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem", overcommit.check_decode_mem,
          HookType.AFTER),
-        ("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", overcommit.add_one_req, HookType.AROUND),
-        ("sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req", overcommit.add_chunked_req,
+        ("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", prefill_guard.add_one_req, HookType.AROUND),
+        ("sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req", prefill_guard.add_chunked_req,
          HookType.AROUND),
         ("sglang.srt.sampling.sampling_params.SamplingParams.verify", request_control.validate_sampling_params,
          HookType.AFTER),
