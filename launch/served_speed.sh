@@ -25,6 +25,10 @@
 #   `run upstream W3 --warm-only` in the background that builds the FlashInfer cache (~300 s in all,
 #   401 s); `run wgkv W3` with the load profile 278 s; `run upstream W3` (warm) 338 s. Second lease
 #   (carry .kit2 + .fi): `run wgkv W3` 287 s; `run upstream W3` did not finish in the 373 s left.
+#   2026-12-02 07:00, one lease of 1,451 s for 7 calls: setup 3 s; `run upstream W4` with the cold JIT
+#   425 s; `run wgkv W4` 183 s; `run wgkv W3` 164 s; `run upstream W3` 284 s; `run wgkv W1,W0` 181 s;
+#   `run upstream W1` 136 s. A call sent later, in a new message, found a fresh machine (idle > 30 s):
+#   put every call of a lease in one message.
 # To read a trace here (host gaps: trace_summary's largest_idle_gaps / inside), give --profile-dir
 # under $OUT (a .trace.json.gz under 16 MB comes back).
 # `run` writes part.<server>.<tag>.json, bench_serving's JSON lines and the server logs to $OUT. The
