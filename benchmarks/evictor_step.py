@@ -1,7 +1,7 @@
 """Cost of the SnapKV evictor at model scale (default: Qwen3-4B attention, the paper's App. K setup).
 
 python benchmarks/evictor_step.py [--requests 8 --layers 36 --kv-heads 8 --q-heads 32 --head-dim 128
-                                  --budget 4096 --window 256] [--out PATH]
+                                  --budget 4096 --window 256] [--scores auto|torch|triton] [--out PATH]
 
 Measures (CUDA if available, else CPU):
 * ``maybe_evict`` when no request's host bound exceeds the budget (the per-step cost: host only);
@@ -29,7 +29,8 @@ def build(a, dev):
     pages_per_req = L * H * (n // 16 + 2)
     pool = DualCachePool(L, H, D, num_pages=B * pages_per_req, max_requests=B, max_context_len=n + 64,
                          config=WGKVConfig(local_window=W), dtype=torch.bfloat16, device=dev)
-    ev = SnapKVEvictor(pool, budget=a.budget, num_q_heads=a.q_heads, window=W)
+    scores = {"auto": None, "torch": False, "triton": True}[a.scores]
+    ev = SnapKVEvictor(pool, budget=a.budget, num_q_heads=a.q_heads, window=W, triton_scores=scores)
     for r in range(B):
         pool.alloc_request(r)
         pool.begin_extend([r], [0], [n])       # one request at a time keeps the temporaries small
@@ -68,6 +69,8 @@ def main():
     ap.add_argument("--budget", type=int, default=4096)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--scores", choices=("auto", "torch", "triton"), default="auto",
+                    help="the evictor's scores: the torch reference or the Triton kernel (auto: the kernel on CUDA)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "kernels" / "evictor_step.json"))
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -90,7 +93,7 @@ def main():
         ev._exact_max[:] = 0
         ev._left_at_exact[:] = 0
 
-    result = {"env": environment(), "args": vars(a), "device": str(dev)}
+    result = {"env": environment(), "args": vars(a), "device": str(dev), "triton_scores": ev.triton_scores}
     # per-step cost without eviction: every bound within budget
     restore(B)
     ev._exact_max[:] = 0

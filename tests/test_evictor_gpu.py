@@ -52,3 +52,32 @@ def test_bf16_model_scale_budget_and_pages():
         pool.free_request(r)
     pool.check_integrity()
     assert pool.num_free_pages() == 40_000
+
+
+@pytest.mark.parametrize("dtype,G,D", [(torch.bfloat16, 4, 128), (torch.float16, 3, 64), (torch.float32, 4, 128)])
+def test_triton_scores_match_the_reference_at_model_scale(dtype, G, D):
+    """The compiled SnapKV score kernel (the kernels path's evictor) against the torch reference:
+    Llama-3.1-8B's GQA 4 x head_dim 128 (bf16), SmolLM2's GQA 3 x 64 (fp16, heads padded), float32
+    (IEEE dot); window 256, ring 256, 0-900 global entries, empty slots."""
+    import math
+
+    from sglang_wgkv.memory.snapkv_score import snapkv_scores
+    from sglang_wgkv.memory.triton_snapkv import snapkv_scores_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(G * D)
+    S, Wq, Nr = 37, 256, 256
+    g_len = torch.randint(0, 900, (S,), device="cuda", generator=gen)
+    Ng = int(g_len.max())
+    q = torch.randn(S, Wq, G, D, device="cuda", generator=gen).to(dtype) * 2
+    g_keys = torch.randn(S, Ng, D, device="cuda", generator=gen).to(dtype)
+    r_keys = torch.randn(S, Nr, D, device="cuda", generator=gen).to(dtype)
+    r_pos = torch.arange(5000, 5000 + Nr, device="cuda").repeat(S, 1)
+    r_pos[:, :7] = -1
+    q_pos = 5000 + Nr - 1 - torch.arange(Wq, device="cuda").repeat(S, 1)
+    q_pos[3] = -1
+    scale = 1 / math.sqrt(D)
+    want = snapkv_scores(q, q_pos, g_keys, g_len, r_keys, r_pos, scale, 5)
+    got = snapkv_scores_triton(q, q_pos, g_keys, g_len, r_keys, r_pos, scale, 5)
+    fin = torch.isfinite(want)
+    assert torch.equal(fin, torch.isfinite(got))
+    torch.testing.assert_close(got[fin], want[fin], rtol=1e-4, atol=1e-5)

@@ -101,11 +101,15 @@ class SnapKVEvictor:
         of a prompt (or early, past ``prompt_cap``).
     ratio : fraction of a stream's global cache evicted per trigger.
     sm_scale : softmax scale (default ``1/sqrt(head_dim)``).
-    max_score_elems : bound on the float32 attention-score elements scored at once (streams are
-        scored in chunks below it).
+    max_score_elems : bound on the elements scored at once: float32 attention scores (torch), or
+        gathered keys (Triton); streams are scored in chunks below it.
     prompt_cap : global entries a stream may hold while its prompt is being prefilled (requests
         declared by :meth:`mark_extend`) before it is compressed early; None: no cap (compress only
         at the prompt's end).
+    triton_scores : score with the Triton kernel (:mod:`~sglang_wgkv.memory.triton_snapkv`: the
+        reference's result without its float32 logits; streams are then chunked by their gathered
+        keys); None: on the pool's kernels path (``triton_decode`` on CUDA) when ``head_dim`` is a
+        power of two >= 16.
     """
 
     pool: DualCachePool
@@ -120,6 +124,7 @@ class SnapKVEvictor:
     max_score_elems: int = 1 << 28
     prompt_cap: int | None = None
     lead: int = 0
+    triton_scores: bool | None = None
     # Counters (read them with request_stats): per request slot, reset when the slot changes owner.
     triggers: np.ndarray = field(init=False)          # [R] maybe_evict calls that evicted from r
     evicted_tokens: np.ndarray = field(init=False)    # [R] global entries evicted from r
@@ -152,6 +157,10 @@ class SnapKVEvictor:
             raise ValueError(f"prompt_cap {self.prompt_cap} is below the budget {self.budget}")
         if self.sm_scale is None:
             self.sm_scale = 1.0 / math.sqrt(pool.head_dim)
+        if self.triton_scores is None:
+            D = pool.head_dim
+            self.triton_scores = (pool.triton_decode and pool.device.type == "cuda" and D >= 16
+                                  and not D & (D - 1))
         R, L, dev = pool.max_requests, pool.num_layers, pool.device
         self.group = self.num_q_heads // H
         self.q_buf = torch.zeros(R, L, self.window, self.num_q_heads, pool.head_dim, dtype=pool.dtype, device=dev)
@@ -327,7 +336,9 @@ class SnapKVEvictor:
             rs, ls, hs = r[sel], l[sel], h[sel]
             ng = int(pool.global_len[rs, ls, hs].max())
             window = self.prompt_window if prompt else self.window
-            chunk = max(1, self.max_score_elems // (self.group * window * (ng + pool.window)))
+            # the torch scores hold [chunk, window, G, keys] float32 logits; the kernel only the keys
+            per_stream = (ng + pool.window) * (pool.head_dim if self.triton_scores else self.group * window)
+            chunk = max(1, self.max_score_elems // per_stream)
             for s in range(0, rs.numel(), chunk):
                 freed.append(self._evict_chunk(rs[s:s + chunk], ls[s:s + chunk], hs[s:s + chunk], prompt))
         pool.release_pages(torch.cat(freed))
@@ -364,7 +375,11 @@ class SnapKVEvictor:
         r_pos = n[:, None] - 1 - torch.remainder(n[:, None] - 1 - slot, W)     # <0: empty slot
         q, q_pos = self._window_queries(r, l, h, self.prompt_window if prompt else self.window)
         kernel = self.prompt_kernel if prompt else self.kernel_size
-        scores = snapkv_scores(q, q_pos, g_keys, glen, r_keys, r_pos, self.sm_scale, kernel)
+        if self.triton_scores:
+            from sglang_wgkv.memory.triton_snapkv import snapkv_scores_triton as score
+        else:
+            score = snapkv_scores
+        scores = score(q, q_pos, g_keys, glen, r_keys, r_pos, self.sm_scale, kernel)
         return scores, glen, gpages, g_keys
 
     def _evict_chunk(self, r, l, h, exact: bool) -> torch.Tensor:

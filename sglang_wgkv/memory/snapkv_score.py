@@ -39,7 +39,13 @@ def snapkv_scores(q: torch.Tensor, q_pos: torch.Tensor, g_keys: torch.Tensor, g_
     logits.masked_fill_(~vis[:, :, None, :], float("-inf"))
     probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)    # an empty slot sees no key: all zero
     del logits
-    raw = probs[..., :Ng].amax(2).sum(1)                                              # [S, Ng]
+    return pool_raw_scores(probs[..., :Ng].amax(2).sum(1), g_len, kernel_size)        # raw [S, Ng]
+
+
+def pool_raw_scores(raw: torch.Tensor, g_len: torch.Tensor, kernel_size: int) -> torch.Tensor:
+    """``raw [S, Ng]`` (the per-entry sums over the window) max-pooled (stride 1, same length) over
+    each stream's valid global entries; ``-inf`` at padding."""
+    valid = torch.arange(raw.shape[1], device=raw.device)[None, :] < g_len[:, None]
     raw = raw.masked_fill(~valid, float("-inf"))
     pooled = F.max_pool1d(raw[:, None, :], kernel_size, stride=1, padding=kernel_size // 2)[:, 0]
     return pooled.masked_fill(~valid, float("-inf"))
