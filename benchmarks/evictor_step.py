@@ -114,6 +114,7 @@ def main():
             "streams": streams, "ms": ms, "ms_per_stream": min(ms) / streams,
             "peak_extra_mib": (torch.cuda.max_memory_allocated() - base) / 2**20 if dev.type == "cuda" else None,
         }
+    result["triton_scores_used"] = ev.triton_scores  # False if the kernel failed to build (logged)
     print(result)
     write_json(a.out, result)
 

@@ -116,3 +116,34 @@ def test_triton_scores_match_the_reference_under_the_interpreter():
     res = subprocess.run([sys.executable, check, *seeds], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     assert res.stdout.split() == [w for s in seeds for w in ("ok", "seed", s)], res.stdout
+
+
+def test_a_score_kernel_that_cannot_build_falls_back_to_torch_once(monkeypatch, caplog):
+    """If the Triton kernel fails on its first launch (a build failure), the evictor logs it and
+    scores with the torch reference from then on; the eviction is the reference's."""
+    import sglang_wgkv.memory.triton_snapkv as tk
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(tk, "snapkv_scores_triton", broken)
+    results = []
+    for triton_scores in (True, False):
+        pool = DualCachePool(1, 2, 8, num_pages=64, max_requests=1, max_context_len=200,
+                             config=WGKVConfig(local_window=16), dtype=torch.float32)
+        ev = SnapKVEvictor(pool, budget=8, num_q_heads=4, window=16, triton_scores=triton_scores)
+        torch.manual_seed(0)
+        pool.alloc_request(0)
+        pool.begin_extend([0], [0], [60])
+        ev.observe_extend(0, torch.randn(60, 4, 8))
+        kv = torch.randn(2, 60, 2, 8)
+        pool.write_extend(0, kv[0], kv[1], torch.ones(60, 2, dtype=torch.bool))
+        with caplog.at_level("WARNING"):
+            ev.maybe_evict()
+        assert ev.triton_scores is False and int(pool.global_len.max()) <= 8
+        R = pool.ring_cols
+        kept = [pool.k_pages[pool.page_table[0, 0, h, R:R + 1].long()].reshape(-1, 8)[:int(pool.global_len[0, 0, h])]
+                for h in range(2)]
+        results.append(torch.cat(kept))
+    assert torch.equal(results[0], results[1]) and results[0].shape[0] == 2 * 8  # the same keys kept
+    assert sum("Triton score kernel failed" in r.message for r in caplog.records) == 1

@@ -179,6 +179,7 @@ class SnapKVEvictor:
         # Host bound of max_{l,h} global_len[r]: exact_max + left_ring(now) - left_ring(at exact).
         self._exact_max = np.zeros(R, dtype=np.int64)
         self._left_at_exact = np.zeros(R, dtype=np.int64)
+        self._triton_built = False  # the Triton score kernel has run once (later failures are raised)
         self._plan = None           # the pool plan the cached (req, src, slot) index was built for
         self._plan_idx = None
 
@@ -375,11 +376,21 @@ class SnapKVEvictor:
         r_pos = n[:, None] - 1 - torch.remainder(n[:, None] - 1 - slot, W)     # <0: empty slot
         q, q_pos = self._window_queries(r, l, h, self.prompt_window if prompt else self.window)
         kernel = self.prompt_kernel if prompt else self.kernel_size
+        scores = None
         if self.triton_scores:
-            from sglang_wgkv.memory.triton_snapkv import snapkv_scores_triton as score
-        else:
-            score = snapkv_scores
-        scores = score(q, q_pos, g_keys, glen, r_keys, r_pos, self.sm_scale, kernel)
+            from sglang_wgkv.memory.triton_snapkv import snapkv_scores_triton
+
+            try:
+                scores = snapkv_scores_triton(q, q_pos, g_keys, glen, r_keys, r_pos, self.sm_scale, kernel)
+                self._triton_built = True
+            except Exception as exc:  # a kernel Triton cannot build here: the reference, for good
+                if self._triton_built:
+                    raise  # it ran before: not a build failure
+                logger.warning("SnapKV: the Triton score kernel failed (%s: %s); scoring with torch",
+                               type(exc).__name__, exc)
+                self.triton_scores = False
+        if scores is None:
+            scores = snapkv_scores(q, q_pos, g_keys, glen, r_keys, r_pos, self.sm_scale, kernel)
         return scores, glen, gpages, g_keys
 
     def _evict_chunk(self, r, l, h, exact: bool) -> torch.Tensor:
