@@ -54,6 +54,7 @@ tests-beside-warm)
     . /tmp/pp
     export PYTHONPATH="$PWD:/tmp/site:${PYTHONPATH:-}"
     python3 -m pytest -q -p no:cacheprovider tests/test_triton_decode.py tests/test_gpu_pool.py tests/test_triton_gate.py \
+        tests/test_evictor_gpu.py tests/test_evictor_scores.py \
         2>&1 | tail -30 | tee "$OUT/gpu_tests.log" || true
     wait $warm_pid || echo "warm-up server failed: see $OUT/warm.log"
     cp /tmp/warm.log "$OUT/warm.log"; cp /tmp/warm/fi_cache.tgz "$OUT/" 2>/dev/null || true ;;
