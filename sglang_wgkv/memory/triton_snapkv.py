@@ -32,6 +32,15 @@ from sglang_wgkv.memory.snapkv_score import pool_raw_scores
 
 
 @triton.jit
+def _online_softmax(m, z, x):
+    """Row maxima ``m`` and sums ``z`` of ``exp(x - m)`` updated by the logits block ``x`` (``-inf``:
+    not visible; a row that has seen nothing keeps ``m = -inf, z = 0``)."""
+    m_new = tl.maximum(m, tl.max(x, 1))
+    safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, z * tl.exp(m - safe) + tl.sum(tl.exp(x - safe[:, None]), 1)
+
+
+@triton.jit
 def _snapkv_raw_kernel(Q, QPos, GK, GLen, RK, RPos, Raw, Wq, Nr, sm_scale,
                        s_qs, s_qw, s_qg, s_ps, s_gs, s_gn, s_rs, s_rn, s_rps, s_os,
                        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr,
@@ -53,29 +62,26 @@ def _snapkv_raw_kernel(Q, QPos, GK, GLen, RK, RPos, Raw, Wq, Nr, sm_scale,
         z = tl.zeros([BQ * GP], tl.float32)
         for n0 in range(0, glen, BN):
             n = n0 + cols
-            k = tl.load(GK + s * s_gs + n[:, None] * s_gn + d[None, :], mask=(n < glen)[:, None], other=0.0).to(tl.float32)
+            k = tl.load(GK + s * s_gs + n[:, None] * s_gn + d[None, :], mask=(n < glen)[:, None],
+                        other=0.0).to(tl.float32)
             x = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
             x = tl.where(live[:, None] & (n < glen)[None, :], x, float("-inf"))
-            m_new = tl.maximum(m, tl.max(x, 1))
-            safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            z = z * tl.exp(m - safe) + tl.sum(tl.exp(x - safe[:, None]), 1)
-            m = m_new
+            m, z = _online_softmax(m, z, x)
         for n0 in range(0, Nr, BN):
             n = n0 + cols
             rpos = tl.load(RPos + s * s_rps + n, mask=n < Nr, other=-1)
-            k = tl.load(RK + s * s_rs + n[:, None] * s_rn + d[None, :], mask=(n < Nr)[:, None], other=0.0).to(tl.float32)
+            k = tl.load(RK + s * s_rs + n[:, None] * s_rn + d[None, :], mask=(n < Nr)[:, None],
+                        other=0.0).to(tl.float32)
             x = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
             vis = live[:, None] & (n < Nr)[None, :] & (rpos[None, :] >= 0) & (rpos[None, :] <= qpos[:, None])
             x = tl.where(vis, x, float("-inf"))
-            m_new = tl.maximum(m, tl.max(x, 1))
-            safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            z = z * tl.exp(m - safe) + tl.sum(tl.exp(x - safe[:, None]), 1)
-            m = m_new
+            m, z = _online_softmax(m, z, x)
         m = tl.where(m == float("-inf"), 0.0, m)
         inv = tl.where(z > 0, 1.0 / z, 0.0)
         for n0 in range(0, glen, BN):
             n = n0 + cols
-            k = tl.load(GK + s * s_gs + n[:, None] * s_gn + d[None, :], mask=(n < glen)[:, None], other=0.0).to(tl.float32)
+            k = tl.load(GK + s * s_gs + n[:, None] * s_gn + d[None, :], mask=(n < glen)[:, None],
+                        other=0.0).to(tl.float32)
             x = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
             p = tl.where(live[:, None] & (n < glen)[None, :], tl.exp(x - m[:, None]) * inv[:, None], 0.0)
             best = tl.max(tl.reshape(p, [BQ, GP, BN]), 1)                  # [BQ, BN]: max over heads
