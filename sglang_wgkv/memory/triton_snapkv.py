@@ -9,20 +9,28 @@ spent ~1.6 ms of each 8.6 ms decode step on evictions, ~30 us per evicted stream
 arithmetic is ~0.3 GFLOP per stream. Here a program reads each key twice and keeps its logits in
 registers.
 
-Grid ``(S,)``: one program per stream, query blocks in turn (so the per-stream sums are written by
-one program in a fixed order: deterministic). For a block of ``BQ`` queries x ``G`` heads (rows,
-the heads padded to a power of two and masked):
+Grid ``(S, cdiv(Wq, BQ))``: one program per (stream, block of ``BQ`` queries), so a look at a few
+long streams still fills the GPU. For its ``BQ`` queries x ``G`` heads (rows, the heads padded to a
+power of two and masked) a program
 
 1. over the global keys, then the ring keys (visible to query ``i`` iff ``0 <= r_pos <= q_pos[i]``):
    the row maxima and sums of ``exp`` (online softmax);
 2. over the global keys again: the probabilities, their maximum over the heads of each query, summed
-   over the block's live queries (``q_pos >= 0``) into ``raw[s, j]``.
+   over the block's live queries (``q_pos >= 0``) into its own row ``part[s, block, j]``.
+
+The blocks' rows are then summed in a fixed order (deterministic, no atomics). The logits are
+``tl.dot`` of the keys' own dtype with float32 accumulation: a product of two bf16 or fp16 values is
+exact in float32, so this is the float32 reference's arithmetic up to summation order, at the tensor
+cores' 16-bit rate (float32 inputs: IEEE float32). Under the interpreter, whose bf16 dot is wrong,
+the operands are upcast first.
 
 The max-pool along the cache and the padding's ``-inf`` are the reference's
 (:func:`~sglang_wgkv.memory.snapkv_score.pool_raw_scores`), on the small ``[S, Ng]`` sums.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -41,52 +49,56 @@ def _online_softmax(m, z, x):
 
 
 @triton.jit
-def _snapkv_raw_kernel(Q, QPos, GK, GLen, RK, RPos, Raw, Wq, Nr, sm_scale,
-                       s_qs, s_qw, s_qg, s_ps, s_gs, s_gn, s_rs, s_rn, s_rps, s_os,
+def _logits(q, k, sm_scale, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``q k^T * sm_scale`` in float32 (``UPCAST``: the operands as float32, for the interpreter)."""
+    if UPCAST:
+        return tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION) * sm_scale
+    return tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
+
+
+@triton.jit
+def _snapkv_raw_kernel(Q, QPos, GK, GLen, RK, RPos, Part, Wq, Nr, sm_scale,
+                       s_qs, s_qw, s_qg, s_ps, s_gs, s_gn, s_rs, s_rn, s_rps, s_os, s_ob,
                        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr,
-                       BN: tl.constexpr, PRECISION: tl.constexpr):
+                       BN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     s = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
     glen = tl.load(GLen + s).to(tl.int32)
     rows = tl.arange(0, BQ * GP)
-    qi, gi = rows // GP, rows % GP
+    qidx, gi = blk * BQ + rows // GP, rows % GP
     d = tl.arange(0, D)
     cols = tl.arange(0, BN)
-    for q0 in range(0, Wq, BQ):
-        qidx = q0 + qi
-        row_ok = (qidx < Wq) & (gi < G)
-        qpos = tl.load(QPos + s * s_ps + qidx, mask=row_ok, other=-1)
-        live = row_ok & (qpos >= 0)
-        q = tl.load(Q + s * s_qs + qidx[:, None] * s_qw + gi[:, None] * s_qg + d[None, :],
-                    mask=row_ok[:, None], other=0.0).to(tl.float32)
-        m = tl.full([BQ * GP], float("-inf"), tl.float32)
-        z = tl.zeros([BQ * GP], tl.float32)
-        for n0 in range(0, glen, BN):
-            n = n0 + cols
-            k = tl.load(GK + s * s_gs + n[:, None] * s_gn + d[None, :], mask=(n < glen)[:, None],
-                        other=0.0).to(tl.float32)
-            x = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
-            x = tl.where(live[:, None] & (n < glen)[None, :], x, float("-inf"))
-            m, z = _online_softmax(m, z, x)
-        for n0 in range(0, Nr, BN):
-            n = n0 + cols
-            rpos = tl.load(RPos + s * s_rps + n, mask=n < Nr, other=-1)
-            k = tl.load(RK + s * s_rs + n[:, None] * s_rn + d[None, :], mask=(n < Nr)[:, None],
-                        other=0.0).to(tl.float32)
-            x = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
-            vis = live[:, None] & (n < Nr)[None, :] & (rpos[None, :] >= 0) & (rpos[None, :] <= qpos[:, None])
-            x = tl.where(vis, x, float("-inf"))
-            m, z = _online_softmax(m, z, x)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        inv = tl.where(z > 0, 1.0 / z, 0.0)
-        for n0 in range(0, glen, BN):
-            n = n0 + cols
-            k = tl.load(GK + s * s_gs + n[:, None] * s_gn + d[None, :], mask=(n < glen)[:, None],
-                        other=0.0).to(tl.float32)
-            x = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
-            p = tl.where(live[:, None] & (n < glen)[None, :], tl.exp(x - m[:, None]) * inv[:, None], 0.0)
-            best = tl.max(tl.reshape(p, [BQ, GP, BN]), 1)                  # [BQ, BN]: max over heads
-            acc = tl.load(Raw + s * s_os + n, mask=n < glen, other=0.0)
-            tl.store(Raw + s * s_os + n, acc + tl.sum(best, 0), mask=n < glen)
+    row_ok = (qidx < Wq) & (gi < G)
+    qpos = tl.load(QPos + s * s_ps + qidx, mask=row_ok, other=-1)
+    live = row_ok & (qpos >= 0)
+    q = tl.load(Q + s * s_qs + qidx[:, None] * s_qw + gi[:, None] * s_qg + d[None, :], mask=row_ok[:, None],
+                other=0.0)
+    m = tl.full([BQ * GP], float("-inf"), tl.float32)
+    z = tl.zeros([BQ * GP], tl.float32)
+    for n0 in range(0, glen, BN):
+        n = n0 + cols
+        k = tl.load(GK + s * s_gs + n[:, None] * s_gn + d[None, :], mask=(n < glen)[:, None], other=0.0)
+        x = _logits(q, k, sm_scale, PRECISION, UPCAST)
+        x = tl.where(live[:, None] & (n < glen)[None, :], x, float("-inf"))
+        m, z = _online_softmax(m, z, x)
+    for n0 in range(0, Nr, BN):
+        n = n0 + cols
+        rpos = tl.load(RPos + s * s_rps + n, mask=n < Nr, other=-1)
+        k = tl.load(RK + s * s_rs + n[:, None] * s_rn + d[None, :], mask=(n < Nr)[:, None], other=0.0)
+        x = _logits(q, k, sm_scale, PRECISION, UPCAST)
+        vis = live[:, None] & (n < Nr)[None, :] & (rpos[None, :] >= 0) & (rpos[None, :] <= qpos[:, None])
+        x = tl.where(vis, x, float("-inf"))
+        m, z = _online_softmax(m, z, x)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    inv = tl.where(z > 0, 1.0 / z, 0.0)
+    out = Part + s * s_os + blk * s_ob
+    for n0 in range(0, glen, BN):
+        n = n0 + cols
+        k = tl.load(GK + s * s_gs + n[:, None] * s_gn + d[None, :], mask=(n < glen)[:, None], other=0.0)
+        x = _logits(q, k, sm_scale, PRECISION, UPCAST)
+        p = tl.where(live[:, None] & (n < glen)[None, :], tl.exp(x - m[:, None]) * inv[:, None], 0.0)
+        best = tl.max(tl.reshape(p, [BQ, GP, BN]), 1)                      # [BQ, BN]: max over heads
+        tl.store(out + n, tl.sum(best, 0), mask=n < glen)
 
 
 def snapkv_scores_triton(q: torch.Tensor, q_pos: torch.Tensor, g_keys: torch.Tensor, g_len: torch.Tensor,
@@ -99,6 +111,8 @@ def snapkv_scores_triton(q: torch.Tensor, q_pos: torch.Tensor, g_keys: torch.Ten
     Ng, Nr = g_keys.shape[1], r_keys.shape[1]
     if D < 16 or D & (D - 1):
         raise ValueError(f"head_dim {D} must be a power of two >= 16")
+    if g_keys.dtype != q.dtype or r_keys.dtype != q.dtype:
+        raise ValueError(f"keys ({g_keys.dtype}, {r_keys.dtype}) must have the dtype of q ({q.dtype})")
     q = q if q.stride(-1) == 1 else q.contiguous()
     g_keys = g_keys if g_keys.stride(-1) == 1 else g_keys.contiguous()
     r_keys = r_keys if r_keys.stride(-1) == 1 else r_keys.contiguous()
@@ -107,11 +121,14 @@ def snapkv_scores_triton(q: torch.Tensor, q_pos: torch.Tensor, g_keys: torch.Ten
     g_len32 = g_len.to(torch.int32).contiguous()
     gp = triton.next_power_of_2(G)
     bq = block_q or max(1, 64 // gp)
-    raw = torch.zeros(S, max(Ng, 1), dtype=torch.float32, device=q.device)
-    if S:
-        _snapkv_raw_kernel[(S,)](
-            q, q_pos, g_keys, g_len32, r_keys, r_pos, raw, Wq, Nr, float(sm_scale),
+    blocks = triton.cdiv(Wq, bq)
+    # each (stream, query block) writes its own row: entries past a stream's length stay zero
+    part = torch.zeros(S, blocks, max(Ng, 1), dtype=torch.float32, device=q.device)
+    if S and Wq:
+        _snapkv_raw_kernel[(S, blocks)](
+            q, q_pos, g_keys, g_len32, r_keys, r_pos, part, Wq, Nr, float(sm_scale),
             q.stride(0), q.stride(1), q.stride(2), q_pos.stride(0), g_keys.stride(0), g_keys.stride(1),
-            r_keys.stride(0), r_keys.stride(1), r_pos.stride(0), raw.stride(0),
-            G=G, GP=gp, D=D, BQ=bq, BN=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
-    return pool_raw_scores(raw[:, :Ng], g_len, kernel_size)
+            r_keys.stride(0), r_keys.stride(1), r_pos.stride(0), part.stride(0), part.stride(1),
+            G=G, GP=gp, D=D, BQ=bq, BN=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            UPCAST=q.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1")
+    return pool_raw_scores(part.sum(1)[:, :Ng], g_len, kernel_size)
