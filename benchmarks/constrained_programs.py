@@ -96,6 +96,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--servers", default="wgkv,disable-wgkv,upstream")
     ap.add_argument("--server-args", default="", help="extra arguments for every server")
+    ap.add_argument("--baseline-args", default="",
+                    help="extra arguments for the dense servers only (disable-wgkv, upstream), e.g. "
+                         "'--attention-backend flashinfer' on the H200 kit, which lacks SGLang's default FA3")
     ap.add_argument("--max-new-tokens", type=int, default=None)
     ap.add_argument("--programs", default=None, help="comma-separated subset of the programs (default: all)")
     ap.add_argument("--log-dir", default="/tmp")
@@ -113,7 +116,8 @@ def main() -> None:
         programs = a.programs.split(",") if a.programs else None
         runs = []
         for name in a.servers.split(","):  # written after each server: a cut-off run keeps what it measured
-            runs.append(run_server(name, shlex.split(a.server_args), a.max_new_tokens, Path(a.log_dir), programs))
+            extra = shlex.split(a.server_args) + (shlex.split(a.baseline_args) if name != "wgkv" else [])
+            runs.append(run_server(name, extra, a.max_new_tokens, Path(a.log_dir), programs))
             result = {"environment": environment(), "max_new_tokens": a.max_new_tokens, "table": table(runs),
                       "runs": runs}
             write(a.out, result)

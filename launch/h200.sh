@@ -22,7 +22,9 @@
 # `gpu-tests [pytest args]` as step 3 runs the GPU tests with the real embedded model (default `-m gpu tests`).
 # `programs` as step 3 runs SGLang's frontend test programs (constrained decoding included) on WG-KV
 # (kernels path) and --disable-wgkv (SERVERS=wgkv or SERVERS=disable-wgkv: one server per call, within a
-# call's time limit): benchmarks/constrained_programs.py -> $OUT/h200_programs.json.
+# call's time limit): benchmarks/constrained_programs.py -> $OUT/h200_programs.json. The dense baseline runs
+# --attention-backend flashinfer: SGLang's Hopper default (FA3) is stripped from the kit's sgl-kernel
+# (2026-12-03: --disable-wgkv alone died at start-up, "Can not import FA3 in sgl_kernel").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 M=/tmp/m
@@ -56,7 +58,8 @@ serve-bench|serve-eval|serve-soak|programs|gpu-tests)
     if [ "$mode" = programs ]; then
         export WGKV_TEST_STARTUP_TIMEOUT=900
         exec python3 benchmarks/constrained_programs.py --servers "${SERVERS:-wgkv,disable-wgkv}" --log-dir "$OUT" \
-            --server-args "--mem-fraction-static 0.5 $*" --out "$OUT/h200_programs.json"
+            --server-args "--mem-fraction-static 0.5 $*" --baseline-args "--attention-backend flashinfer" \
+            --out "$OUT/h200_programs.json"
     fi
     if [ "$mode" = serve-eval ]; then
         mkdir -p /tmp/served

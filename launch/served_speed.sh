@@ -29,6 +29,10 @@
 #   425 s; `run wgkv W4` 183 s; `run wgkv W3` 164 s; `run upstream W3` 284 s; `run wgkv W1,W0` 181 s;
 #   `run upstream W1` 136 s. A call sent later, in a new message, found a fresh machine (idle > 30 s):
 #   put every call of a lease in one message.
+#   2026-12-03, one lease (machine start 181 s, held by the first call): setup 3 s; `tests-beside-warm W4`
+#   (75 GPU tests passed, 5 skipped, beside the cold FlashInfer build) 298 s; `run wgkv W4` 179 s;
+#   `run upstream W4` (warm) 241 s; h200.sh serve-soak 377 s; h200.sh programs 127 s. A first call made
+#   before `setup` found no /tmp/pp: `setup` must be the first call that reaches the machine.
 # To read a trace here (host gaps: trace_summary's largest_idle_gaps / inside), give --profile-dir
 # under $OUT (a .trace.json.gz under 16 MB comes back).
 # `run` writes part.<server>.<tag>.json, bench_serving's JSON lines and the server logs to $OUT. The
