@@ -1,4 +1,5 @@
-"""Peak memory of a CPU server (the whole process tree's RSS) under a mixed workload, against RAM.
+"""Peak memory of a server (the whole process tree's RSS; on a GPU host also the GPU's used memory)
+under a mixed workload, against RAM and the GPU's memory.
 
 Starts ``python -m sglang_wgkv.launch_server`` with the given arguments only (the launcher's defaults
 otherwise: embedded model, CPU, default KV budget), samples the RSS of the launcher and every process
@@ -6,10 +7,13 @@ it spawned every 0.2 s, and runs, phase by phase: an SGLang frontend program (``
 ``sgl.select``, ``fork``, ``run_batch``), OpenAI chat, streaming ``/generate``, and a few prompts of
 about 6K tokens. Writes a JSON (peak RSS overall and per phase, MemTotal, MemAvailable at start and
 its minimum, the server's KV budget and request slots, whether it survived) and keeps the server log
-outside the results.
+outside the results. With ``nvidia-smi`` on the PATH it also samples the used memory of GPU 0 (the
+whole device: run nothing else on it), peak overall and per phase, against the device's total.
 
     python benchmarks/serving_memory.py --label wgkv_default --out benchmarks/results/serving
     python benchmarks/serving_memory.py --label upstream_default --out benchmarks/results/serving -- --disable-wgkv
+    # the H200 kit (no FA3): upstream's baseline there
+    python benchmarks/serving_memory.py --label upstream_h200 -- --disable-wgkv --attention-backend flashinfer
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ import threading
 import time
 from pathlib import Path
 
+import shutil
+import subprocess
+
 import psutil
 import requests
 
@@ -32,13 +39,29 @@ sys.path.insert(0, str(REPO))  # run as a script: this checkout's sglang_wgkv, n
 from sglang_wgkv.server_process import LAUNCHER, ServerProcess, free_port  # noqa: E402
 
 
+def gpu_memory() -> tuple[int, int] | None:
+    """``(used, total)`` bytes of GPU 0 from ``nvidia-smi``, or None (no NVIDIA GPU or tool)."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "-i", "0", "--query-gpu=memory.used,memory.total",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+        used, total = (int(x) << 20 for x in out.stdout.strip().split(","))
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+    return used, total
+
+
 class TreeSampler(threading.Thread):
-    """Samples the summed RSS of a process and its descendants, and the system's MemAvailable."""
+    """Samples the summed RSS of a process and its descendants, the system's MemAvailable and, where
+    ``gpu_memory`` answers, the GPU's used memory."""
 
     def __init__(self, pid: int, period: float = 0.2):
         super().__init__(daemon=True)
         self.root, self.period = psutil.Process(pid), period
         self.peak = self.phase_peak = 0
+        self.gpu = gpu_memory() is not None
+        self.gpu_peak = self.gpu_phase_peak = 0
         self.min_available = psutil.virtual_memory().available
         self.samples: list[tuple[float, int]] = []
         self._stop = threading.Event()
@@ -63,11 +86,18 @@ class TreeSampler(threading.Thread):
             self.peak, self.phase_peak = max(self.peak, rss), max(self.phase_peak, rss)
             self.min_available = min(self.min_available, psutil.virtual_memory().available)
             self.samples.append((round(time.monotonic() - t0, 2), rss))
+            gpu = gpu_memory() if self.gpu else None
+            if gpu is not None:
+                self.gpu_peak, self.gpu_phase_peak = max(self.gpu_peak, gpu[0]), max(self.gpu_phase_peak, gpu[0])
             time.sleep(self.period)
 
-    def take_phase(self) -> int:
+    def take_phase(self) -> dict:
+        """Peaks since the last phase: ``peak_rss_bytes`` (and ``peak_gpu_used_bytes`` on a GPU host)."""
         peak, self.phase_peak = self.phase_peak, self.rss()
-        return peak
+        out = {"peak_rss_bytes": peak}
+        if self.gpu:
+            out["peak_gpu_used_bytes"], self.gpu_phase_peak = self.gpu_phase_peak, 0
+        return out
 
     def stop(self):
         self._stop.set()
@@ -140,10 +170,12 @@ def measure(server_args: list[str], label: str, log_path: Path, long_prompt_coun
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     vm = psutil.virtual_memory()
+    gpu = gpu_memory()
     cmd = [*LAUNCHER, "--port", str(port), *server_args]
     result = {"label": label, "command": " ".join(["python -m sglang_wgkv.launch_server", *server_args]),
               "machine": {"mem_total_bytes": vm.total, "mem_available_at_start_bytes": vm.available,
-                          "cpus": os.cpu_count(), "python": platform.python_version()},
+                          "cpus": os.cpu_count(), "python": platform.python_version(),
+                          **({"gpu_total_bytes": gpu[1], "gpu_used_at_start_bytes": gpu[0]} if gpu else {})},
               "phases": {}, "survived": False}
     srv = ServerProcess(cmd, log_path, port=port, env=dict(os.environ), cwd=REPO, stop_timeout_s=60)
     sampler = TreeSampler(srv.proc.pid)
@@ -156,7 +188,7 @@ def measure(server_args: list[str], label: str, log_path: Path, long_prompt_coun
                             "max_running_requests": state.get("effective_max_running_requests_per_dp"),
                             "wgkv": {k: v for k, v in state.get("wgkv", {}).items()
                                      if k in ("total_pages", "page_bytes", "local_window", "tau")}}
-        result["phases"]["startup"] = {"peak_rss_bytes": sampler.take_phase()}
+        result["phases"]["startup"] = sampler.take_phase()
         for name, fn in (("frontend", lambda: frontend_program(url)), ("chat", lambda: chat(url)),
                          ("stream", lambda: stream(url)),
                          ("long_prompts", lambda: long_prompts(url, long_prompt_count, long_tokens))):
@@ -169,7 +201,7 @@ def measure(server_args: list[str], label: str, log_path: Path, long_prompt_coun
                 detail, ok = f"{type(e).__name__}: {e}", False
             time.sleep(2)  # the idle check after the phase
             result["phases"][name] = {"ok": ok and srv.alive(), "seconds": round(time.monotonic() - t, 1),
-                                      "peak_rss_bytes": sampler.take_phase(), "detail": detail}
+                                      **sampler.take_phase(), "detail": detail}
             if not result["phases"][name]["ok"]:
                 break
         result["survived"] = srv.alive()
@@ -180,6 +212,9 @@ def measure(server_args: list[str], label: str, log_path: Path, long_prompt_coun
         result["peak_rss_bytes"] = sampler.peak
         result["min_mem_available_bytes"] = sampler.min_available
         result["peak_rss_fraction_of_ram"] = round(sampler.peak / vm.total, 3)
+        if gpu:
+            result["peak_gpu_used_bytes"] = sampler.gpu_peak
+            result["peak_gpu_fraction"] = round(sampler.gpu_peak / gpu[1], 3)
         result["rss_timeline"] = sampler.samples[::5]
     return result
 

@@ -277,14 +277,18 @@ def constrained_programs(d: dict) -> list[str]:
 
 def serving_memory(d: dict) -> list[str]:
     m, srv = d["machine"], d.get("server", {})
+    gpu = "peak_gpu_used_bytes" in d
     phases = [[name, "yes" if p.get("ok", True) else f"no: {p.get('detail')}", p.get("seconds", ""),
-               f(p["peak_rss_bytes"], 2, 1 << 30)] for name, p in d["phases"].items()]
+               f(p["peak_rss_bytes"], 2, 1 << 30)] + ([f(p.get("peak_gpu_used_bytes"), 2, 1 << 30)] if gpu else [])
+              for name, p in d["phases"].items()]
+    gpu_text = (f" Peak GPU memory used {f(d['peak_gpu_used_bytes'], 2, 1 << 30)} of "
+                f"{f(m['gpu_total_bytes'], 1, 1 << 30)} GiB ({d['peak_gpu_fraction']:.1%}).") if gpu else ""
     return ([f"{d['label']}: {cmd(d['command'])} on {m['cpus']} CPUs, RAM {f(m['mem_total_bytes'], 1, 1 << 30)} GiB "
              f"({f(m['mem_available_at_start_bytes'], 1, 1 << 30)} GiB available at start). KV tokens "
              f"{srv.get('max_total_num_tokens')}, request slots {srv.get('max_running_requests')}. Peak RSS of the "
-             f"process tree {f(d['peak_rss_bytes'], 2, 1 << 30)} GiB ({d['peak_rss_fraction_of_ram']:.0%} of RAM); "
-             f"survived: {d['survived']}." + (f" Note: {d['note']}" if d.get("note") else ""), ""]
-            + table(["phase", "ok", "seconds", "peak RSS GiB"], phases))
+             f"process tree {f(d['peak_rss_bytes'], 2, 1 << 30)} GiB ({d['peak_rss_fraction_of_ram']:.0%} of RAM);"
+             f"{gpu_text} survived: {d['survived']}." + (f" Note: {d['note']}" if d.get("note") else ""), ""]
+            + table(["phase", "ok", "seconds", "peak RSS GiB"] + (["peak GPU GiB"] if gpu else []), phases))
 
 
 def eval_summary(d: dict) -> list[str]:

@@ -19,6 +19,8 @@
 #   bash launch/h200.sh serve-eval [evals.served args]
 # the RULER-style set through one server per configuration (evals/served.py); results accumulate in
 # /tmp/served (resumed by the next call) and are copied to $OUT.
+# `memory [server args]` as step 3: peak GPU memory and RSS of the launcher's defaults (WG-KV) against
+# --disable-wgkv --attention-backend flashinfer through the same phases (benchmarks/serving_memory.py).
 # `gpu-tests [pytest args]` as step 3 runs the GPU tests with the real embedded model (default `-m gpu tests`).
 # `programs` as step 3 runs SGLang's frontend test programs (constrained decoding included) on WG-KV
 # (kernels path) and --disable-wgkv (SERVERS=wgkv or SERVERS=disable-wgkv: one server per call, within a
@@ -39,7 +41,7 @@ part)
 kit2)
     bash .kit/install.sh .kit2 >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .kit2/*.whl
     touch /tmp/sglang-wheel-installed ;;
-serve-bench|serve-eval|serve-soak|programs|gpu-tests)
+serve-bench|serve-eval|serve-soak|programs|gpu-tests|memory)
     mode=$1; shift
     cp .model/$GGUF.part01 "$M"/ 2>/dev/null || test -f "$M"/$GGUF
     if [ -d .kit2 ] && [ ! -e /tmp/sglang-wheel-installed ]; then bash "$0" kit2; fi
@@ -60,6 +62,14 @@ serve-bench|serve-eval|serve-soak|programs|gpu-tests)
         exec python3 benchmarks/constrained_programs.py --servers "${SERVERS:-wgkv,disable-wgkv}" --log-dir "$OUT" \
             --server-args "--mem-fraction-static 0.5 $*" --baseline-args "--attention-backend flashinfer" \
             --out "$OUT/h200_programs.json"
+    fi
+    if [ "$mode" = memory ]; then
+        # issue 14: peak GPU memory (and RSS) of the README server's defaults against upstream's, one after
+        # the other, same phases (benchmarks/serving_memory.py) -> $OUT/memory_{wgkv,upstream}_h200.json
+        python3 benchmarks/serving_memory.py --label wgkv_h200 --out "$OUT" --log "$OUT/memory_wgkv_h200.log" -- "$@" || true
+        python3 benchmarks/serving_memory.py --label upstream_h200 --out "$OUT" --log "$OUT/memory_upstream_h200.log" \
+            -- --disable-wgkv --attention-backend flashinfer "$@" || true
+        exit 0
     fi
     if [ "$mode" = serve-eval ]; then
         mkdir -p /tmp/served

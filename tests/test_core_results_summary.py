@@ -4,6 +4,8 @@ measured."""
 
 import importlib.util
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -69,3 +71,44 @@ def test_trace_summary_attributes_idle_gaps_to_host_events():
     assert [h["name"] for h in first["inside"]] == ["aten::index_put_", "aten::add"]
     assert (second["idle_us"], second["after_kernel"], second["before_kernel"]) == (100.0, "_vertical_slash_fwd",
                                                                                  "act_and_mul_kernel")
+
+
+def test_serving_memory_samples_the_gpu_through_nvidia_smi(tmp_path, monkeypatch):
+    """benchmarks/serving_memory.py reads GPU 0's used/total memory from ``nvidia-smi`` (a stand-in
+    script here), keeps per-phase GPU peaks only on a GPU host, and the summary renders a GPU column
+    only then."""
+    spec = importlib.util.spec_from_file_location("serving_memory", REPO / "benchmarks" / "serving_memory.py")
+    sm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sm)
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert sm.gpu_memory() is None                      # no nvidia-smi on the PATH
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")  # the stand-in first
+    used = tmp_path / "used"
+    used.write_text("1024")
+    tool = tmp_path / "nvidia-smi"
+    tool.write_text(f"#!/bin/sh\necho \"$(cat {used}), 143771\"\n")
+    tool.chmod(0o755)
+    assert sm.gpu_memory() == (1024 << 20, 143771 << 20)
+    sampler = sm.TreeSampler(os.getpid(), period=0.01)
+    sampler.start()
+    time.sleep(0.3)
+    used.write_text("5000")
+    time.sleep(0.3)
+    first = sampler.take_phase()
+    used.write_text("2000")
+    time.sleep(0.3)
+    second = sampler.take_phase()
+    sampler.stop()
+    assert first["peak_gpu_used_bytes"] == 5000 << 20 and second["peak_gpu_used_bytes"] == 2000 << 20
+    assert sampler.gpu_peak == 5000 << 20 and first["peak_rss_bytes"] > 0
+    d = {"label": "x", "command": "python -m sglang_wgkv.launch_server", "survived": True,
+         "machine": {"cpus": 16, "mem_total_bytes": 1 << 37, "mem_available_at_start_bytes": 1 << 36,
+                     "gpu_total_bytes": 143771 << 20},
+         "peak_rss_bytes": 1 << 32, "peak_rss_fraction_of_ram": 0.03, "peak_gpu_used_bytes": 5000 << 20,
+         "peak_gpu_fraction": 0.035, "phases": {"startup": {"peak_rss_bytes": 1 << 32, "peak_gpu_used_bytes": 5000 << 20}}}
+    summary = _summary_module()
+    text = "\n".join(summary.serving_memory(d))
+    assert "peak GPU GiB" in text and "Peak GPU memory used 4.88 of 140.4 GiB (3.5%)" in text
+    del d["peak_gpu_used_bytes"]
+    assert "GPU" not in "\n".join(summary.serving_memory(d))
