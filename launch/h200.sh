@@ -31,6 +31,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 M=/tmp/m
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
+case "${1:-}" in serve-bench|serve-eval|serve-soak|programs|gpu-tests|memory)
+    [ -f /tmp/pp ] || { echo "no /tmp/pp: this machine is fresh; call '$0 setup' (carry .kit) first, in the same message" >&2; exit 3; } ;;
+esac
 case "${1:-}" in
 setup)
     bash .kit/install.sh | tail -1 > /tmp/pp

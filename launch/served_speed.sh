@@ -42,6 +42,9 @@
 #   python benchmarks/served_speed.py merge <part files> --out-dir benchmarks/results/serving
 set -euo pipefail
 cd "$(dirname "$0")/.."
+case "${1:-}" in tests-beside-warm|run)
+    [ -f /tmp/pp ] || { echo "no /tmp/pp: this machine is fresh; call '$0 setup' (carry .kit) first, in the same message" >&2; exit 3; } ;;
+esac
 case "${1:-}" in
 setup)
     bash .kit/install.sh | tail -1 > /tmp/pp
