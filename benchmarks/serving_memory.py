@@ -22,13 +22,12 @@ import argparse
 import json
 import os
 import platform
+import shutil
+import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-
-import shutil
-import subprocess
 
 import psutil
 import requests

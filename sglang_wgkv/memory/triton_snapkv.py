@@ -24,8 +24,8 @@ power of two and masked) a program
 The blocks' rows are then summed in a fixed order (deterministic, no atomics). The logits are
 ``tl.dot`` of the keys' own dtype with float32 accumulation: a product of two bf16 or fp16 values is
 exact in float32, so this is the float32 reference's arithmetic up to summation order, at the tensor
-cores' 16-bit rate (float32 inputs: IEEE float32). Under the interpreter, whose bf16 dot is wrong,
-the operands are upcast first.
+cores' 16-bit rate (float32 inputs: IEEE float32). Under the interpreter (its bf16 dot is wrong)
+16-bit operands are upcast to float32 first.
 
 The max-pool along the cache and the padding's ``-inf`` are the reference's
 (:func:`~sglang_wgkv.memory.snapkv_score.pool_raw_scores`), on the small ``[S, Ng]`` sums.
