@@ -80,28 +80,36 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=None)
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="start no configuration after this many seconds (those left are recorded as skipped)")
     a = p.parse_args(argv)
+    start = time.perf_counter()
     device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     backbone = load_backbone(a.model, dtype=dtype, device=device) if a.model else smollm2_shaped(device, dtype)
     lams = tuple(float(x) for x in a.lams.split(","))
     runs = []
+    result = {"what": "gate trainer speed per soft-gate backend", "model": a.model or "random SmolLM2-135M shape",
+              "seq_len": a.seq_len, "lams": lams, "warmup": a.warmup, "steps": a.steps, "runs": runs,
+              "goal": f"{GOAL_STEPS} steps in {GOAL_S // 60} min", **environment()}
     for backend in a.backends.split(","):
         for gc in a.grad_checkpoint.split(","):
             run = {"backend": backend, "grad_checkpoint": gc == "on"}
-            try:
-                run.update(measure(backbone, backend, gc == "on", lams, a.seq_len, a.warmup, a.steps))
-            except Exception as e:  # noqa: BLE001 -- recorded per configuration (compile, kernel, OOM)
-                run["failed"] = f"{type(e).__name__}: {str(e)[:400]}"
+            elapsed = time.perf_counter() - start
+            if a.time_budget_s is not None and elapsed > a.time_budget_s:
+                run["skipped"] = f"time budget: {elapsed:.0f} s of {a.time_budget_s:.0f} s spent"
+            else:
+                try:
+                    run.update(measure(backbone, backend, gc == "on", lams, a.seq_len, a.warmup, a.steps))
+                except Exception as e:  # noqa: BLE001 -- recorded per configuration (compile, kernel, OOM)
+                    run["failed"] = f"{type(e).__name__}: {str(e)[:400]}"
+                run["wall_s"] = time.perf_counter() - start - elapsed
             if device == "cuda":
                 torch.cuda.empty_cache()
             print(run, flush=True)
             runs.append(run)
-    result = {"what": "gate trainer speed per soft-gate backend", "model": a.model or "random SmolLM2-135M shape",
-              "seq_len": a.seq_len, "lams": lams, "warmup": a.warmup, "steps": a.steps, "runs": runs,
-              "goal": f"{GOAL_STEPS} steps in {GOAL_S // 60} min", **environment()}
-    if a.out:
-        write_json(a.out, result)
+            if a.out:  # after every configuration: a run cut by the caller's time limit keeps what it measured
+                write_json(a.out, result)
     return 0
 
 

@@ -21,6 +21,8 @@
 # /tmp/served (resumed by the next call) and are copied to $OUT.
 # `memory [server args]` as step 3: peak GPU memory and RSS of the launcher's defaults (WG-KV) against
 # --disable-wgkv --attention-backend flashinfer through the same phases (benchmarks/serving_memory.py).
+# `train-speed [benchmarks/train_speed.py args]` as step 3: the gate trainer's speed per backend (issue 16)
+# while FlashInfer's kernels for the embedded model compile beside it (for `memory` and `programs`).
 # `gpu-tests [pytest args]` as step 3 runs the GPU tests with the real embedded model (default `-m gpu tests`).
 # `programs` as step 3 runs SGLang's frontend test programs (constrained decoding included) on WG-KV
 # (kernels path) and --disable-wgkv (SERVERS=wgkv or SERVERS=disable-wgkv: one server per call, within a
@@ -31,7 +33,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 M=/tmp/m
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
-case "${1:-}" in serve-bench|serve-eval|serve-soak|programs|gpu-tests|memory)
+case "${1:-}" in serve-bench|serve-eval|serve-soak|programs|gpu-tests|memory|train-speed)
     [ -f /tmp/pp ] || { echo "no /tmp/pp: this machine is fresh; call '$0 setup' (carry .kit) first, in the same message" >&2; exit 3; } ;;
 esac
 case "${1:-}" in
@@ -44,7 +46,7 @@ part)
 kit2)
     bash .kit/install.sh .kit2 >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .kit2/*.whl
     touch /tmp/sglang-wheel-installed ;;
-serve-bench|serve-eval|serve-soak|programs|gpu-tests|memory)
+serve-bench|serve-eval|serve-soak|programs|gpu-tests|memory|train-speed)
     mode=$1; shift
     cp .model/$GGUF.part01 "$M"/ 2>/dev/null || test -f "$M"/$GGUF
     if [ -d .kit2 ] && [ ! -e /tmp/sglang-wheel-installed ]; then bash "$0" kit2; fi
@@ -65,6 +67,28 @@ serve-bench|serve-eval|serve-soak|programs|gpu-tests|memory)
         exec python3 benchmarks/constrained_programs.py --servers "${SERVERS:-wgkv,disable-wgkv}" --log-dir "$OUT" \
             --server-args "--mem-fraction-static 0.5 $*" --baseline-args "--attention-backend flashinfer" \
             --out "$OUT/h200_programs.json"
+    fi
+    if [ "$mode" = train-speed ]; then
+        # issue 16: benchmarks/train_speed.py [args] (random SmolLM2-shaped weights) on CPUs 12-15, while
+        # a dense FlashInfer server of the embedded model (CPUs 0-11) compiles FlashInfer's kernels for the
+        # later `memory` and `programs` calls of the same message; the cache comes back as $OUT/fi_cache.tgz
+        pin0="" pin1=""
+        if command -v taskset >/dev/null; then pin0="taskset -c 0-11" pin1="taskset -c 12-15"; fi
+        $pin0 setsid python3 -m sglang_wgkv.launch_server --port 30001 --disable-wgkv --attention-backend flashinfer \
+            --mem-fraction-static 0.15 > "$OUT/warm_fi.log" 2>&1 &
+        warm=$!
+        $pin1 timeout "${TRAIN_SPEED_S:-420}" python3 -m benchmarks.train_speed --out "$OUT/train_speed_h200.json" "$@" \
+            > "$OUT/train_speed.log" 2>&1 || echo "train_speed rc=$?" >> "$OUT/train_speed.log"
+        tail -12 "$OUT/train_speed.log"
+        for _ in $(seq 1 150); do
+            python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:30001/health_generate', timeout=30)" \
+                2>/dev/null && { echo "FlashInfer warm-up server healthy"; break; }
+            kill -0 $warm 2>/dev/null || { echo "warm-up server died"; tail -30 "$OUT/warm_fi.log"; break; }
+            sleep 2
+        done
+        kill -- -$warm 2>/dev/null || true
+        [ -d ~/.cache/flashinfer ] && tar czf "$OUT/fi_cache.tgz" -C ~/.cache flashinfer
+        exit 0
     fi
     if [ "$mode" = memory ]; then
         # issue 14: peak GPU memory (and RSS) of the README server's defaults against upstream's, one after
