@@ -17,8 +17,8 @@
 # (tests/soak_workload.py, 1,000 mixed jobs; SOAK_ARGS overrides its options), summary in $OUT/soak.json (keep it as benchmarks/results/reliability/soak_h200.json).
 # Or, as step 3 (and again in later calls of the same message, each under the 10-minute limit):
 #   bash launch/h200.sh serve-eval [evals.served args]
-# the RULER-style set through one server per configuration (evals/served.py); results accumulate in
-# /tmp/served (resumed by the next call) and are copied to $OUT.
+# the RULER-style set through one server per configuration (evals/served.py); results go to $OUT as each
+# configuration ends and are kept in /tmp/served (resumed by the next call).
 # `memory [server args]` as step 3: peak GPU memory and RSS of the launcher's defaults (WG-KV) against
 # --disable-wgkv --attention-backend flashinfer through the same phases (benchmarks/serving_memory.py).
 # `train-speed [benchmarks/train_speed.py args]` as step 3: the gate trainer's speed per backend (issue 16)
@@ -99,10 +99,12 @@ serve-bench|serve-eval|serve-soak|programs|gpu-tests|memory|train-speed)
         exit 0
     fi
     if [ "$mode" = serve-eval ]; then
-        mkdir -p /tmp/served
-        python3 -m evals.served --ruler evals/data/ruler_2k_8k.json.gz --engine h200 --out /tmp/served/h200.json \
-            --summary /tmp/served/summary.json "$@" || true
-        cp -r /tmp/served/. "$OUT"/
+        # straight into $OUT (a call cut by its time limit still returns the finished configurations);
+        # an earlier call's results on this machine are resumed
+        mkdir -p /tmp/served && cp -r /tmp/served/. "$OUT"/
+        python3 -m evals.served --ruler evals/data/ruler_2k_8k.json.gz --engine h200 --out "$OUT/h200.json" \
+            --summary "$OUT/summary.json" "$@" || true
+        cp -r "$OUT"/. /tmp/served/
         exit 0
     fi
     [ "$mode" = serve-soak ] && export SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1
