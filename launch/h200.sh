@@ -22,7 +22,8 @@
 # `memory [server args]` as step 3: peak GPU memory and RSS of the launcher's defaults (WG-KV) against
 # --disable-wgkv --attention-backend flashinfer through the same phases (benchmarks/serving_memory.py).
 # `train-speed [benchmarks/train_speed.py args]` as step 3: the gate trainer's speed per backend (issue 16)
-# while FlashInfer's kernels for the embedded model compile beside it (for `memory` and `programs`).
+# while FlashInfer's kernels for the embedded model compile beside it (for `memory` and `programs`);
+# WARM_FI=1 does the same beside `serve-soak` or `serve-bench`.
 # `gpu-tests [pytest args]` as step 3 runs the GPU tests with the real embedded model (default `-m gpu tests`).
 # `programs` as step 3 runs SGLang's frontend test programs (constrained decoding included) on WG-KV
 # (kernels path) and --disable-wgkv (SERVERS=wgkv or SERVERS=disable-wgkv: one server per call, within a
@@ -68,26 +69,34 @@ serve-bench|serve-eval|serve-soak|programs|gpu-tests|memory|train-speed)
             --server-args "--mem-fraction-static 0.5 $*" --baseline-args "--attention-backend flashinfer" \
             --out "$OUT/h200_programs.json"
     fi
-    if [ "$mode" = train-speed ]; then
-        # issue 16: benchmarks/train_speed.py [args] (random SmolLM2-shaped weights) on CPUs 12-15, while
-        # a dense FlashInfer server of the embedded model (CPUs 0-11) compiles FlashInfer's kernels for the
-        # later `memory` and `programs` calls of the same message; the cache comes back as $OUT/fi_cache.tgz
-        pin0="" pin1=""
-        if command -v taskset >/dev/null; then pin0="taskset -c 0-11" pin1="taskset -c 12-15"; fi
-        $pin0 setsid python3 -m sglang_wgkv.launch_server --port 30001 --disable-wgkv --attention-backend flashinfer \
+    # WARM_FI=1 (or mode train-speed): a dense FlashInfer server of the embedded model on CPUs 0-7 compiles
+    # FlashInfer's kernels beside this call's own work, for later `memory`/`programs`/`serve-eval` calls
+    # of the same message; it is stopped once healthy and the cache comes back as $OUT/fi_cache.tgz
+    warm=""
+    if [ "${WARM_FI:-0}" = 1 ] || [ "$mode" = train-speed ]; then
+        pin=""; command -v taskset >/dev/null && pin="taskset -c 0-7"
+        $pin setsid python3 -m sglang_wgkv.launch_server --port 30001 --disable-wgkv --attention-backend flashinfer \
             --mem-fraction-static 0.15 > "$OUT/warm_fi.log" 2>&1 &
         warm=$!
-        $pin1 timeout "${TRAIN_SPEED_S:-420}" python3 -m benchmarks.train_speed --out "$OUT/train_speed_h200.json" "$@" \
-            > "$OUT/train_speed.log" 2>&1 || echo "train_speed rc=$?" >> "$OUT/train_speed.log"
-        tail -12 "$OUT/train_speed.log"
+    fi
+    warm_finish() {
+        [ -n "$warm" ] || return 0
         for _ in $(seq 1 150); do
             python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:30001/health_generate', timeout=30)" \
                 2>/dev/null && { echo "FlashInfer warm-up server healthy"; break; }
-            kill -0 $warm 2>/dev/null || { echo "warm-up server died"; tail -30 "$OUT/warm_fi.log"; break; }
+            kill -0 "$warm" 2>/dev/null || { echo "warm-up server died"; tail -30 "$OUT/warm_fi.log"; break; }
             sleep 2
         done
-        kill -- -$warm 2>/dev/null || true
-        [ -d ~/.cache/flashinfer ] && tar czf "$OUT/fi_cache.tgz" -C ~/.cache flashinfer
+        kill -- -"$warm" 2>/dev/null || true
+        if [ -d ~/.cache/flashinfer ]; then tar czf "$OUT/fi_cache.tgz" -C ~/.cache flashinfer; fi
+    }
+    if [ "$mode" = train-speed ]; then
+        # issue 16: benchmarks/train_speed.py [args] (random SmolLM2-shaped weights) on CPUs 8-15
+        pin=""; command -v taskset >/dev/null && pin="taskset -c 8-15"
+        $pin timeout "${TRAIN_SPEED_S:-420}" python3 -m benchmarks.train_speed --out "$OUT/train_speed_h200.json" "$@" \
+            > "$OUT/train_speed.log" 2>&1 || echo "train_speed rc=$?" >> "$OUT/train_speed.log"
+        tail -12 "$OUT/train_speed.log"
+        warm_finish
         exit 0
     fi
     if [ "$mode" = memory ]; then
@@ -124,7 +133,8 @@ serve-bench|serve-eval|serve-soak|programs|gpu-tests|memory|train-speed)
     else
         python3 launch/bench_serving.py --url http://127.0.0.1:30000 --out "$OUT/bench.json" || tail -60 "$OUT/server.log"
     fi
-    kill -- -$server 2>/dev/null || true ;;
+    kill -- -$server 2>/dev/null || true
+    warm_finish ;;
 *)
     sed -n 2,15p "$0"; exit 2 ;;
 esac
