@@ -21,9 +21,9 @@
 # configuration ends and are kept in /tmp/served (resumed by the next call).
 # `memory [server args]` as step 3: peak GPU memory and RSS of the launcher's defaults (WG-KV) against
 # --disable-wgkv --attention-backend flashinfer through the same phases (benchmarks/serving_memory.py).
-# `train-speed [benchmarks/train_speed.py args]` as step 3: the gate trainer's speed per backend (issue 16)
-# while FlashInfer's kernels for the embedded model compile beside it (for `memory` and `programs`);
-# WARM_FI=1 does the same beside `serve-soak` or `serve-bench`.
+# `train-speed [benchmarks/train_speed.py args]` as step 3: the gate trainer's speed per backend (issue 16).
+# WARM_FI=1 before `train-speed`, `serve-soak` or `serve-bench`: FlashInfer's kernels for the embedded
+# model compile beside it (a dense server, stopped once healthy), for later `memory`/`programs` calls.
 # `gpu-tests [pytest args]` as step 3 runs the GPU tests with the real embedded model (default `-m gpu tests`).
 # `programs` as step 3 runs SGLang's frontend test programs (constrained decoding included) on WG-KV
 # (kernels path) and --disable-wgkv (SERVERS=wgkv or SERVERS=disable-wgkv: one server per call, within a
@@ -69,11 +69,11 @@ serve-bench|serve-eval|serve-soak|programs|gpu-tests|memory|train-speed)
             --server-args "--mem-fraction-static 0.5 $*" --baseline-args "--attention-backend flashinfer" \
             --out "$OUT/h200_programs.json"
     fi
-    # WARM_FI=1 (or mode train-speed): a dense FlashInfer server of the embedded model on CPUs 0-7 compiles
+    # WARM_FI=1: a dense FlashInfer server of the embedded model on CPUs 0-7 compiles
     # FlashInfer's kernels beside this call's own work, for later `memory`/`programs`/`serve-eval` calls
     # of the same message; it is stopped once healthy and the cache comes back as $OUT/fi_cache.tgz
     warm=""
-    if [ "${WARM_FI:-0}" = 1 ] || [ "$mode" = train-speed ]; then
+    if [ "${WARM_FI:-0}" = 1 ]; then
         pin=""; command -v taskset >/dev/null && pin="taskset -c 0-7"
         $pin setsid python3 -m sglang_wgkv.launch_server --port 30001 --disable-wgkv --attention-backend flashinfer \
             --mem-fraction-static 0.15 > "$OUT/warm_fi.log" 2>&1 &
