@@ -312,3 +312,32 @@ def test_server_process_waits_stops_the_group_and_reports_an_exit(tmp_path):
     with pytest.raises(RuntimeError, match=r"exited with 3:\n(.|\n)*no model here"):
         bad.wait_healthy(60)
     bad.stop()
+
+
+def test_wgkv_lowers_sglangs_own_memory_fraction_only():
+    """reserve_gpu_memory: SGLang's own choice of --mem-fraction-static (none given) is lowered by
+    GPU_RESERVE_MIB of the GPU's memory for the wgkv backend; a given fraction, another backend and a
+    CPU (no gpu_mem) keep SGLang's value. The hooked method exists in the pinned SGLang."""
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_wgkv.integration.hooks import reserve_gpu_memory
+    from sglang_wgkv.integration.settings import GPU_RESERVE_MIB
+
+    assert callable(getattr(ServerArgs, "_handle_gpu_memory_settings", None))
+
+    def sglang_choice(args, gpu_mem):  # stands in for SGLang: fills the fraction when none was given
+        if args.mem_fraction_static is None:
+            args.mem_fraction_static = 0.907
+        return "result"
+
+    def run(backend, given, gpu_mem):
+        args = SimpleNamespace(attention_backend=backend, mem_fraction_static=given)
+        assert reserve_gpu_memory(sglang_choice, args, gpu_mem) == "result"
+        return args.mem_fraction_static
+
+    h200 = 143771
+    lowered = run("wgkv", None, h200)
+    assert lowered <= 0.907 - GPU_RESERVE_MIB / h200 and lowered > 0.907 - GPU_RESERVE_MIB / h200 - 0.001
+    assert run("wgkv", 0.5, h200) == 0.5
+    assert run("flashinfer", None, h200) == 0.907
+    assert run("wgkv", None, None) == 0.907

@@ -7,6 +7,7 @@ Every hook is inert unless ``--attention-backend wgkv`` is selected.
 target (sglang.srt. ...)                                type    effect with wgkv
 ======================================================  ======  ==========================================
 server_args.ServerArgs.__post_init__                    BEFORE  validate options; radix_ext cache, graphs
+server_args.ServerArgs._handle_gpu_memory_settings      AROUND  SGLang's own memory fraction, less a reserve
 ...KVCacheConfigurator._derive_pool_sizes               AFTER   capacity plan; the process's WGKVRuntime
 ...KVCacheConfigurator._build_default_req_pool          AROUND  dual pool + evictor; WGKVReqToTokenPool
 ...KVCacheConfigurator._build_token_to_kv_pool          AROUND  WGKVTokenToKVPool over the dual pool
@@ -25,10 +26,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import msgspec
 
-from sglang_wgkv.integration.settings import BACKEND_NAME, ServingSettings
+from sglang_wgkv.integration.settings import BACKEND_NAME, GPU_RESERVE_MIB, ServingSettings
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +87,21 @@ def prepare_server_args(server_args, *args, **kwargs):
         logger.info("wgkv: decode CUDA graphs off: %s", blocker)
         server_args.disable_decode_cuda_graph = True
     return None
+
+
+def reserve_gpu_memory(original, server_args, gpu_mem):
+    """AROUND ``ServerArgs._handle_gpu_memory_settings``: where SGLang chooses ``mem_fraction_static``
+    itself (not given) on a GPU, the wgkv server's is :data:`GPU_RESERVE_MIB` lower, so that what
+    the backend holds outside the static pool leaves at least the headroom upstream SGLang leaves.
+    A fraction given on the command line is kept as is."""
+    chosen_by_sglang = server_args.mem_fraction_static is None
+    result = original(server_args, gpu_mem)
+    if chosen_by_sglang and gpu_mem and wgkv_selected(server_args):
+        before = server_args.mem_fraction_static
+        server_args.mem_fraction_static = math.floor((before - GPU_RESERVE_MIB / gpu_mem) * 1000) / 1000
+        logger.info("wgkv: --mem-fraction-static %.3g (SGLang's choice %.3g less %d MiB for the backend's "
+                    "memory outside the pool)", server_args.mem_fraction_static, before, GPU_RESERVE_MIB)
+    return result
 
 
 def split_pool_sizes(sizes, configurator, *args, **kwargs):

@@ -37,6 +37,7 @@ def load_plugin() -> None:
         add_attention_backend_choices([BACKEND_NAME])
     for target, fn, kind in (
         ("sglang.srt.server_args.ServerArgs.__post_init__", hooks.prepare_server_args, HookType.BEFORE),
+        ("sglang.srt.server_args.ServerArgs._handle_gpu_memory_settings", hooks.reserve_gpu_memory, HookType.AROUND),
         (f"{hooks.CONFIGURATOR}._derive_pool_sizes", hooks.split_pool_sizes, HookType.AFTER),
         (f"{hooks.CONFIGURATOR}._build_default_req_pool", hooks.build_req_pool, HookType.AROUND),
         (f"{hooks.CONFIGURATOR}._build_token_to_kv_pool", hooks.build_kv_pool, HookType.AROUND),
