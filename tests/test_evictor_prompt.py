@@ -171,3 +171,24 @@ def test_the_prompt_window_is_the_question_not_the_decode_window():
     with pytest.raises(ValueError, match="prompt_window"):
         SnapKVEvictor(Run(W=16, window=16, budget=1, pages=60, slots=1, maxlen=20, seed=1).pool, budget=1,
                       num_q_heads=H * G, window=16, prompt_window=17)
+
+
+@pytest.mark.parametrize("declared_open", [True, False])
+def test_a_new_owner_with_a_cache_before_its_first_extend_waits_for_its_prompt_end(declared_open):
+    """A slot's new owner that holds a global cache before its first forward (a prefix restored from
+    the radix cache; here the previous forward's undeclared extend stands for it): declared with
+    ``open_prompts`` at the boundary ahead of its extend, it is kept there and compressed once, by its
+    prompt's end; undeclared, that boundary cuts it as a decoding request first (two triggers)."""
+    budget = 24
+    run = Run(W=16, window=16, budget=budget, pages=600, slots=2, maxlen=300, seed=29)
+    run.new(1, 1.0)
+    run.extend({1: 60})                                            # the restored prefix: 44 global
+    if declared_open:
+        run.ev.open_prompts([1])
+    assert run.ev.maybe_evict() == (0 if declared_open else L * H)
+    run.extend({1: 30})                                            # the rest of its prompt
+    run.ev.mark_extend([1], [True])
+    assert run.ev.maybe_evict() == L * H
+    assert (run.pool.global_len[1] == budget).all()
+    assert run.ev.triggers[1] == (1 if declared_open else 2)
+    run.pool.check_integrity()

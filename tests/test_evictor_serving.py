@@ -62,3 +62,29 @@ def test_prompt_past_the_cap_is_compressed_early_and_logged(server):
     assert "compressed early to the budget" in server.log_path.read_text(errors="replace")
     server.wait_idle_checked()
     assert server.alive()
+
+
+def test_a_prefix_restored_from_the_radix_cache_is_compressed_once_by_its_prompt_end(tmp_path):
+    """Radix cache on: a second prompt sharing a long prefix with the first starts from that prefix's
+    snapshot, whose global cache is past the budget before its first forward. It waits for its own
+    prompt's end like any prompt (one trigger), instead of being cut by the decode rule at the step
+    boundary ahead of its extend, scored by no query of its own, and then again at its end (two
+    triggers: the H200 served set of 2026-12-03 lost 7/8 8K passkeys at budget 512 that way)."""
+    srv = Server(["--wgkv-gates", "fresh", "--wgkv-local-window", str(W_LOCAL), "--kv-budget", str(KV_BUDGET),
+                  "--chunked-prefill-size", str(CHUNK)], tmp_path / "server.log")
+    try:
+        srv.wait_healthy()
+        shared = long_prompt(24)
+        params = {"ignore_eos": True}
+        srv.generate(shared + " And which one mentions a tree?", max_new_tokens=2, sampling_params=params)
+        out = srv.generate(shared + " Now tell me which item is the green book.", max_new_tokens=2,
+                           sampling_params=params)
+        n, cached = out["meta_info"]["prompt_tokens"], out["meta_info"]["cached_tokens"]
+        assert cached - W_LOCAL > KV_BUDGET                      # a restored prefix past the budget
+        u = _usage(out)
+        assert u["eviction_triggers"] == 1 and u["early_prompt_compressions"] == 0
+        # one cut, to budget - lead, of the whole prompt's global part (plus at most the decode step's token)
+        assert STREAMS * (n - W_LOCAL - KEEP) <= u["evicted_tokens"] <= STREAMS * (n + 1 - W_LOCAL - KEEP)
+        srv.wait_idle_checked()
+    finally:
+        srv.stop()

@@ -215,6 +215,8 @@ class WGKVAttnBackend(AttentionBackend):
             return
         self._gate_check.poll()
         if self.evictor is not None:  # step boundary: bound what the previous forward admitted
+            if mode.is_extend():  # whose prompts go on (or start from a restored prefix): not decoding
+                self.evictor.open_prompts(self._host_slots(forward_batch))
             self.evictor.maybe_evict()
         slots = forward_batch.req_pool_indices
         if mode.is_decode():

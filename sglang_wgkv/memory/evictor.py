@@ -47,6 +47,8 @@ declared (``mark_extend`` not called) are evicted at every step boundary, prompt
 
 Call protocol (the attention backend; every call is cheap when nothing is evicted)::
 
+    evictor.open_prompts(slots)       |
+    evictor.maybe_evict()             | evictor.maybe_evict()     # the step boundary before it
     pool.begin_extend(...)            | pool.begin_decode(...)
     evictor.mark_extend(slots, ends)  |
     per layer: evictor.observe_extend |   per layer: evictor.observe_decode(layer, q[, req, pos])
@@ -217,6 +219,18 @@ class SnapKVEvictor:
             raise ValueError(f"{slots.size} request slots, {ends.size} prompt-end flags")
         self._prompt_open[slots] = ~ends
         self._prompt_end[slots] = ends
+
+    def open_prompts(self, req_slots) -> None:
+        """Declare, before the step boundary ahead of an extend, that requests ``req_slots`` are
+        prefilling their prompt: that boundary caps them at ``prompt_cap`` (as :meth:`mark_extend`'s
+        open prompts) instead of evicting them as decoding requests. A slot handed to a new request
+        can hold a global cache before its first forward (a prefix restored from the radix cache):
+        undeclared at that boundary, it was cut to the budget by the decode rule, scored by no query
+        of its own, and its prompt-end compression came second (seen on the H200, 2026-12-03)."""
+        self._refresh_slots()
+        slots = np.asarray(list(req_slots), dtype=np.int64)
+        self._prompt_open[slots] = True
+        self._prompt_end[slots] = False
 
     def observe_extend(self, layer: int, q: torch.Tensor) -> None:
         """Record the queries of the pool's current extend for ``layer``.
