@@ -72,13 +72,17 @@ serve-bench|serve-eval|serve-soak|programs|gpu-tests|memory|train-speed)
     # WARM_FI=1: a dense FlashInfer server of the embedded model on CPUs 0-7 compiles
     # FlashInfer's kernels beside this call's own work, for later `memory`/`programs`/`serve-eval` calls
     # of the same message; it is stopped once healthy and the cache comes back as $OUT/fi_cache.tgz
+    # --mem-fraction-static counts the whole GPU, other processes' memory included: beside the call's own
+    # server (0.5) the warm-up server takes 0.75 and starts once that server is up (2026-12-03: at 0.15
+    # beside a 0.5 server it died at start-up, "Raise --mem-fraction-static above 0.506")
     warm=""
-    if [ "${WARM_FI:-0}" = 1 ]; then
+    warm_start() {
+        [ "${WARM_FI:-0}" = 1 ] || return 0
         pin=""; command -v taskset >/dev/null && pin="taskset -c 0-7"
         $pin setsid python3 -m sglang_wgkv.launch_server --port 30001 --disable-wgkv --attention-backend flashinfer \
-            --mem-fraction-static 0.15 > "$OUT/warm_fi.log" 2>&1 &
+            --mem-fraction-static "$1" > "$OUT/warm_fi.log" 2>&1 &
         warm=$!
-    fi
+    }
     warm_finish() {
         [ -n "$warm" ] || return 0
         for _ in $(seq 1 150); do
@@ -92,6 +96,7 @@ serve-bench|serve-eval|serve-soak|programs|gpu-tests|memory|train-speed)
     }
     if [ "$mode" = train-speed ]; then
         # issue 16: benchmarks/train_speed.py [args] (random SmolLM2-shaped weights) on CPUs 8-15
+        warm_start 0.15
         pin=""; command -v taskset >/dev/null && pin="taskset -c 8-15"
         $pin timeout "${TRAIN_SPEED_S:-420}" python3 -m benchmarks.train_speed --out "$OUT/train_speed_h200.json" "$@" \
             > "$OUT/train_speed.log" 2>&1 || echo "train_speed rc=$?" >> "$OUT/train_speed.log"
@@ -125,6 +130,7 @@ serve-bench|serve-eval|serve-soak|programs|gpu-tests|memory|train-speed)
         kill -0 $server 2>/dev/null || { tail -50 "$OUT/server.log"; exit 1; }
         sleep 2
     done
+    warm_start 0.75
     if [ "$mode" = serve-soak ]; then
         # shellcheck disable=SC2086
         python3 tests/soak_workload.py --url http://127.0.0.1:30000 --server-log "$OUT/server.log" \
