@@ -368,6 +368,30 @@ def soak(d: dict) -> list[str]:
     return [head, ""] + table(["job kind", "count", "mean s"], rows)
 
 
+def aime_runs(d: dict) -> list[str]:
+    """``evals/aime25.py`` reports, one per server configuration (long generation, eviction counters)."""
+    rows = []
+    for name, run in d["runs"].items():
+        r = run["report"]
+        tokens = [s["completion_tokens"] for s in r["samples"]]
+        rows.append([name, cmd(run["server"]), len(tokens), f(r["mean_completion_tokens"], 1), max(tokens),
+                     f(r["mean_eviction_triggers"], 3), max(s["eviction_triggers"] or 0 for s in r["samples"]),
+                     f(r["mean_kv_tokens_per_head"], 1), r["truncated"], r["errors"], f(r["accuracy"], 3)])
+    client = cmd(next(iter(d["runs"].values()))["client"])
+    return [f"{d['what']}. Client: {client}.", ""] + table(
+        ["run", "server", "samples", "mean tokens", "max tokens", "mean eviction triggers", "max triggers",
+         "mean KV tokens/head", "truncated", "errors", "accuracy"], rows)
+
+
+def trigger_runs(d: dict) -> list[str]:
+    """Served runs of one configuration before/after a change: accuracy and samples evicted twice."""
+    rows = [[name, run["commit"], len(run["rows"]), f(run["accuracy"], 3), run["two_trigger_samples"]]
+            for name, run in d["runs"].items()]
+    commands = cmds([run["command"] for run in d["runs"].values()], "; ")
+    return [f"{d['what']} Commands: {commands}.", ""] + table(
+        ["run", "commit", "samples", "accuracy", "samples with 2+ eviction triggers"], rows)
+
+
 def decode_ab(d: dict) -> list[str]:
     """Two versions of the WG-KV decode, each in its own H200 lease against that lease's upstream:
     TPOT, profiled step and per-layer kernel times."""
@@ -453,6 +477,11 @@ def renderer(d: dict):
         return soak
     if "leases" in d and "reading" in d:
         return decode_ab
+    runs = d.get("runs")
+    if isinstance(runs, dict) and runs and all("report" in r for r in runs.values()):
+        return aime_runs
+    if isinstance(runs, dict) and runs and all("two_trigger_samples" in r for r in runs.values()):
+        return trigger_runs
     if set(d) == {"rows"}:
         return accuracy_summary
     return None
