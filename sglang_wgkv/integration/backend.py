@@ -214,15 +214,16 @@ class WGKVAttnBackend(AttentionBackend):
         if mode.is_idle():
             return
         self._gate_check.poll()
+        host_slots = self._host_slots(forward_batch)
         if self.evictor is not None:  # step boundary: bound what the previous forward admitted
             if mode.is_extend():  # whose prompts go on (or start from a restored prefix): not decoding
-                self.evictor.open_prompts(self._host_slots(forward_batch))
+                self.evictor.open_prompts(host_slots)
             self.evictor.maybe_evict()
         slots = forward_batch.req_pool_indices
         if mode.is_decode():
             self._extend = None
             host = (forward_batch.seq_lens_cpu - 1).tolist()
-            plan = self.dual.begin_decode(self._host_slots(forward_batch), host,
+            plan = self.dual.begin_decode(host_slots, host,
                                           req_slots_dev=slots, seq_lens_dev=forward_batch.seq_lens - 1)
             self._rows = _DecodeRows(plan.req, plan.pos, plan.ring_tokens, self.req_pool.slot_tau[slots][:, None],
                                      self._draw_uniform(len(host)))
@@ -234,7 +235,7 @@ class WGKVAttnBackend(AttentionBackend):
                 self._rows.gate_splits = self.decode_gate.num_splits(len(host) * self.dual.num_kv_heads, self._sms)
         elif mode.is_extend() and not mode.is_mixed():
             prefix, extend = forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
-            self._extend = (self._host_slots(forward_batch), list(prefix), list(extend))
+            self._extend = (host_slots, list(prefix), list(extend))
             self._rows = None
             self._extend_plan = plan = self.dual.begin_extend(*self._extend)
             self._indptrs = self._extend_indptrs(plan)

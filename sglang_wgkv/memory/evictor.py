@@ -227,10 +227,8 @@ class SnapKVEvictor:
         can hold a global cache before its first forward (a prefix restored from the radix cache):
         undeclared at that boundary, it was cut to the budget by the decode rule, scored by no query
         of its own, and its prompt-end compression came second (seen on the H200, 2026-12-03)."""
-        self._refresh_slots()
-        slots = np.asarray(list(req_slots), dtype=np.int64)
-        self._prompt_open[slots] = True
-        self._prompt_end[slots] = False
+        slots = list(req_slots)
+        self.mark_extend(slots, [False] * len(slots))
 
     def observe_extend(self, layer: int, q: torch.Tensor) -> None:
         """Record the queries of the pool's current extend for ``layer``.
