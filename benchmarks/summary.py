@@ -332,6 +332,18 @@ def training(d: dict) -> list[str]:
             + table(["lambda", "KV fraction", "global fraction", "soft MSE", "hard MSE"], rows))
 
 
+def train_speed(d: dict) -> list[str]:
+    """``benchmarks/train_speed.py``: seconds per step of the gate trainer per backend and checkpointing."""
+    rows = [[r["backend"], "on" if r["grad_checkpoint"] else "off",
+             f(r.get("seconds_per_step"), 3), f(r.get("tokens_per_s_all_lambdas"), 0),
+             f(r.get("minutes_for_2000_steps"), 1), f(r.get("peak_gib"), 1),
+             "yes" if r.get("meets_goal") else ("no" if "error" not in r else r["error"][:60])] for r in d["runs"]]
+    return ([f"{d['what']}; {d['model']}, {len(d['lams'])} lambda values per step, {d['seq_len']} tokens, "
+             f"{d.get('gpu', 'CPU')}. Goal: {d['goal']}. Command: {cmds(d['command'], '; ')}.", ""]
+            + table(["backend", "grad checkpoint", "s/step", "tok/s (all lambda)", "min / 2000 steps",
+                     "peak GiB", "meets goal"], rows))
+
+
 def accuracy_summary(d: dict) -> list[str]:
     """``accuracy/summary.json``: one row per (method, budget, engine), offline (evals.summary --into:
     NLL, passkey, NIAH-mk) and served (evals.served: accuracy over the served set) side by side; each
@@ -469,6 +481,8 @@ def renderer(d: dict):
         return head_budgets
     if "train_curve" in d:
         return training
+    if isinstance(d.get("runs"), list) and d["runs"] and "seconds_per_step" in d["runs"][0]:
+        return train_speed
     if "results" in d and "engine" in d:
         return served_accuracy
     if "pairs" in d and "near_tie" in d:

@@ -60,7 +60,8 @@ def main(argv=None) -> int:
         t.add_argument("--" + name.replace("_", "-"), type=type(defaults[name]), default=defaults[name])
     t.add_argument("--hidden", type=int, default=None,
                    help="gate MLP hidden width per head (default 4 * head_dim; the authors' Qwen3 gates: 1.5 * head_dim)")
-    t.add_argument("--no-grad-checkpoint", action="store_true")
+    t.add_argument("--grad-checkpoint", choices=("auto", "on", "off"), default="auto",
+                   help="per-layer gradient checkpointing (auto: off on CUDA, on elsewhere)")
 
     args = parser.parse_args(argv)
     if args.command == "corpus":
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
                           "documents": len(manifest["documents"])}, indent=1))
         return 0
     kw = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
-    kw["grad_checkpoint"] = not args.no_grad_checkpoint
+    kw["grad_checkpoint"] = {"auto": None, "on": True, "off": False}[args.grad_checkpoint]
     trainer = GateTrainer(TrainConfig(**kw))
     records = trainer.fit(resume=not args.no_resume)
     if records:
