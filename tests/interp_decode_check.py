@@ -112,9 +112,12 @@ def run_case(name: str, device: str = "cpu") -> bool:
     All runs share one workspace, and each runs twice into NaN-filled outputs: the second must repeat
     the first bit for bit (the fused merge's counters were reset, every output row was written).
 
-    Each launch also runs with the ring write fused (``new_k``/``new_v``: ``write_new``), on a copy
-    of the pages taken before the pool's own ``write_decode``: its output must match the reference
-    after that write, and its copy of the pages must then equal the pool's, bit for bit."""
+    Each launch also runs with the ring write fused (``new_k``/``new_v``: ``write_new``; ``new_v``
+    with other strides than ``new_k``), on a copy of the pages taken before the pool's own
+    ``write_decode``: its output must match the reference after that write, and its copy of the pages
+    must then equal the pool's, bit for bit. Those launches also record the queries in an observation
+    window (``observe``, W_obs = W / 2; positions in layer 0 only), which must equal the evictor's
+    torch record (``q_buf[req, pos % W_obs] = q``, ``q_pos[req, pos % W_obs] = pos``)."""
     from sglang_wgkv.attention.triton_decode import DecodeConfig, FoldedDecodeWorkspace, folded_decode
 
     c = CASES[name]
@@ -125,8 +128,16 @@ def run_case(name: str, device: str = "cpu") -> bool:
     ok_all = True
     fused_writes = {}  # (layer, launch, merge) -> (outputs, k pages, v pages) of the fused-write runs
 
-    def launch(q, req, ring, layer, splits, block_n, fused, k_pages, v_pages, new=None):
+    R, w_obs = case.pool.max_requests, c["W"] // 2
+
+    def window_buffers():
+        return (torch.zeros(R, w_obs, c["Hq"], c["D"], dtype=c["dtype"], device=device),
+                torch.full((R, w_obs), -1, dtype=torch.int64, device=device))
+
+    def launch(q, req, ring, layer, splits, block_n, fused, k_pages, v_pages, new=None, observe=None):
         extra = dict(zip(("new_k", "new_v", "pos", "window"), new)) if new else {}
+        if observe is not None:
+            extra["observe"] = observe
         return folded_decode(q, k_pages, v_pages, case.pool.page_table, case.pool.global_len, req, ring, layer,
                              num_splits=splits, workspace=ws, out=torch.full_like(q, float("nan")),
                              config=DecodeConfig(block_n=block_n, fused_merge=fused), **extra)
@@ -140,12 +151,20 @@ def run_case(name: str, device: str = "cpu") -> bool:
     def before_write(layer, k, v):
         q, req, ring = rows(case.query())
         pos = torch.cat([case.plan.pos, case.plan.pos.new_zeros(1)])
-        new = (torch.cat([k, k[:1]]), torch.cat([v, v[:1]]), pos, c["W"])
+        v_wide = torch.cat([v, v[:1]]).repeat(1, 1, 2)                # new_v [B, H, D] with row stride 2 * D
+        new = (torch.cat([k, k[:1]]), v_wide[..., :c["D"]], pos, c["W"])
+        obs_ref = window_buffers()
+        obs_ref[0][req, pos % w_obs] = q
+        if layer == 0:
+            obs_ref[1][req, pos % w_obs] = pos
         for splits, block_n in c["launches"]:
             for fused in (True, False):
                 kp, vp = case.pool.k_pages.clone(), case.pool.v_pages.clone()
-                outs = [launch(q, req, ring, layer, splits, block_n, fused, kp, vp, new) for _ in range(2)]
-                fused_writes[layer, splits, block_n, fused] = (q, outs, kp, vp)
+                obs_q, obs_pos = window_buffers()
+                outs = [launch(q, req, ring, layer, splits, block_n, fused, kp, vp, new,
+                               observe=(obs_q, obs_pos if layer == 0 else None)) for _ in range(2)]
+                observed = torch.equal(obs_q, obs_ref[0]) and torch.equal(obs_pos, obs_ref[1])
+                fused_writes[layer, splits, block_n, fused] = (q, outs, kp, vp, observed)
 
     for step in range(c["steps"]):
         for layer in case.step(before_write):
@@ -158,23 +177,23 @@ def run_case(name: str, device: str = "cpu") -> bool:
                 for fused in (True, False):
                     for write_new in (False, True):
                         if write_new:
-                            q_w, outs, kp, vp = fused_writes.pop((layer, splits, block_n, fused))
+                            q_w, outs, kp, vp, observed = fused_writes.pop((layer, splits, block_n, fused))
                             ref = torch.cat([case.reference(q_w[:-1], layer), torch.zeros_like(q_w[-1:])])
                             pages_equal = torch.equal(kp, case.pool.k_pages) and torch.equal(vp, case.pool.v_pages)
                         else:
                             outs = [launch(q, req, ring, layer, splits, block_n, fused, case.pool.k_pages,
                                            case.pool.v_pages) for _ in range(2)]
                             ref = torch.cat([case.reference(q[:-1], layer), torch.zeros_like(q[-1:])])
-                            pages_equal = True
+                            pages_equal = observed = True
                         ok, rel, mx = close(outs[0], ref, c["dtype"])
                         repeat = torch.equal(outs[0], outs[1])
-                        good = ok and repeat and pages_equal
+                        good = ok and repeat and pages_equal and observed
                         print(json.dumps({"case": name, "step": step, "layer": layer, "splits": splits,
                                           "block_n": block_n, "fused": fused, "write_new": write_new,
                                           "kv_len": kv_len.tolist(), "empty_streams": int((used == 0).sum()),
                                           "partial_streams": int(((used > 0) & (used < splits)).sum()),
                                           "rel": rel, "max_abs": mx, "repeat_equal": repeat,
-                                          "pages_equal": pages_equal, "ok": good}), flush=True)
+                                          "pages_equal": pages_equal, "observed_equal": observed, "ok": good}), flush=True)
                         ok_all &= good
     return ok_all
 

@@ -19,6 +19,10 @@ Host-fixed grids (CUDA-graph safe, no host sync, no per-call memset):
    fused), the program whose chunk holds the new token's ring slot ``pos % window`` takes that token
    from them (one more softmax step, after its loop, which skips the slot) and writes it to its page:
    no other program reads that slot in the launch, so the write races with nothing.
+   With an observation window given (``observe``, the SnapKV evictor's query ring), the split-0
+   program of each stream also stores its GQA group's queries at window slot ``pos % W_obs`` (and,
+   with the window's position row, the stream of KV head 0 stores ``pos`` there): the evictor's
+   per-layer record of the step, without launches of its own.
 2. merge: weighs a stream's non-empty splits by their log-sum-exp (``exp2(lse - max) / sum``) and
    writes the output in q's dtype; an empty stream (n == 0) outputs zeros, like the reference.
    :attr:`DecodeConfig.fused_merge` says where it runs:
@@ -166,20 +170,34 @@ def _merge_group(Out, PartO, PartLse, b, h, used,
 
 @triton.jit
 def _split_kernel(
-    Q, K, V, PageTable, GlobalLen, Req, RingTokens, PartO, PartLse, Out, SplitsDone, KNew, VNew, Pos,
-    stride_qb, stride_qh, stride_kp, stride_kt, stride_vp, stride_vt, stride_nb, stride_nh, window,
+    Q, K, V, PageTable, GlobalLen, Req, RingTokens, PartO, PartLse, Out, SplitsDone, KNew, VNew, Pos, ObsQ, ObsPos,
+    stride_qb, stride_qh, stride_kp, stride_kt, stride_vp, stride_vt, stride_nb, stride_nh, stride_vnb, stride_vnh,
+    window, stride_xr, stride_xw, stride_xh, stride_yr, obs_window,
     stride_pr, stride_ph, stride_pc, stride_gr, stride_gh,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh, stride_db,
     qk_scale, num_kv_heads, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, UPCAST: tl.constexpr, WRITE_NEW: tl.constexpr,
-    FUSED: tl.constexpr, MERGE_ROWS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
+    PAGE: tl.constexpr, UPCAST: tl.constexpr, WRITE_NEW: tl.constexpr, OBSERVE: tl.constexpr,
+    OBSERVE_POS: tl.constexpr, FUSED: tl.constexpr, MERGE_ROWS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // num_kv_heads
     h = bh % num_kv_heads
     r, n, chunk = _stream_chunk(Req, RingTokens, GlobalLen, b, h, stride_gr, stride_gh, num_splits, BLOCK_N)
+    if OBSERVE:
+        if split == 0:  # the evictor's window: this stream's queries (and, once per row, the position)
+            p = tl.load(Pos + b)
+            oslot = (p % obs_window).to(tl.int64)
+            oheads = h * GROUP + tl.arange(0, GROUP_PAD)
+            od = tl.arange(0, HEAD_DIM)
+            oq = tl.load(Q + b.to(tl.int64) * stride_qb + oheads[:, None] * stride_qh + od[None, :],
+                         mask=(oheads < (h + 1) * GROUP)[:, None], other=0.0)
+            tl.store(ObsQ + r * stride_xr + oslot * stride_xw + oheads[:, None] * stride_xh + od[None, :],
+                     oq.to(ObsQ.dtype.element_ty), mask=(oheads < (h + 1) * GROUP)[:, None])
+            if OBSERVE_POS:
+                if h == 0:
+                    tl.store(ObsPos + r * stride_yr + oslot, p.to(ObsPos.dtype.element_ty))
     used = tl.cdiv(n, tl.maximum(chunk, 1))  # non-empty splits
     start = split * chunk
     end = tl.minimum(start + chunk, n)
@@ -206,9 +224,10 @@ def _split_kernel(
     new_tok = (tl.load(Pos + b) % window).to(tl.int32) if WRITE_NEW else -1
     holds_new = (new_tok >= start) & (new_tok < end)
     if WRITE_NEW:
-        new_row = b.to(tl.int64) * stride_nb + h * stride_nh + offs_d
-        kn = tl.load(KNew + new_row, mask=holds_new, other=0.0).to(K.dtype.element_ty)
-        vn = tl.load(VNew + new_row, mask=holds_new, other=0.0).to(V.dtype.element_ty)
+        kn = tl.load(KNew + b.to(tl.int64) * stride_nb + h * stride_nh + offs_d, mask=holds_new,
+                     other=0.0).to(K.dtype.element_ty)
+        vn = tl.load(VNew + b.to(tl.int64) * stride_vnb + h * stride_vnh + offs_d, mask=holds_new,
+                     other=0.0).to(V.dtype.element_ty)
         new_page = tl.load(pt_row + (new_tok // PAGE) * stride_pc, mask=holds_new, other=0).to(tl.int64)
     for s in range(start, end, BLOCK_N):
         tok = s + offs_n
@@ -310,7 +329,7 @@ def folded_decode(q, k_pages, v_pages, page_table, global_len, req, ring_tokens,
                   sm_scale: float | None = None, num_splits: int | None = None,
                   workspace: FoldedDecodeWorkspace | None = None, out=None,
                   config: DecodeConfig | None = None, new_k=None, new_v=None, pos=None,
-                  window: int | None = None) -> torch.Tensor:
+                  window: int | None = None, observe=None) -> torch.Tensor:
     """Decode attention of one layer over the dual-cache pool.
 
     Parameters
@@ -328,11 +347,16 @@ def folded_decode(q, k_pages, v_pages, page_table, global_len, req, ring_tokens,
         nothing is allocated. Nothing is ever synchronised with the host.
     config : launch shape and merge placement (:class:`DecodeConfig` defaults when None).
     new_k, new_v, pos, window : the step's ring write, fused (all four or none): ``new_k``/``new_v``
-        ``[B, H, D]`` (float16/bfloat16, last dim contiguous, equal strides), ``pos`` ``[B]`` the
+        ``[B, H, D]`` (float16/bfloat16, last dim contiguous), ``pos`` ``[B]`` the
         decoded positions. Token ``pos % window`` of each stream is then read from ``new_k``/``new_v``
         (rounded to the pages' dtype), not from the pages, and the program that holds it writes it
         there: the pool afterwards equals ``write_decode_rows`` + this call without them. The slot
         must lie within the stream (``pos % window < ring_tokens``: true for ``min(pos + 1, window)``).
+    observe : ``(obs_q, obs_pos)``, with the ring write: the evictor's observation window of this
+        layer, ``obs_q`` ``[R, W_obs, Hq, D]`` (last dim contiguous) and its positions ``obs_pos``
+        ``[R, W_obs]`` int64 or None (shared by the layers: give it once per step). Row b's queries
+        are stored at ``obs_q[req[b], pos[b] % W_obs]`` (in obs_q's dtype) and ``pos[b]`` at
+        ``obs_pos[req[b], pos[b] % W_obs]``, as :meth:`SnapKVEvictor.observe_decode` does.
 
     Returns ``[B, Hq, D]`` in q's dtype.
     """
@@ -363,14 +387,23 @@ def folded_decode(q, k_pages, v_pages, page_table, global_len, req, ring_tokens,
     if (new_v is not None, pos is not None, window is not None) != (write_new,) * 3:
         raise ValueError("new_k, new_v, pos and window go together")
     if write_new:
-        if new_k.shape != (B, H, D) or new_v.shape != new_k.shape or new_v.stride() != new_k.stride() \
-                or new_k.stride(2) != 1:
-            raise ValueError(f"new_k/new_v must be [{B}, {H}, {D}] with equal strides, contiguous in D; got "
+        if new_k.shape != (B, H, D) or new_v.shape != new_k.shape or new_k.stride(2) != 1 or new_v.stride(2) != 1:
+            raise ValueError(f"new_k/new_v must be [{B}, {H}, {D}], contiguous in D; got "
                              f"{tuple(new_k.shape)} {new_k.stride()}, {tuple(new_v.shape)} {new_v.stride()}")
         if new_k.dtype not in (torch.float16, torch.bfloat16) or new_v.dtype != new_k.dtype:
             raise ValueError(f"new_k/new_v must share dtype float16 or bfloat16, got {new_k.dtype}, {new_v.dtype}")
         if pos.shape != (B,) or window < 1 or any(t.device != q.device for t in (new_k, new_v, pos)):
             raise ValueError(f"pos must be [{B}] on q's device and window >= 1, got {tuple(pos.shape)}, {window}")
+    obs_q, obs_pos = observe if observe is not None else (None, None)
+    if observe is not None:
+        if not write_new:
+            raise ValueError("observe needs the ring write's pos (new_k, new_v, pos, window)")
+        if obs_q.dim() != 4 or obs_q.shape[2:] != (Hq, D) or obs_q.stride(3) != 1 or obs_q.device != q.device:
+            raise ValueError(f"obs_q must be [R, W_obs, {Hq}, {D}] on q's device, contiguous in D; got "
+                             f"{tuple(obs_q.shape)} {obs_q.stride()}")
+        if obs_pos is not None and (obs_pos.shape != obs_q.shape[:2] or obs_pos.dtype != torch.int64
+                                    or obs_pos.stride(1) != 1 or obs_pos.device != q.device):
+            raise ValueError(f"obs_pos must be int64 {tuple(obs_q.shape[:2])}, got {obs_pos.dtype} {tuple(obs_pos.shape)}")
     if B == 0:
         return out
     group = Hq // H
@@ -380,17 +413,20 @@ def folded_decode(q, k_pages, v_pages, page_table, global_len, req, ring_tokens,
     po, pl, done = ws.part_out, ws.part_lse, ws.splits_done
     splits_pad = triton.next_power_of_2(num_splits)
     nk, nv, npos = (new_k, new_v, pos) if write_new else (q, q, req)  # placeholders: never read
+    xq = obs_q if obs_q is not None else q.unsqueeze(0)                  # placeholders: never written
+    xp = obs_pos if obs_pos is not None else req.view(1, -1)
     _split_kernel[(B * H, num_splits)](
-        q, k_pages, v_pages, pt, gl, req, ring_tokens, po, pl, out, done, nk, nv, npos,
+        q, k_pages, v_pages, pt, gl, req, ring_tokens, po, pl, out, done, nk, nv, npos, xq, xp,
         q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), v_pages.stride(0), v_pages.stride(1),
-        nk.stride(0), nk.stride(1), window or 1,
+        nk.stride(0), nk.stride(1), nv.stride(0), nv.stride(1), window or 1,
+        xq.stride(0), xq.stride(1), xq.stride(2), xp.stride(0), xq.shape[1],
         pt.stride(0), pt.stride(1), pt.stride(2), gl.stride(0), gl.stride(1),
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), out.stride(0), out.stride(1),
         done.stride(0),
         scale * _LOG2E, H, num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK_N=cfg.block_n,
         PAGE=PAGE_SIZE, UPCAST=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
-        WRITE_NEW=write_new, FUSED=cfg.fused_merge, MERGE_ROWS=_MERGE_ROWS, SPLITS_PAD=splits_pad,
+        WRITE_NEW=write_new, OBSERVE=obs_q is not None, OBSERVE_POS=obs_pos is not None, FUSED=cfg.fused_merge, MERGE_ROWS=_MERGE_ROWS, SPLITS_PAD=splits_pad,
         BLOCK_S=min(splits_pad, _MERGE_TILE // (_MERGE_ROWS * D)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -401,12 +401,16 @@ class WGKVAttnBackend(AttentionBackend):
             return out.reshape(-1, Hq * Dv)
         from sglang_wgkv.attention.triton_decode import folded_decode
 
-        if self.evictor is not None:
-            self.evictor.observe_decode(layer.layer_id, q3, req=rows.req, pos=rows.pos)
+        observe = None
+        if self.evictor is not None:  # the split kernel records the queries (and, in layer 0, positions)
+            obs_q, obs_pos = self.evictor.decode_window(layer.layer_id)
+            observe = (obs_q, obs_pos if layer.layer_id == 0 else None)
         uniform = rows.uniform[:, layer.layer_id] if rows.uniform is not None else None
         k_pre = self.capture.take(k3)
-        if k3.stride() != v3.stride() or k3.stride(2) != 1:  # the fused ring write reads both with k's strides
-            k3, v3 = k3.contiguous(), v3.contiguous()
+        if k3.stride(2) != 1:  # the fused ring write reads rows contiguous in head_dim
+            k3 = k3.contiguous()
+        if v3.stride(2) != 1:
+            v3 = v3.contiguous()
         # The gate and the flags it decides run on a side stream, beside this layer's attention: the
         # attention reads the new token's key and value (and writes them into their ring slot: the
         # program that holds the slot reads them from k3 / v3) but not its flag, which only the next
@@ -421,7 +425,7 @@ class WGKVAttnBackend(AttentionBackend):
         out = folded_decode(q3.to(self.dual.dtype), self.dual.k_pages, self.dual.v_pages, self.dual.page_table,
                             self.dual.global_len, rows.req, rows.ring, layer.layer_id, sm_scale=layer.scaling,
                             num_splits=rows.num_splits, workspace=rows.workspace,
-                            new_k=k3, new_v=v3, pos=rows.pos, window=self.dual.window)
+                            new_k=k3, new_v=v3, pos=rows.pos, window=self.dual.window, observe=observe)
         if side is not None:
             side.wait_event(fork)
         random_p = self.config.random_admission if uniform is not None else None

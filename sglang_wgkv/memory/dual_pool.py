@@ -215,7 +215,7 @@ class DualCachePool(ExtendStep, DecodeStep):
         if gpages is None:
             gpages = self.page_table[r, l, h, R:R + Ng // PAGE_SIZE].long()
         if g_keys is None:
-            g_keys = self.k_pages[gpages].reshape(S, Ng, D)
+            g_keys = self.k_pages[gpages.reshape(-1)].reshape(S, Ng, D)  # 1-D: whole-page gather
         glen = self.global_len[r, l, h].long()
         valid = torch.arange(Ng, device=self.device)[None, :] < glen[:, None]
         keep = keep & valid
@@ -232,7 +232,7 @@ class DualCachePool(ExtendStep, DecodeStep):
         if n_shared:
             self.allocator.free(gpages[shared])     # drop our reference: the other owner keeps them
             out_pages[shared] = self.allocator.alloc(n_shared)
-        g_vals = self.v_pages[gpages].reshape(S, -1, D)
+        g_vals = self.v_pages[gpages.reshape(-1)].reshape(S, -1, D)
         dest_page = torch.where(keep, out_pages.gather(1, torch.clamp(dest, min=0) // PAGE_SIZE), self.dump_page)
         dest_off = torch.clamp(dest, min=0) % PAGE_SIZE
         self.k_pages[dest_page, dest_off] = g_keys
