@@ -332,6 +332,16 @@ def training(d: dict) -> list[str]:
             + table(["lambda", "KV fraction", "global fraction", "soft MSE", "hard MSE"], rows))
 
 
+def decode_log(d: dict) -> list[str]:
+    """``benchmarks/decode_log_compare.py``: two server runs of one workload, decode interval by interval."""
+    m = d["summary"]
+    return [f"{d['what']}. Before: {d['before']}; after: {d['after']}. {d['note']} Command: {cmd(d['command'])}.", ""] \
+        + table(["intervals (kept / stalls)", "before median tok/s", "after median tok/s", "after / before median",
+                 "min", "max"],
+                [[f"{m['kept']} / {m['stalls']}", f(m["before_median_tok_s"], 0), f(m["after_median_tok_s"], 0),
+                  f(m["ratio_median"], 3), f(m["ratio_min"], 3), f(m["ratio_max"], 3)]])
+
+
 def train_speed(d: dict) -> list[str]:
     """``benchmarks/train_speed.py``: seconds per step of the gate trainer per backend and checkpointing."""
     rows = [[r["backend"], "on" if r["grad_checkpoint"] else "off",
@@ -481,6 +491,8 @@ def renderer(d: dict):
         return head_budgets
     if "train_curve" in d:
         return training
+    if "matched_intervals" in d:
+        return decode_log
     if isinstance(d.get("runs"), list) and d["runs"] and "seconds_per_step" in d["runs"][0]:
         return train_speed
     if "results" in d and "engine" in d:
