@@ -22,6 +22,14 @@
 # `memory [server args]` as step 3: peak GPU memory and RSS of the launcher's defaults (WG-KV) against
 # --disable-wgkv --attention-backend flashinfer through the same phases (benchmarks/serving_memory.py).
 # `train-speed [benchmarks/train_speed.py args]` as step 3: the gate trainer's speed per backend (issue 16).
+# `train-sweep [trainer args]` as step 3 (carry part01 and .cache/corpus, built here with `python -m
+# sglang_wgkv.training corpus --out .cache/corpus`): the λ sweep of issue 16 on the embedded model,
+# STEPS (2000) steps of 4K tokens for LAMS (0.01,0.03,0.1,0.3) at once, FlexAttention without gradient
+# checkpointing (0.33 s a step on the H200), in /tmp/sweep; a call stops after TRAIN_S (540) seconds
+# and the next call of the same message resumes from the last checkpoint (every 100 steps; the
+# optimizer state is too large to carry to another machine). Each call returns log.jsonl; the call that
+# finishes returns the gates (lam*.safetensors) and sweep_meta.tgz. Then `train-eval [evals.run args]`:
+# the gates against the full cache and the baselines (evals.run, EVAL_S = 500 s) -> $OUT/sweep_eval.json.
 # WARM_FI=1 before `train-speed`, `serve-soak` or `serve-bench`: FlashInfer's kernels for the embedded
 # model compile beside it (a dense server, stopped once healthy), for later `memory`/`programs` calls.
 # `gpu-tests [pytest args]` as step 3 runs the GPU tests with the real embedded model (default `-m gpu tests`).
@@ -34,7 +42,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 M=/tmp/m
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
-case "${1:-}" in serve-bench|serve-eval|serve-soak|programs|gpu-tests|memory|train-speed)
+case "${1:-}" in serve-bench|serve-eval|serve-soak|programs|gpu-tests|memory|train-speed|train-sweep|train-eval)
     [ -f /tmp/pp ] || { echo "no /tmp/pp: this machine is fresh; call '$0 setup' (carry .kit) first, in the same message" >&2; exit 3; } ;;
 esac
 case "${1:-}" in
@@ -47,7 +55,7 @@ part)
 kit2)
     bash .kit/install.sh .kit2 >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .kit2/*.whl
     touch /tmp/sglang-wheel-installed ;;
-serve-bench|serve-eval|serve-soak|programs|gpu-tests|memory|train-speed)
+serve-bench|serve-eval|serve-soak|programs|gpu-tests|memory|train-speed|train-sweep|train-eval)
     mode=$1; shift
     cp .model/$GGUF.part01 "$M"/ 2>/dev/null || test -f "$M"/$GGUF
     if [ -d .kit2 ] && [ ! -e /tmp/sglang-wheel-installed ]; then bash "$0" kit2; fi
@@ -102,6 +110,34 @@ serve-bench|serve-eval|serve-soak|programs|gpu-tests|memory|train-speed)
             > "$OUT/train_speed.log" 2>&1 || echo "train_speed rc=$?" >> "$OUT/train_speed.log"
         tail -12 "$OUT/train_speed.log"
         warm_finish
+        exit 0
+    fi
+    if [ "$mode" = train-sweep ]; then
+        [ -d /tmp/corpus ] || cp -r .cache/corpus /tmp/corpus || { echo "no .cache/corpus: carry it"; exit 2; }
+        lams=${LAMS:-0.01,0.03,0.1,0.3} steps=${STEPS:-2000}
+        timeout "${TRAIN_S:-540}" python3 -m sglang_wgkv.training train --model "$M/$GGUF" --corpus /tmp/corpus \
+            --out /tmp/sweep --lams "$lams" --steps "$steps" --seq-len 4096 --backend "${BACKEND:-flex}" \
+            --val-every 500 --val-rows 4 --ckpt-every 100 --log-every 20 --model-id SmolLM2-135M-Instruct "$@" \
+            2>&1 | tr '\r' '\n' | grep -v '^gates: ' > "$OUT/train.log" || true
+        cp /tmp/sweep/log.jsonl "$OUT/" 2>/dev/null || true
+        done_steps=$(python3 -c "import torch; print(torch.load('/tmp/sweep/trainer_state.pt', weights_only=True)['step'])" 2>/dev/null || echo 0)
+        echo "trained $done_steps of $steps steps"
+        if [ "$done_steps" = "$steps" ]; then
+            meta=$(mktemp -d)
+            for d in /tmp/sweep/lam*; do
+                cp "$d/gates.safetensors" "$OUT/$(basename "$d").safetensors"; cp "$d/gates.json" "$meta/$(basename "$d").json"
+            done
+            cp /tmp/sweep/log.jsonl "$OUT/train.log" "$meta/"; tar czf "$OUT/sweep_meta.tgz" -C "$meta" .
+        fi
+        tail -5 "$OUT/train.log"
+        exit 0
+    fi
+    if [ "$mode" = train-eval ]; then
+        gates=$(ls -d /tmp/sweep/lam* | paste -sd,)
+        timeout $((${EVAL_S:-500} + 60)) python3 -m evals.run --model "$M/$GGUF" --gates "$gates" --corpus /tmp/corpus \
+            --ruler evals/data/ruler_2k_8k.json.gz --out "$OUT/sweep_eval.json" --time-budget-s "${EVAL_S:-500}" "$@" \
+            > "$OUT/sweep_eval.log" 2>&1 || echo "evals.run rc=$?" >> "$OUT/sweep_eval.log"
+        tail -5 "$OUT/sweep_eval.log"
         exit 0
     fi
     if [ "$mode" = memory ]; then
