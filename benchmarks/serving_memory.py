@@ -64,6 +64,10 @@ class TreeSampler(threading.Thread):
         self.min_available = psutil.virtual_memory().available
         self.samples: list[tuple[float, int]] = []
         self._stop = threading.Event()
+        # A sample counts towards the phase it started in: one taken across take_phase (nvidia-smi can
+        # take a while on a loaded host) is not credited to the next phase.
+        self._lock = threading.Lock()
+        self._phase = 0
 
     def rss(self) -> int:
         total = 0
@@ -81,21 +85,31 @@ class TreeSampler(threading.Thread):
     def run(self):
         t0 = time.monotonic()
         while not self._stop.is_set():
+            phase = self._phase
             rss = self.rss()
-            self.peak, self.phase_peak = max(self.peak, rss), max(self.phase_peak, rss)
-            self.min_available = min(self.min_available, psutil.virtual_memory().available)
-            self.samples.append((round(time.monotonic() - t0, 2), rss))
+            available = psutil.virtual_memory().available
             gpu = gpu_memory() if self.gpu else None
-            if gpu is not None:
-                self.gpu_peak, self.gpu_phase_peak = max(self.gpu_peak, gpu[0]), max(self.gpu_phase_peak, gpu[0])
+            with self._lock:
+                self.peak = max(self.peak, rss)
+                self.min_available = min(self.min_available, available)
+                self.samples.append((round(time.monotonic() - t0, 2), rss))
+                if gpu is not None:
+                    self.gpu_peak = max(self.gpu_peak, gpu[0])
+                if phase == self._phase:
+                    self.phase_peak = max(self.phase_peak, rss)
+                    if gpu is not None:
+                        self.gpu_phase_peak = max(self.gpu_phase_peak, gpu[0])
             time.sleep(self.period)
 
     def take_phase(self) -> dict:
         """Peaks since the last phase: ``peak_rss_bytes`` (and ``peak_gpu_used_bytes`` on a GPU host)."""
-        peak, self.phase_peak = self.phase_peak, self.rss()
-        out = {"peak_rss_bytes": peak}
-        if self.gpu:
-            out["peak_gpu_used_bytes"], self.gpu_phase_peak = self.gpu_phase_peak, 0
+        rss = self.rss()
+        with self._lock:
+            peak, self.phase_peak = self.phase_peak, rss
+            out = {"peak_rss_bytes": peak}
+            if self.gpu:
+                out["peak_gpu_used_bytes"], self.gpu_phase_peak = self.gpu_phase_peak, 0
+            self._phase += 1
         return out
 
     def stop(self):

@@ -91,13 +91,19 @@ def test_serving_memory_samples_the_gpu_through_nvidia_smi(tmp_path, monkeypatch
     tool.chmod(0o755)
     assert sm.gpu_memory() == (1024 << 20, 143771 << 20)
     sampler = sm.TreeSampler(os.getpid(), period=0.01)
-    sampler.start()
-    time.sleep(0.3)
+
+    def sampled():  # a sample of the current phase has landed (a loaded host spawns slowly)
+        deadline = time.monotonic() + 20
+        while sampler.gpu_phase_peak == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.1)
+
     used.write_text("5000")
-    time.sleep(0.3)
-    first = sampler.take_phase()
-    used.write_text("2000")
-    time.sleep(0.3)
+    sampler.start()
+    sampled()
+    used.write_text("2000")   # before the boundary: a sample in flight across it may have read 5000,
+    first = sampler.take_phase()  # and it counts in the phase it started in, not in the next
+    sampled()
     second = sampler.take_phase()
     sampler.stop()
     assert first["peak_gpu_used_bytes"] == 5000 << 20 and second["peak_gpu_used_bytes"] == 2000 << 20
