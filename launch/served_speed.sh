@@ -33,6 +33,9 @@
 #   (75 GPU tests passed, 5 skipped, beside the cold FlashInfer build) 298 s; `run wgkv W4` 179 s;
 #   `run upstream W4` (warm) 241 s; h200.sh serve-soak 377 s; h200.sh programs 127 s. A first call made
 #   before `setup` found no /tmp/pp: `setup` must be the first call that reaches the machine.
+#   2026-12-03 16:07 (machine start 95 s): `run wgkv W4` after a kernel change did not finish in 230 s (its
+#   server took 117 s to start, 61 s the lease before: Triton compiles the changed kernels on a fresh
+#   machine); `run upstream W4` with .fi carried did not finish in 264 s. Give a W4 pair ~600 s.
 # To read a trace here (host gaps: trace_summary's largest_idle_gaps / inside), give --profile-dir
 # under $OUT (a .trace.json.gz under 16 MB comes back).
 # `run` writes part.<server>.<tag>.json, bench_serving's JSON lines and the server logs to $OUT. The
