@@ -178,7 +178,8 @@ def _split_kernel(
     qk_scale, num_kv_heads, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, UPCAST: tl.constexpr, WRITE_NEW: tl.constexpr, OBSERVE: tl.constexpr,
-    OBSERVE_POS: tl.constexpr, FUSED: tl.constexpr, MERGE_ROWS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
+    OBSERVE_POS: tl.constexpr, FUSED: tl.constexpr, MERGE_ROWS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -191,10 +192,10 @@ def _split_kernel(
             oslot = (p % obs_window).to(tl.int64)
             oheads = h * GROUP + tl.arange(0, GROUP_PAD)
             od = tl.arange(0, HEAD_DIM)
-            oq = tl.load(Q + b.to(tl.int64) * stride_qb + oheads[:, None] * stride_qh + od[None, :],
-                         mask=(oheads < (h + 1) * GROUP)[:, None], other=0.0)
+            ok = (tl.arange(0, GROUP_PAD) < GROUP)[:, None]
+            oq = tl.load(Q + b.to(tl.int64) * stride_qb + oheads[:, None] * stride_qh + od[None, :], mask=ok, other=0.0)
             tl.store(ObsQ + r * stride_xr + oslot * stride_xw + oheads[:, None] * stride_xh + od[None, :],
-                     oq.to(ObsQ.dtype.element_ty), mask=(oheads < (h + 1) * GROUP)[:, None])
+                     oq.to(ObsQ.dtype.element_ty), mask=ok)
             if OBSERVE_POS:
                 if h == 0:
                     tl.store(ObsPos + r * stride_yr + oslot, p.to(ObsPos.dtype.element_ty))
@@ -426,7 +427,8 @@ def folded_decode(q, k_pages, v_pages, page_table, global_len, req, ring_tokens,
         scale * _LOG2E, H, num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK_N=cfg.block_n,
         PAGE=PAGE_SIZE, UPCAST=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
-        WRITE_NEW=write_new, OBSERVE=obs_q is not None, OBSERVE_POS=obs_pos is not None, FUSED=cfg.fused_merge, MERGE_ROWS=_MERGE_ROWS, SPLITS_PAD=splits_pad,
+        WRITE_NEW=write_new, OBSERVE=obs_q is not None, OBSERVE_POS=obs_pos is not None, FUSED=cfg.fused_merge,
+        MERGE_ROWS=_MERGE_ROWS, SPLITS_PAD=splits_pad,
         BLOCK_S=min(splits_pad, _MERGE_TILE // (_MERGE_ROWS * D)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

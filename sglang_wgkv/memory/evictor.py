@@ -51,7 +51,7 @@ Call protocol (the attention backend; every call is cheap when nothing is evicte
     evictor.maybe_evict()             | evictor.maybe_evict()     # the step boundary before it
     pool.begin_extend(...)            | pool.begin_decode(...)
     evictor.mark_extend(slots, ends)  |
-    per layer: evictor.observe_extend |   per layer: evictor.observe_decode(layer, q[, req, pos])
+    per layer: evictor.observe_extend |   per layer: evictor.observe_decode(layer, q)
                (layer, q)             |     (or the split kernel, into evictor.decode_window(layer))
     ... forward ends ...
     evictor.maybe_evict()             # at a step boundary: after the last layer, or before the
@@ -261,19 +261,9 @@ class SnapKVEvictor:
         dev = self.pool.device
         return tuple(torch.as_tensor(np.concatenate(x), dtype=torch.int64, device=dev) for x in (req, src, pos))
 
-    def observe_decode(self, layer: int, q: torch.Tensor, req: torch.Tensor | None = None,
-                       pos: torch.Tensor | None = None) -> None:
+    def observe_decode(self, layer: int, q: torch.Tensor) -> None:
         """Record the queries ``[B, Hq, D]`` of the pool's current decode step for ``layer`` (no sync).
-
-        ``req``, ``pos`` (``[B]`` int64): the rows' request slots and positions, given explicitly
-        under a CUDA graph (device indexing only, so the call can be captured; the graph's padded
-        rows point at a slot no request owns).
-        """
-        if req is not None:
-            slot = pos % self.window
-            self.q_pos[req, slot] = pos
-            self.q_buf[req, layer, slot] = q.to(self.q_buf.dtype)
-            return
+        Under CUDA graphs the split kernel records them instead (:meth:`decode_window`)."""
         plan = self.pool._decode
         if plan is None:
             raise RuntimeError("observe_decode without pool.begin_decode")
@@ -284,9 +274,10 @@ class SnapKVEvictor:
         self.q_buf[plan.req, layer, self._plan_idx] = q.to(self.q_buf.dtype)
 
     def decode_window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The window buffers a fused decode kernel writes in place of :meth:`observe_decode` with
-        ``req``/``pos``: ``layer``'s queries ``[R, window, Hq, D]`` and the positions ``[R, window]``
-        (shared by the layers). Row b of a step goes to slot ``pos[b] % window`` of ``req[b]``."""
+        """The window buffers the decode kernel writes in place of :meth:`observe_decode` (device
+        indexing only, so it can be captured; a graph's padded rows point at a slot no request owns):
+        ``layer``'s queries ``[R, window, Hq, D]`` and the positions ``[R, window]`` (shared by the
+        layers). Row b of a step goes to slot ``pos[b] % window`` of ``req[b]``, as there."""
         return self.q_buf[:, layer], self.q_pos
 
     # -- eviction -------------------------------------------------------------------------------
