@@ -134,7 +134,7 @@ serve-bench|serve-eval|serve-soak|programs|gpu-tests|memory|train-speed|train-sw
     fi
     if [ "$mode" = train-eval ]; then
         gates=$(ls -d /tmp/sweep/lam* | paste -sd,)
-        timeout $((${EVAL_S:-500} + 60)) python3 -m evals.run --model "$M/$GGUF" --gates "$gates" --corpus /tmp/corpus \
+        timeout $((${EVAL_S:-500} + 120)) python3 -m evals.run --model "$M/$GGUF" --gates "$gates" --corpus /tmp/corpus \
             --ruler evals/data/ruler_2k_8k.json.gz --out "$OUT/sweep_eval.json" --time-budget-s "${EVAL_S:-500}" "$@" \
             > "$OUT/sweep_eval.log" 2>&1 || echo "evals.run rc=$?" >> "$OUT/sweep_eval.log"
         tail -5 "$OUT/sweep_eval.log"

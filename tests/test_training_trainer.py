@@ -96,6 +96,8 @@ def test_trainer_steps_checkpoints_and_resumes(text_dir, tmp_path):
     for lam in (0.0, 1.0):
         g = load_gates(lam_dir(tmp_path / "run", lam))
         assert g.config.lam == lam and g.config.local_window == 16 and g.config.num_layers == 2
+        training = json.loads((lam_dir(tmp_path / "run", lam) / "gates.json").read_text())["training"]
+        assert training["step"] == 6 and training["lams"] == [0.0, 1.0] and training["seq_len"] == 128
     # a longer run picks up at step 6 with the saved optimizer state
     tr2 = make_trainer(text_dir, tmp_path, steps=8)
     assert tr2.resume() and tr2.step == 6
@@ -119,3 +121,30 @@ def test_train_config_validation():
         TrainConfig(model="m", corpus="c", out_dir="o", lams=())
     with pytest.raises(ValueError):
         TrainConfig(model="m", corpus="c", out_dir="o", seq_len=128, local_window=256)
+
+
+def test_sigterm_checkpoints_the_step_in_flight_and_resumes(text_dir, tmp_path):
+    """`timeout` ends a device call with SIGTERM: the run saves the step it reached (not a ckpt_every multiple)."""
+    import os
+    import signal
+
+    tr = make_trainer(text_dir, tmp_path, steps=9)
+    step = tr.train_step
+
+    def step_then_signal():
+        out = step()
+        if tr.step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    tr.train_step = step_then_signal
+    before = signal.getsignal(signal.SIGTERM)
+    tr.fit(progress=False)
+    assert tr.step == 4 and signal.getsignal(signal.SIGTERM) is before
+    tr2 = make_trainer(text_dir, tmp_path, steps=9)
+    assert tr2.resume() and tr2.step == 4
+    for a, b in zip(tr.gates[0].parameters(), tr2.gates[0].parameters()):
+        torch.testing.assert_close(a, b)
+    assert any('"stopped_by": "SIGTERM"' in line for line in open(tmp_path / "run" / "log.jsonl"))
+    tr2.fit(progress=False)
+    assert tr2.step == 9

@@ -69,10 +69,12 @@ class GateConfig:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
-def save_gates(gates, path: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+def save_gates(gates, path: str | Path, dtype: torch.dtype = torch.float32, training: dict | None = None) -> Path:
     """Write ``gates`` (a WriteGates) to directory ``path``; returns the directory.
 
     ``dtype`` is the storage type (float16 halves shipped files); loading always returns float32.
+    ``training`` (the command and settings that made them) is kept in ``gates.json`` under "training";
+    loading ignores it.
     """
     from safetensors.torch import save_file
 
@@ -81,7 +83,8 @@ def save_gates(gates, path: str | Path, dtype: torch.dtype = torch.float32) -> P
     tensors = {f"layers.{i}.{n}": p.detach().to(dtype).cpu().contiguous()
                for i, layer in enumerate(gates.layers) for n, p in layer.named_parameters()}
     save_file(tensors, str(path / WEIGHTS_FILE))
-    (path / CONFIG_FILE).write_text(json.dumps(asdict(gates.config), indent=2) + "\n")
+    meta = asdict(gates.config) | ({"training": training} if training else {})
+    (path / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     return path
 
 

@@ -75,6 +75,7 @@ def main(argv=None) -> int:
     kw = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
     kw["grad_checkpoint"] = {"auto": None, "on": True, "off": False}[args.grad_checkpoint]
     trainer = GateTrainer(TrainConfig(**kw))
+    trainer.command = "python -m sglang_wgkv.training " + " ".join(argv if argv is not None else sys.argv[1:])
     records = trainer.fit(resume=not args.no_resume)
     if records:
         print(json.dumps(records[-1]))

@@ -16,6 +16,8 @@ Output directory::
 
 import json
 import math
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -142,6 +144,7 @@ class GateTrainer:
         dtype = torch.bfloat16 if config.dtype == "bf16" else torch.float32
         self.backbone = backbone or load_backbone(config.model, dtype=dtype, device=device)
         self.device = torch.device(device)
+        self.command = None  # the CLI line that made this run (kept in each gates.json by save)
         self.backend_timings = {}
         backend = config.backend
         if backend == "auto":
@@ -233,8 +236,12 @@ class GateTrainer:
     # ---- checkpoints --------------------------------------------------------------------------
     def save(self):
         out = Path(self.config.out_dir)
-        for lam, gates in zip(self.config.lams, self.gates):
-            save_gates(gates, lam_dir(out, lam))
+        c = self.config
+        training = {"command": self.command, "step": self.step, "steps": c.steps, "lams": list(c.lams),
+                    "seq_len": c.seq_len, "lr": c.lr, "backend": c.backend, "model": c.model, "corpus": c.corpus,
+                    "device": torch.cuda.get_device_name() if self.device.type == "cuda" else "cpu"}
+        for lam, gates in zip(c.lams, self.gates):
+            save_gates(gates, lam_dir(out, lam), training=training)
         state = {"step": self.step, "optimizer": self.optimizer.state_dict(),
                  "scheduler": self.scheduler.state_dict(), "config": asdict(self.config)}
         tmp = out / (STATE_FILE + ".tmp")
@@ -275,8 +282,17 @@ class GateTrainer:
         if self.backend_timings:
             log.write(json.dumps({"backend": c.backend, "timings_s": self.backend_timings,
                                  "grad_checkpoint": c.grad_checkpoint}) + "\n")
+        # SIGTERM (`timeout`, a lease running out) ends the loop after the step in flight, with a
+        # checkpoint: the next run resumes there instead of at the last ckpt_every multiple
+        stop = []
+        in_main = threading.current_thread() is threading.main_thread()
+        old_handler = signal.signal(signal.SIGTERM, lambda *_: stop.append(1)) if in_main else None
         try:
             while self.step < self.config.steps:
+                if stop:
+                    self.save()
+                    log.write(json.dumps({"stopped_by": "SIGTERM", "step": self.step}) + "\n")
+                    break
                 m = self.train_step()
                 bar.update(1)
                 if self.step == first + 1:
@@ -302,6 +318,8 @@ class GateTrainer:
                 if self.step % c.ckpt_every == 0 or self.step == c.steps:
                     self.save()
         finally:
+            if in_main:
+                signal.signal(signal.SIGTERM, old_handler)
             bar.close()
             log.close()
         return records
