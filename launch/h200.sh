@@ -25,8 +25,8 @@
 # `train-sweep [trainer args]` as step 3 (carry part01 and .cache/corpus, built here with `python -m
 # sglang_wgkv.training corpus --out .cache/corpus`): the λ sweep of issue 16 on the embedded model,
 # STEPS (2000) steps of 4K tokens for LAMS (0.01,0.03,0.1,0.3) at once, FlexAttention without gradient
-# checkpointing (0.33 s a step on the H200), in /tmp/sweep; a call stops after TRAIN_S (540) seconds
-# and the next call of the same message resumes from the last checkpoint (every 100 steps; the
+# checkpointing (0.33 s a step on the H200), in /tmp/sweep; a call stops after TRAIN_S (520) seconds
+# and the next call of the same message resumes where it stopped (SIGTERM saves the step in flight; the
 # optimizer state is too large to carry to another machine). Each call returns log.jsonl; the call that
 # finishes returns the gates (lam*.safetensors) and sweep_meta.tgz. Then `train-eval [evals.run args]`:
 # the gates against the full cache and the baselines (evals.run, EVAL_S = 500 s) -> $OUT/sweep_eval.json.
@@ -115,7 +115,7 @@ serve-bench|serve-eval|serve-soak|programs|gpu-tests|memory|train-speed|train-sw
     if [ "$mode" = train-sweep ]; then
         [ -d /tmp/corpus ] || cp -r .cache/corpus /tmp/corpus || { echo "no .cache/corpus: carry it"; exit 2; }
         lams=${LAMS:-0.01,0.03,0.1,0.3} steps=${STEPS:-2000}
-        timeout "${TRAIN_S:-540}" python3 -m sglang_wgkv.training train --model "$M/$GGUF" --corpus /tmp/corpus \
+        timeout "${TRAIN_S:-520}" python3 -m sglang_wgkv.training train --model "$M/$GGUF" --corpus /tmp/corpus \
             --out /tmp/sweep --lams "$lams" --steps "$steps" --seq-len 4096 --backend "${BACKEND:-flex}" \
             --val-every 500 --val-rows 4 --ckpt-every 100 --log-every 20 --model-id SmolLM2-135M-Instruct "$@" \
             2>&1 | tr '\r' '\n' | grep -v '^gates: ' > "$OUT/train.log" || true
