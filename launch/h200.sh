@@ -30,6 +30,10 @@
 # optimizer state is too large to carry to another machine). Each call returns log.jsonl; the call that
 # finishes returns the gates (lam*.safetensors) and sweep_meta.tgz. Then `train-eval [evals.run args]`:
 # the gates against the full cache and the baselines (evals.run, EVAL_S = 500 s) -> $OUT/sweep_eval.json.
+# Timings of 2026-12-03 19:30 (one lease, machine start ~86 s): setup 3 s, part 0.3 s, train-sweep 600 s (cut
+# by the call's limit at step ~1320: the copy/checksum/conversion ahead of the trainer ate the margin, hence
+# TRAIN_S 520 now), train-sweep 299 s (steps 1300-2000), train-eval 129 s (EVAL_S 300 was not reached),
+# `gpu-tests -x` 280 s (cut). Carry limits: part00 + .kit2 + the tree is over 64 MiB; carry them apart.
 # WARM_FI=1 before `train-speed`, `serve-soak` or `serve-bench`: FlashInfer's kernels for the embedded
 # model compile beside it (a dense server, stopped once healthy), for later `memory`/`programs` calls.
 # `gpu-tests [pytest args]` as step 3 runs the GPU tests with the real embedded model (default `-m gpu tests`).
