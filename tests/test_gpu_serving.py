@@ -82,12 +82,11 @@ def _agree(got, want, prompt):
         assert gap < TIE_GAP, f"{prompt[:50]!r}: token {n} differs ({ids[n]} vs {ref_ids[n]}), top-2 gap {gap:.3f}"
     errs = [abs(a - b) for a, b in zip(lps[:n + 1], ref_lps[:n + 1])]
     err = max(errs, default=0.0)
-    if err >= LOGPROB_TOL:  # where: the position, both logprobs, the reference's top-2 gap, the drift profile
-        i = errs.index(err)
-        profile = " ".join(f"{e:.2f}" for e in errs)
-        assert err < LOGPROB_TOL, (f"{prompt[:50]!r}: logprobs differ by {err:.3f} within the first {n + 1} tokens, "
-                                   f"worst at token {i} ({lps[i]:.3f} vs {ref_lps[i]:.3f}, reference top-2 gap "
-                                   f"{ref_top[i][0] - ref_top[i][1]:.3f}); per token: {profile}")
+    i = errs.index(err) if errs else 0
+    # on failure: where (both logprobs, the reference's top-2 gap there) and the drift token by token
+    assert err < LOGPROB_TOL, (f"{prompt[:50]!r}: logprobs differ by {err:.3f} within the first {n + 1} tokens, "
+                               f"worst at token {i} ({lps[i]:.3f} vs {ref_lps[i]:.3f}, reference top-2 gap "
+                               f"{ref_top[i][0] - ref_top[i][1]:.3f}); per token: {' '.join(f'{e:.2f}' for e in errs)}")
     return n
 
 
