@@ -2,27 +2,29 @@
 # The WG-KV SGLang server on the H200 (device tool), offline, with ../shared/device-kit.
 #
 # Preparation here (git-ignored copies that travel through `carry`; one call carries at most 64 MiB
-# with the working tree, so the sglang wheel travels apart from the rest of the kit):
-#   mkdir -p .kit .kit2 .model && cp ../shared/device-kit/wheels/* .kit/ && mv .kit/sglang-*.whl .kit2/
-#   cp ../shared/device-kit/model/* .model/ && printf '/.kit/\n/.kit2/\n/.model/\n' >> .git/info/exclude
-# Then three device calls in ONE message (they run back to back on the same machine):
-#   1. carry [".kit"]:                                                 bash launch/h200.sh setup
-#   2. carry [".model/SmolLM2-135M-Instruct.Q4_1.gguf.part00"]:        bash launch/h200.sh part
-#   3. carry [".model/SmolLM2-135M-Instruct.Q4_1.gguf.part01", ".kit2"]: bash launch/h200.sh serve-bench [server args]
-#   (part01 + .kit2 + the tree came to 67 MB on 2026-11-30, over the 64 MiB a call carries: then carry
-#   [".kit2"] alone with `bash launch/h200.sh kit2` first, and part01 alone in step 3)
-# Step 3 joins the GGUF, checks its SHA-256, converts it (sglang_wgkv.embedded_model), starts
+# with the working tree, ~18 MiB since the two shipped gate sets, so the kit travels in two halves and
+# the model in three pieces of ~31 MiB, cut from the joined GGUF):
+#   mkdir -p .kit .kit2 .model && cp ../shared/device-kit/wheels/* .kit/ && mv .kit/sglang-*.whl .kit/sglang_kernel-*.whl .kit2/
+#   G=SmolLM2-135M-Instruct.Q4_1.gguf; cat ../shared/device-kit/model/$G.part0? > /tmp/$G
+#   (cd .model && split -n 3 -d -a 1 /tmp/$G $G.p) && printf '/.kit/\n/.kit2/\n/.model/\n' >> .git/info/exclude
+# Then device calls in ONE message (they run back to back on the same machine); carry one piece each:
+#   1. carry [".kit"]:                                          bash launch/h200.sh setup   (ALONE first)
+#   2. carry [".kit2"]:                                         bash launch/h200.sh kit2
+#   3. carry [".model/SmolLM2-135M-Instruct.Q4_1.gguf.p0"]:      bash launch/h200.sh part
+#   4. carry [".model/SmolLM2-135M-Instruct.Q4_1.gguf.p1"]:      bash launch/h200.sh part
+#   5. carry [".model/SmolLM2-135M-Instruct.Q4_1.gguf.p2"]:      bash launch/h200.sh serve-bench [server args]
+# Step 5 joins the GGUF, checks its SHA-256, converts it (sglang_wgkv.embedded_model), starts
 # `python -m sglang_wgkv.launch_server` (WG-KV, real weights), runs launch/bench_serving.py and writes
 # logs and results to $OUT. `serve-soak [server args]` in its place runs the soak instead
 # (tests/soak_workload.py, 1,000 mixed jobs; SOAK_ARGS overrides its options), summary in $OUT/soak.json (keep it as benchmarks/results/reliability/soak_h200.json).
-# Or, as step 3 (and again in later calls of the same message, each under the 10-minute limit):
+# Or, as step 5 (and again in later calls of the same message, each under the 10-minute limit):
 #   bash launch/h200.sh serve-eval [evals.served args]
 # the RULER-style set through one server per configuration (evals/served.py); results go to $OUT as each
 # configuration ends and are kept in /tmp/served (resumed by the next call).
-# `memory [server args]` as step 3: peak GPU memory and RSS of the launcher's defaults (WG-KV) against
+# `memory [server args]` as step 5: peak GPU memory and RSS of the launcher's defaults (WG-KV) against
 # --disable-wgkv --attention-backend flashinfer through the same phases (benchmarks/serving_memory.py).
-# `train-speed [benchmarks/train_speed.py args]` as step 3: the gate trainer's speed per backend (issue 16).
-# `train-sweep [trainer args]` as step 3 (carry part01 and .cache/corpus, built here with `python -m
+# `train-speed [benchmarks/train_speed.py args]` as step 5: the gate trainer's speed per backend (issue 16).
+# `train-sweep [trainer args]` as step 5 (carry p2 and .cache/corpus, built here with `python -m
 # sglang_wgkv.training corpus --out .cache/corpus`): the λ sweep of issue 16 on the embedded model,
 # STEPS (2000) steps of 4K tokens for LAMS (0.01,0.03,0.1,0.3) at once, FlexAttention without gradient
 # checkpointing (0.33 s a step on the H200), in /tmp/sweep; a call stops after TRAIN_S (520) seconds
@@ -33,11 +35,11 @@
 # Timings of 2026-12-03 19:30 (one lease, machine start ~86 s): setup 3 s, part 0.3 s, train-sweep 600 s (cut
 # by the call's limit at step ~1320: the copy/checksum/conversion ahead of the trainer ate the margin, hence
 # TRAIN_S 520 now), train-sweep 299 s (steps 1300-2000), train-eval 129 s (EVAL_S 300 was not reached),
-# `gpu-tests -x` 280 s (cut). Carry limits: part00 + .kit2 + the tree is over 64 MiB; carry them apart.
+# `gpu-tests -x` 280 s (cut). Carry limits: see Preparation above.
 # WARM_FI=1 before `train-speed`, `serve-soak` or `serve-bench`: FlashInfer's kernels for the embedded
 # model compile beside it (a dense server, stopped once healthy), for later `memory`/`programs` calls.
-# `gpu-tests [pytest args]` as step 3 runs the GPU tests with the real embedded model (default `-m gpu tests`).
-# `programs` as step 3 runs SGLang's frontend test programs (constrained decoding included) on WG-KV
+# `gpu-tests [pytest args]` as step 5 runs the GPU tests with the real embedded model (default `-m gpu tests`).
+# `programs` as step 5 runs SGLang's frontend test programs (constrained decoding included) on WG-KV
 # (kernels path) and --disable-wgkv (SERVERS=wgkv or SERVERS=disable-wgkv: one server per call, within a
 # call's time limit): benchmarks/constrained_programs.py -> $OUT/h200_programs.json. The dense baseline runs
 # --attention-backend flashinfer: SGLang's Hopper default (FA3) is stripped from the kit's sgl-kernel
@@ -55,15 +57,15 @@ setup)
     python3 launch/register_entry_points.py /tmp/site
     mkdir -p "$M" && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader ;;
 part)
-    cp .model/$GGUF.part00 "$M"/ ;;
+    cp .model/$GGUF.p? "$M"/ ;;
 kit2)
     bash .kit/install.sh .kit2 >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .kit2/*.whl
     touch /tmp/sglang-wheel-installed ;;
 serve-bench|serve-eval|serve-soak|programs|gpu-tests|memory|train-speed|train-sweep|train-eval)
     mode=$1; shift
-    cp .model/$GGUF.part01 "$M"/ 2>/dev/null || test -f "$M"/$GGUF
+    cp .model/$GGUF.p? "$M"/ 2>/dev/null || true
     if [ -d .kit2 ] && [ ! -e /tmp/sglang-wheel-installed ]; then bash "$0" kit2; fi
-    cat "$M"/$GGUF.part00 "$M"/$GGUF.part01 > "$M"/$GGUF
+    [ -f "$M"/$GGUF ] || cat "$M"/$GGUF.p? > "$M"/$GGUF
     (cd "$M" && echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $GGUF" | sha256sum -c -)
     . /tmp/pp
     export PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1 SGLANG_WGKV_GGUF="$M/$GGUF" SGLANG_WGKV_CACHE=/tmp/wgkv-cache

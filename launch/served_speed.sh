@@ -3,10 +3,10 @@
 # measured with `python -m sglang.bench_serving` (benchmarks/served_speed.py; workloads W0-W4 there).
 #
 # Preparation here (git-ignored folders that travel through `carry`):
-#   mkdir -p .kit .kit2 && cp ../shared/device-kit/wheels/* .kit/ && mv .kit/sglang-*.whl .kit2/
+#   mkdir -p .kit .kit2 && cp ../shared/device-kit/wheels/* .kit/ && mv .kit/sglang-*.whl .kit/sglang_kernel-*.whl .kit2/
 #   printf '/.kit/\n/.kit2/\n/.fi/\n' >> .git/info/exclude
 # Device calls, in ONE message (same machine, back to back; /tmp and ~/.cache survive between them):
-#   1. carry [".kit"]:         bash launch/served_speed.sh setup
+#   1. carry [".kit"]:         bash launch/served_speed.sh setup   (ALONE first: the tree is ~18 MiB)
 #   (1b. carry [".kit2"]:      bash launch/served_speed.sh tests-beside-warm W3   GPU tests + cold FlashInfer cache)
 #   2. carry [".kit2", ".fi"]: bash launch/served_speed.sh run wgkv W1,W0 [served_speed.py run args]
 #   3.                         bash launch/served_speed.sh run upstream W1 [...]
