@@ -194,7 +194,44 @@ def run_bench(cmd: list[str], out_file: Path, timeout: float) -> dict:
     return json.loads(out_file.read_text().splitlines()[-1])
 
 
+# MiB of GPU memory other processes may hold when a server starts: more means a server left running by
+# an earlier call (seen on 2026-12-03: a device call cut by its time limit left its upstream server up,
+# holding 29 GB, and the next upstream server got a pool of 47,931 tokens instead of 93,052), and any
+# number measured beside it is not comparable.
+GPU_BUSY_MIB = 2048
+
+
+def gpu_used_mib() -> int | None:
+    """MiB in use on the busiest GPU (nvidia-smi), None without nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return max(int(x) for x in out.split())
+
+
+def wait_gpu_idle(limit_s: float = 60.0) -> int | None:
+    """The GPU's used MiB once it is at most :data:`GPU_BUSY_MIB` (polled up to ``limit_s``);
+    RuntimeError when another process still holds more."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        used = gpu_used_mib()
+        if used is None or used <= GPU_BUSY_MIB:
+            return used
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the GPU is busy: {used} MiB in use before the server starts "
+                               f"(another process; a measurement beside it is not comparable)")
+        time.sleep(2)
+
+
+def _exit_on_sigterm(signum, frame):
+    # a call's time limit (timeout sends SIGTERM): unwind, so that `finally` stops the server
+    raise SystemExit(128 + signum)
+
+
 def run(a) -> None:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model = model_dir(Path(a.model_dir))
@@ -218,13 +255,21 @@ def run(a) -> None:
     for workloads in by_config.values():
         port = free_port()
         cmd = server_command(a.server, workloads[0], model, port, a.upstream_backend, a.tp)
+        try:
+            gpu_before = wait_gpu_idle()
+        except RuntimeError as exc:
+            part["runs"].append({"workloads": [w.id for w in workloads], "server_command": shlex.join(cmd),
+                                 "error": str(exc)})
+            print(part["runs"][-1]["error"], flush=True)
+            continue
         # cwd /tmp: the checkout comes from PYTHONPATH, never from python -m's working directory
         srv = ServerProcess(cmd, out_dir / f"server.{a.server}.{'_'.join(w.id for w in workloads)}.log", port=port,
                             env=env, cwd="/tmp", stop_timeout_s=60)
         try:
             startup = srv.wait_healthy(a.startup_timeout, path="/health", probe_timeout_s=10)
             for w in workloads:
-                rec = {"workload": w.id, "server_command": shlex.join(cmd), "startup_s": startup}
+                rec = {"workload": w.id, "server_command": shlex.join(cmd), "startup_s": startup,
+                       "gpu_used_mib_before_start": gpu_before}
                 try:
                     body = w.request_body if a.server == "wgkv" else None
                     # Compiles kernels and captures nothing new: 1 x (<= 8K + 16) tokens, another seed.

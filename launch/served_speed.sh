@@ -79,6 +79,10 @@ run)
         # ninja rebuilds that module (2026-12-02: norm.so rebuilt, upstream's start 178 s against 42).
         now=$(date +%s); find ~/.cache/flashinfer -type f -exec touch -d "@$now" {} +
     fi
+    # a server left up by an earlier call cut at its time limit holds GPU memory, and a server started
+    # beside it gets a smaller pool (2026-12-03: 47,931 tokens instead of 93,052): stop it first
+    # (served_speed.py also refuses to start a server while another process holds the GPU)
+    pkill -f -- '-m sglang(_wgkv)?\.launch_server' && sleep 10 || true
     cache_before=$(du -s ~/.cache/flashinfer 2>/dev/null | cut -f1 || true)
     . /tmp/pp
     export PYTHONPATH="$PWD:/tmp/site:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
