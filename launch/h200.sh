@@ -38,6 +38,7 @@
 # `gpu-tests -x` 280 s (cut). Carry limits: see Preparation above.
 # WARM_FI=1 before `train-speed`, `serve-soak` or `serve-bench`: FlashInfer's kernels for the embedded
 # model compile beside it (a dense server, stopped once healthy), for later `memory`/`programs` calls.
+# `logprob-floor` as step 5: benchmarks/logprob_floor.py (float32 vs bf16 reference vs kernels, ~4 servers).
 # `gpu-tests [pytest args]` as step 5 runs the GPU tests with the real embedded model (default `-m gpu tests`).
 # `programs` as step 5 runs SGLang's frontend test programs (constrained decoding included) on WG-KV
 # (kernels path) and --disable-wgkv (SERVERS=wgkv or SERVERS=disable-wgkv: one server per call, within a
@@ -48,7 +49,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 M=/tmp/m
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
-case "${1:-}" in serve-bench|serve-eval|serve-soak|programs|gpu-tests|memory|train-speed|train-sweep|train-eval)
+case "${1:-}" in serve-bench|serve-eval|serve-soak|programs|gpu-tests|logprob-floor|memory|train-speed|train-sweep|train-eval)
     [ -f /tmp/pp ] || { echo "no /tmp/pp: this machine is fresh; call '$0 setup' (carry .kit) first, in the same message" >&2; exit 3; } ;;
 esac
 case "${1:-}" in
@@ -61,7 +62,7 @@ part)
 kit2)
     bash .kit/install.sh .kit2 >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .kit2/*.whl
     touch /tmp/sglang-wheel-installed ;;
-serve-bench|serve-eval|serve-soak|programs|gpu-tests|memory|train-speed|train-sweep|train-eval)
+serve-bench|serve-eval|serve-soak|programs|gpu-tests|logprob-floor|memory|train-speed|train-sweep|train-eval)
     mode=$1; shift
     cp .model/$GGUF.p? "$M"/ 2>/dev/null || true
     if [ -d .kit2 ] && [ ! -e /tmp/sglang-wheel-installed ]; then bash "$0" kit2; fi
@@ -76,6 +77,10 @@ serve-bench|serve-eval|serve-soak|programs|gpu-tests|memory|train-speed|train-sw
         python3 -m pytest --version >/dev/null 2>&1 || { echo "pytest is not installed here"; exit 2; }
         # shellcheck disable=SC2086
         python3 -m pytest -q -p no:cacheprovider --junitxml "$OUT/gpu_tests.xml" ${*:--m gpu tests} 2>&1 | tee "$OUT/gpu_tests.log"
+    fi
+    if [ "$mode" = logprob-floor ]; then
+        # issue 15: the bf16 paths' greedy logprobs against a float32 server's (benchmarks/logprob_floor.py)
+        exec python3 benchmarks/logprob_floor.py --out "$OUT" "$@"
     fi
     if [ "$mode" = programs ]; then
         export WGKV_TEST_STARTUP_TIMEOUT=900

@@ -36,6 +36,11 @@
 #   2026-12-03 16:07 (machine start 95 s): `run wgkv W4` after a kernel change did not finish in 230 s (its
 #   server took 117 s to start, 61 s the lease before: Triton compiles the changed kernels on a fresh
 #   machine); `run upstream W4` with .fi carried did not finish in 264 s. Give a W4 pair ~600 s.
+#   2026-12-03 22:27 (machine start ~90 s): `run wgkv W4,W4L` 346 s (start 67 s, W4 35 s, W4L 62 s, plus
+#   warm-ups and Triton compiles); `run upstream W4L` cut at 560 s: its first start on the machine took
+#   ~210 s (decode-graph capture 56 s, then 96 s before its first forward, .fi carried) and its 7 waves of
+#   10 requests take ~380 s: give it a call of its own after a `run upstream W4 --warm-only`. A call cut by
+#   its limit left its server up (29 GB): `run` now stops leftovers first.
 # To read a trace here (host gaps: trace_summary's largest_idle_gaps / inside), give --profile-dir
 # under $OUT (a .trace.json.gz under 16 MB comes back).
 # `run` writes part.<server>.<tag>.json, bench_serving's JSON lines and the server logs to $OUT. The
