@@ -456,6 +456,16 @@ def agreement(d: dict) -> list[str]:
                      "offline KV", "max KV gap", "KV within bound"], rows))
 
 
+def logprob_floor(d: dict) -> list[str]:
+    """``benchmarks/logprob_floor.py``: each pair of serving paths' greedy logprobs, prompt by prompt."""
+    rows = [[pair.replace("~", " vs "), i, "" if r["first_divergence"] is None else r["first_divergence"],
+             f"{r['max_abs']:.3f} @ {r['at']}", f(r["mean_abs"], 3)]
+            for pair, rs in d["pairs"].items() for i, r in enumerate(rs)]
+    return ([f"Command: {cmd(d['command'])}; {d['environment'].get('gpu') or 'CPU'}. Up to and including the "
+             "first differing greedy token.", ""]
+            + table(["pair", "prompt", "first differing token", "max abs logprob diff @ token", "mean abs"], rows))
+
+
 def renderer(d: dict):
     """The renderer of a result file's kind (None: unknown kind)."""
     if "protocol" in d and "lengths" in d:
@@ -499,6 +509,8 @@ def renderer(d: dict):
         return served_accuracy
     if "pairs" in d and "near_tie" in d:
         return agreement
+    if "pairs" in d and "server_commands" in d:
+        return logprob_floor
     if "jobs_per_s" in d and "checkpoints" in d:
         return soak
     if "leases" in d and "reading" in d:
