@@ -1,17 +1,21 @@
 """WG-KV serving on the GPU: the kernels path with decode CUDA graphs against the torch reference path.
 
-Two servers on the embedded SmolLM2 (its real weights, bfloat16; skipped when its GGUF is not
-installed), same gates: per-KV-head fixed biases (head 0 admits nothing at the default tau, heads 1
-and 2 everything) and W_local = 64, so decode steps promote ring victims and drop head 0's:
+Three servers on the embedded SmolLM2 (its real weights; skipped when its GGUF is not installed),
+same gates: per-KV-head fixed biases (head 0 admits nothing at the default tau, heads 1 and 2
+everything) and W_local = 64, so decode steps promote ring victims and drop head 0's:
 
-* ``kernels``: Triton prefill, ``decode_write`` + ``folded_decode`` decode under SGLang's decode
-  CUDA graphs (small capture set, padded batches);
-* ``reference``: the torch reference attention, no CUDA graphs.
+* ``kernels`` (bfloat16): Triton prefill, ``folded_decode`` decode (ring write fused) under SGLang's
+  decode CUDA graphs (small capture set, padded batches);
+* ``reference`` (bfloat16): the torch reference attention, no CUDA graphs;
+* ``truth``: the reference path in float32.
 
-Checks: greedy continuations agree (up to a divergence at a near-tie of the reference's top-2
-logprobs, which bfloat16 noise may flip) and the chosen tokens' logprobs are close, one by one and
-as one concurrent batch of different lengths (prompts shorter and longer than W_local, one crossing
-it while decoding); the kernels server logs decode batches run on CUDA graphs; per-request tau holds
+Checks: greedy continuations agree with the bf16 reference (up to a divergence at a near-tie of its
+top-2 logprobs, which bfloat16 noise may flip), and the kernels path's logprobs lie no farther from
+float32's than the bf16 reference's do (times FLOOR_FACTOR, plus FLOOR_SLACK), one by one and as one
+concurrent batch of different lengths (prompts shorter and longer than W_local, one crossing it while
+decoding). Two bf16 paths are not compared with each other at a fixed tolerance: each lies up to
+~0.1-0.14 from float32 on these prompts (CPU, benchmarks/logprob_floor.py), so two correct ones can
+lie 0.17 apart (the H200, 2026-12-03, every token equal). The kernels server logs decode batches run on CUDA graphs; per-request tau holds
 under graphs; after aborted streams the idle check (no slot or page leaked, integrity) passes.
 """
 
@@ -28,8 +32,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.serving,
 
 W_LOCAL = 64
 NEW_TOKENS = 48
-LOGPROB_TOL = 0.15   # bf16, Triton vs torch attention and graph vs eager GEMMs
 TIE_GAP = 0.3        # a greedy divergence is accepted where the reference's top-2 are this close
+# the kernels path's largest logprob error against float32 may exceed the bf16 reference's by this factor
+# and slack (same tokens, same bf16 weights and GEMMs: only attention, graphs and kernels differ)
+FLOOR_FACTOR, FLOOR_SLACK = 1.5, 0.05
 PROMPTS = [
     "The capital of France is",
     long_prompt(4),              # ~50 tokens: crosses W_local while decoding
@@ -58,11 +64,13 @@ def servers(tmp_path_factory):
     kernels = Server([*common, "--wgkv-attention", "kernels", "--cuda-graph-max-bs-decode", "8"],
                      tmp / "kernels.log")
     reference = Server([*common, "--wgkv-attention", "reference"], tmp / "reference.log")
+    truth = Server([*common, "--wgkv-attention", "reference", "--dtype", "float32"], tmp / "truth.log")
     try:
-        yield kernels.wait_healthy(), reference.wait_healthy()
+        yield kernels.wait_healthy(), reference.wait_healthy(), truth.wait_healthy()
     finally:
         kernels.stop()
         reference.stop()
+        truth.stop()
 
 
 def _run(server, prompts):
@@ -73,36 +81,61 @@ def _run(server, prompts):
 
 
 def _agree(got, want, prompt):
-    """Same tokens and close logprobs up to the first divergence, which must be a near-tie."""
-    ids, lps, _ = got
-    ref_ids, ref_lps, ref_top = want
+    """Same tokens up to the first divergence, which must be a near-tie of the reference's; returns it."""
+    ids, _, _ = got
+    ref_ids, _, ref_top = want
     n = next((i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), len(ref_ids))
     if n < len(ref_ids):
         gap = ref_top[n][0] - ref_top[n][1]
         assert gap < TIE_GAP, f"{prompt[:50]!r}: token {n} differs ({ids[n]} vs {ref_ids[n]}), top-2 gap {gap:.3f}"
-    errs = [abs(a - b) for a, b in zip(lps[:n + 1], ref_lps[:n + 1])]
-    err = max(errs, default=0.0)
-    i = errs.index(err) if errs else 0
-    # on failure: where (both logprobs, the reference's top-2 gap there) and the drift token by token
-    assert err < LOGPROB_TOL, (f"{prompt[:50]!r}: logprobs differ by {err:.3f} within the first {n + 1} tokens, "
-                               f"worst at token {i} ({lps[i]:.3f} vs {ref_lps[i]:.3f}, reference top-2 gap "
-                               f"{ref_top[i][0] - ref_top[i][1]:.3f}); per token: {' '.join(f'{e:.2f}' for e in errs)}")
     return n
+
+
+def shared_prefix(*runs) -> int:
+    """How many leading greedy tokens every run shares."""
+    return next((i for i, ids in enumerate(zip(*(r[0] for r in runs))) if len(set(ids)) > 1), min(len(r[0]) for r in runs))
+
+
+def floor_errors(got, ref, truth) -> tuple[list[float], list[float], list[float]]:
+    """Per token over the tokens all three share: |kernels - float32|, |bf16 reference - float32| and
+    |kernels - bf16 reference| logprobs."""
+    n = shared_prefix(got, ref, truth)
+    lp, ref_lp, true_lp = got[1][:n], ref[1][:n], truth[1][:n]
+    return ([abs(a - t) for a, t in zip(lp, true_lp)], [abs(b - t) for b, t in zip(ref_lp, true_lp)],
+            [abs(a - b) for a, b in zip(lp, ref_lp)])
+
+
+def within_floor(e_kernels: list[float], e_reference: list[float]) -> bool:
+    """The kernels path's largest error against float32 is within the bf16 reference's own
+    (FLOOR_FACTOR times it plus FLOOR_SLACK)."""
+    return max(e_kernels, default=0.0) <= FLOOR_FACTOR * max(e_reference, default=0.0) + FLOOR_SLACK
+
+
+def _check_floor(got, ref, truth, prompt):
+    e_k, e_r, e_kr = floor_errors(got, ref, truth)
+    # on failure: both errors token by token, and the bf16 paths' distance the old fixed tolerance used
+    assert within_floor(e_k, e_r), (
+        f"{prompt[:50]!r}: kernels vs float32 up to {max(e_k):.3f}, bf16 reference vs float32 up to "
+        f"{max(e_r):.3f} over {len(e_k)} shared tokens (kernels vs bf16 reference {max(e_kr):.3f}); "
+        f"per token kernels: {' '.join(f'{e:.2f}' for e in e_k)}; reference: {' '.join(f'{e:.2f}' for e in e_r)}")
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["one_by_one", "batched"])
 def test_kernels_with_cuda_graphs_match_reference(servers, batched):
-    kernels, reference = servers
+    kernels, reference, truth = servers
     if batched:
-        got, want = _run(kernels, PROMPTS), _run(reference, PROMPTS)
+        got, want, true = _run(kernels, PROMPTS), _run(reference, PROMPTS), _run(truth, PROMPTS)
     else:
         got = [_run(kernels, [p])[0] for p in PROMPTS]
         want = [_run(reference, [p])[0] for p in PROMPTS]
-    # Each prompt: identical tokens with logprobs within LOGPROB_TOL up to its first divergence, which
-    # must be a near-tie of the reference (bf16 rounding differs between the paths). No length bar:
-    # on the H200 a 300-token prompt legitimately split at token 5 on a 0.3-gap tie.
-    for p, g, w in zip(PROMPTS, got, want):
+        true = [_run(truth, [p])[0] for p in PROMPTS]
+    # Each prompt: identical tokens up to its first divergence, which must be a near-tie of the
+    # reference (bf16 rounding differs between the paths; no length bar: on the H200 a 300-token
+    # prompt legitimately split at token 5 on a 0.3-gap tie), and logprobs as close to float32's as
+    # the bf16 reference's are.
+    for p, g, w, t in zip(PROMPTS, got, want, true):
         _agree(g, w, p)
+        _check_floor(g, w, t, p)
     assert "cuda graph: True" in kernels.log_path.read_text(), "no decode batch ran on a CUDA graph"
     stats = kernels.wait_idle_checked()
     assert stats["tokens_left_ring"] > 0
@@ -111,7 +144,7 @@ def test_kernels_with_cuda_graphs_match_reference(servers, batched):
 def test_per_request_tau_under_cuda_graphs(servers):
     """One batch, three thresholds: head 0 admits nothing at tau 0.1, everything at tau 0 or with
     admission off. Decoding 96 tokens past W_local = 64 puts graph-decoded tokens through the ring."""
-    kernels, _ = servers
+    kernels = servers[0]
     params = [{"max_new_tokens": 96, "temperature": 0, "ignore_eos": True, **extra} for extra in
               ({}, {"custom_params": {"wgkv": {"tau": 0.0}}}, {"custom_params": {"wgkv": {"admission": False}}})]
     r = requests.post(kernels.url + "/generate", json={"text": ["Hi"] * 3, "sampling_params": params}, timeout=600)
@@ -123,7 +156,7 @@ def test_per_request_tau_under_cuda_graphs(servers):
 
 
 def test_aborts_under_cuda_graphs_leave_pool_intact(servers):
-    kernels, _ = servers
+    kernels = servers[0]
     rids = [f"gpu-abort-{i}" for i in range(6)]
     results = {}
     threads = [threading.Thread(target=stream_generate, args=(kernels, rid, long_prompt(3 + 5 * i, seed=i), 64,
