@@ -14,6 +14,10 @@ Variants (all :func:`folded_decode`, default launch shape unless named):
   write launch it replaced took ~3.9 us per layer in the served W1 profile);
 * ``fused_no_prefetch`` (the 2026-12-01 results only): then ``fused`` prefetched the next tile of
   partials in its merge loop and this row did not; 42.92 vs 42.86 us at W1, so the prefetch went;
+* ``fused_write_pdl``: ``fused_write`` launched with programmatic dependent launch
+  (``DecodeConfig.pdl``): each layer's launch overlaps the previous one's tail; its gain over
+  ``fused_write`` bounds what PDL can take off the fixed cost (between two split kernels; in service
+  the kernel before it is SGLang's RoPE);
 * ``two_launch``: a separate merge kernel; ``split_only``: the split kernel alone (merge launch
   stubbed out: wrong output, timing only) - ``two_launch - split_only`` is the merge kernel;
 * ``empty``: a launch over streams of one token each (the launch gap and the prologue alone).
@@ -50,9 +54,9 @@ class _NoLaunch:
 def variant_fn(name, pool, q, out, splits, td):
     B, L = q.shape[0], pool.page_table.shape[1]
     ws = td.FoldedDecodeWorkspace(B, HQ, D, splits, "cuda", num_kv_heads=HKV)
-    cfg = td.DecodeConfig(fused_merge=name not in ("two_launch", "split_only"))
+    cfg = td.DecodeConfig(fused_merge=name not in ("two_launch", "split_only"), pdl=name == "fused_write_pdl")
     extra = {}
-    if name == "fused_write":
+    if name in ("fused_write", "fused_write_pdl"):
         k_new = torch.randn(B, HKV, D, device="cuda", dtype=DT)
         pos = torch.full((B,), W1_POS, dtype=torch.int64, device="cuda")
         extra = dict(new_k=k_new, new_v=torch.randn_like(k_new), pos=pos, window=W)
@@ -79,7 +83,7 @@ def main():
     ap.add_argument("--out", default="benchmarks/results/kernels")
     ap.add_argument("--lengths", type=int, nargs="+", default=[32768, 65536, W1_TOKENS, 262144])
     ap.add_argument("--splits", type=int, nargs="+", default=[24, 33, 40, 44, 49, 55, 66, 80, 99, 128])
-    ap.add_argument("--variants", nargs="+", default=["fused", "fused_write", "two_launch", "split_only", "empty"])
+    ap.add_argument("--variants", nargs="+", default=["fused", "fused_write", "fused_write_pdl", "two_launch", "split_only", "empty"])
     ap.add_argument("--deadline", type=float, default=150.0)
     args = ap.parse_args()
     from sglang_wgkv.attention import triton_decode as td

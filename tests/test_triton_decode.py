@@ -166,6 +166,46 @@ def test_gpu_fused_merge_back_to_back_launches():
 
 @pytest.mark.gpu
 @requires_cuda
+def test_gpu_pdl_launch_reads_what_the_kernel_before_wrote():
+    """``DecodeConfig(pdl=True)`` (programmatic dependent launch): the split kernel may start while the
+    kernel before it - here the copy that writes its query - drains; it must read that kernel's output.
+    Forty launches, each right after a copy of a different query into one buffer, in eager launches and
+    in one CUDA graph: every output equals the launch without PDL bit for bit."""
+    from sglang_wgkv.attention.triton_decode import DecodeConfig, FoldedDecodeWorkspace, folded_decode
+
+    case = PoolCase(128, 32, 8, torch.bfloat16, 256, [6000, 3000, 800, 40], 1, 0.6, "cuda", num_layers=1, seed=13)
+    p, B = case.pool, len(case.slots)
+    ws = FoldedDecodeWorkspace(B, 32, 128, 64, "cuda", num_kv_heads=8)
+    pdl = DecodeConfig(pdl=True)
+    for layer in case.step():
+        qs = [case.query() for _ in range(4)]
+        want = [folded_decode(q, p.k_pages, p.v_pages, p.page_table, p.global_len, case.plan.req,
+                              case.plan.ring_tokens, layer, num_splits=64, workspace=ws) for q in qs]
+        q_buf = torch.empty_like(qs[0])
+        outs = torch.full((40, B, 32, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+
+        def run():
+            for i in range(len(outs)):
+                q_buf.copy_(qs[i % 4])
+                folded_decode(q_buf, p.k_pages, p.v_pages, p.page_table, p.global_len, case.plan.req,
+                              case.plan.ring_tokens, layer, num_splits=64, workspace=ws, out=outs[i], config=pdl)
+
+        run()
+        assert all(torch.equal(o, want[i % 4]) for i, o in enumerate(outs)), "eager: a PDL launch read a stale query"
+        outs.fill_(float("nan"))
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        outs.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(o, want[i % 4]) for i, o in enumerate(outs)), "graph: a PDL launch read a stale query"
+    assert not ws.splits_done.any()
+
+
+@pytest.mark.gpu
+@requires_cuda
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_launch"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_decode_cuda_graph_replay_after_pool_changes(dtype, fused):

@@ -58,12 +58,17 @@ _MERGE_TILE = 4096
 @dataclass(frozen=True)
 class DecodeConfig:
     """Launch shape of the split kernel: tokens per step (a multiple of 16), warps, pipeline stages;
-    and whether the split kernel merges the splits itself (one launch) or a merge kernel follows."""
+    whether the split kernel merges the splits itself (one launch) or a merge kernel follows; and
+    ``pdl``: programmatic dependent launch (sm90+, CUDA only): the split kernel may be launched while
+    the kernel before it drains and waits for it (``griddepcontrol.wait``) before its first load, so
+    the launch gap overlaps the previous kernel's tail (measured by ``benchmarks/decode_fixed_cost.py``;
+    the served path does not use it yet)."""
 
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
     fused_merge: bool = True
+    pdl: bool = False
 
     def __post_init__(self):
         if self.block_n < PAGE_SIZE or self.block_n & (self.block_n - 1):
@@ -179,8 +184,10 @@ def _split_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, UPCAST: tl.constexpr, WRITE_NEW: tl.constexpr, OBSERVE: tl.constexpr,
     OBSERVE_POS: tl.constexpr, FUSED: tl.constexpr, MERGE_ROWS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # launched early (programmatic dependent launch): every earlier kernel's writes visible from here
+        tl.extra.cuda.gdc_wait()
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // num_kv_heads
@@ -413,6 +420,7 @@ def folded_decode(q, k_pages, v_pages, page_table, global_len, req, ring_tokens,
     gl = global_len[:, layer]
     po, pl, done = ws.part_out, ws.part_lse, ws.splits_done
     splits_pad = triton.next_power_of_2(num_splits)
+    pdl = cfg.pdl and q.device.type == "cuda"  # the interpreter has no grid dependency control
     nk, nv, npos = (new_k, new_v, pos) if write_new else (q, q, req)  # placeholders: never read
     xq = obs_q if obs_q is not None else q.unsqueeze(0)                  # placeholders: never written
     xp = obs_pos if obs_pos is not None else req.view(1, -1)
@@ -429,8 +437,8 @@ def folded_decode(q, k_pages, v_pages, page_table, global_len, req, ring_tokens,
         PAGE=PAGE_SIZE, UPCAST=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
         WRITE_NEW=write_new, OBSERVE=obs_q is not None, OBSERVE_POS=obs_pos is not None, FUSED=cfg.fused_merge,
         MERGE_ROWS=_MERGE_ROWS, SPLITS_PAD=splits_pad,
-        BLOCK_S=min(splits_pad, _MERGE_TILE // (_MERGE_ROWS * D)),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_S=min(splits_pad, _MERGE_TILE // (_MERGE_ROWS * D)), PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     if cfg.fused_merge:
         return out
