@@ -255,8 +255,8 @@ def run(a) -> None:
     for workloads in by_config.values():
         port = free_port()
         cmd = server_command(a.server, workloads[0], model, port, a.upstream_backend, a.tp)
-        try:
-            gpu_before = wait_gpu_idle()
+        try:  # a warm-up run (compiles, times nothing) may share the GPU with other work
+            gpu_before = gpu_used_mib() if a.warm_only else wait_gpu_idle()
         except RuntimeError as exc:
             part["runs"].append({"workloads": [w.id for w in workloads], "server_command": shlex.join(cmd),
                                  "error": str(exc)})

@@ -50,7 +50,7 @@
 #   python benchmarks/served_speed.py merge <part files> --out-dir benchmarks/results/serving
 set -euo pipefail
 cd "$(dirname "$0")/.."
-case "${1:-}" in tests-beside-warm|run)
+case "${1:-}" in tests-beside-warm|beside-warm|run)
     [ -f /tmp/pp ] || { echo "no /tmp/pp: this machine is fresh; call '$0 setup' (carry .kit) first, in the same message" >&2; exit 3; } ;;
 esac
 case "${1:-}" in
@@ -71,6 +71,18 @@ tests-beside-warm)
     python3 -m pytest -q -p no:cacheprovider tests/test_triton_decode.py tests/test_gpu_pool.py tests/test_triton_gate.py \
         tests/test_evictor_gpu.py tests/test_evictor_scores.py \
         2>&1 | tail -30 | tee "$OUT/gpu_tests.log" || true
+    wait $warm_pid || echo "warm-up server failed: see $OUT/warm.log"
+    cp /tmp/warm.log "$OUT/warm.log"; cp /tmp/warm/fi_cache.tgz "$OUT/" 2>/dev/null || true ;;
+beside-warm)
+    # beside-warm WORKLOAD CMD...: CMD (e.g. `bash launch/h200.sh logprob-floor`, GPU work that times
+    # nothing) while an upstream server of WORKLOAD starts and takes its warm-up request in the
+    # background (its first start on a machine: FlashInfer's compiles, ~150-300 s); the cache comes back
+    # as $OUT/fi_cache.tgz and later upstream runs of the lease start warm. After `setup` and `kit2`.
+    warm=$2; shift 2; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+    OUT=/tmp/warm bash "$0" run upstream "$warm" --warm-only --tag warm > /tmp/warm.log 2>&1 &
+    warm_pid=$!
+    sleep 15  # its sweep of leftover servers runs before CMD starts its own
+    "$@" || echo "beside-warm: command rc=$?"
     wait $warm_pid || echo "warm-up server failed: see $OUT/warm.log"
     cp /tmp/warm.log "$OUT/warm.log"; cp /tmp/warm/fi_cache.tgz "$OUT/" 2>/dev/null || true ;;
 run)
