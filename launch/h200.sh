@@ -71,16 +71,19 @@ serve-bench|serve-eval|serve-soak|programs|gpu-tests|logprob-floor|memory|train-
     . /tmp/pp
     export PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1 SGLANG_WGKV_GGUF="$M/$GGUF" SGLANG_WGKV_CACHE=/tmp/wgkv-cache
     OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+    . launch/triton_cache.sh && triton_cache_restore
+    trap 'triton_cache_save "$OUT"' EXIT  # every mode's exit, exec'd ones aside
     python3 -m sglang_wgkv.embedded_model
     if [ "$mode" = gpu-tests ]; then
         # pytest [args] on this machine (default: every gpu-marked test), JUnit XML and log to $OUT
         python3 -m pytest --version >/dev/null 2>&1 || { echo "pytest is not installed here"; exit 2; }
         # shellcheck disable=SC2086
         python3 -m pytest -q -p no:cacheprovider --junitxml "$OUT/gpu_tests.xml" ${*:--m gpu tests} 2>&1 | tee "$OUT/gpu_tests.log"
+        exit "${PIPESTATUS[0]}"  # (until 2026-12-03 it fell through and started a server with pytest's args)
     fi
     if [ "$mode" = logprob-floor ]; then
         # issue 15: the bf16 paths' greedy logprobs against a float32 server's (benchmarks/logprob_floor.py)
-        exec python3 benchmarks/logprob_floor.py --out "$OUT" "$@"
+        python3 benchmarks/logprob_floor.py --out "$OUT" "$@"; exit $?
     fi
     if [ "$mode" = programs ]; then
         export WGKV_TEST_STARTUP_TIMEOUT=900

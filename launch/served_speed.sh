@@ -4,7 +4,7 @@
 #
 # Preparation here (git-ignored folders that travel through `carry`):
 #   mkdir -p .kit .kit2 && cp ../shared/device-kit/wheels/* .kit/ && mv .kit/sglang-*.whl .kit/sglang_kernel-*.whl .kit2/
-#   printf '/.kit/\n/.kit2/\n/.fi/\n' >> .git/info/exclude
+#   printf '/.kit/\n/.kit2/\n/.fi/\n/.tc/\n' >> .git/info/exclude
 # Device calls, in ONE message (same machine, back to back; /tmp and ~/.cache survive between them):
 #   1. carry [".kit"]:         bash launch/served_speed.sh setup   (ALONE first: the tree is ~18 MiB)
 #   (1b. carry [".kit2"]:      bash launch/served_speed.sh tests-beside-warm W3   GPU tests + cold FlashInfer cache)
@@ -41,6 +41,9 @@
 #   ~210 s (decode-graph capture 56 s, then 96 s before its first forward, .fi carried) and its 7 waves of
 #   10 requests take ~380 s: give it a call of its own after a `run upstream W4 --warm-only`. A call cut by
 #   its limit left its server up (29 GB): `run` now stops leftovers first.
+# Triton's compile cache: a call that compiled kernels returns $OUT/triton_cache.tgz; unpack it here
+# (mkdir -p .tc && tar xzf triton_cache.tgz -C .tc) and carry [".tc"] (with .fi) later: the servers'
+# first starts then skip the compiles (launch/triton_cache.sh).
 # To read a trace here (host gaps: trace_summary's largest_idle_gaps / inside), give --profile-dir
 # under $OUT (a .trace.json.gz under 16 MB comes back).
 # `run` writes part.<server>.<tag>.json, bench_serving's JSON lines and the server logs to $OUT. The
@@ -101,12 +104,14 @@ run)
     # (served_speed.py also refuses to start a server while another process holds the GPU)
     pkill -f -- '-m sglang(_wgkv)?\.launch_server' && sleep 10 || true
     cache_before=$(du -s ~/.cache/flashinfer 2>/dev/null | cut -f1 || true)
+    . launch/triton_cache.sh && triton_cache_restore
     . /tmp/pp
     export PYTHONPATH="$PWD:/tmp/site:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
     OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
     python3 benchmarks/served_speed.py run --server "$server" --workloads "$workloads" --out-dir "$OUT" "$@"
     cache_after=$(du -s ~/.cache/flashinfer 2>/dev/null | cut -f1 || true)
-    if [ -n "$cache_after" ] && [ "$cache_after" != "$cache_before" ]; then tar czf "$OUT/fi_cache.tgz" -C ~/.cache flashinfer; fi ;;
+    if [ -n "$cache_after" ] && [ "$cache_after" != "$cache_before" ]; then tar czf "$OUT/fi_cache.tgz" -C ~/.cache flashinfer; fi
+    triton_cache_save "$OUT" ;;
 *)
     sed -n 2,20p "$0"; exit 2 ;;
 esac
