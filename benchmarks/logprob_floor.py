@@ -9,7 +9,7 @@ has an error of its own. Same model, gates and prompts as the GPU test (the embe
 W_local 64, head 0 admitting nothing, heads 1-2 everything), each prompt alone, 48 greedy tokens.
 
 Servers, one after the other: ``fp32_reference``, ``bf16_reference``, ``bf16_kernels_graphs`` (the
-test's kernels server) and ``bf16_kernels_eager`` (``--disable-cuda-graph``: graph vs eager GEMMs).
+test's kernels server) and ``bf16_kernels_eager`` (``--disable-decode-cuda-graph``: graph vs eager decode).
 For each pair: the first token where the greedy ids differ and the largest logprob difference up to
 and including it. Writes JSON with the commands.
 
@@ -39,7 +39,7 @@ SERVERS = {
     "fp32_reference": ["--dtype", "float32", "--wgkv-attention", "reference"],
     "bf16_reference": ["--dtype", "bfloat16", "--wgkv-attention", "reference"],
     "bf16_kernels_graphs": ["--dtype", "bfloat16", "--wgkv-attention", "kernels", "--cuda-graph-max-bs-decode", "8"],
-    "bf16_kernels_eager": ["--dtype", "bfloat16", "--wgkv-attention", "kernels", "--disable-cuda-graph"],
+    "bf16_kernels_eager": ["--dtype", "bfloat16", "--wgkv-attention", "kernels", "--disable-decode-cuda-graph"],
 }
 
 
