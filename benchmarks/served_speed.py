@@ -424,6 +424,28 @@ def summarize(rec: dict) -> dict:
             "max_running_seen": rec.get("max_running_seen")}
 
 
+# Parts whose runs are compared must come from one lease: at most this far apart (a lease is 30 min).
+MAX_PAIR_SPAN_S = 3600
+
+
+def check_comparable(runs: dict[str, dict[str, dict]]) -> None:
+    """ValueError unless each workload's runs used the workload's current server arguments (a changed
+    definition, e.g. W4's context length on 2026-12-03, makes an older part another workload) and
+    started within :data:`MAX_PAIR_SPAN_S` of each other (one lease, not two)."""
+    for key, by_server in runs.items():
+        w = WORKLOADS[key.partition("_tp")[0]]
+        want = shlex.split(w.server)
+        stamps = []
+        for server, rec in by_server.items():
+            cmd = shlex.split(rec.get("server_command") or "")
+            if not any(cmd[i:i + len(want)] == want for i in range(len(cmd))):
+                raise ValueError(f"{key} {server}: its server ran without the workload's arguments {w.server!r}")
+            if rec.get("date_utc"):
+                stamps.append(datetime.datetime.fromisoformat(rec["date_utc"]))
+        if len(stamps) > 1 and (max(stamps) - min(stamps)).total_seconds() > MAX_PAIR_SPAN_S:
+            raise ValueError(f"{key}: its runs are {max(stamps) - min(stamps)} apart (not one lease)")
+
+
 def merge(a) -> None:
     from trace_summary import recategorize
 
@@ -437,9 +459,11 @@ def merge(a) -> None:
                 recategorize(summary)  # phases of the current trace_summary.PHASES
             if "workload" in rec:  # TP > 1 runs are their own rows ("W1_tp2")
                 tp = part.get("tp", 1)
+                rec = {**rec, "date_utc": part["environment"].get("date_utc")}
                 runs.setdefault(rec["workload"] + (f"_tp{tp}" if tp > 1 else ""), {})[part["server"]] = rec
     if "W0" in runs and "W1" in runs and "upstream" not in runs["W0"] and "upstream" in runs["W1"]:
         runs["W0"]["upstream"] = runs["W1"]["upstream"]  # upstream keeps every token in W1 already
+    check_comparable(runs)
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
