@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Served speed on the H200 (device tool): WG-KV against upstream SGLang --attention-backend flashinfer,
-# measured with `python -m sglang.bench_serving` (benchmarks/served_speed.py; workloads W0-W4 there).
+# measured with `python -m sglang.bench_serving` (benchmarks/served_speed.py; workloads W0-W4, W4L there).
 #
 # Preparation here (git-ignored folders that travel through `carry`):
 #   mkdir -p .kit .kit2 && cp ../shared/device-kit/wheels/* .kit/ && mv .kit/sglang-*.whl .kit/sglang_kernel-*.whl .kit2/
@@ -8,8 +8,12 @@
 # Device calls, in ONE message (same machine, back to back; /tmp and ~/.cache survive between them):
 #   1. carry [".kit"]:         bash launch/served_speed.sh setup   (ALONE first: the tree is ~18 MiB)
 #   (1b. carry [".kit2"]:      bash launch/served_speed.sh tests-beside-warm W3   GPU tests + cold FlashInfer cache)
+#   (1c. after `h200.sh kit2` and the model's `part` calls, carry [".fi"]:
+#        bash launch/served_speed.sh beside-warm W4 bash launch/h200.sh logprob-floor   any untimed GPU work)
 #   2. carry [".kit2", ".fi"]: bash launch/served_speed.sh run wgkv W1,W0 [served_speed.py run args]
 #   3.                         bash launch/served_speed.sh run upstream W1 [...]
+# (.kit2 + .fi + the tree is ~62 MiB: carry .tc, if any, with a later call.) W4L's upstream run needs a
+# call of its own (~380 s of decode plus the start).
 # TP=2 (kind nvidia-h200-x2): add `--tp 2` to both runs (NVLink multicast off; rows get "tp": 2).
 # Decode profile under load (issue 15: WG-KV's step at batch 128 is 16.8 ms against ~9 ms of bandwidth):
 #   run wgkv W3 --profile-dir $OUT/prof --profile-workloads none --profile-load-workloads W3 --profile-steps 8
