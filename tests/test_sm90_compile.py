@@ -1,0 +1,116 @@
+"""Our served Triton kernels compile for the H200 (sm_90a) at their launchers' specializations and
+fit its shared memory, checked on CPU (tests/sm90_compile.py). Slow-ish: a few seconds per kernel."""
+
+import pytest
+import torch
+
+from sm90_compile import SM90_MAX_SHARED, compile_sm90, device_checks_off, launches
+
+
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_decode_split_kernel_compiles_for_sm90(pdl):
+    """The decode split kernel as the served step launches it (Llama-3.1-8B's GQA group of 4, bf16,
+    fused merge, fused ring write, the evictor's observation window), with and without programmatic
+    dependent launch: with it the PTX waits on the grid dependency (griddepcontrol.wait)."""
+    from sglang_wgkv.attention.triton_decode import DecodeConfig, FoldedDecodeWorkspace, folded_decode
+    from sglang_wgkv.config import PAGE_SIZE
+
+    B, Hq, H, D, R, L, C, W = 2, 32, 8, 128, 3, 2, 8, 256
+    bf = dict(dtype=torch.bfloat16)
+    q = torch.zeros(B, Hq, D, **bf)
+    pages = torch.zeros(16, PAGE_SIZE, D, **bf)
+    page_table = torch.zeros(R, L, H, C, dtype=torch.int32)
+    global_len = torch.zeros(R, L, H, dtype=torch.int32)
+    req, pos = torch.tensor([1, 2]), torch.tensor([300, 40])
+    ring = torch.minimum(pos + 1, torch.tensor(W))
+    new_k = torch.zeros(B, H, D, **bf)
+    obs = (torch.zeros(R, 32, Hq, D, **bf), torch.zeros(R, 32, dtype=torch.int64))
+    ws = FoldedDecodeWorkspace(B, Hq, D, 16, "cpu", num_kv_heads=H)
+    with device_checks_off():
+        (kernel, bound, options), = launches(lambda: folded_decode(
+            q, pages, pages, page_table, global_len, req, ring, 1, num_splits=16, workspace=ws,
+            config=DecodeConfig(pdl=pdl), new_k=new_k, new_v=new_k.clone(), pos=pos, window=W, observe=obs))
+    # what the launcher passes on CUDA: no interpreter upcast; PDL where asked
+    bound.update(UPCAST=False, PDL=pdl)
+    if pdl:
+        options["launch_pdl"] = True
+    compiled = compile_sm90(kernel, bound, options)
+    assert compiled.metadata.shared <= SM90_MAX_SHARED
+    assert ("griddepcontrol.wait" in compiled.asm["ptx"]) == pdl
+    assert compiled.metadata.launch_pdl == pdl
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefill_gate_compiles_for_sm90_within_shared_memory(dtype):
+    """The Triton prefill write gate at Llama-3.1-8B's shape (D 128, 8 KV heads, inner 512) with the
+    admission epilogue: its tile (BLOCK_T x BLOCK_I, stages) must fit sm_90's 227 KiB; the first tile
+    (64 x 64, 3 stages) asked for 320 KiB and was found only on the H200."""
+    from sglang_wgkv.gate import GateConfig, WriteGates
+    from sglang_wgkv.gate.triton_prefill_gate import PrefillGate
+
+    T, H, D = 64, 8, 128
+    gates = WriteGates(GateConfig(num_layers=1, num_kv_heads=H, head_dim=D, local_window=256))
+    gate = PrefillGate(gates)
+    k = torch.zeros(T, H, D, dtype=dtype)
+    tau = torch.full((T,), 0.1)
+    (kernel, bound, options), = launches(lambda: gate.admit(0, k, k.clone(), tau))
+    compiled = compile_sm90(kernel, bound, options)
+    assert compiled.metadata.shared <= SM90_MAX_SHARED
+
+
+# (query heads, KV heads, head_dim): Llama-3.1-8B and the embedded SmolLM2-135M
+SHAPES = {"llama8b": (32, 8, 128), "smollm2": (9, 3, 64)}
+
+
+def _prefill_launches(dtype, shape):
+    from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
+
+    lens, (Hq, Hkv, D) = [300, 129], shape
+    N = sum(lens)
+    q = torch.zeros(N, Hq, D, dtype=dtype)
+    k = torch.zeros(N, Hkv, D, dtype=dtype)
+    indptr = torch.tensor([0, lens[0], N], dtype=torch.int32)
+    pos = torch.cat([torch.arange(n) for n in lens])
+    admitted = torch.zeros(N, Hkv, dtype=torch.bool)
+    with device_checks_off():
+        return launches(lambda: vertical_slash_attention(q, k, k.clone(), admitted, indptr, indptr, pos, pos, 64))
+
+
+def _snapkv_launches(dtype, shape):
+    from sglang_wgkv.memory.triton_snapkv import snapkv_scores_triton
+
+    (Hq, Hkv, D), S, Wq, Ng, Nr = shape, 6, 32, 600, 256
+    G = Hq // Hkv
+    q = torch.zeros(S, Wq, G, D, dtype=dtype)
+    with device_checks_off():
+        return launches(lambda: snapkv_scores_triton(
+            q, torch.arange(Wq).repeat(S, 1), torch.zeros(S, Ng, D, dtype=dtype), torch.full((S,), Ng),
+            torch.zeros(S, Nr, D, dtype=dtype), torch.arange(Nr).repeat(S, 1), 0.088))
+
+
+def _decode_gate_launches(dtype, shape):
+    from sglang_wgkv.gate import GateConfig, WriteGates
+    from sglang_wgkv.gate.triton_gate import DecodeGate
+
+    B, (_, H, D) = 4, shape
+    gate = DecodeGate(WriteGates(GateConfig(num_layers=1, num_kv_heads=H, head_dim=D, local_window=256)), max_rows=B * H)
+    k = torch.zeros(B, H, D, dtype=dtype)
+    with device_checks_off():
+        return launches(lambda: gate(0, k, k.clone(), torch.full((B,), 0.1), num_splits=16))
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("launcher", [_prefill_launches, _snapkv_launches, _decode_gate_launches],
+                         ids=["prefill_attention", "snapkv_scores", "decode_gate"])
+def test_served_kernels_compile_for_sm90(launcher, shape):
+    """Every launch the served prefill (plan, compaction, vertical-slash attention), the evictor's
+    scores and the decode gate make, at Llama-3.1-8B's and SmolLM2's shapes in bf16, compiles for
+    sm_90 within its shared memory (interpreter-only specializations, UPCAST, set back to the CUDA
+    path's False)."""
+    captured = launcher(torch.bfloat16, SHAPES[shape])
+    assert captured
+    for kernel, bound, options in captured:
+        if "UPCAST" in bound:
+            bound["UPCAST"] = False
+        compiled = compile_sm90(kernel, bound, options)
+        assert compiled.metadata.shared <= SM90_MAX_SHARED, kernel.fn.__name__
