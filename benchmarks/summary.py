@@ -456,6 +456,17 @@ def agreement(d: dict) -> list[str]:
                      "offline KV", "max KV gap", "KV within bound"], rows))
 
 
+def sm90_registers(d: dict) -> list[str]:
+    """``benchmarks/sm90_registers.py``: ptxas's allocation of the decode split kernel per config."""
+    rows = [[r["block_n"], r["num_warps"], r["num_stages"], r["fused_write"], r["fused_merge"], r["registers"],
+             f"{r['spill_store_bytes']} / {r['spill_load_bytes']}", r["shared_bytes"], r["blocks_per_sm_by_registers"]]
+            for r in d["rows"]]
+    return ([f"Command: {cmd(d['command'])}; {d['target']}, cross-compiled on CPU (no timing). Served default: "
+             f"{d['served_default']}.", ""]
+            + table(["block_n", "warps", "stages", "fused write", "fused merge", "registers", "spill st / ld B",
+                     "shared B", "blocks/SM (regs)"], rows))
+
+
 def logprob_floor(d: dict) -> list[str]:
     """``benchmarks/logprob_floor.py``: each pair of serving paths' greedy logprobs, prompt by prompt."""
     rows = [[pair.replace("~", " vs "), i, "" if r["first_divergence"] is None else r["first_divergence"],
@@ -509,6 +520,8 @@ def renderer(d: dict):
         return served_accuracy
     if "pairs" in d and "near_tie" in d:
         return agreement
+    if d.get("target", "").startswith("sm_90a") and "rows" in d:
+        return sm90_registers
     if "pairs" in d and "server_commands" in d:
         return logprob_floor
     if "jobs_per_s" in d and "checkpoints" in d:

@@ -1,0 +1,86 @@
+"""Registers, spills and shared memory of the decode split kernel on the H200 (sm_90a), from a CPU
+cross-compile (Triton's bundled ptxas; tests/sm90_compile.py), per launch configuration at the served
+W1 shape (Llama-3.1-8B layer, batch 1, bf16, fused merge and ring write, the served split count).
+
+No GPU needed, no timing: what ptxas allocates. A kernel at 255 registers with spill stores runs at
+most two 4-warp blocks per SM; kernel_decode.py / decode_fixed_cost.py time the same configurations
+on the device.
+
+usage: python benchmarks/sm90_registers.py [--out DIR]
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
+
+from benchmarks.common import environment, write_json  # noqa: E402
+from sm90_compile import compile_sm90, device_checks_off, launches  # noqa: E402
+
+CONFIGS = [  # (block_n, num_warps, num_stages, fused ring write, fused merge)
+    (64, 4, 2, True, True), (64, 4, 2, False, True), (64, 4, 2, False, False),
+    (32, 4, 2, True, True), (64, 8, 2, True, True), (128, 8, 2, True, True), (32, 8, 2, True, True),
+]
+
+
+def ptxas_stats(ptx: str) -> dict:
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        err = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    finally:
+        os.unlink(f.name)
+    regs = int(re.search(r"Used (\d+) registers", err).group(1))
+    stores, loads = map(int, re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", err).groups())
+    return {"registers": regs, "spill_store_bytes": stores, "spill_load_bytes": loads}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results/kernels")
+    args = ap.parse_args()
+    from sglang_wgkv.attention import triton_decode as td
+    from sglang_wgkv.config import PAGE_SIZE
+
+    B, Hq, H, D, W = 1, 32, 8, 128, 256
+    bf = dict(dtype=torch.bfloat16)
+    q, pages = torch.zeros(B, Hq, D, **bf), torch.zeros(16, PAGE_SIZE, D, **bf)
+    page_table, global_len = torch.zeros(2, 2, H, 8, dtype=torch.int32), torch.zeros(2, 2, H, dtype=torch.int32)
+    req, pos = torch.tensor([1]), torch.tensor([126975])
+    ring, new_k = torch.tensor([W]), torch.zeros(B, H, D, **bf)
+    splits = td.choose_num_splits(1, H, 131072, "cpu")
+    ws = td.FoldedDecodeWorkspace(B, Hq, D, splits, "cpu", num_kv_heads=H)
+    rows = []
+    for block_n, warps, stages, write, fused in CONFIGS:
+        cfg = td.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, fused_merge=fused)
+        extra = dict(new_k=new_k, new_v=new_k.clone(), pos=pos, window=W) if write else {}
+        with device_checks_off():
+            kernel, bound, options = launches(lambda: td.folded_decode(
+                q, pages, pages, page_table, global_len, req, ring, 1, num_splits=splits, workspace=ws,
+                config=cfg, **extra))[0]
+        bound["UPCAST"] = False  # the CUDA path's specialization
+        compiled = compile_sm90(kernel, bound, options)
+        row = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "fused_write": write,
+               "fused_merge": fused, "shared_bytes": compiled.metadata.shared, **ptxas_stats(compiled.asm["ptx"])}
+        row["blocks_per_sm_by_registers"] = 65536 // (row["registers"] * 32 * warps)
+        rows.append(row)
+        print(row, flush=True)
+    write_json(os.path.join(args.out, "sm90_registers.json"), {
+        "env": environment(), "command": "python3 " + " ".join(sys.argv), "target": "sm_90a (ptxas -v)",
+        "shape": {"batch": 1, "Hq": Hq, "Hkv": H, "head_dim": D, "splits": splits, "dtype": "bfloat16"},
+        "rows": rows, "served_default": {"block_n": td.DecodeConfig.block_n, "num_warps": td.DecodeConfig.num_warps,
+                                         "num_stages": td.DecodeConfig.num_stages}})
+
+
+if __name__ == "__main__":
+    main()
