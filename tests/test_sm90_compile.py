@@ -99,9 +99,35 @@ def _decode_gate_launches(dtype, shape):
         return launches(lambda: gate(0, k, k.clone(), torch.full((B,), 0.1), num_splits=16))
 
 
+def _pool_launches(dtype, shape):
+    """The decode step's pool kernels: promotion (one-program scan and, past PROMOTE_SCAN_BLOCK items,
+    the blocked scan) and the ring write."""
+    from unittest import mock
+
+    from sglang_wgkv.config import WGKVConfig
+    from sglang_wgkv.memory import DualCachePool, triton_pool
+
+    _, H, D = shape
+    pool = DualCachePool(2, H, D, num_pages=64, max_requests=4, max_context_len=1024,
+                         config=WGKVConfig(local_window=256), dtype=dtype, triton_decode=False)
+    for r in range(3):
+        pool.alloc_request(r)
+    req, pos = torch.tensor([0, 2, 1]), torch.tensor([300, 256, 700])
+    k = torch.zeros(3, H, D, dtype=dtype)
+
+    def step():
+        triton_pool.decode_promote(pool, req, pos)
+        with mock.patch.object(triton_pool, "PROMOTE_SCAN_BLOCK", 2):
+            triton_pool.decode_promote(pool, req, pos)
+        triton_pool.decode_write(pool, 0, req, pos, k, k.clone(), torch.ones(3, H, dtype=torch.bool))
+
+    with device_checks_off():
+        return launches(step)
+
+
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("launcher", [_prefill_launches, _snapkv_launches, _decode_gate_launches],
-                         ids=["prefill_attention", "snapkv_scores", "decode_gate"])
+@pytest.mark.parametrize("launcher", [_prefill_launches, _snapkv_launches, _decode_gate_launches, _pool_launches],
+                         ids=["prefill_attention", "snapkv_scores", "decode_gate", "pool_decode_step"])
 def test_served_kernels_compile_for_sm90(launcher, shape):
     """Every launch the served prefill (plan, compaction, vertical-slash attention), the evictor's
     scores and the decode gate make, at Llama-3.1-8B's and SmolLM2's shapes in bf16, compiles for
@@ -114,3 +140,4 @@ def test_served_kernels_compile_for_sm90(launcher, shape):
             bound["UPCAST"] = False
         compiled = compile_sm90(kernel, bound, options)
         assert compiled.metadata.shared <= SM90_MAX_SHARED, kernel.fn.__name__
+
