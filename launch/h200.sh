@@ -64,6 +64,10 @@ kit2)
     touch /tmp/sglang-wheel-installed ;;
 serve-bench|serve-eval|serve-soak|programs|gpu-tests|logprob-floor|memory|train-speed|train-sweep|train-eval)
     mode=$1; shift
+    # a server left up by an earlier call cut at its time limit (test fixtures run theirs in their own
+    # sessions) holds GPU memory this call's servers count on; KEEP_SERVERS=1 (served_speed.sh
+    # beside-warm) keeps the warm-up server started beside this call
+    [ "${KEEP_SERVERS:-0}" = 1 ] || { pkill -f -- '-m sglang(_wgkv)?\.launch_server' && sleep 10 || true; }
     cp .model/$GGUF.p? "$M"/ 2>/dev/null || true
     if [ -d .kit2 ] && [ ! -e /tmp/sglang-wheel-installed ]; then bash "$0" kit2; fi
     [ -f "$M"/$GGUF ] || cat "$M"/$GGUF.p? > "$M"/$GGUF

@@ -89,7 +89,7 @@ beside-warm)
     OUT=/tmp/warm bash "$0" run upstream "$warm" --warm-only --tag warm > /tmp/warm.log 2>&1 &
     warm_pid=$!
     sleep 15  # its sweep of leftover servers runs before CMD starts its own
-    "$@" || echo "beside-warm: command rc=$?"
+    KEEP_SERVERS=1 "$@" || echo "beside-warm: command rc=$?"
     wait $warm_pid || echo "warm-up server failed: see $OUT/warm.log"
     cp /tmp/warm.log "$OUT/warm.log"; cp /tmp/warm/fi_cache.tgz "$OUT/" 2>/dev/null || true ;;
 run)
