@@ -15,8 +15,9 @@ float32's than the bf16 reference's do (times FLOOR_FACTOR, plus FLOOR_SLACK), o
 concurrent batch of different lengths (prompts shorter and longer than W_local, one crossing it while
 decoding). Two bf16 paths are not compared with each other at a fixed tolerance: each lies up to
 ~0.1-0.14 from float32 on these prompts (CPU, benchmarks/logprob_floor.py), so two correct ones can
-lie 0.17 apart (the H200, 2026-12-03, every token equal). The kernels server logs decode batches run on CUDA graphs; per-request tau holds
-under graphs; after aborted streams the idle check (no slot or page leaked, integrity) passes.
+lie 0.17 apart (the H200, 2026-12-03, every token equal). The kernels server logs decode batches run
+on CUDA graphs; per-request tau holds under graphs; after aborted streams the idle check (no slot or
+page leaked, integrity) passes.
 """
 
 import threading
@@ -54,23 +55,33 @@ def _model_dir():
     return str(ensure_embedded_model())
 
 
+# The servers' own arguments (benchmarks/logprob_floor.py runs the same three, plus the kernels eager).
+HEAD_BIAS = [-30.0, 30.0, 30.0]  # per KV head: head 0 admits nothing, heads 1 and 2 everything
+SERVER_ARGS = {
+    "kernels": ["--dtype", "bfloat16", "--wgkv-attention", "kernels", "--cuda-graph-max-bs-decode", "8"],
+    "reference": ["--dtype", "bfloat16", "--wgkv-attention", "reference"],
+    "truth": ["--dtype", "float32", "--wgkv-attention", "reference"],
+}
+
+
+def common_args(model_dir: str, gates_dir) -> list[str]:
+    """What every server of this comparison shares (gates saved with HEAD_BIAS and W_LOCAL)."""
+    return ["--model-path", model_dir, "--max-total-tokens", "40000", "--mem-fraction-static", "0.3",
+            "--sampling-backend", "pytorch", "--log-level", "info", "--decode-log-interval", "4",
+            "--wgkv-local-window", str(W_LOCAL), "--wgkv-gates", str(gates_dir)]
+
+
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gpu_serving")
-    save_head_gates(tmp / "gates", [-30.0, 30.0, 30.0], W_LOCAL)
-    common = ["--model-path", _model_dir(), "--dtype", "bfloat16", "--max-total-tokens", "40000",
-              "--mem-fraction-static", "0.3", "--sampling-backend", "pytorch", "--log-level", "info",
-              "--decode-log-interval", "4", "--wgkv-local-window", str(W_LOCAL), "--wgkv-gates", str(tmp / "gates")]
-    kernels = Server([*common, "--wgkv-attention", "kernels", "--cuda-graph-max-bs-decode", "8"],
-                     tmp / "kernels.log")
-    reference = Server([*common, "--wgkv-attention", "reference"], tmp / "reference.log")
-    truth = Server([*common, "--wgkv-attention", "reference", "--dtype", "float32"], tmp / "truth.log")
+    save_head_gates(tmp / "gates", HEAD_BIAS, W_LOCAL)
+    common = common_args(_model_dir(), tmp / "gates")
+    started = {name: Server([*common, *args], tmp / f"{name}.log") for name, args in SERVER_ARGS.items()}
     try:
-        yield kernels.wait_healthy(), reference.wait_healthy(), truth.wait_healthy()
+        yield tuple(started[name].wait_healthy() for name in ("kernels", "reference", "truth"))
     finally:
-        kernels.stop()
-        reference.stop()
-        truth.stop()
+        for srv in started.values():
+            srv.stop()
 
 
 def _run(server, prompts):
@@ -93,7 +104,8 @@ def _agree(got, want, prompt):
 
 def shared_prefix(*runs) -> int:
     """How many leading greedy tokens every run shares."""
-    return next((i for i, ids in enumerate(zip(*(r[0] for r in runs))) if len(set(ids)) > 1), min(len(r[0]) for r in runs))
+    return next((i for i, ids in enumerate(zip(*(r[0] for r in runs))) if len(set(ids)) > 1),
+                min(len(r[0]) for r in runs))
 
 
 def floor_errors(got, ref, truth) -> tuple[list[float], list[float], list[float]]:
