@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import shlex
 import os
+import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -31,14 +31,14 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
 from benchmarks.common import environment, write_json  # noqa: E402
-from serving_support import Server, long_prompt, save_head_gates  # noqa: E402
+from serving_support import Server, save_head_gates  # noqa: E402
+from test_gpu_serving import HEAD_BIAS, NEW_TOKENS, PROMPTS, SERVER_ARGS, W_LOCAL, common_args  # noqa: E402
 
-W_LOCAL, NEW_TOKENS = 64, 48
-PROMPTS = ["The capital of France is", long_prompt(4), long_prompt(25, seed=1), long_prompt(45, seed=3)]
+# the GPU test's three servers (float32 reference = its "truth") and the kernels path without decode graphs
 SERVERS = {
-    "fp32_reference": ["--dtype", "float32", "--wgkv-attention", "reference"],
-    "bf16_reference": ["--dtype", "bfloat16", "--wgkv-attention", "reference"],
-    "bf16_kernels_graphs": ["--dtype", "bfloat16", "--wgkv-attention", "kernels", "--cuda-graph-max-bs-decode", "8"],
+    "fp32_reference": SERVER_ARGS["truth"],
+    "bf16_reference": SERVER_ARGS["reference"],
+    "bf16_kernels_graphs": SERVER_ARGS["kernels"],
     "bf16_kernels_eager": ["--dtype", "bfloat16", "--wgkv-attention", "kernels", "--disable-decode-cuda-graph"],
 }
 
@@ -62,10 +62,8 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp())
-    save_head_gates(tmp / "gates", [-30.0, 30.0, 30.0], W_LOCAL)
-    common = ["--model-path", str(ensure_embedded_model()), "--max-total-tokens", "40000",
-              "--mem-fraction-static", "0.3", "--sampling-backend", "pytorch", "--log-level", "info",
-              "--wgkv-local-window", str(W_LOCAL), "--wgkv-gates", str(tmp / "gates")]
+    save_head_gates(tmp / "gates", HEAD_BIAS, W_LOCAL)
+    common = common_args(str(ensure_embedded_model()), tmp / "gates")
     runs, commands = {}, {}
     for name in a.servers.split(","):
         srv = Server([*common, *SERVERS[name]], out / f"server.{name}.log")
