@@ -16,14 +16,13 @@ import subprocess
 import sys
 import tempfile
 
-import torch
 import triton
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
 
 from benchmarks.common import environment, write_json  # noqa: E402
-from sm90_compile import compile_sm90, device_checks_off, launches  # noqa: E402
+from sm90_compile import compile_sm90, split_kernel_launch  # noqa: E402
 
 CONFIGS = [  # (block_n, num_warps, num_stages, fused ring write, fused merge)
     (64, 4, 2, True, True), (64, 4, 2, False, True), (64, 4, 2, False, False),
@@ -50,25 +49,12 @@ def main():
     ap.add_argument("--out", default="benchmarks/results/kernels")
     args = ap.parse_args()
     from sglang_wgkv.attention import triton_decode as td
-    from sglang_wgkv.config import PAGE_SIZE
 
-    B, Hq, H, D, W = 1, 32, 8, 128, 256
-    bf = dict(dtype=torch.bfloat16)
-    q, pages = torch.zeros(B, Hq, D, **bf), torch.zeros(16, PAGE_SIZE, D, **bf)
-    page_table, global_len = torch.zeros(2, 2, H, 8, dtype=torch.int32), torch.zeros(2, 2, H, dtype=torch.int32)
-    req, pos = torch.tensor([1]), torch.tensor([126975])
-    ring, new_k = torch.tensor([W]), torch.zeros(B, H, D, **bf)
-    splits = td.choose_num_splits(1, H, 131072, "cpu")
-    ws = td.FoldedDecodeWorkspace(B, Hq, D, splits, "cpu", num_kv_heads=H)
+    splits = td.choose_num_splits(1, 8, 131072, "cpu")
     rows = []
     for block_n, warps, stages, write, fused in CONFIGS:
         cfg = td.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, fused_merge=fused)
-        extra = dict(new_k=new_k, new_v=new_k.clone(), pos=pos, window=W) if write else {}
-        with device_checks_off():
-            kernel, bound, options = launches(lambda: td.folded_decode(
-                q, pages, pages, page_table, global_len, req, ring, 1, num_splits=splits, workspace=ws,
-                config=cfg, **extra))[0]
-        bound["UPCAST"] = False  # the CUDA path's specialization
+        kernel, bound, options = split_kernel_launch(cfg, splits=splits, fused_write=write)
         compiled = compile_sm90(kernel, bound, options)
         row = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "fused_write": write,
                "fused_merge": fused, "shared_bytes": compiled.metadata.shared, **ptxas_stats(compiled.asm["ptx"])}
@@ -77,7 +63,7 @@ def main():
         print(row, flush=True)
     write_json(os.path.join(args.out, "sm90_registers.json"), {
         "env": environment(), "command": "python3 " + " ".join(sys.argv), "target": "sm_90a (ptxas -v)",
-        "shape": {"batch": 1, "Hq": Hq, "Hkv": H, "head_dim": D, "splits": splits, "dtype": "bfloat16"},
+        "shape": {"batch": 1, "Hq": 32, "Hkv": 8, "head_dim": 128, "splits": splits, "dtype": "bfloat16"},
         "rows": rows, "served_default": {"block_n": td.DecodeConfig.block_n, "num_warps": td.DecodeConfig.num_warps,
                                          "num_stages": td.DecodeConfig.num_stages}})
 

@@ -47,7 +47,11 @@ def launches(call) -> list[tuple[JITFunction, dict, dict]]:
 
 
 def compile_sm90(kernel: JITFunction, bound: dict, options: dict):
-    """The compiled kernel (``.asm['ptx']``, ``.metadata.shared``) for the H200."""
+    """The compiled kernel (``.asm['ptx']``, ``.metadata.shared``) for the H200. A capture made with
+    :func:`device_checks_off` asked for the interpreter's ``UPCAST``; the CUDA launch never does, so
+    it is compiled as False here."""
+    if "UPCAST" in bound:
+        bound = {**bound, "UPCAST": False}
     sig, constexprs = {}, {}
     for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params)):
         if param.is_constexpr:
@@ -57,3 +61,37 @@ def compile_sm90(kernel: JITFunction, bound: dict, options: dict):
             sig[name] = mangle_type(bound[name])  # Triton's own type of the value (*bf16, i32, tensordesc<...>)
     return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs), target=H200,
                           options=options)
+
+
+def split_kernel_launch(config, batch: int = 1, pos: int = 126975, splits: int | None = None,
+                        fused_write: bool = True, observe: bool = False):
+    """The decode split kernel's launch as the served step makes it at Llama-3.1-8B's layer shape (bf16,
+    W_local 256; ``config`` a ``DecodeConfig``), captured: ``(kernel, args, options)``. On CUDA the
+    launcher asks for programmatic dependent launch where ``config.pdl``; on CPU tensors it does not,
+    so that is set here as the CUDA launch sets it."""
+    import torch
+
+    from sglang_wgkv.attention import triton_decode as td
+    from sglang_wgkv.config import PAGE_SIZE
+
+    B, Hq, H, D, R, W = batch, 32, 8, 128, batch + 1, 256
+    bf = dict(dtype=torch.bfloat16)
+    q, pages = torch.zeros(B, Hq, D, **bf), torch.zeros(16, PAGE_SIZE, D, **bf)
+    page_table, global_len = torch.zeros(R, 2, H, 8, dtype=torch.int32), torch.zeros(R, 2, H, dtype=torch.int32)
+    req, positions = torch.arange(1, B + 1), torch.full((B,), pos)
+    ring = torch.clamp(positions + 1, max=W)
+    splits = splits or td.choose_num_splits(B, H, 131072, "cpu")
+    extra = {}
+    if fused_write:
+        new_k = torch.zeros(B, H, D, **bf)
+        extra = dict(new_k=new_k, new_v=new_k.clone(), pos=positions, window=W)
+    if observe:
+        extra["observe"] = (torch.zeros(R, 32, Hq, D, **bf), torch.zeros(R, 32, dtype=torch.int64))
+    ws = td.FoldedDecodeWorkspace(B, Hq, D, splits, "cpu", num_kv_heads=H)
+    with device_checks_off():
+        (kernel, bound, options), = launches(lambda: td.folded_decode(
+            q, pages, pages, page_table, global_len, req, ring, 1, num_splits=splits, workspace=ws,
+            config=config, **extra))
+    if config.pdl:
+        bound, options = {**bound, "PDL": True}, {**options, "launch_pdl": True}
+    return kernel, bound, options

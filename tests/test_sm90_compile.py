@@ -4,7 +4,7 @@ fit its shared memory, checked on CPU (tests/sm90_compile.py). Slow-ish: a few s
 import pytest
 import torch
 
-from sm90_compile import SM90_MAX_SHARED, compile_sm90, device_checks_off, launches
+from sm90_compile import SM90_MAX_SHARED, compile_sm90, device_checks_off, launches, split_kernel_launch
 
 
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
@@ -12,29 +12,9 @@ def test_decode_split_kernel_compiles_for_sm90(pdl):
     """The decode split kernel as the served step launches it (Llama-3.1-8B's GQA group of 4, bf16,
     fused merge, fused ring write, the evictor's observation window), with and without programmatic
     dependent launch: with it the PTX waits on the grid dependency (griddepcontrol.wait)."""
-    from sglang_wgkv.attention.triton_decode import DecodeConfig, FoldedDecodeWorkspace, folded_decode
-    from sglang_wgkv.config import PAGE_SIZE
+    from sglang_wgkv.attention.triton_decode import DecodeConfig
 
-    B, Hq, H, D, R, L, C, W = 2, 32, 8, 128, 3, 2, 8, 256
-    bf = dict(dtype=torch.bfloat16)
-    q = torch.zeros(B, Hq, D, **bf)
-    pages = torch.zeros(16, PAGE_SIZE, D, **bf)
-    page_table = torch.zeros(R, L, H, C, dtype=torch.int32)
-    global_len = torch.zeros(R, L, H, dtype=torch.int32)
-    req, pos = torch.tensor([1, 2]), torch.tensor([300, 40])
-    ring = torch.minimum(pos + 1, torch.tensor(W))
-    new_k = torch.zeros(B, H, D, **bf)
-    obs = (torch.zeros(R, 32, Hq, D, **bf), torch.zeros(R, 32, dtype=torch.int64))
-    ws = FoldedDecodeWorkspace(B, Hq, D, 16, "cpu", num_kv_heads=H)
-    with device_checks_off():
-        (kernel, bound, options), = launches(lambda: folded_decode(
-            q, pages, pages, page_table, global_len, req, ring, 1, num_splits=16, workspace=ws,
-            config=DecodeConfig(pdl=pdl), new_k=new_k, new_v=new_k.clone(), pos=pos, window=W, observe=obs))
-    # what the launcher passes on CUDA: no interpreter upcast; PDL where asked
-    bound.update(UPCAST=False, PDL=pdl)
-    if pdl:
-        options["launch_pdl"] = True
-    compiled = compile_sm90(kernel, bound, options)
+    compiled = compile_sm90(*split_kernel_launch(DecodeConfig(pdl=pdl), batch=2, pos=300, splits=16, observe=True))
     assert compiled.metadata.shared <= SM90_MAX_SHARED
     assert ("griddepcontrol.wait" in compiled.asm["ptx"]) == pdl
     assert compiled.metadata.launch_pdl == pdl
@@ -93,7 +73,8 @@ def _decode_gate_launches(dtype, shape):
     from sglang_wgkv.gate.triton_gate import DecodeGate
 
     B, (_, H, D) = 4, shape
-    gate = DecodeGate(WriteGates(GateConfig(num_layers=1, num_kv_heads=H, head_dim=D, local_window=256)), max_rows=B * H)
+    gates = WriteGates(GateConfig(num_layers=1, num_kv_heads=H, head_dim=D, local_window=256))
+    gate = DecodeGate(gates, max_rows=B * H)
     k = torch.zeros(B, H, D, dtype=dtype)
     with device_checks_off():
         return launches(lambda: gate(0, k, k.clone(), torch.full((B,), 0.1), num_splits=16))
@@ -126,18 +107,15 @@ def _pool_launches(dtype, shape):
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("launcher", [_prefill_launches, _snapkv_launches, _decode_gate_launches, _pool_launches],
+@pytest.mark.parametrize("launcher", [_prefill_launches, _snapkv_launches, _decode_gate_launches,
+                                      _pool_launches],
                          ids=["prefill_attention", "snapkv_scores", "decode_gate", "pool_decode_step"])
 def test_served_kernels_compile_for_sm90(launcher, shape):
     """Every launch the served prefill (plan, compaction, vertical-slash attention), the evictor's
     scores and the decode gate make, at Llama-3.1-8B's and SmolLM2's shapes in bf16, compiles for
-    sm_90 within its shared memory (interpreter-only specializations, UPCAST, set back to the CUDA
-    path's False)."""
+    sm_90 within its shared memory."""
     captured = launcher(torch.bfloat16, SHAPES[shape])
     assert captured
     for kernel, bound, options in captured:
-        if "UPCAST" in bound:
-            bound["UPCAST"] = False
         compiled = compile_sm90(kernel, bound, options)
         assert compiled.metadata.shared <= SM90_MAX_SHARED, kernel.fn.__name__
-
