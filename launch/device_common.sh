@@ -1,4 +1,13 @@
-# Triton's compile cache across device machines (sourced by launch/h200.sh and launch/served_speed.sh).
+# Shared by launch/h200.sh and launch/served_speed.sh (sourced): servers left by a cut call, and
+# Triton's compile cache across device machines.
+
+# A device call cut by its time limit kills its client, not the servers it started in their own
+# sessions: left up, one holds GPU memory the next call's servers count on (2026-12-03: an upstream
+# server got a pool of 47,931 tokens instead of 93,052 beside one). Stop them before starting others.
+stop_leftover_servers() {
+    pkill -f -- '-m sglang(_wgkv)?\.launch_server' && sleep 10 || true
+}
+
 # A fresh machine compiles every Triton kernel on first use (our decode, prefill, pool and gate kernels,
 # SGLang's own): tens of seconds of each lease. The cache is keyed by each kernel's source, options,
 # Triton version and GPU, so a cache from another H200 with the same kit is valid; a changed kernel

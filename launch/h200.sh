@@ -64,10 +64,9 @@ kit2)
     touch /tmp/sglang-wheel-installed ;;
 serve-bench|serve-eval|serve-soak|programs|gpu-tests|logprob-floor|memory|train-speed|train-sweep|train-eval)
     mode=$1; shift
-    # a server left up by an earlier call cut at its time limit (test fixtures run theirs in their own
-    # sessions) holds GPU memory this call's servers count on; KEEP_SERVERS=1 (served_speed.sh
-    # beside-warm) keeps the warm-up server started beside this call
-    [ "${KEEP_SERVERS:-0}" = 1 ] || { pkill -f -- '-m sglang(_wgkv)?\.launch_server' && sleep 10 || true; }
+    . launch/device_common.sh
+    # KEEP_SERVERS=1 (served_speed.sh beside-warm) keeps the warm-up server started beside this call
+    [ "${KEEP_SERVERS:-0}" = 1 ] || stop_leftover_servers
     cp .model/$GGUF.p? "$M"/ 2>/dev/null || true
     if [ -d .kit2 ] && [ ! -e /tmp/sglang-wheel-installed ]; then bash "$0" kit2; fi
     [ -f "$M"/$GGUF ] || cat "$M"/$GGUF.p? > "$M"/$GGUF
@@ -75,7 +74,7 @@ serve-bench|serve-eval|serve-soak|programs|gpu-tests|logprob-floor|memory|train-
     . /tmp/pp
     export PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1 SGLANG_WGKV_GGUF="$M/$GGUF" SGLANG_WGKV_CACHE=/tmp/wgkv-cache
     OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-    . launch/triton_cache.sh && triton_cache_restore
+    triton_cache_restore
     trap 'triton_cache_save "$OUT"' EXIT  # every mode's exit, exec'd ones aside
     python3 -m sglang_wgkv.embedded_model
     if [ "$mode" = gpu-tests ]; then

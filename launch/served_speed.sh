@@ -47,7 +47,7 @@
 #   its limit left its server up (29 GB): `run` now stops leftovers first.
 # Triton's compile cache: a call that compiled kernels returns $OUT/triton_cache.tgz; unpack it here
 # (mkdir -p .tc && tar xzf triton_cache.tgz -C .tc) and carry [".tc"] (with .fi) later: the servers'
-# first starts then skip the compiles (launch/triton_cache.sh).
+# first starts then skip the compiles (launch/device_common.sh).
 # To read a trace here (host gaps: trace_summary's largest_idle_gaps / inside), give --profile-dir
 # under $OUT (a .trace.json.gz under 16 MB comes back).
 # `run` writes part.<server>.<tag>.json, bench_serving's JSON lines and the server logs to $OUT. The
@@ -103,12 +103,10 @@ run)
         # ninja rebuilds that module (2026-12-02: norm.so rebuilt, upstream's start 178 s against 42).
         now=$(date +%s); find ~/.cache/flashinfer -type f -exec touch -d "@$now" {} +
     fi
-    # a server left up by an earlier call cut at its time limit holds GPU memory, and a server started
-    # beside it gets a smaller pool (2026-12-03: 47,931 tokens instead of 93,052): stop it first
     # (served_speed.py also refuses to start a server while another process holds the GPU)
-    pkill -f -- '-m sglang(_wgkv)?\.launch_server' && sleep 10 || true
+    . launch/device_common.sh && stop_leftover_servers
     cache_before=$(du -s ~/.cache/flashinfer 2>/dev/null | cut -f1 || true)
-    . launch/triton_cache.sh && triton_cache_restore
+    triton_cache_restore
     . /tmp/pp
     export PYTHONPATH="$PWD:/tmp/site:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
     OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
