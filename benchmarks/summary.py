@@ -468,13 +468,19 @@ def sm90_registers(d: dict) -> list[str]:
 
 
 def logprob_floor(d: dict) -> list[str]:
-    """``benchmarks/logprob_floor.py``: each pair of serving paths' greedy logprobs, prompt by prompt."""
+    """``benchmarks/logprob_floor.py``: each serving path against float32 (along its own tokens), and
+    each pair of paths' greedy logprobs, prompt by prompt."""
+    out = [f"Command: {cmd(d['command'])}; {d['environment'].get('gpu') or 'CPU'}.", ""]
+    if "float32" in d:
+        rows = [[name, i, f"{r['max_abs']:.3f} @ {r['at']}", f(r["mean_abs"], 4)]
+                for name, rs in d["float32"].items() for i, r in enumerate(rs)]
+        out += [f"Against float32: {d['truth']}.", ""] + table(
+            ["server", "prompt", "max abs logprob diff @ token", "mean abs"], rows)
     rows = [[pair.replace("~", " vs "), i, "" if r["first_divergence"] is None else r["first_divergence"],
              f"{r['max_abs']:.3f} @ {r['at']}", f(r["mean_abs"], 3)]
             for pair, rs in d["pairs"].items() for i, r in enumerate(rs)]
-    return ([f"Command: {cmd(d['command'])}; {d['environment'].get('gpu') or 'CPU'}. Up to and including the "
-             "first differing greedy token.", ""]
-            + table(["pair", "prompt", "first differing token", "max abs logprob diff @ token", "mean abs"], rows))
+    return out + ["Pairs, up to and including the first differing greedy token:", ""] + table(
+        ["pair", "prompt", "first differing token", "max abs logprob diff @ token", "mean abs"], rows)
 
 
 def renderer(d: dict):

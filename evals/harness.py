@@ -81,3 +81,19 @@ def two_pass(backbone: Backbone, ids: torch.Tensor, prompt_len: int, gate_sets: 
     for r, c in zip(records, counts):
         r["cache"] = c
     return records, torch.cat([h1, h2])
+
+
+@torch.no_grad()
+def teacher_forced_logprobs(backbone: Backbone, ids: torch.Tensor, policy, start: int) -> list[float]:
+    """Log-probabilities (float32 softmax) of ``ids[start:]``, each given the tokens before it, every
+    key under ``policy`` as a served request sees it: with ``prompt_len = T`` nothing is exempt, so
+    a WG-KV policy's key j is visible to a later query i iff ``i - j < W_local`` or it was admitted,
+    prompt and generated tokens alike (the served ring and promotion; decode and prefill agree).
+
+    ids ``[T]`` (prompt then generated tokens); returns ``T - start`` values, for the logprobs a
+    server reports for its output tokens along the same ids.
+    """
+    T = ids.shape[0]
+    hidden, _ = policy_forward(backbone, ids, [policy], prompt_len=T)
+    logits = backbone.logits(hidden[0, start - 1:T - 1]).float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, ids[start:, None]).squeeze(-1).tolist()

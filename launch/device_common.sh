@@ -1,5 +1,5 @@
 # Shared by launch/h200.sh and launch/served_speed.sh (sourced): servers left by a cut call, and
-# Triton's compile cache across device machines.
+# FlashInfer's and Triton's compile caches across device machines.
 
 # A device call cut by its time limit kills its client, not the servers it started in their own
 # sessions: left up, one holds GPU memory the next call's servers count on (2026-12-03: an upstream
@@ -24,4 +24,20 @@ triton_cache_save() {  # $1: folder the cache goes back in (when it grew during 
     if [ -n "$after" ] && [ "$after" != "${TRITON_CACHE_BEFORE:-}" ]; then
         tar czf "$1/triton_cache.tgz" -C ~/.triton cache
     fi
+}
+
+# FlashInfer's JIT cache (ninja builds under ~/.cache/flashinfer) from .fi/fi_cache.tgz, as a call
+# returned it. Ninja rebuilds a module when its .ninja_log records an output mtime older than any input
+# (the headers FlashInfer's wheel just installed into /tmp/site, dated now) or when an output is newer
+# than the mtime its deps log recorded. Until 2026-12-04 the cache was copied with `cp -r` and every file
+# touched to now: the second rule then fired for every module, and each fresh machine rebuilt all three
+# (~150 s of upstream's first start, seen as rebuilt .so files with new log lines in the returned
+# cache). So: unpack with tar (mtimes as built) and date the installed headers before the build.
+fi_cache_restore() {
+    [ -f .fi/fi_cache.tgz ] && [ ! -d ~/.cache/flashinfer ] || return 0
+    mkdir -p ~/.cache && tar xzf .fi/fi_cache.tgz -C ~/.cache
+    local d
+    for d in /tmp/site/flashinfer/data /tmp/site/tvm_ffi/include; do
+        [ -d "$d" ] && find "$d" -exec touch -h -d 2026-01-01 {} +
+    done
 }

@@ -38,7 +38,7 @@
 # `gpu-tests -x` 280 s (cut). Carry limits: see Preparation above.
 # WARM_FI=1 before `train-speed`, `serve-soak` or `serve-bench`: FlashInfer's kernels for the embedded
 # model compile beside it (a dense server, stopped once healthy), for later `memory`/`programs` calls.
-# `logprob-floor` as step 5: benchmarks/logprob_floor.py (float32 vs bf16 reference vs kernels, ~4 servers).
+# `logprob-floor` as step 5: benchmarks/logprob_floor.py (three bf16 servers against float32 offline, ~3 min).
 # `gpu-tests [pytest args]` as step 5 runs the GPU tests with the real embedded model (default `-m gpu tests`).
 # `programs` as step 5 runs SGLang's frontend test programs (constrained decoding included) on WG-KV
 # (kernels path) and --disable-wgkv (SERVERS=wgkv or SERVERS=disable-wgkv: one server per call, within a
@@ -57,8 +57,8 @@ setup)
     bash .kit/install.sh | tail -1 > /tmp/pp
     python3 launch/register_entry_points.py /tmp/site
     mkdir -p "$M" && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader ;;
-part)
-    cp .model/$GGUF.p? "$M"/ ;;
+part)  # (mkdir: `served_speed.sh setup` makes no $M; 2026-12-04 three part calls failed after it)
+    mkdir -p "$M" && cp .model/$GGUF.p? "$M"/ ;;
 kit2)
     bash .kit/install.sh .kit2 >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .kit2/*.whl
     touch /tmp/sglang-wheel-installed ;;
@@ -75,6 +75,7 @@ serve-bench|serve-eval|serve-soak|programs|gpu-tests|logprob-floor|memory|train-
     export PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1 SGLANG_WGKV_GGUF="$M/$GGUF" SGLANG_WGKV_CACHE=/tmp/wgkv-cache
     OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
     triton_cache_restore
+    fi_cache_restore
     trap 'triton_cache_save "$OUT"' EXIT  # every mode's exit, exec'd ones aside
     python3 -m sglang_wgkv.embedded_model
     if [ "$mode" = gpu-tests ]; then
@@ -85,7 +86,7 @@ serve-bench|serve-eval|serve-soak|programs|gpu-tests|logprob-floor|memory|train-
         exit "${PIPESTATUS[0]}"  # (until 2026-12-03 it fell through and started a server with pytest's args)
     fi
     if [ "$mode" = logprob-floor ]; then
-        # issue 15: the bf16 paths' greedy logprobs against a float32 server's (benchmarks/logprob_floor.py)
+        # issue 15: the bf16 paths' greedy logprobs against float32 (benchmarks/logprob_floor.py)
         python3 benchmarks/logprob_floor.py --out "$OUT" "$@"; exit $?
     fi
     if [ "$mode" = programs ]; then

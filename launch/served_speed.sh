@@ -52,8 +52,8 @@
 # under $OUT (a .trace.json.gz under 16 MB comes back).
 # `run` writes part.<server>.<tag>.json, bench_serving's JSON lines and the server logs to $OUT. The
 # first upstream run on a machine compiles FlashInfer's kernels (~3.5 min) and leaves the cache as
-# $OUT/fi_cache.tgz: unpack it here into .fi/ (tar xzf fi_cache.tgz -C .fi) and carry .fi later, so
-# later machines skip the compile. Then, here:
+# $OUT/fi_cache.tgz: keep it as .fi/fi_cache.tgz (mkdir -p .fi && cp fi_cache.tgz .fi/) and carry .fi
+# later, so later machines skip the compile (launch/device_common.sh fi_cache_restore says how). Then, here:
 #   python benchmarks/served_speed.py merge <part files> --out-dir benchmarks/results/serving
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -95,24 +95,19 @@ beside-warm)
 run)
     server=$2 workloads=$3; shift 3
     if [ -d .kit2 ] && [ ! -e /tmp/sglang-wheel-installed ]; then bash launch/h200.sh kit2; fi
-    if [ -d .fi/flashinfer ] && [ ! -d ~/.cache/flashinfer ]; then
-        mkdir -p ~/.cache && cp -r .fi/flashinfer ~/.cache/
-        # The wheels were just unpacked (new mtimes): make the cached objects newer than FlashInfer's
-        # headers, or ninja rebuilds every module (~3 min, seen on 2026-11-30). One timestamp for all:
-        # touched one after the other, a generated source can come out newer than its object, and
-        # ninja rebuilds that module (2026-12-02: norm.so rebuilt, upstream's start 178 s against 42).
-        now=$(date +%s); find ~/.cache/flashinfer -type f -exec touch -d "@$now" {} +
-    fi
     # (served_speed.py also refuses to start a server while another process holds the GPU)
     . launch/device_common.sh && stop_leftover_servers
-    cache_before=$(du -s ~/.cache/flashinfer 2>/dev/null | cut -f1 || true)
+    fi_cache_restore
+    touch /tmp/fi_mark  # a module built during this call is newer (a rebuild keeps du's size)
     triton_cache_restore
     . /tmp/pp
     export PYTHONPATH="$PWD:/tmp/site:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
     OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
     python3 benchmarks/served_speed.py run --server "$server" --workloads "$workloads" --out-dir "$OUT" "$@"
-    cache_after=$(du -s ~/.cache/flashinfer 2>/dev/null | cut -f1 || true)
-    if [ -n "$cache_after" ] && [ "$cache_after" != "$cache_before" ]; then tar czf "$OUT/fi_cache.tgz" -C ~/.cache flashinfer; fi
+    if [ -n "$(find ~/.cache/flashinfer -name '*.so' -newer /tmp/fi_mark 2>/dev/null)" ]; then
+        find ~/.cache/flashinfer -name '*.so' -newer /tmp/fi_mark | sed 's/^/FlashInfer built: /'
+        tar czf "$OUT/fi_cache.tgz" -C ~/.cache flashinfer
+    fi
     triton_cache_save "$OUT" ;;
 *)
     sed -n 2,20p "$0"; exit 2 ;;

@@ -163,6 +163,11 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
             tokens = cpu_default_kv_tokens(model_path, sglang_argv)
             if tokens is not None:
                 sglang_argv += ["--max-total-tokens", str(tokens)]
+    if device != "cpu" and _option(sglang_argv, "--dtype") in ("float32", "float"):
+        # upstream fails the same way; refused here before minutes of start-up instead
+        raise ValueError("--dtype float32 is not served on CUDA: SGLang 0.5.17's CUDA RMSNorm "
+                         "(sgl_kernel.rmsnorm) has no float32 kernel, and the server would die at its first "
+                         "forward (H200, 2026-12-04); use bfloat16 or float16 there")
     backend = _option(sglang_argv, "--attention-backend")
 
     snapkv_only = ours.disable_wgkv and ours.kv_budget is not None

@@ -135,3 +135,37 @@ def save_head_gates(path: Path, head_bias, local_window: int, num_layers: int = 
         for layer in gates.layers:
             layer.b2.copy_(torch.tensor(head_bias, dtype=torch.float32))
     return save_gates(gates, path)
+
+
+class OfflineTruth:
+    """What a served request's output logprobs are in float32, computed offline: the model's HF copy
+    (``model_dir``) under the same gates, tau and W_local (``evals.harness.teacher_forced_logprobs``),
+    each prompt tokenized as the server does and its served output tokens teacher-forced. On CPU the
+    float32 reference server matches it to ~1e-5 (tests/test_served_matches_offline.py), so a bf16
+    path's distance from it is that path's own error, along its own tokens (no shared prefix needed).
+    Also the GPU tests' float32 truth: SGLang's CUDA RMSNorm has no float32 kernel (a float32 server
+    died at its first forward on the H200, 2026-12-04)."""
+
+    def __init__(self, model_dir, gates_dir, local_window: int, device="cpu", tau: float | None = None):
+        import torch
+        from transformers import AutoTokenizer
+
+        from evals.policies import WGKVAdmission
+        from sglang_wgkv.config import DEFAULT_TAU
+        from sglang_wgkv.gate import load_gates
+        from sglang_wgkv.training.backbone import load_backbone
+
+        self.device = device
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.backbone = load_backbone(str(model_dir), torch.float32, device)
+        self.policy = WGKVAdmission(load_gates(gates_dir, device), DEFAULT_TAU if tau is None else tau, local_window)
+
+    def logprobs(self, prompt: str, output_ids) -> list[float]:
+        """Float32 logprob of each output token given the prompt and the output tokens before it."""
+        import torch
+
+        from evals.harness import teacher_forced_logprobs
+
+        prompt_ids = self.tokenizer.encode(prompt)
+        ids = torch.tensor([*prompt_ids, *output_ids], device=self.device)
+        return teacher_forced_logprobs(self.backbone, ids, self.policy, len(prompt_ids))

@@ -209,6 +209,24 @@ def test_launcher_fills_in_defaults(monkeypatch):
     assert argv[argv.index("--attention-backend") + 1] == "torch_native"
 
 
+def test_launcher_refuses_float32_on_cuda(monkeypatch):
+    """SGLang's CUDA RMSNorm has no float32 kernel: such a server died at its first forward on the
+    H200 (2026-12-04). The launcher says so before start-up; CPU float32 (the tests' default) stays."""
+    from sglang_wgkv.launch_server import resolve
+
+    for cuda, args in ((True, []), (False, ["--device", "cuda"])):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        for dtype in ("float32", "float"):
+            for extra in ([], ["--disable-wgkv"]):
+                with pytest.raises(ValueError, match="float32 is not served on CUDA"):
+                    resolve([*args, "--model-path", "/m", "--dtype", dtype, *extra])
+        assert resolve([*args, "--model-path", "/m", "--dtype", "bfloat16"])[0] is not None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve(["--model-path", "/m", "--dtype", "float32"])[0] is not None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve(["--model-path", "/m", "--dtype", "float32", "--device", "cpu"])[0] is not None
+
+
 def test_cpu_default_kv_budget_is_a_fraction_of_ram(monkeypatch):
     """On CPU the launcher caps the KV cache at 1/8 of the RAM (SGLang's own default takes nearly all
     the memory available at start), for WG-KV and the --disable-wgkv baseline alike; an explicit

@@ -1,0 +1,61 @@
+"""The served float32 reference path against the offline harness, token by token: the embedded SmolLM2
+with the GPU test's gates (head 0 admits nothing, heads 1-2 everything, W_local 64) through a real CPU
+server, greedy, and the same tokens teacher-forced through ``serving_support.OfflineTruth``
+(``evals.harness.teacher_forced_logprobs``: key j visible to query i iff i - j < W_local or admitted).
+
+Both compute in float32, so they agree to float32 rounding (measured 1e-5): the ring, promotion and
+the decode path's attention of the server are the paper's semantics, and OfflineTruth is a float32
+truth the GPU test (tests/test_gpu_serving.py) can hold the bf16 paths against. A W_local off by one
+in the offline policy moves the logprobs by 0.01-0.46 on the prompts that cross the window (measured
+2026-12-04), so the tolerance below tells the semantics apart.
+"""
+
+import pytest
+
+from serving_support import OfflineTruth, Server, save_head_gates
+from test_gpu_serving import HEAD_BIAS, NEW_TOKENS, PROMPTS, W_LOCAL, common_args
+
+pytestmark = pytest.mark.serving
+TOLERANCE = 1e-3   # float32 against float32; a bf16 path lies ~0.1 from it (benchmarks/logprob_floor.py)
+
+
+def _model_dir():
+    from sglang_wgkv.embedded_model import ensure_embedded_model, find_gguf
+
+    try:
+        find_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(f"embedded model not installed: {e}")
+    return str(ensure_embedded_model())
+
+
+def _greedy(server, prompts):
+    outs = server.generate(prompts, max_new_tokens=NEW_TOKENS, return_logprob=True,
+                           sampling_params={"ignore_eos": True})
+    return [(o["output_ids"], [lp[0] for lp in o["meta_info"]["output_token_logprobs"]]) for o in outs]
+
+
+def _max_error(truth, prompt, run) -> float:
+    ids, lps = run
+    return max(abs(a - b) for a, b in zip(lps, truth.logprobs(prompt, ids)))
+
+
+def test_float32_server_equals_offline_harness(tmp_path):
+    model_dir = _model_dir()
+    gates = save_head_gates(tmp_path / "gates", HEAD_BIAS, W_LOCAL)
+    server = Server([*common_args(model_dir, gates), "--dtype", "float32", "--wgkv-attention", "reference"],
+                    tmp_path / "server.log")
+    try:
+        server.wait_healthy()
+        alone = [_greedy(server, [p])[0] for p in PROMPTS]
+        batched = _greedy(server, PROMPTS)   # one concurrent batch of four lengths
+    finally:
+        server.stop()
+    truth = OfflineTruth(model_dir, gates, W_LOCAL)
+    for p, a, b in zip(PROMPTS, alone, batched):
+        assert _max_error(truth, p, a) <= TOLERANCE, p[:40]
+        assert _max_error(truth, p, b) <= TOLERANCE, p[:40]
+    # the tolerance separates the served window from one key more or less
+    for window in (W_LOCAL - 1, W_LOCAL + 1):
+        off = OfflineTruth(model_dir, gates, window)
+        assert max(_max_error(off, p, a) for p, a in zip(PROMPTS, alone)) > 10 * TOLERANCE, window
