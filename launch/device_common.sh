@@ -36,8 +36,8 @@ triton_cache_save() {  # $1: folder the cache goes back in (when it grew during 
 fi_cache_restore() {
     [ -f .fi/fi_cache.tgz ] && [ ! -d ~/.cache/flashinfer ] || return 0
     mkdir -p ~/.cache && tar xzf .fi/fi_cache.tgz -C ~/.cache
-    local d
-    for d in /tmp/site/flashinfer/data /tmp/site/tvm_ffi/include; do
-        [ -d "$d" ] && find "$d" -exec touch -h -d 2026-01-01 {} +
+    local d site=${KIT_SITE:-/tmp/site}  # where .kit/install.sh put the wheels
+    for d in "$site/flashinfer/data" "$site/tvm_ffi/include"; do
+        if [ -d "$d" ]; then find "$d" -exec touch -h -d 2026-01-01 {} +; fi
     done
 }

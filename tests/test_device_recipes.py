@@ -1,0 +1,85 @@
+"""The device recipes' FlashInfer cache restore (launch/device_common.sh ``fi_cache_restore``), with
+the real ninja on a one-file build laid out like FlashInfer's JIT cache: a module in
+``~/.cache/flashinfer`` whose depfile names a header of the installed wheel.
+
+On 2026-12-04 the returned cache showed every module rebuilt on a fresh H200 although the cache was
+carried: the old recipe copied it and touched every file to "now", so each output was newer than the
+mtime ninja's deps log recorded. The restore unpacks the tarball with its mtimes and dates the freshly
+installed headers back instead."""
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+NINJA = shutil.which("ninja") or str(Path(os.sys.executable).parent / "ninja")
+
+pytestmark = pytest.mark.skipif(not Path(NINJA).exists(), reason="ninja not installed")
+
+
+def _install_header(site: Path) -> Path:
+    header = site / "flashinfer" / "data" / "include" / "norm.h"
+    header.parent.mkdir(parents=True, exist_ok=True)
+    header.write_text("// a header of the wheel\n")  # installed now, as pip does
+    return header
+
+
+def _module(home: Path, site: Path) -> Path:
+    mod = home / ".cache" / "flashinfer" / "norm"
+    mod.mkdir(parents=True)
+    (mod / "norm.cu").write_text("// generated source\n")
+    header = site / "flashinfer" / "data" / "include" / "norm.h"
+    (mod / "build.ninja").write_text(
+        "rule cc\n"
+        f"  command = cat $in {header} > $out && printf '%s: %s %s\\n' $out $in {header} > $out.d\n"
+        "  deps = gcc\n  depfile = $out.d\n"
+        f"build {mod}/norm.so: cc {mod}/norm.cu\n")
+    return mod
+
+
+def _ninja_dry_run(mod: Path) -> str:
+    """What ninja would do now, with its reasons (``-d explain`` writes them to stderr)."""
+    return subprocess.run([NINJA, "-n", "-d", "explain"], cwd=mod, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, check=True).stdout
+
+
+def _restore(workdir: Path, home: Path, site: Path, old_recipe: bool = False) -> None:
+    if old_recipe:  # the recipe until 2026-12-04: cp -r, then one timestamp for every file
+        shutil.copytree(workdir / ".fi" / "flashinfer", home / ".cache" / "flashinfer")
+        now = int(time.time())
+        for f in (home / ".cache" / "flashinfer").rglob("*"):
+            os.utime(f, (now, now))
+        return
+    subprocess.run(["bash", "-c", f". {REPO}/launch/device_common.sh && fi_cache_restore"], cwd=workdir,
+                   env={**os.environ, "HOME": str(home), "KIT_SITE": str(site)}, check=True)
+
+
+@pytest.mark.parametrize("old_recipe", [False, True], ids=["fi_cache_restore", "copy_and_touch"])
+def test_a_carried_cache_is_not_rebuilt(tmp_path, old_recipe):
+    home, site, work = tmp_path / "home", tmp_path / "site", tmp_path / "work"
+    _install_header(site)
+    mod = _module(home, site)
+    subprocess.run([NINJA], cwd=mod, capture_output=True, check=True)
+    assert "no work to do" in _ninja_dry_run(mod)
+    (work / ".fi").mkdir(parents=True)
+    # as a device call returns it (GNU tar's default format keeps whole seconds: a restored output is
+    # then never newer than the mtime ninja recorded; Python's PAX tarfile rounds up to 100 ns)
+    subprocess.run(["tar", "czf", str(work / ".fi" / "fi_cache.tgz"), "-C", str(home / ".cache"), "flashinfer"],
+                   check=True)
+    if old_recipe:
+        subprocess.run(["tar", "xzf", str(work / ".fi" / "fi_cache.tgz"), "-C", str(work / ".fi")], check=True)
+
+    time.sleep(1.1)  # the next machine: later, the wheels installed afresh, the cache restored
+    shutil.rmtree(home)
+    shutil.rmtree(site)
+    _install_header(site)
+    _restore(work, home, site, old_recipe)
+    out = _ninja_dry_run(mod)
+    if old_recipe:
+        assert "no work to do" not in out and "stored deps info out of date" in out
+    else:
+        assert "no work to do" in out, out
