@@ -137,13 +137,14 @@ def model_dir(dest: Path) -> Path:
 TP_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def server_command(server: str, w: Workload, model: Path, port: int, upstream_backend: str, tp: int = 1) -> list[str]:
+def server_command(server: str, w: Workload, model: Path, port: int, upstream_backend: str, tp: int = 1,
+                   wgkv_extra: str = "") -> list[str]:
     args = ["--model-path", str(model), "--port", str(port), *shlex.split(COMMON), *shlex.split(w.server)]
     if tp > 1:
         args += ["--tp-size", str(tp), "--disable-custom-all-reduce"]
     if server == "upstream":
         return [sys.executable, "-m", "sglang.launch_server", "--attention-backend", upstream_backend, *args]
-    return [sys.executable, "-m", "sglang_wgkv.launch_server", *args, *shlex.split(w.wgkv)]
+    return [sys.executable, "-m", "sglang_wgkv.launch_server", *args, *shlex.split(w.wgkv), *shlex.split(wgkv_extra)]
 
 
 def bench_command(w: Workload, url: str, out_file: Path, seed: int, prompts: int, output_len: int,
@@ -243,6 +244,10 @@ def run(a) -> None:
     if a.profile_dir:
         env["SGLANG_TORCH_PROFILER_DIR"] = a.profile_dir
     part = {"server": a.server, "tp": a.tp, "environment": environment(), "runs": []}
+    if a.wgkv_extra:
+        if a.server != "wgkv":
+            raise SystemExit("--wgkv-extra is for the wgkv server")
+        part["wgkv_extra"] = a.wgkv_extra  # an A/B part (served_speed.py ab), never a workload row
     part_file = out_dir / f"part.{a.server}.{a.tag}.json"
 
     def write_part() -> None:
@@ -254,7 +259,7 @@ def run(a) -> None:
         by_config.setdefault((w.server, w.wgkv if a.server == "wgkv" else ""), []).append(w)
     for workloads in by_config.values():
         port = free_port()
-        cmd = server_command(a.server, workloads[0], model, port, a.upstream_backend, a.tp)
+        cmd = server_command(a.server, workloads[0], model, port, a.upstream_backend, a.tp, a.wgkv_extra)
         try:  # a warm-up run (compiles, times nothing) may share the GPU with other work
             gpu_before = gpu_used_mib() if a.warm_only else wait_gpu_idle()
         except RuntimeError as exc:
@@ -453,6 +458,9 @@ def merge(a) -> None:
     envs = []
     for path in a.parts:
         part = json.loads(Path(path).read_text())
+        if part.get("wgkv_extra"):
+            raise ValueError(f"{path}: ran with --wgkv-extra {part['wgkv_extra']!r}, an A/B part "
+                             "(served_speed.py ab), not the workload's row")
         envs.append(part["environment"])
         for rec in part["runs"]:
             for summary in (rec.get("profile") or {}).get("summary", []):
@@ -500,6 +508,37 @@ def merge(a) -> None:
         print(json.dumps({k: row[k] for k in ("workload", "metric", "upstream", "wgkv", "ratio")}))
 
 
+def ab(a) -> None:
+    """WG-KV server variants (``run --wgkv-extra``) of one lease side by side, workload by workload:
+    each part's TTFT, TPOT and output tok/s with its server command; ratios against the part without
+    extra arguments (the served default) where one is given."""
+    rows, commands, stamps = [], [], []
+    for path in a.parts:
+        part = json.loads(Path(path).read_text())
+        if part["server"] != "wgkv":
+            raise ValueError(f"{path}: an {part['server']} part (ab compares WG-KV variants)")
+        stamps.append(datetime.datetime.fromisoformat(part["environment"]["date_utc"]))
+        for rec in part["runs"]:
+            if "workload" in rec and not rec.get("error"):
+                rows.append({"variant": part.get("wgkv_extra") or "default", "workload": rec["workload"],
+                             **summarize(rec), "server_command": rec["server_command"],
+                             "bench_command": rec.get("bench_command")})
+                commands.append(rec["server_command"])
+    if (max(stamps) - min(stamps)).total_seconds() > MAX_PAIR_SPAN_S:
+        raise ValueError(f"the parts are {max(stamps) - min(stamps)} apart (not one lease)")
+    base = {r["workload"]: r for r in rows if r["variant"] == "default"}
+    for r in rows:
+        b = base.get(r["workload"])
+        r["tpot_vs_default"] = b["tpot_ms"] / r["tpot_ms"] if b and r["tpot_ms"] else None
+        r["tok_s_vs_default"] = r["output_tok_s"] / b["output_tok_s"] if b and b["output_tok_s"] else None
+    out = {"what": a.what, "command": " ".join(["python", "benchmarks/served_speed.py", *sys.argv[1:]]),
+           "environment": json.loads(Path(a.parts[0]).read_text())["environment"], "ab_rows": rows}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+    for r in rows:
+        print(json.dumps({k: r[k] for k in ("variant", "workload", "tpot_ms", "output_tok_s", "tpot_vs_default")}))
+
+
 def plot(rows: list[dict], png: Path) -> None:
     import matplotlib
 
@@ -541,11 +580,17 @@ def main(argv=None) -> None:
     r.add_argument("--warm-only", action="store_true", help="start each server and send the warm-up request "
                    "only (builds FlashInfer's JIT cache beside other work; writes no runs)")
     r.add_argument("--profile-load-delay-s", type=float, default=30, help="then until no request waits")
+    r.add_argument("--wgkv-extra", default="", help="more WG-KV server arguments (e.g. \"--wgkv-decode-launch "
+                   "pdl=1\"): an A/B part for `ab`, refused by `merge`")
     m = sub.add_parser("merge")
     m.add_argument("parts", nargs="+")
     m.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results" / "serving"))
+    b = sub.add_parser("ab", help="WG-KV variants of one lease (run --wgkv-extra) side by side")
+    b.add_argument("parts", nargs="+")
+    b.add_argument("--out", required=True)
+    b.add_argument("--what", required=True, help="what the variants test (goes into the JSON)")
     a = p.parse_args(argv)
-    run(a) if a.cmd == "run" else merge(a)
+    {"run": run, "merge": merge, "ab": ab}[a.cmd](a)
 
 
 if __name__ == "__main__":

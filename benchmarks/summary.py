@@ -483,8 +483,21 @@ def logprob_floor(d: dict) -> list[str]:
         ["pair", "prompt", "first differing token", "max abs logprob diff @ token", "mean abs"], rows)
 
 
+def served_ab(d: dict) -> list[str]:
+    """``served_speed.py ab``: WG-KV server variants of one lease, workload by workload."""
+    rows = [[r["variant"], r["workload"], f(r["ttft_s"]), f(r["tpot_ms"], 3), f(r["output_tok_s"], 1),
+             f(r["tpot_vs_default"], 3)] for r in d["ab_rows"]]
+    return ([f"{d['what']}. Command: {cmd(d['command'])}; {d['environment'].get('gpu') or 'CPU'}, "
+             f"{d['environment'].get('date_utc')}.", ""]
+            + table(["variant (WG-KV server arguments)", "workload", "TTFT p50 s", "TPOT p50 ms", "output tok/s",
+                     "default TPOT / TPOT"], rows)
+            + ["Servers: " + cmds(list(dict.fromkeys(r["server_command"] for r in d["ab_rows"])), "; "), ""])
+
+
 def renderer(d: dict):
     """The renderer of a result file's kind (None: unknown kind)."""
+    if "ab_rows" in d:
+        return served_ab
     if "protocol" in d and "lengths" in d:
         return fig8
     if "sweep" in d and "decode" in d:

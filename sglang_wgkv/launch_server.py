@@ -42,7 +42,8 @@ from sglang_wgkv.integration.settings import ATTENTION_IMPLS, BACKEND_NAME, DEFA
 # Default KV budget on CPU, as a fraction of the machine's RAM (see cpu_default_kv_tokens).
 CPU_KV_RAM_FRACTION = 0.125
 WGKV_FLAGS = ("--kv-budget", "--wgkv-gates", "--wgkv-tau", "--wgkv-local-window",
-              "--wgkv-random-admission", "--wgkv-seed", "--wgkv-attention", "--wgkv-overcommit")
+              "--wgkv-random-admission", "--wgkv-seed", "--wgkv-attention", "--wgkv-overcommit",
+              "--wgkv-decode-launch")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--wgkv-seed", type=int, default=0)
     parser.add_argument("--wgkv-attention", choices=ATTENTION_IMPLS, default="auto")
     parser.add_argument("--wgkv-overcommit", type=float, default=None)
+    parser.add_argument("--wgkv-decode-launch", default="")
     parser.add_argument("--disable-wgkv", action="store_true")
     return parser
 
@@ -217,7 +219,8 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
         overcommit = DEFAULT_GPU_OVERCOMMIT  # admit by the post-admission footprint (settings.py)
     try:
         settings = ServingSettings(config=config, gates_path=gates_path, seed=ours.wgkv_seed,
-                                   attention=ours.wgkv_attention, overcommit=overcommit)
+                                   attention=ours.wgkv_attention, overcommit=overcommit,
+                                   decode_launch=ours.wgkv_decode_launch)
     except ValueError as e:
         raise ValueError(f"invalid WG-KV option: {e}") from e
     env[ENV_VAR] = settings.to_env()

@@ -10,7 +10,8 @@ SGLang's padding row). Backend A decodes them eagerly on the reference path; bac
 decode CUDA graph runs: capture preparation (every row padding) plus two warm-up forwards, then the
 replay preparation for a batch of 3 padded to 5 and the per-layer kernels path (``folded_decode``
 with the ring write fused, the gate + admission in one launch - DecodeGate's, then in a second run
-the prefill gate's tensor-core launch - and the flags' write; the reference path runs the torch gate). Checks: capture and warm-up leave every live request's pool
+the prefill gate's tensor-core launch and a non-default split-kernel launch shape - and the flags'
+write; the reference path runs the torch gate). Checks: capture and warm-up leave every live request's pool
 state untouched; the replay gives A's attention outputs and pool state (per-request tau included);
 the evictor's window records the same queries. Prints ``OK`` or raises.
 """
@@ -21,6 +22,7 @@ from types import SimpleNamespace
 import torch
 
 from interp_gate_check import make_gates
+from sglang_wgkv.attention.triton_decode import DecodeConfig
 from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.gate.admission import DeferredGateCheck
 from sglang_wgkv.gate.triton_gate import DecodeGate
@@ -60,9 +62,11 @@ class Capture:
 GATES = make_gates(D, H, 2 * D, seed=5, device="cpu")  # real write gates with varied decisions
 
 
-def make_backend(pool: DualCachePool, use_kernels: bool, tensor_core_gate: bool = False) -> WGKVAttnBackend:
+def make_backend(pool: DualCachePool, use_kernels: bool, tensor_core_gate: bool = False,
+                 decode_launch: str = "") -> WGKVAttnBackend:
     """``tensor_core_gate``: the decode gate of every batch is the prefill gate's launch
-    (:meth:`PrefillGate.admit`; served from ``DECODE_MIN_ROWS`` (row, head) pairs a step)."""
+    (:meth:`PrefillGate.admit`; served from ``DECODE_MIN_ROWS`` (row, head) pairs a step);
+    ``decode_launch``: the split kernel's launch shape (``--wgkv-decode-launch``)."""
     b = object.__new__(WGKVAttnBackend)
     slot_tau = torch.full((pool.max_requests,), pool.config.tau)
     for r, t in TAU.items():
@@ -74,7 +78,8 @@ def make_backend(pool: DualCachePool, use_kernels: bool, tensor_core_gate: bool 
         evictor=SnapKVEvictor(pool=pool, budget=10_000, num_q_heads=HQ, window=16), _extend=None,
         _rows=None, _row_tau=None, batch_slots=None, batch_prompt_ends=None, _graph=None, _graph_launch={},
         _gate_stream=None, _extend_plan=None, _indptrs=None,
-        _gate_check=DeferredGateCheck(pool.num_layers, pool.device), _tensor_core_gate_rows=1)
+        _gate_check=DeferredGateCheck(pool.num_layers, pool.device), _tensor_core_gate_rows=1,
+        decode_launch=DecodeConfig.parse(decode_launch) if use_kernels else None)
     if tensor_core_gate:
         b.prefill_gate = PrefillGate(GATES, b.decode_gate.layers)
     return b
@@ -118,11 +123,11 @@ def assert_same(a, b, what):
         assert bool(same), f"{what}: {key} differs"
 
 
-def main(tensor_core_gate: bool):
+def main(tensor_core_gate: bool, decode_launch: str = ""):
     pool_a = build_pool()
     pool_b = copy.deepcopy(pool_a)
     pool_b.triton_decode = True  # the kernels path's pool: Triton promotion and ring write (interpreted)
-    a, b = make_backend(pool_a, use_kernels=False), make_backend(pool_b, True, tensor_core_gate)
+    a, b = make_backend(pool_a, use_kernels=False), make_backend(pool_b, True, tensor_core_gate, decode_launch)
     gen = torch.Generator().manual_seed(1)
     B, BS = len(SLOTS), 5
 
@@ -171,5 +176,5 @@ def main(tensor_core_gate: bool):
 
 
 if __name__ == "__main__":
-    for tensor_core in (False, True):
-        main(tensor_core)
+    main(False)
+    main(True, decode_launch="block_n=16,num_stages=1,programs_per_sm=2")  # a served non-default shape

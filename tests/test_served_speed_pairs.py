@@ -35,3 +35,38 @@ def test_two_leases_are_refused():
     with pytest.raises(ValueError, match="not one lease"):
         ss.check_comparable({"W3": {"wgkv": _rec(w.server, "2026-12-02T07:00:00+00:00"),
                                     "upstream": _rec(w.server, "2026-12-02T09:00:00+00:00")}})
+
+
+def _part(path: Path, extra: str, tpot: float, date: str, server: str = "wgkv") -> str:
+    w = ss.WORKLOADS["W1"]
+    cmd = ss.server_command(server, w, Path("/m"), 1, "flashinfer", wgkv_extra=extra)
+    part = {"server": server, "tp": 1, "environment": {"date_utc": date},
+            "runs": [{"workload": "W1", "server_command": shlex.join(cmd), "bench_command": "b",
+                      "result": {"median_tpot_ms": tpot, "median_ttft_ms": 6000.0, "output_throughput": 1000 / tpot}}]}
+    if extra:
+        part["wgkv_extra"] = extra
+    path.write_text(__import__("json").dumps(part))
+    return str(path)
+
+
+def test_ab_parts_compare_variants_and_never_become_rows(tmp_path):
+    """`run --wgkv-extra` parts (e.g. a decode launch shape) are compared by `ab` against the default
+    part of the same lease, and `merge` refuses them: a variant is not the workload's row."""
+    import json
+
+    default = _part(tmp_path / "a.json", "", 5.9, "2026-12-05T01:00:00+00:00")
+    pdl = _part(tmp_path / "b.json", "--wgkv-decode-launch pdl=1", 5.5, "2026-12-05T01:10:00+00:00")
+    assert "--wgkv-decode-launch pdl=1" in json.loads(Path(pdl).read_text())["runs"][0]["server_command"]
+    out = tmp_path / "ab.json"
+    ss.main(["ab", default, pdl, "--out", str(out), "--what", "PDL in service"])
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["ab_rows"]}
+    assert rows["default"]["tpot_vs_default"] == 1.0
+    assert rows["--wgkv-decode-launch pdl=1"]["tpot_vs_default"] == pytest.approx(5.9 / 5.5)
+    with pytest.raises(ValueError, match="A/B part"):
+        ss.main(["merge", pdl, "--out-dir", str(tmp_path / "m")])
+    late = _part(tmp_path / "c.json", "--wgkv-decode-launch block_n=32", 5.7, "2026-12-05T03:00:00+00:00")
+    with pytest.raises(ValueError, match="not one lease"):
+        ss.main(["ab", default, late, "--out", str(out), "--what", "x"])
+    up = _part(tmp_path / "d.json", "", 8.8, "2026-12-05T01:05:00+00:00", server="upstream")
+    with pytest.raises(ValueError, match="WG-KV variants"):
+        ss.main(["ab", default, up, "--out", str(out), "--what", "x"])

@@ -209,6 +209,28 @@ def test_launcher_fills_in_defaults(monkeypatch):
     assert argv[argv.index("--attention-backend") + 1] == "torch_native"
 
 
+def test_decode_launch_spec(monkeypatch):
+    """--wgkv-decode-launch: the split kernel's launch shape for in-service measurements, parsed and
+    checked by the launcher, handed to the schedulers with the other settings; defaults when absent."""
+    from sglang_wgkv.attention.triton_decode import DecodeConfig, choose_num_splits
+    from sglang_wgkv.launch_server import resolve
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert DecodeConfig.parse("") == DecodeConfig() and resolve(["--model-path", "/m"])[0].decode_launch == ""
+    cfg = DecodeConfig.parse(" block_n=32, num_warps=8,num_stages=3,pdl=1,fused_merge=false,programs_per_sm=2 ")
+    assert cfg == DecodeConfig(block_n=32, num_warps=8, num_stages=3, fused_merge=False, pdl=True, programs_per_sm=2)
+    settings, _, env = resolve(["--model-path", "/m", "--wgkv-decode-launch", "block_n=32,pdl=1"])
+    assert ServingSettings.from_env(env) == settings and settings.decode_launch == "block_n=32,pdl=1"
+    for bad, msg in (("block_n=24", "power of two"), ("warps=4", "NAME=VALUE"), ("pdl=yes", "0/1"),
+                     ("num_stages=", "positive integer"), ("programs_per_sm=0", "1-64"), ("num_warps=3", "num_warps")):
+        with pytest.raises(ValueError, match=msg):
+            resolve(["--model-path", "/m", "--wgkv-decode-launch", bad])
+    with pytest.raises(ValueError, match="configure WG-KV"):
+        resolve(["--model-path", "/m", "--disable-wgkv", "--wgkv-decode-launch", "pdl=1"])
+    # the split count follows programs_per_sm (132 SMs without CUDA): 8 streams of 124K tokens
+    assert choose_num_splits(1, 8, 126976) == 66 and choose_num_splits(1, 8, 126976, programs_per_sm=2) == 33
+
+
 def test_launcher_refuses_float32_on_cuda(monkeypatch):
     """SGLang's CUDA RMSNorm has no float32 kernel: such a server died at its first forward on the
     H200 (2026-12-04). The launcher says so before start-up; CPU float32 (the tests' default) stays."""

@@ -58,21 +58,52 @@ _MERGE_TILE = 4096
 @dataclass(frozen=True)
 class DecodeConfig:
     """Launch shape of the split kernel: tokens per step (a multiple of 16), warps, pipeline stages;
-    whether the split kernel merges the splits itself (one launch) or a merge kernel follows; and
+    whether the split kernel merges the splits itself (one launch) or a merge kernel follows;
     ``pdl``: programmatic dependent launch (sm90+, CUDA only): the split kernel may be launched while
     the kernel before it drains and waits for it (``griddepcontrol.wait``) before its first load, so
-    the launch gap overlaps the previous kernel's tail (measured by ``benchmarks/decode_fixed_cost.py``;
-    the served path does not use it yet)."""
+    the launch gap overlaps the previous kernel's tail (measured by ``benchmarks/decode_fixed_cost.py``);
+    and ``programs_per_sm``: the split count's target (:func:`choose_num_splits`).
+
+    The served path uses the defaults unless ``--wgkv-decode-launch`` (:meth:`parse`) says otherwise:
+    a switch for measuring launch shapes in service (issue 15), not a tuning knob for users."""
 
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
     fused_merge: bool = True
     pdl: bool = False
+    programs_per_sm: int = 4
 
     def __post_init__(self):
         if self.block_n < PAGE_SIZE or self.block_n & (self.block_n - 1):
             raise ValueError(f"block_n must be a power of two >= {PAGE_SIZE}, got {self.block_n}")
+        if self.num_warps not in (1, 2, 4, 8, 16) or not 1 <= self.num_stages <= 8:
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16 and num_stages 1-8, got {self.num_warps}, "
+                             f"{self.num_stages}")
+        if not 1 <= self.programs_per_sm <= 64:
+            raise ValueError(f"programs_per_sm must be 1-64, got {self.programs_per_sm}")
+
+    @classmethod
+    def parse(cls, spec: str) -> "DecodeConfig":
+        """``"block_n=32,pdl=1"`` -> DecodeConfig (unnamed fields keep their defaults; ``""``: all).
+        ValueError naming the field on an unknown name or a bad value."""
+        kwargs: dict = {}
+        ints = ("block_n", "num_warps", "num_stages", "programs_per_sm")
+        for item in filter(None, (x.strip() for x in spec.split(","))):
+            name, eq, value = item.partition("=")
+            name, value = name.strip(), value.strip()
+            if not eq or name not in ints + ("fused_merge", "pdl"):
+                raise ValueError(f"decode launch {item!r}: expected NAME=VALUE with NAME one of "
+                                 f"{', '.join(ints + ('fused_merge', 'pdl'))}")
+            if name in ints:
+                if not value.isdigit():
+                    raise ValueError(f"decode launch {name} must be a positive integer, got {value!r}")
+                kwargs[name] = int(value)
+            elif value in ("0", "1", "false", "true"):
+                kwargs[name] = value in ("1", "true")
+            else:
+                raise ValueError(f"decode launch {name} must be 0/1 or false/true, got {value!r}")
+        return cls(**kwargs)
 
 
 class FoldedDecodeWorkspace:
@@ -100,8 +131,9 @@ class FoldedDecodeWorkspace:
         self.splits_done = torch.zeros(max_batch, num_kv_heads, dtype=torch.int32, device=device)
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_kv_len: int, device=None) -> int:
-    """Splits per (request, KV head): about four programs per SM, chunks of at least 256 tokens.
+def choose_num_splits(batch: int, num_kv_heads: int, max_kv_len: int, device=None, programs_per_sm: int = 4) -> int:
+    """Splits per (request, KV head): about ``programs_per_sm`` programs per SM, chunks of at least
+    256 tokens.
 
     Host-only; keep it fixed for a captured batch size (``max_kv_len`` = the context limit then).
     """
@@ -109,7 +141,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_kv_len: int, device=Non
     if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
         sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
     streams = max(1, batch * num_kv_heads)
-    want = -(-4 * sms // streams)
+    want = -(-programs_per_sm * sms // streams)
     return int(max(1, min(want, -(-max_kv_len // 256), MAX_SPLIT_COUNT)))
 
 
@@ -373,7 +405,7 @@ def folded_decode(q, k_pages, v_pages, page_table, global_len, req, ring_tokens,
     H = page_table.shape[2]
     cfg = config or DecodeConfig()
     if num_splits is None:
-        num_splits = choose_num_splits(B, H, page_table.shape[3] * PAGE_SIZE, q.device)
+        num_splits = choose_num_splits(B, H, page_table.shape[3] * PAGE_SIZE, q.device, cfg.programs_per_sm)
     if workspace is None:
         workspace = FoldedDecodeWorkspace(B, Hq, D, num_splits, q.device, num_kv_heads=H)
     ws = workspace

@@ -178,12 +178,15 @@ class WGKVAttnBackend(AttentionBackend):
         self._prefill = reference.vertical_slash_attention
         self.decode_gate = None
         self.prefill_gate = None  # the Triton prefill gate; None: the torch gate (self.gates)
+        self.decode_launch = None  # the split kernel's launch shape (kernels path)
         if self.use_kernels:
+            from sglang_wgkv.attention.triton_decode import DecodeConfig
             from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
             from sglang_wgkv.gate.triton_gate import DecodeGate
             from sglang_wgkv.gate.triton_prefill_gate import DECODE_MIN_ROWS, checked_prefill_gate
 
             self._prefill = vertical_slash_attention
+            self.decode_launch = DecodeConfig.parse(self.settings.decode_launch)
             self.decode_gate = DecodeGate(self.gates, max_rows=model_runner.req_to_token_pool.size * len(self.kv_heads))
             self.prefill_gate = checked_prefill_gate(self.gates, self.decode_gate.layers,
                                                      dtype=model_runner.model_config.dtype)
@@ -231,7 +234,7 @@ class WGKVAttnBackend(AttentionBackend):
                 from sglang_wgkv.attention.triton_decode import choose_num_splits
 
                 self._rows.num_splits = choose_num_splits(len(host), self.dual.num_kv_heads, max(host) + 1,
-                                                          self.device)
+                                                          self.device, self.decode_launch.programs_per_sm)
                 self._rows.gate_splits = self.decode_gate.num_splits(len(host) * self.dual.num_kv_heads, self._sms)
         elif mode.is_extend() and not mode.is_mixed():
             prefix, extend = forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
@@ -319,7 +322,8 @@ class WGKVAttnBackend(AttentionBackend):
         if g.uniform is not None:
             uniform = self._draw_uniform(bs, out=g.uniform[:bs]) if raw else g.uniform[:bs].zero_()
         if bs not in self._graph_launch:
-            splits = choose_num_splits(bs, self.dual.num_kv_heads, self.dual.max_context_len, self.device)
+            splits = choose_num_splits(bs, self.dual.num_kv_heads, self.dual.max_context_len, self.device,
+                                       self.decode_launch.programs_per_sm)
             self._graph_launch[bs] = (splits, FoldedDecodeWorkspace(bs, self.num_q_heads, self.dual.head_dim,
                                                                     splits, self.device,
                                                                     num_kv_heads=self.dual.num_kv_heads),
@@ -424,7 +428,7 @@ class WGKVAttnBackend(AttentionBackend):
         fork = main.record_event() if side is not None else None
         out = folded_decode(q3.to(self.dual.dtype), self.dual.k_pages, self.dual.v_pages, self.dual.page_table,
                             self.dual.global_len, rows.req, rows.ring, layer.layer_id, sm_scale=layer.scaling,
-                            num_splits=rows.num_splits, workspace=rows.workspace,
+                            num_splits=rows.num_splits, workspace=rows.workspace, config=self.decode_launch,
                             new_k=k3, new_v=v3, pos=rows.pos, window=self.dual.window, observe=observe)
         if side is not None:
             side.wait_event(fork)

@@ -51,6 +51,8 @@ class ServingSettings:
         dense-equivalent ones and the scheduler guards the physical pool (:mod:`.overcommit`).
         The launcher's default on CUDA with admission on and no ``--kv-budget``:
         :data:`DEFAULT_GPU_OVERCOMMIT`.
+    decode_launch : the kernels path's decode split-kernel launch shape,
+        ``DecodeConfig.parse``'s spec (``""``: its defaults); for measuring launch shapes in service.
     """
 
     config: WGKVConfig = field(default_factory=WGKVConfig)
@@ -58,6 +60,7 @@ class ServingSettings:
     seed: int = 0
     attention: str = "auto"
     overcommit: float | None = None
+    decode_launch: str = ""
 
     def __post_init__(self):
         if self.attention not in ATTENTION_IMPLS:
@@ -66,6 +69,10 @@ class ServingSettings:
             raise ValueError(f"overcommit must be > 1, got {self.overcommit}")
         if self.overcommit is not None and self.config.kv_budget is not None:
             raise ValueError("overcommit and kv_budget exclude each other (kv_budget has its own bounded split)")
+        if self.decode_launch:
+            from sglang_wgkv.attention.triton_decode import DecodeConfig
+
+            DecodeConfig.parse(self.decode_launch)  # ValueError naming the field
 
     def decode_graph_blocker(self, device: str | None, dtype: str | None = None) -> str | None:
         """Why the ``wgkv`` decode cannot run under SGLang's CUDA graphs with SGLang's ``--device`` and
@@ -80,7 +87,8 @@ class ServingSettings:
 
     def to_env(self) -> str:
         return json.dumps({"config": asdict(self.config), "gates_path": self.gates_path, "seed": self.seed,
-                           "attention": self.attention, "overcommit": self.overcommit})
+                           "attention": self.attention, "overcommit": self.overcommit,
+                           "decode_launch": self.decode_launch})
 
     @classmethod
     def from_env(cls, environ=None) -> "ServingSettings":
@@ -92,6 +100,6 @@ class ServingSettings:
             data = json.loads(raw)
             return cls(config=WGKVConfig(**data["config"]), gates_path=data.get("gates_path"),
                        seed=int(data.get("seed", 0)), attention=data.get("attention", "auto"),
-                       overcommit=data.get("overcommit"))
+                       overcommit=data.get("overcommit"), decode_launch=data.get("decode_launch", ""))
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"malformed {ENV_VAR}={raw!r}: {e}") from e
