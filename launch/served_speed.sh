@@ -45,6 +45,13 @@
 #   ~210 s (decode-graph capture 56 s, then 96 s before its first forward, .fi carried) and its 7 waves of
 #   10 requests take ~380 s: give it a call of its own after a `run upstream W4 --warm-only`. A call cut by
 #   its limit left its server up (29 GB): `run` now stops leftovers first.
+#   2026-12-04 04:10 (machine start ~90 s): `beside-warm W4 ... logprob-floor` 225 s (upstream's warm-up
+#   compiled all three FlashInfer modules although .fi was carried: the old copy-and-touch restore, fixed
+#   by fi_cache_restore); `run upstream W4L` 485 s (start 47 s); `run wgkv W4,W4L` 334 s (start 92 s);
+#   `run upstream W4` 252 s (start 63 s).
+# WG-KV server variants (issue 15, e.g. the decode launch shape), each part against the default of the
+# same lease: run wgkv W1 --tag pdl --wgkv-extra "--wgkv-decode-launch pdl=1" (one call per variant),
+# then here: python benchmarks/served_speed.py ab <wgkv parts> --out benchmarks/results/serving/X.json --what '...'
 # Triton's compile cache: a call that compiled kernels returns $OUT/triton_cache.tgz; unpack it here
 # (mkdir -p .tc && tar xzf triton_cache.tgz -C .tc) and carry [".tc"] (with .fi) later: the servers'
 # first starts then skip the compiles (launch/device_common.sh).

@@ -88,13 +88,13 @@ class DecodeConfig:
         """``"block_n=32,pdl=1"`` -> DecodeConfig (unnamed fields keep their defaults; ``""``: all).
         ValueError naming the field on an unknown name or a bad value."""
         kwargs: dict = {}
-        ints = ("block_n", "num_warps", "num_stages", "programs_per_sm")
+        ints, flags = ("block_n", "num_warps", "num_stages", "programs_per_sm"), ("fused_merge", "pdl")
         for item in filter(None, (x.strip() for x in spec.split(","))):
             name, eq, value = item.partition("=")
             name, value = name.strip(), value.strip()
-            if not eq or name not in ints + ("fused_merge", "pdl"):
+            if not eq or name not in ints + flags:
                 raise ValueError(f"decode launch {item!r}: expected NAME=VALUE with NAME one of "
-                                 f"{', '.join(ints + ('fused_merge', 'pdl'))}")
+                                 f"{', '.join(ints + flags)}")
             if name in ints:
                 if not value.isdigit():
                     raise ValueError(f"decode launch {name} must be a positive integer, got {value!r}")
