@@ -50,15 +50,18 @@ SERVERS = {
 def compare(a: dict, b: dict) -> dict:
     """First differing greedy token and the largest logprob difference up to and including it."""
     n = next((i for i, (x, y) in enumerate(zip(a["ids"], b["ids"])) if x != y), len(a["ids"]))
-    errs = [abs(x - y) for x, y in zip(a["logprobs"][:n + 1], b["logprobs"][:n + 1])]
-    worst = max(range(len(errs)), key=errs.__getitem__)
-    return {"first_divergence": n if n < len(a["ids"]) else None, "max_abs": errs[worst], "at": worst,
-            "mean_abs": sum(errs) / len(errs), "per_token": [round(e, 4) for e in errs]}
+    return {"first_divergence": n if n < len(a["ids"]) else None,
+            **error_stats(a["logprobs"][:n + 1], b["logprobs"][:n + 1])}
 
 
 def against_truth(truth: OfflineTruth, prompt: str, run: dict) -> dict:
     """A server's logprobs against float32's along its own tokens."""
-    errs = [abs(x - y) for x, y in zip(run["logprobs"], truth.logprobs(prompt, run["ids"]))]
+    return error_stats(run["logprobs"], truth.logprobs(prompt, run["ids"]))
+
+
+def error_stats(xs: list[float], ys: list[float]) -> dict:
+    """Largest absolute difference (and its token), mean and per-token differences of two logprob lists."""
+    errs = [abs(x - y) for x, y in zip(xs, ys)]
     worst = max(range(len(errs)), key=errs.__getitem__)
     return {"max_abs": errs[worst], "at": worst, "mean_abs": sum(errs) / len(errs),
             "per_token": [round(e, 4) for e in errs]}

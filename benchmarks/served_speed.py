@@ -512,18 +512,18 @@ def ab(a) -> None:
     """WG-KV server variants (``run --wgkv-extra``) of one lease side by side, workload by workload:
     each part's TTFT, TPOT and output tok/s with its server command; ratios against the part without
     extra arguments (the served default) where one is given."""
-    rows, commands, stamps = [], [], []
+    rows, envs = [], []
     for path in a.parts:
         part = json.loads(Path(path).read_text())
         if part["server"] != "wgkv":
             raise ValueError(f"{path}: an {part['server']} part (ab compares WG-KV variants)")
-        stamps.append(datetime.datetime.fromisoformat(part["environment"]["date_utc"]))
+        envs.append(part["environment"])
         for rec in part["runs"]:
             if "workload" in rec and not rec.get("error"):
                 rows.append({"variant": part.get("wgkv_extra") or "default", "workload": rec["workload"],
                              **summarize(rec), "server_command": rec["server_command"],
                              "bench_command": rec.get("bench_command")})
-                commands.append(rec["server_command"])
+    stamps = [datetime.datetime.fromisoformat(env["date_utc"]) for env in envs]
     if (max(stamps) - min(stamps)).total_seconds() > MAX_PAIR_SPAN_S:
         raise ValueError(f"the parts are {max(stamps) - min(stamps)} apart (not one lease)")
     base = {r["workload"]: r for r in rows if r["variant"] == "default"}
@@ -532,7 +532,7 @@ def ab(a) -> None:
         r["tpot_vs_default"] = b["tpot_ms"] / r["tpot_ms"] if b and r["tpot_ms"] else None
         r["tok_s_vs_default"] = r["output_tok_s"] / b["output_tok_s"] if b and b["output_tok_s"] else None
     out = {"what": a.what, "command": " ".join(["python", "benchmarks/served_speed.py", *sys.argv[1:]]),
-           "environment": json.loads(Path(a.parts[0]).read_text())["environment"], "ab_rows": rows}
+           "environment": envs[0], "ab_rows": rows}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     for r in rows:

@@ -85,6 +85,19 @@ def stream_generate(server, rid, prompt, max_new_tokens, abort_after, results, t
     results[rid] = json.loads(last[len(b"data:"):])["meta_info"]
 
 
+def embedded_model_dir() -> str:
+    """The embedded SmolLM2's converted directory; skips the calling test when its GGUF is not installed."""
+    import pytest
+
+    from sglang_wgkv.embedded_model import ensure_embedded_model, find_gguf
+
+    try:
+        find_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(f"embedded model not installed: {e}")
+    return str(ensure_embedded_model())
+
+
 def long_prompt(n_items: int, seed: int = 0) -> str:
     """A deterministic list-like prompt, about 12 tokens per item."""
     colors, things = ["red", "blue", "green", "old", "new"], ["car", "house", "tree", "river", "book"]

@@ -29,7 +29,8 @@ import pytest
 import requests
 import torch
 
-from serving_support import OfflineTruth, Server, long_prompt, save_head_gates, stream_generate
+from serving_support import (OfflineTruth, Server, embedded_model_dir, long_prompt, save_head_gates,
+                             stream_generate)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.serving,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device)")]
@@ -46,16 +47,6 @@ PROMPTS = [
     long_prompt(25, seed=1),     # ~300 tokens
     long_prompt(45, seed=3),     # ~560 tokens
 ]
-
-
-def _model_dir():
-    from sglang_wgkv.embedded_model import ensure_embedded_model, find_gguf
-
-    try:
-        find_gguf()
-    except FileNotFoundError as e:
-        pytest.skip(f"embedded model not installed: {e}")
-    return str(ensure_embedded_model())
 
 
 # The servers' own arguments (benchmarks/logprob_floor.py runs the same two, plus the kernels eager).
@@ -80,7 +71,7 @@ def gates_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(gates_dir):
-    common = common_args(_model_dir(), gates_dir)
+    common = common_args(embedded_model_dir(), gates_dir)
     started = {name: Server([*common, *args], gates_dir.parent / f"{name}.log") for name, args in SERVER_ARGS.items()}
     try:
         yield tuple(started[name].wait_healthy() for name in ("kernels", "reference"))
@@ -91,7 +82,7 @@ def servers(gates_dir):
 
 @pytest.fixture(scope="module")
 def truth(gates_dir):
-    return OfflineTruth(_model_dir(), gates_dir, W_LOCAL, device="cuda")
+    return OfflineTruth(embedded_model_dir(), gates_dir, W_LOCAL, device="cuda")
 
 
 def _run(server, prompts):

@@ -12,21 +12,11 @@ in the offline policy moves the logprobs by 0.01-0.46 on the prompts that cross 
 
 import pytest
 
-from serving_support import OfflineTruth, Server, save_head_gates
+from serving_support import OfflineTruth, Server, embedded_model_dir, save_head_gates
 from test_gpu_serving import HEAD_BIAS, NEW_TOKENS, PROMPTS, W_LOCAL, common_args
 
 pytestmark = pytest.mark.serving
 TOLERANCE = 1e-3   # float32 against float32; a bf16 path lies ~0.1 from it (benchmarks/logprob_floor.py)
-
-
-def _model_dir():
-    from sglang_wgkv.embedded_model import ensure_embedded_model, find_gguf
-
-    try:
-        find_gguf()
-    except FileNotFoundError as e:
-        pytest.skip(f"embedded model not installed: {e}")
-    return str(ensure_embedded_model())
 
 
 def _greedy(server, prompts):
@@ -41,7 +31,7 @@ def _max_error(truth, prompt, run) -> float:
 
 
 def test_float32_server_equals_offline_harness(tmp_path):
-    model_dir = _model_dir()
+    model_dir = embedded_model_dir()
     gates = save_head_gates(tmp_path / "gates", HEAD_BIAS, W_LOCAL)
     server = Server([*common_args(model_dir, gates), "--dtype", "float32", "--wgkv-attention", "reference"],
                     tmp_path / "server.log")
