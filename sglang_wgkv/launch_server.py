@@ -64,14 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _option(argv: list[str], *names: str) -> str | None:
-    """Value of the first of ``names`` in ``argv`` (``--x v`` or ``--x=v``), else None."""
+    """Value of the last of ``names`` in ``argv`` (``--x v`` or ``--x=v``), else None: the one argparse
+    keeps when an option is repeated (2026-12-04: a test server's ``--dtype float32 ... --dtype bfloat16``
+    was refused on the H200 as float32 while SGLang would have served bfloat16)."""
+    found = None
     for i, arg in enumerate(argv):
         for name in names:
             if arg == name and i + 1 < len(argv):
-                return argv[i + 1]
-            if arg.startswith(name + "="):
-                return arg.split("=", 1)[1]
-    return None
+                found = argv[i + 1]
+            elif arg.startswith(name + "="):
+                found = arg.split("=", 1)[1]
+    return found
 
 
 def _model_shape(model_path: str) -> tuple[int, int, int] | None:
