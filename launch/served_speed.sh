@@ -49,6 +49,10 @@
 #   compiled all three FlashInfer modules although .fi was carried: the old copy-and-touch restore, fixed
 #   by fi_cache_restore); `run upstream W4L` 485 s (start 47 s); `run wgkv W4,W4L` 334 s (start 92 s);
 #   `run upstream W4` 252 s (start 63 s).
+#   2026-12-04 10:00 (machine start ~45 s, Triton and FlashInfer cold): `kit2 && run wgkv W1,W0 --profile-workloads
+#   none` 244 s (start 115 s); each `--wgkv-extra` variant of it 186-219 s; `beside-warm W4 ...` 230 s; `run
+#   upstream W1` after deleting ~/.cache/flashinfer and restoring it from the warm-up's tgz 166 s (start 61 s,
+#   only cascade.so built: fi_cache_restore works; carry the tgz a W1 upstream run returns, it holds cascade).
 # WG-KV server variants (issue 15, e.g. the decode launch shape), each part against the default of the
 # same lease: run wgkv W1 --tag pdl --wgkv-extra "--wgkv-decode-launch pdl=1" (one call per variant),
 # then here: python benchmarks/served_speed.py ab <wgkv parts> --out benchmarks/results/serving/X.json --what '...'
