@@ -24,9 +24,12 @@ sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
 from benchmarks.common import environment, write_json  # noqa: E402
 from sm90_compile import compile_sm90, split_kernel_launch  # noqa: E402
 
-CONFIGS = [  # (block_n, num_warps, num_stages, fused ring write, fused merge)
-    (64, 4, 2, True, True), (64, 4, 2, False, True), (64, 4, 2, False, False),
-    (32, 4, 2, True, True), (64, 8, 2, True, True), (128, 8, 2, True, True), (32, 8, 2, True, True),
+CONFIGS = [  # (block_n, num_warps, num_stages, fused ring write, fused merge, maxnreg: 0 = uncapped)
+    (64, 4, 2, True, True, 0), (64, 4, 2, False, True, 0), (64, 4, 2, False, False, 0),
+    (32, 4, 2, True, True, 0), (64, 8, 2, True, True, 0), (128, 8, 2, True, True, 0), (32, 8, 2, True, True, 0),
+    # register caps (--wgkv-decode-launch maxnreg): 3 or 4 programs of 4 warps per SM instead of 2
+    (64, 4, 2, True, True, 168), (64, 4, 2, True, True, 128), (32, 4, 2, True, True, 168),
+    (32, 4, 2, True, True, 128), (16, 4, 2, True, True, 0), (16, 4, 2, True, True, 128),
 ]
 
 
@@ -52,12 +55,12 @@ def main():
 
     splits = td.choose_num_splits(1, 8, 131072, "cpu")
     rows = []
-    for block_n, warps, stages, write, fused in CONFIGS:
-        cfg = td.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, fused_merge=fused)
+    for block_n, warps, stages, write, fused, maxnreg in CONFIGS:
+        cfg = td.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, fused_merge=fused, maxnreg=maxnreg)
         kernel, bound, options = split_kernel_launch(cfg, splits=splits, fused_write=write)
         compiled = compile_sm90(kernel, bound, options)
         row = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "fused_write": write,
-               "fused_merge": fused, "shared_bytes": compiled.metadata.shared, **ptxas_stats(compiled.asm["ptx"])}
+               "fused_merge": fused, "maxnreg": maxnreg, "shared_bytes": compiled.metadata.shared, **ptxas_stats(compiled.asm["ptx"])}
         row["blocks_per_sm_by_registers"] = 65536 // (row["registers"] * 32 * warps)
         rows.append(row)
         print(row, flush=True)

@@ -67,8 +67,8 @@ def split_kernel_launch(config, batch: int = 1, pos: int = 126975, splits: int |
                         fused_write: bool = True, observe: bool = False):
     """The decode split kernel's launch as the served step makes it at Llama-3.1-8B's layer shape (bf16,
     W_local 256; ``config`` a ``DecodeConfig``), captured: ``(kernel, args, options)``. On CUDA the
-    launcher asks for programmatic dependent launch where ``config.pdl``; on CPU tensors it does not,
-    so that is set here as the CUDA launch sets it."""
+    launcher asks for programmatic dependent launch where ``config.pdl`` and caps the registers where
+    ``config.maxnreg``; on CPU tensors it does neither, so they are set here as the CUDA launch sets them."""
     import torch
 
     from sglang_wgkv.attention import triton_decode as td
@@ -89,9 +89,12 @@ def split_kernel_launch(config, batch: int = 1, pos: int = 126975, splits: int |
         extra["observe"] = (torch.zeros(R, 32, Hq, D, **bf), torch.zeros(R, 32, dtype=torch.int64))
     ws = td.FoldedDecodeWorkspace(B, Hq, D, splits, "cpu", num_kv_heads=H)
     with device_checks_off():
-        (kernel, bound, options), = launches(lambda: td.folded_decode(
+        # the split kernel is the first launch (a merge kernel follows it where not config.fused_merge)
+        (kernel, bound, options), *_ = launches(lambda: td.folded_decode(
             q, pages, pages, page_table, global_len, req, ring, 1, num_splits=splits, workspace=ws,
             config=config, **extra))
     if config.pdl:
         bound, options = {**bound, "PDL": True}, {**options, "launch_pdl": True}
+    if config.maxnreg:  # (likewise CUDA only)
+        options = {**options, "maxnreg": config.maxnreg}
     return kernel, bound, options

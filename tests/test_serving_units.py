@@ -217,12 +217,14 @@ def test_decode_launch_spec(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert DecodeConfig.parse("") == DecodeConfig() and resolve(["--model-path", "/m"])[0].decode_launch == ""
-    cfg = DecodeConfig.parse(" block_n=32, num_warps=8,num_stages=3,pdl=1,fused_merge=false,programs_per_sm=2 ")
-    assert cfg == DecodeConfig(block_n=32, num_warps=8, num_stages=3, fused_merge=False, pdl=True, programs_per_sm=2)
+    cfg = DecodeConfig.parse(" block_n=32, num_warps=8,num_stages=3,pdl=1,fused_merge=false,programs_per_sm=2,maxnreg=128 ")
+    assert cfg == DecodeConfig(block_n=32, num_warps=8, num_stages=3, fused_merge=False, pdl=True, programs_per_sm=2,
+                               maxnreg=128)
     settings, _, env = resolve(["--model-path", "/m", "--wgkv-decode-launch", "block_n=32,pdl=1"])
     assert ServingSettings.from_env(env) == settings and settings.decode_launch == "block_n=32,pdl=1"
     for bad, msg in (("block_n=24", "power of two"), ("warps=4", "NAME=VALUE"), ("pdl=yes", "0/1"),
-                     ("num_stages=", "positive integer"), ("programs_per_sm=0", "1-64"), ("num_warps=3", "num_warps")):
+                     ("num_stages=", "positive integer"), ("programs_per_sm=0", "1-64"), ("num_warps=3", "num_warps"),
+                     ("maxnreg=100", "multiple of 8"), ("maxnreg=256", "24-255")):
         with pytest.raises(ValueError, match=msg):
             resolve(["--model-path", "/m", "--wgkv-decode-launch", bad])
     with pytest.raises(ValueError, match="configure WG-KV"):

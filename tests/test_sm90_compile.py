@@ -20,6 +20,17 @@ def test_decode_split_kernel_compiles_for_sm90(pdl):
     assert compiled.metadata.launch_pdl == pdl
 
 
+def test_decode_split_kernel_register_cap():
+    """``--wgkv-decode-launch maxnreg=N`` reaches the compiled kernel: the PTX carries the cap (ptxas
+    then allocates at most N registers per thread, two programs of 4 warps per SM at the default's 255,
+    four at 128); without it, no cap."""
+    from sglang_wgkv.attention.triton_decode import DecodeConfig
+
+    capped = compile_sm90(*split_kernel_launch(DecodeConfig(block_n=16, maxnreg=128)))
+    assert ".maxnreg 128" in capped.asm["ptx"]
+    assert ".maxnreg" not in compile_sm90(*split_kernel_launch(DecodeConfig(block_n=16))).asm["ptx"]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_prefill_gate_compiles_for_sm90_within_shared_memory(dtype):
     """The Triton prefill write gate at Llama-3.1-8B's shape (D 128, 8 KV heads, inner 512) with the

@@ -62,7 +62,10 @@ class DecodeConfig:
     ``pdl``: programmatic dependent launch (sm90+, CUDA only): the split kernel may be launched while
     the kernel before it drains and waits for it (``griddepcontrol.wait``) before its first load, so
     the launch gap overlaps the previous kernel's tail (measured by ``benchmarks/decode_fixed_cost.py``);
-    and ``programs_per_sm``: the split count's target (:func:`choose_num_splits`).
+    ``programs_per_sm``: the split count's target (:func:`choose_num_splits`); and ``maxnreg``: a cap on
+    the registers per thread (0: the compiler's choice). The default shape takes 255 registers on sm_90,
+    so two programs of 4 warps fit an SM; ``block_n=16,maxnreg=128`` fits four with no spill
+    (``benchmarks/sm90_registers.py``, ptxas on CPU), for measuring occupancy in service (CUDA only).
 
     The served path uses the defaults unless ``--wgkv-decode-launch`` (:meth:`parse`) says otherwise:
     a switch for measuring launch shapes in service (issue 15), not a tuning knob for users."""
@@ -73,6 +76,7 @@ class DecodeConfig:
     fused_merge: bool = True
     pdl: bool = False
     programs_per_sm: int = 4
+    maxnreg: int = 0
 
     def __post_init__(self):
         if self.block_n < PAGE_SIZE or self.block_n & (self.block_n - 1):
@@ -82,13 +86,16 @@ class DecodeConfig:
                              f"{self.num_stages}")
         if not 1 <= self.programs_per_sm <= 64:
             raise ValueError(f"programs_per_sm must be 1-64, got {self.programs_per_sm}")
+        if self.maxnreg and not (24 <= self.maxnreg <= 255 and self.maxnreg % 8 == 0):
+            raise ValueError(f"maxnreg must be 0 (the compiler's choice) or a multiple of 8 in 24-255, "
+                             f"got {self.maxnreg}")
 
     @classmethod
     def parse(cls, spec: str) -> "DecodeConfig":
         """``"block_n=32,pdl=1"`` -> DecodeConfig (unnamed fields keep their defaults; ``""``: all).
         ValueError naming the field on an unknown name or a bad value."""
         kwargs: dict = {}
-        ints, flags = ("block_n", "num_warps", "num_stages", "programs_per_sm"), ("fused_merge", "pdl")
+        ints, flags = ("block_n", "num_warps", "num_stages", "programs_per_sm", "maxnreg"), ("fused_merge", "pdl")
         for item in filter(None, (x.strip() for x in spec.split(","))):
             name, eq, value = item.partition("=")
             name, value = name.strip(), value.strip()
@@ -453,6 +460,7 @@ def folded_decode(q, k_pages, v_pages, page_table, global_len, req, ring_tokens,
     po, pl, done = ws.part_out, ws.part_lse, ws.splits_done
     splits_pad = triton.next_power_of_2(num_splits)
     pdl = cfg.pdl and q.device.type == "cuda"  # the interpreter has no grid dependency control
+    regs = {"maxnreg": cfg.maxnreg} if cfg.maxnreg and q.device.type == "cuda" else {}  # (nor registers)
     nk, nv, npos = (new_k, new_v, pos) if write_new else (q, q, req)  # placeholders: never read
     xq = obs_q if obs_q is not None else q.unsqueeze(0)                  # placeholders: never written
     xp = obs_pos if obs_pos is not None else req.view(1, -1)
@@ -470,7 +478,7 @@ def folded_decode(q, k_pages, v_pages, page_table, global_len, req, ring_tokens,
         WRITE_NEW=write_new, OBSERVE=obs_q is not None, OBSERVE_POS=obs_pos is not None, FUSED=cfg.fused_merge,
         MERGE_ROWS=_MERGE_ROWS, SPLITS_PAD=splits_pad,
         BLOCK_S=min(splits_pad, _MERGE_TILE // (_MERGE_ROWS * D)), PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}), **regs,
     )
     if cfg.fused_merge:
         return out
