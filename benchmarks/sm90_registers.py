@@ -56,11 +56,13 @@ def main():
     splits = td.choose_num_splits(1, 8, 131072, "cpu")
     rows = []
     for block_n, warps, stages, write, fused, maxnreg in CONFIGS:
-        cfg = td.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, fused_merge=fused, maxnreg=maxnreg)
+        cfg = td.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, fused_merge=fused,
+                              maxnreg=maxnreg)
         kernel, bound, options = split_kernel_launch(cfg, splits=splits, fused_write=write)
         compiled = compile_sm90(kernel, bound, options)
         row = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "fused_write": write,
-               "fused_merge": fused, "maxnreg": maxnreg, "shared_bytes": compiled.metadata.shared, **ptxas_stats(compiled.asm["ptx"])}
+               "fused_merge": fused, "maxnreg": maxnreg, "shared_bytes": compiled.metadata.shared,
+               **ptxas_stats(compiled.asm["ptx"])}
         row["blocks_per_sm_by_registers"] = 65536 // (row["registers"] * 32 * warps)
         rows.append(row)
         print(row, flush=True)

@@ -66,9 +66,9 @@ def compile_sm90(kernel: JITFunction, bound: dict, options: dict):
 def split_kernel_launch(config, batch: int = 1, pos: int = 126975, splits: int | None = None,
                         fused_write: bool = True, observe: bool = False):
     """The decode split kernel's launch as the served step makes it at Llama-3.1-8B's layer shape (bf16,
-    W_local 256; ``config`` a ``DecodeConfig``), captured: ``(kernel, args, options)``. On CUDA the
-    launcher asks for programmatic dependent launch where ``config.pdl`` and caps the registers where
-    ``config.maxnreg``; on CPU tensors it does neither, so they are set here as the CUDA launch sets them."""
+    W_local 256; ``config`` a ``DecodeConfig``), captured: ``(kernel, args, options)``. Captured on CPU
+    tensors, the launch lacks what only CUDA launches ask for (PDL, the register cap): the options are
+    ``config.launch_options("cuda")`` here, as the CUDA launch sets them."""
     import torch
 
     from sglang_wgkv.attention import triton_decode as td
@@ -93,8 +93,5 @@ def split_kernel_launch(config, batch: int = 1, pos: int = 126975, splits: int |
         (kernel, bound, options), *_ = launches(lambda: td.folded_decode(
             q, pages, pages, page_table, global_len, req, ring, 1, num_splits=splits, workspace=ws,
             config=config, **extra))
-    if config.pdl:
-        bound, options = {**bound, "PDL": True}, {**options, "launch_pdl": True}
-    if config.maxnreg:  # (likewise CUDA only)
-        options = {**options, "maxnreg": config.maxnreg}
-    return kernel, bound, options
+    options = {**options, **config.launch_options("cuda")}
+    return kernel, {**bound, "PDL": "launch_pdl" in options}, options

@@ -217,7 +217,8 @@ def test_decode_launch_spec(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert DecodeConfig.parse("") == DecodeConfig() and resolve(["--model-path", "/m"])[0].decode_launch == ""
-    cfg = DecodeConfig.parse(" block_n=32, num_warps=8,num_stages=3,pdl=1,fused_merge=false,programs_per_sm=2,maxnreg=128 ")
+    cfg = DecodeConfig.parse(" block_n=32, num_warps=8,num_stages=3,pdl=1,fused_merge=false,programs_per_sm=2,"
+                             "maxnreg=128 ")
     assert cfg == DecodeConfig(block_n=32, num_warps=8, num_stages=3, fused_merge=False, pdl=True, programs_per_sm=2,
                                maxnreg=128)
     settings, _, env = resolve(["--model-path", "/m", "--wgkv-decode-launch", "block_n=32,pdl=1"])

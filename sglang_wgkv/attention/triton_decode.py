@@ -90,6 +90,14 @@ class DecodeConfig:
             raise ValueError(f"maxnreg must be 0 (the compiler's choice) or a multiple of 8 in 24-255, "
                              f"got {self.maxnreg}")
 
+    def launch_options(self, device_type: str) -> dict:
+        """The split kernel's launch options on ``device_type``: warps and stages; on CUDA also PDL and
+        the register cap where asked (the interpreter has neither)."""
+        cuda = device_type == "cuda"
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages,
+                **({"launch_pdl": True} if cuda and self.pdl else {}),
+                **({"maxnreg": self.maxnreg} if cuda and self.maxnreg else {})}
+
     @classmethod
     def parse(cls, spec: str) -> "DecodeConfig":
         """``"block_n=32,pdl=1"`` -> DecodeConfig (unnamed fields keep their defaults; ``""``: all).
@@ -459,8 +467,7 @@ def folded_decode(q, k_pages, v_pages, page_table, global_len, req, ring_tokens,
     gl = global_len[:, layer]
     po, pl, done = ws.part_out, ws.part_lse, ws.splits_done
     splits_pad = triton.next_power_of_2(num_splits)
-    pdl = cfg.pdl and q.device.type == "cuda"  # the interpreter has no grid dependency control
-    regs = {"maxnreg": cfg.maxnreg} if cfg.maxnreg and q.device.type == "cuda" else {}  # (nor registers)
+    options = cfg.launch_options(q.device.type)
     nk, nv, npos = (new_k, new_v, pos) if write_new else (q, q, req)  # placeholders: never read
     xq = obs_q if obs_q is not None else q.unsqueeze(0)                  # placeholders: never written
     xp = obs_pos if obs_pos is not None else req.view(1, -1)
@@ -477,8 +484,8 @@ def folded_decode(q, k_pages, v_pages, page_table, global_len, req, ring_tokens,
         PAGE=PAGE_SIZE, UPCAST=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
         WRITE_NEW=write_new, OBSERVE=obs_q is not None, OBSERVE_POS=obs_pos is not None, FUSED=cfg.fused_merge,
         MERGE_ROWS=_MERGE_ROWS, SPLITS_PAD=splits_pad,
-        BLOCK_S=min(splits_pad, _MERGE_TILE // (_MERGE_ROWS * D)), PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}), **regs,
+        BLOCK_S=min(splits_pad, _MERGE_TILE // (_MERGE_ROWS * D)),
+        PDL="launch_pdl" in options, **options,
     )
     if cfg.fused_merge:
         return out
