@@ -24,7 +24,14 @@ Variants (all :func:`folded_decode`, default launch shape unless named):
 
 Then a split-count sweep of ``fused_write`` at the W1 length. Writes JSON (command included).
 
+``--configs SPEC ...`` also times ``fused_write`` under each launch shape (``DecodeConfig.parse``
+specs, as ``--wgkv-decode-launch`` takes them; the split count as the served path chooses it from
+the spec's ``programs_per_sm``) at every length, fitted the same way, against the default shape
+(``""``, always first). ``--best-out FILE`` then writes the spec that is fastest at the W1 length
+if it beats the default by ``--min-gain`` (else an empty file): a later served run reads it.
+
 usage: python benchmarks/decode_fixed_cost.py [--out DIR] [--lengths ...] [--splits ...] [--deadline S]
+                                              [--variants ...] [--configs SPEC ...] [--best-out FILE]
 """
 
 import argparse
@@ -51,10 +58,11 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
-def variant_fn(name, pool, q, out, splits, td):
+def variant_fn(name, pool, q, out, splits, td, cfg=None):
     B, L = q.shape[0], pool.page_table.shape[1]
     ws = td.FoldedDecodeWorkspace(B, HQ, D, splits, "cuda", num_kv_heads=HKV)
-    cfg = td.DecodeConfig(fused_merge=name not in ("two_launch", "split_only"), pdl=name == "fused_write_pdl")
+    if cfg is None:
+        cfg = td.DecodeConfig(fused_merge=name not in ("two_launch", "split_only"), pdl=name == "fused_write_pdl")
     extra = {}
     if name in ("fused_write", "fused_write_pdl"):
         k_new = torch.randn(B, HKV, D, device="cuda", dtype=DT)
@@ -68,12 +76,12 @@ def variant_fn(name, pool, q, out, splits, td):
     return run
 
 
-def timed(name, pool, q, out, splits, td):
+def timed(name, pool, q, out, splits, td, cfg=None):
     saved = td._merge_kernel
     try:
         if name == "split_only":
             td._merge_kernel = _NoLaunch()
-        return graph_ms(variant_fn(name, pool, q, out, splits, td))
+        return graph_ms(variant_fn(name, pool, q, out, splits, td, cfg))
     finally:
         td._merge_kernel = saved
 
@@ -85,8 +93,15 @@ def main():
     ap.add_argument("--splits", type=int, nargs="+", default=[24, 33, 40, 44, 49, 55, 66, 80, 99, 128])
     ap.add_argument("--variants", nargs="+", default=["fused", "fused_write", "fused_write_pdl", "two_launch", "split_only", "empty"])
     ap.add_argument("--deadline", type=float, default=150.0)
+    ap.add_argument("--configs", nargs="*", default=[], help="launch shapes (DecodeConfig.parse specs) to time")
+    ap.add_argument("--best-out", default=None, help="write the fastest spec at the W1 length here")
+    ap.add_argument("--min-gain", type=float, default=0.03, help="the best spec's least gain over the default")
     args = ap.parse_args()
     from sglang_wgkv.attention import triton_decode as td
+
+    configs = [""] + [c for c in args.configs if c != ""] if args.configs else []
+    launch = {c: td.DecodeConfig.parse(c) for c in configs}
+    launch_splits = {c: td.choose_num_splits(1, HKV, 131072, "cuda", cfg.programs_per_sm) for c, cfg in launch.items()}
 
     deadline = Deadline(args.deadline)
     path = os.path.join(args.out, "decode_fixed_cost.json")
@@ -110,6 +125,13 @@ def main():
             if name == "empty":
                 continue
             row["ms_per_layer"][name] = timed(name, pool, q, out, splits, td) / L
+        if configs:
+            row["config_ms_per_layer"] = {}
+        for spec in configs:
+            if deadline.left() < 10:
+                break
+            row["config_ms_per_layer"][spec] = timed("fused_write", pool, q, out, launch_splits[spec], td,
+                                                     launch[spec]) / L
         results["by_length"].append(row)
         print(row, flush=True)
         if n == W1_TOKENS:
@@ -134,8 +156,37 @@ def main():
             y = np.array([r["ms_per_layer"][name] for r in rows])
             slope, fixed = np.polyfit(x, y, 1)
             results["fit"][name] = {"fixed_us": fixed * 1e3, "tbps_marginal": 1e-9 / (slope * 1e-3)}
+    if configs:
+        results["configs"] = config_summary(configs, launch_splits, rows, args.min_gain)
+        if args.best_out:
+            best = results["configs"]["best"]
+            with open(args.best_out, "w") as f:
+                f.write(best or "")
     write_json(path, results)
-    print({"fit": results["fit"], "empty_ms_per_layer": results.get("empty_ms_per_layer")}, flush=True)
+    print({"fit": results["fit"], "empty_ms_per_layer": results.get("empty_ms_per_layer"),
+           "configs": results.get("configs")}, flush=True)
+
+
+def config_summary(configs, launch_splits, rows, min_gain):
+    """Per launch shape: its split count, ms per layer at the W1 length, the fit over the lengths that
+    timed it; ``best``: the fastest spec at the W1 length if it beats the default ``""`` by
+    ``min_gain`` (None otherwise, or when the W1 length did not time them all)."""
+    out = {"rows": [], "best": None, "min_gain": min_gain}
+    w1 = next((r.get("config_ms_per_layer", {}) for r in rows if r["n"] == W1_TOKENS), {})
+    for spec in configs:
+        pts = [(r["kv_bytes_per_layer"], r["config_ms_per_layer"][spec]) for r in rows
+               if spec in r.get("config_ms_per_layer", {})]
+        fit = None
+        if len(pts) >= 2:
+            slope, fixed = np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1)
+            fit = {"fixed_us": float(fixed) * 1e3, "tbps_marginal": 1e-9 / (float(slope) * 1e-3)}
+        out["rows"].append({"spec": spec, "splits": launch_splits[spec], "w1_ms_per_layer": w1.get(spec),
+                            "fit": fit})
+    if len(w1) == len(configs) and "" in w1:
+        best = min(w1, key=w1.get)
+        if w1[""] / w1[best] >= 1 + min_gain:
+            out["best"] = best
+    return out
 
 
 if __name__ == "__main__":

@@ -451,6 +451,15 @@ def check_comparable(runs: dict[str, dict[str, dict]]) -> None:
             raise ValueError(f"{key}: its runs are {max(stamps) - min(stamps)} apart (not one lease)")
 
 
+def kept_runs(path: Path) -> dict:
+    """The runs an earlier lease left in a workload file under names other than a server's (e.g. a
+    profiled run the README cites, ``wgkv_2026-12-01_profiled``): a merge replaces ``wgkv`` and
+    ``upstream`` and keeps these."""
+    if not path.exists():
+        return {}
+    return {k: v for k, v in json.loads(path.read_text()).get("runs", {}).items() if k not in ("wgkv", "upstream")}
+
+
 def merge(a) -> None:
     from trace_summary import recategorize
 
@@ -483,7 +492,8 @@ def merge(a) -> None:
             "workload": {"id": wid, "tp": tp, "prompts": w.prompts, "input_len": w.input_len, "output_len": w.output_len,
                          "server_args": w.server, "wgkv_args": w.wgkv, "wgkv_request": w.request_body,
                          "goal": w.goal},
-            "environment": envs, "runs": by_server}, indent=1))
+            "environment": envs, "runs": {**kept_runs(out / f"{key}.json"), **by_server},
+            **({"leases": a.leases} if a.leases else {})}, indent=1))
         metrics = ["ttft_s", "tpot_ms"] if wid == "W1" else [w.metric]
         for metric in metrics:
             up = summarize(by_server.get("upstream", {})).get(metric)
@@ -585,6 +595,8 @@ def main(argv=None) -> None:
     m = sub.add_parser("merge")
     m.add_argument("parts", nargs="+")
     m.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results" / "serving"))
+    m.add_argument("--leases", default="", help="what lease the merged runs come from (the workload files' "
+                   "\"leases\" text; left out when not given)")
     b = sub.add_parser("ab", help="WG-KV variants of one lease (run --wgkv-extra) side by side")
     b.add_argument("parts", nargs="+")
     b.add_argument("--out", required=True)

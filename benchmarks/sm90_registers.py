@@ -2,9 +2,12 @@
 cross-compile (Triton's bundled ptxas; tests/sm90_compile.py), per launch configuration at the served
 W1 shape (Llama-3.1-8B layer, batch 1, bf16, fused merge and ring write, the served split count).
 
-No GPU needed, no timing: what ptxas allocates. A kernel at 255 registers with spill stores runs at
-most two 4-warp blocks per SM; kernel_decode.py / decode_fixed_cost.py time the same configurations
-on the device.
+No GPU needed, no timing: what ptxas allocates, and how many 4-warp programs fit an SM by registers
+and by shared memory; kernel_decode.py / decode_fixed_cost.py time the same configurations on the
+device. The compile takes the launch's specialization (16-byte alignment and divisibility of pointers
+and integers, tests/sm90_compile.py): before 2026-12-04 it did not, the gathers compiled to 2-byte
+scalar loads without cp.async, and this table read 255 registers with spills for the default shape
+(120 without spills at the real specialization).
 
 usage: python benchmarks/sm90_registers.py [--out DIR]
 """
@@ -24,10 +27,12 @@ sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
 from benchmarks.common import environment, write_json  # noqa: E402
 from sm90_compile import compile_sm90, split_kernel_launch  # noqa: E402
 
+SM90_SHARED_PER_SM = 233472  # bytes of shared memory an H200 SM holds for its resident blocks (228 KiB)
+
 CONFIGS = [  # (block_n, num_warps, num_stages, fused ring write, fused merge, maxnreg: 0 = uncapped)
     (64, 4, 2, True, True, 0), (64, 4, 2, False, True, 0), (64, 4, 2, False, False, 0),
     (32, 4, 2, True, True, 0), (64, 8, 2, True, True, 0), (128, 8, 2, True, True, 0), (32, 8, 2, True, True, 0),
-    # register caps (--wgkv-decode-launch maxnreg): 3 or 4 programs of 4 warps per SM instead of 2
+    # register caps (--wgkv-decode-launch maxnreg)
     (64, 4, 2, True, True, 168), (64, 4, 2, True, True, 128), (32, 4, 2, True, True, 168),
     (32, 4, 2, True, True, 128), (16, 4, 2, True, True, 0), (16, 4, 2, True, True, 128),
 ]
@@ -64,6 +69,7 @@ def main():
                "fused_merge": fused, "maxnreg": maxnreg, "shared_bytes": compiled.metadata.shared,
                **ptxas_stats(compiled.asm["ptx"])}
         row["blocks_per_sm_by_registers"] = 65536 // (row["registers"] * 32 * warps)
+        row["blocks_per_sm_by_shared"] = SM90_SHARED_PER_SM // max(row["shared_bytes"], 1)
         rows.append(row)
         print(row, flush=True)
     write_json(os.path.join(args.out, "sm90_registers.json"), {

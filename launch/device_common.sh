@@ -12,9 +12,13 @@ stop_leftover_servers() {
 # SGLang's own): tens of seconds of each lease. The cache is keyed by each kernel's source, options,
 # Triton version and GPU, so a cache from another H200 with the same kit is valid; a changed kernel
 # simply misses. Here: tar xzf triton_cache.tgz -C .tc  (then carry [".tc"] with a later call).
-triton_cache_restore() {
-    if [ -d .tc/cache ] && [ ! -d ~/.triton/cache ]; then
-        mkdir -p ~/.triton && cp -r .tc/cache ~/.triton/cache
+triton_cache_restore() {  # .tc/triton_cache.tgz as a call returned it (~6 MB), or its unpacked cache/
+    if [ ! -d ~/.triton/cache ]; then
+        if [ -f .tc/triton_cache.tgz ]; then
+            mkdir -p ~/.triton && tar xzf .tc/triton_cache.tgz -C ~/.triton
+        elif [ -d .tc/cache ]; then
+            mkdir -p ~/.triton && cp -r .tc/cache ~/.triton/cache
+        fi
     fi
     TRITON_CACHE_BEFORE=$(du -s ~/.triton/cache 2>/dev/null | cut -f1 || true)
 }

@@ -15,9 +15,10 @@ from contextlib import contextmanager
 from unittest import mock
 
 import triton
-from triton.backends.compiler import GPUTarget
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
-from triton.runtime.jit import JITFunction, mangle_type
+from triton.runtime.jit import JITFunction
 
 H200 = GPUTarget("cuda", 90, 32)
 SM90_MAX_SHARED = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
@@ -52,14 +53,23 @@ def compile_sm90(kernel: JITFunction, bound: dict, options: dict):
     it is compiled as False here."""
     if "UPCAST" in bound:
         bound = {**bound, "UPCAST": False}
-    sig, constexprs = {}, {}
+    sig, constexprs, attrs = {}, {}, {}
     for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params)):
         if param.is_constexpr:
             sig[name] = "constexpr"
             constexprs[(i,)] = bound[name]
-        else:
-            sig[name] = mangle_type(bound[name])  # Triton's own type of the value (*bf16, i32, tensordesc<...>)
-    return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs), target=H200,
+            continue
+        # As JITFunction.run specializes a launch: pointers 16-byte aligned and integers divisible by
+        # 16 carry tt.divisibility (vector loads and the loop pipeliner depend on it), an integer 1
+        # becomes a constant. Without these attributes every gather compiled to 2-byte scalar loads.
+        kind, attr = native_specialize_impl(BaseBackend, bound[name], False, not param.do_not_specialize,
+                                            not param.do_not_specialize_on_alignment)
+        sig[name] = kind
+        if kind == "constexpr":
+            constexprs[(i,)] = attr
+        elif isinstance(attr, str):
+            attrs[(i,)] = BaseBackend.parse_attr(attr)
+    return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs), target=H200,
                           options=options)
 
 

@@ -70,3 +70,26 @@ def test_ab_parts_compare_variants_and_never_become_rows(tmp_path):
     up = _part(tmp_path / "d.json", "", 8.8, "2026-12-05T01:05:00+00:00", server="upstream")
     with pytest.raises(ValueError, match="WG-KV variants"):
         ss.main(["ab", default, up, "--out", str(out), "--what", "x"])
+
+
+def test_merge_replaces_the_servers_runs_and_keeps_older_named_runs(tmp_path):
+    """A merge writes this lease's `wgkv`/`upstream` runs into W<n>.json and keeps runs an earlier lease
+    left there under other names (a profiled run the README cites); `--leases` sets the lease text."""
+    import json
+
+    out = tmp_path / "serving"
+    out.mkdir()
+    (out / "W1.json").write_text(json.dumps({"runs": {"wgkv": {"old": 1}, "upstream": {"old": 1},
+                                                      "wgkv_2026-12-01_profiled": {"kept": 1}},
+                                             "leases": "an earlier lease"}))
+    wg = _part(tmp_path / "a.json", "", 5.8, "2026-12-05T01:00:00+00:00")
+    up = _part(tmp_path / "b.json", "", 8.7, "2026-12-05T01:10:00+00:00", server="upstream")
+    ss.main(["merge", wg, up, "--out-dir", str(out), "--leases", "one lease of 2026-12-05"])
+    w1 = json.loads((out / "W1.json").read_text())
+    assert w1["runs"]["wgkv_2026-12-01_profiled"] == {"kept": 1}
+    assert "old" not in w1["runs"]["wgkv"] and "old" not in w1["runs"]["upstream"]
+    assert w1["leases"] == "one lease of 2026-12-05"
+    row = next(r for r in json.loads((out / "summary.json").read_text())["rows"] if r["metric"] == "tpot_ms")
+    assert row["ratio"] == pytest.approx(8.7 / 5.8)
+    ss.main(["merge", wg, up, "--out-dir", str(out)])
+    assert "leases" not in json.loads((out / "W1.json").read_text())

@@ -22,8 +22,7 @@ def test_decode_split_kernel_compiles_for_sm90(pdl):
 
 def test_decode_split_kernel_register_cap():
     """``--wgkv-decode-launch maxnreg=N`` reaches the compiled kernel: the PTX carries the cap (ptxas
-    then allocates at most N registers per thread, two programs of 4 warps per SM at the default's 255,
-    four at 128); without it, no cap."""
+    then allocates at most N registers per thread); without it, no cap."""
     from sglang_wgkv.attention.triton_decode import DecodeConfig
 
     capped = compile_sm90(*split_kernel_launch(DecodeConfig(block_n=16, maxnreg=128)))
@@ -130,3 +129,25 @@ def test_served_kernels_compile_for_sm90(launcher, shape):
     for kernel, bound, options in captured:
         compiled = compile_sm90(kernel, bound, options)
         assert compiled.metadata.shared <= SM90_MAX_SHARED, kernel.fn.__name__
+
+
+def test_compile_takes_the_launch_specialization():
+    """The CPU compile specializes arguments as a CUDA launch does (16-byte aligned pointers, integers
+    divisible by 16): the split kernel's K/V gathers then become 16-byte ``cp.async`` copies and the
+    served shape fits in 128 registers without spilling. Compiled without that, every gather was a
+    2-byte scalar load and ptxas gave 255 registers with spills, which misread the kernel's occupancy
+    (2026-12-04)."""
+    import re
+    import sys
+    from pathlib import Path
+
+    from sglang_wgkv.attention.triton_decode import DecodeConfig
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from sm90_registers import ptxas_stats
+
+    ptx = compile_sm90(*split_kernel_launch(DecodeConfig())).asm["ptx"]
+    copies = re.findall(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], (0x[0-9a-f]+)", ptx)
+    assert copies and set(copies) == {"0x10"}
+    stats = ptxas_stats(ptx)
+    assert stats["registers"] <= 128 and stats["spill_store_bytes"] == 0

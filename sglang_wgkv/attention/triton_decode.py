@@ -63,9 +63,11 @@ class DecodeConfig:
     the kernel before it drains and waits for it (``griddepcontrol.wait``) before its first load, so
     the launch gap overlaps the previous kernel's tail (measured by ``benchmarks/decode_fixed_cost.py``);
     ``programs_per_sm``: the split count's target (:func:`choose_num_splits`); and ``maxnreg``: a cap on
-    the registers per thread (0: the compiler's choice). The default shape takes 255 registers on sm_90,
-    so two programs of 4 warps fit an SM; ``block_n=16,maxnreg=128`` fits four with no spill
-    (``benchmarks/sm90_registers.py``, ptxas on CPU), for measuring occupancy in service (CUDA only).
+    the registers per thread (0: the compiler's choice; CUDA only). On sm_90 the default shape takes 120
+    registers and 38 KiB of shared memory (four programs of 4 warps per SM by registers, five by shared
+    memory; ``benchmarks/sm90_registers.py``, ptxas on CPU at the launch's specialization), and its K/V
+    gathers are ``cp.async`` copies. No shape of the 2026-12-04 sweep beat it at the served W1 length
+    (``benchmarks/decode_fixed_cost.py --configs``).
 
     The served path uses the defaults unless ``--wgkv-decode-launch`` (:meth:`parse`) says otherwise:
     a switch for measuring launch shapes in service (issue 15), not a tuning knob for users."""
