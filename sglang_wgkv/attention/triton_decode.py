@@ -64,7 +64,7 @@ class DecodeConfig:
     the launch gap overlaps the previous kernel's tail (measured by ``benchmarks/decode_fixed_cost.py``);
     ``programs_per_sm``: the split count's target (:func:`choose_num_splits`); and ``maxnreg``: a cap on
     the registers per thread (0: the compiler's choice; CUDA only). On sm_90 the default shape takes 120
-    registers and 38 KiB of shared memory (four programs of 4 warps per SM by registers, five by shared
+    registers and 38 KiB of shared memory (four programs of 4 warps per SM by registers, six by shared
     memory; ``benchmarks/sm90_registers.py``, ptxas on CPU at the launch's specialization), and its K/V
     gathers are ``cp.async`` copies. No shape of the 2026-12-04 sweep beat it at the served W1 length
     (``benchmarks/decode_fixed_cost.py --configs``).
