@@ -144,6 +144,15 @@ def decode_fixed_cost(d: dict) -> list[str]:
     if d.get("splits_sweep"):
         lines += table(["splits (W1 length, fused write)", "us per layer", "TB/s"],
                        [[r["splits"], f(r["ms_per_layer"] * 1e3, 1), f(r["tbps"])] for r in d["splits_sweep"]])
+    if d.get("configs"):
+        c = d["configs"]
+        lines += table(["launch shape (fused write)", "splits", "us per layer at W1", "fixed us", "marginal TB/s"],
+                       [[f"`{r['spec']}`" if r["spec"] else "default", r["splits"],
+                         f(r["w1_ms_per_layer"] * 1e3, 1) if r["w1_ms_per_layer"] is not None else "-",
+                         f(r["fit"]["fixed_us"], 2) if r["fit"] else "-",
+                         f(r["fit"]["tbps_marginal"] / 1e3, 2) if r["fit"] else "-"] for r in c["rows"]])
+        lines += [f"Best beating the default by {c['min_gain']:.0%} at the W1 length: "
+                  f"{('`' + c['best'] + '`') if c['best'] else 'none'}.", ""]
     return lines
 
 
