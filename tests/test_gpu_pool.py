@@ -11,9 +11,9 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device)")]
 
 
-def _pool(L, H, D, W, dtype, dev):
+def _pool(L, H, D, W, dtype, dev, triton_decode=None):
     return DualCachePool(L, H, D, num_pages=6000, max_requests=3, max_context_len=3000,
-                         config=WGKVConfig(local_window=W), dtype=dtype, device=dev)
+                         config=WGKVConfig(local_window=W), dtype=dtype, device=dev, triton_decode=triton_decode)
 
 
 def assert_same_pool(a, b):
@@ -32,7 +32,7 @@ def check_prefill_then_decode(n, W, p, dtype, dev, steps=40, L=3, H=4, D=128):
     from sglang_wgkv.memory.triton_pool import begin_prefill, decode_write, prefill_write
 
     torch.manual_seed(n + W)
-    torch_pool, triton_pool = _pool(L, H, D, W, dtype, dev), _pool(L, H, D, W, dtype, dev)
+    torch_pool, triton_pool = _pool(L, H, D, W, dtype, dev, False), _pool(L, H, D, W, dtype, dev, True)
     slot = 1
     other = [torch.randn(37, H, D, device=dev) for _ in range(L)]
     for pool in (torch_pool, triton_pool):
@@ -230,3 +230,31 @@ def test_deferred_gate_check_raises_once_the_counts_land():
     torch.cuda.synchronize()
     with pytest.raises(GateOutputError, match="1 NaN/out-of-range values \\(first in layer 2\\)"):
         check.poll()
+
+
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16], ids=["cast", "same"])
+def test_triton_extend_chunks_match_torch(in_dtype):
+    """Chunked prefill on twin pools, torch vs Triton row movement (``triton_pool.extend_move`` and
+    ``extend_ring_write``): batches of requests extended after cached prefixes inside and past the
+    ring, chunks shorter and longer than the ring, mixed admission, rows cast to the pool's dtype
+    (float32 in) or not (bf16 in, as served)."""
+    dev, L, H, D, W = "cuda", 3, 8, 128, 64
+    torch.manual_seed(7)
+    pools = [DualCachePool(L, H, D, num_pages=6000, max_requests=4, max_context_len=3000,
+                           config=WGKVConfig(local_window=W), device=dev, triton_decode=t) for t in (False, True)]
+    for pool in pools:
+        for r in (0, 2, 3):
+            pool.alloc_request(r)
+    chunks = [([0, 2], [100, 7]), ([0, 2, 3], [1, 64, 200]), ([3], [63]), ([0, 3], [300, 5]), ([2], [1000])]
+    for batch, lens in chunks:
+        prefix = [int(pools[0].cached_len[r]) for r in batch]
+        N = sum(lens)
+        k, v = torch.randn(L, N, H, D, device=dev).to(in_dtype), torch.randn(L, N, H, D, device=dev).to(in_dtype)
+        admit = torch.rand(L, N, H, device=dev) < 0.4
+        for pool in pools:
+            pool.begin_extend(batch, prefix, lens)
+            for layer in range(L):
+                pool.write_extend(layer, k[layer], v[layer], admit[layer])
+        assert_same_pool(*pools)
+    for pool in pools:
+        pool.check_integrity()

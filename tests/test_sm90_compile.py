@@ -151,3 +151,25 @@ def test_compile_takes_the_launch_specialization():
     assert copies and set(copies) == {"0x10"}
     stats = ptxas_stats(ptx)
     assert stats["registers"] <= 128 and stats["spill_store_bytes"] == 0
+
+
+def test_extend_write_kernels_compile_for_sm90():
+    """The extend write's two row-movement launches (``triton_pool.extend_move``, ``extend_ring_write``)
+    as ``write_extend`` makes them for a chunk after a cached prefix (Llama-3.1-8B's 8 KV heads, D 128,
+    bf16 pool): both compile for sm_90 and fit its shared memory."""
+    from sglang_wgkv.config import WGKVConfig
+    from sglang_wgkv.memory import DualCachePool
+
+    L, H, D = 1, 8, 128
+    pool = DualCachePool(L, H, D, num_pages=400, max_requests=2, max_context_len=2048,
+                         config=WGKVConfig(local_window=256), triton_decode=True)
+    pool.alloc_request(1)
+    k = torch.randn(300, H, D, dtype=torch.bfloat16)
+    pool.begin_extend([1], [0], [300])
+    launches(lambda: pool.write_extend(0, k, k, torch.rand(300, H) < 0.5))  # the launches recorded, not run
+    pool.begin_extend([1], [300], [300])
+    got = launches(lambda: pool.write_extend(0, k, k, torch.rand(300, H) < 0.5))
+    names = [kernel.fn.__name__ for kernel, _, _ in got]
+    assert names == ["_extend_move_kernel", "_extend_ring_kernel"], names
+    for kernel, bound, options in got:
+        assert compile_sm90(kernel, bound, options).metadata.shared <= SM90_MAX_SHARED

@@ -1,5 +1,6 @@
 """Run as a script with ``TRITON_INTERPRET=1`` (set before Triton is imported) by
-``test_triton_pool_interp.py``: Triton decode promotion vs the torch reference on CPU.
+``test_triton_pool_interp.py``: the Triton pool kernels (decode promotion, the extend write's row
+movement) vs the torch reference on CPU.
 
 ``python tests/triton_pool_interp_check.py SEED [SCAN_BLOCK]`` exits non-zero on the first difference.
 """
@@ -21,6 +22,13 @@ from sglang_wgkv.memory import triton_pool  # noqa: E402
 from sglang_wgkv.memory.page_allocator import PoolExhausted  # noqa: E402
 
 L, H, D, W, R, CTX = 2, 3, 16, 32, 5, 200
+
+
+def bf16(x):
+    """Extend rows in the pool's dtype, as served (the model's dtype): Triton 3.6's interpreter rounds
+    float32 -> bfloat16 toward zero where CUDA and torch round to nearest, so a cast inside a kernel is
+    compared on the GPU (tests/test_gpu_pool.py), not here."""
+    return x.to(torch.bfloat16)
 
 
 def make_pool(num_pages, triton_decode):
@@ -58,14 +66,14 @@ def scenario(seed):
     ref, tri = make_pool(num_pages, False), make_pool(num_pages, True)
     pools = (ref, tri)
     live = {}
-    min_free, promoted_any = num_pages, False
+    min_free, promoted_any, chunked_any = num_pages, False, False
     for step in range(60):
         free_slots = [r for r in range(R) if r not in live]
         if free_slots and (len(live) < 2 or rng.random() < 0.15):
             r = rng.choice(free_slots)
             n = rng.choice([1, 15, 16, 17, W - 1, W, W + 1, rng.randrange(1, 90)])
             p = rng.choice([0.0, 0.3, 0.7, 1.0])
-            k, v = torch.randn(L, n, H, D), torch.randn(L, n, H, D)
+            k, v = bf16(torch.randn(L, n, H, D)), bf16(torch.randn(L, n, H, D))
             admit = torch.rand(L, n, H) < p
             try:
                 for pool in pools:
@@ -83,6 +91,32 @@ def scenario(seed):
             for pool in pools:
                 pool.free_request(r)
             del live[r]
+        elif live and rng.random() < 0.2:
+            # a chunk after a cached prefix (chunked prefill): ring tokens leave, some of the chunk
+            # passes through the ring, its last tokens land in it (write_extend's three movements)
+            batch = [r for r in sorted(live) if rng.random() < 0.6 and ref.cached_len[r] < CTX - 45]
+            if not batch:
+                continue
+            prefix = [int(ref.cached_len[r]) for r in batch]
+            lens = [rng.choice([1, 7, 16, W - 3, W + 5, 40]) for _ in batch]
+            N = sum(lens)
+            k, v = bf16(torch.randn(L, N, H, D)), bf16(torch.randn(L, N, H, D))
+            admit = torch.rand(L, N, H) < rng.choice([0.0, 0.4, 1.0])
+            refused = []
+            for pool in pools:
+                try:
+                    pool.begin_extend(batch, prefix, lens)
+                except PoolExhausted:
+                    refused.append(pool)
+            if refused:  # both pools must refuse, unchanged
+                assert len(refused) == 2, f"seed {seed} step {step}: one pool refused the extend"
+                assert_same(ref, tri, f"seed {seed} step {step} (extend refused)")
+                break
+            for pool in pools:
+                for layer in range(L):
+                    pool.write_extend(layer, k[layer], v[layer], admit[layer])
+            chunked_any = True
+            assert_same(ref, tri, f"seed {seed} step {step} extend {batch} after {prefix} by {lens}")
         else:
             batch = [r for r in sorted(live) if rng.random() < 0.8 and ref.cached_len[r] < CTX - 1]
             rng.shuffle(batch)
@@ -111,7 +145,7 @@ def scenario(seed):
     assert_same(ref, tri, f"seed {seed} end")
     ref.check_integrity()
     tri.check_integrity()
-    return min_free, num_pages, promoted_any
+    return min_free, num_pages, promoted_any, chunked_any
 
 
 def direct(seed):
@@ -122,7 +156,7 @@ def direct(seed):
         for r, n in ((0, 40), (2, 47), (3, 64), (4, 100)):
             pool.alloc_request(r)
     for r, n in ((0, 40), (2, 47), (3, 64), (4, 100)):
-        k, v, admit = torch.randn(n, H, D), torch.randn(n, H, D), torch.rand(n, H) < 0.6
+        k, v, admit = bf16(torch.randn(n, H, D)), bf16(torch.randn(n, H, D)), torch.rand(n, H) < 0.6
         for pool in (ref, tri):
             pool.begin_extend([r], [0], [n])
             for layer in range(L):
@@ -138,8 +172,8 @@ def main():
     if len(sys.argv) > 2:
         triton_pool.PROMOTE_SCAN_BLOCK = int(sys.argv[2])
     direct(seed)
-    min_free, num_pages, promoted_any = scenario(seed)
-    print(f"ok seed {seed}: min free pages {min_free}/{num_pages}, promoted {promoted_any}")
+    min_free, num_pages, promoted_any, chunked_any = scenario(seed)
+    print(f"ok seed {seed}: min free pages {min_free}/{num_pages}, promoted {promoted_any}, chunked {chunked_any}")
 
 
 if __name__ == "__main__":

@@ -161,14 +161,23 @@ class ExtendStep:
             dest_page = torch.where(flag, self.page_table[rc, layer, heads, self.ring_cols + dest // PAGE_SIZE].long(),
                                     self.dump_page)
             src_page = self.page_table[rc, layer, heads, ring_col].long()
-            from_ring = p.cand_from_ring[:, None, None]
-            for pages, new in ((self.k_pages, k), (self.v_pages, v)):
-                src = torch.where(from_ring, pages[src_page, slot % PAGE_SIZE], new[p.cand_src].to(pages.dtype))
-                pages[dest_page, dest % PAGE_SIZE] = src
+            if self.triton_decode:  # one launch (the ring is read here, before the ring write below)
+                from sglang_wgkv.memory.triton_pool import extend_move
+
+                extend_move(self, k, v, flag, dest_page, dest, p.cand_from_ring, src_page, p.cand_slot, p.cand_src)
+            else:
+                from_ring = p.cand_from_ring[:, None, None]
+                for pages, new in ((self.k_pages, k), (self.v_pages, v)):
+                    src = torch.where(from_ring, pages[src_page, slot % PAGE_SIZE], new[p.cand_src].to(pages.dtype))
+                    pages[dest_page, dest % PAGE_SIZE] = src
             self.global_len[p.req, layer] += cnt.to(torch.int32)
             self.left_ring[layer] += p.cand_b.numel()
             self.promoted[layer] += cnt.sum(0)
-        if p.rw_b.numel():
+        if p.rw_b.numel() and self.triton_decode:
+            from sglang_wgkv.memory.triton_pool import extend_ring_write
+
+            extend_ring_write(self, layer, k, v, admit, p.req, p.rw_b, p.rw_slot, p.rw_src)
+        elif p.rw_b.numel():
             rr = p.req[p.rw_b][:, None]
             slot = p.rw_slot[:, None]
             page = self.page_table[rr, layer, heads, slot // PAGE_SIZE].long()

@@ -11,6 +11,11 @@ flags and page contents; only the never-read dump page may differ):
   so that a captured CUDA graph can replay it (the step's tensors stay the caller's).
 * :func:`decode_promote` = ``_promote`` (a decode step's lazy promotion, every layer and head) in two
   launches without a host sync; ``DualCachePool.begin_decode`` uses it on CUDA.
+* :func:`extend_move` and :func:`extend_ring_write`: the row movement of ``write_extend`` (admitted
+  tokens leaving the ring into their global slots, then the chunk's last tokens into the ring with
+  their flags), one launch each instead of a gather, a cast, a ``where`` and an ``index_put`` per
+  tensor; ``write_extend`` uses them on a ``triton_decode`` pool. Rows not admitted are not written
+  (the torch ops send them to the dump page).
 """
 
 import torch
@@ -44,6 +49,104 @@ def _prefill_write_kernel(K, V, KPages, VPages, PageRow, Admit, Rank, GlobalLen,
     tl.store(KPages + dst, k.to(KPages.dtype.element_ty), mask=write[:, None])
     v = tl.load(V + src, mask=write[:, None])
     tl.store(VPages + dst, v.to(VPages.dtype.element_ty), mask=write[:, None])
+
+
+@triton.jit
+def _extend_move_kernel(K, V, KPages, VPages, Flag, DestPage, Dest, FromRing, SrcPage, Slot, Src, n_cand,
+                        stride_kn, stride_kh, stride_vn, stride_vh,
+                        H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Candidates ``c`` of one block, head ``h``: an admitted one's key and value go to global slot
+    ``(DestPage[c, h], Dest[c, h] % PAGE)``, read from its ring slot (``FromRing[c]``: page
+    ``SrcPage[c, h]``, offset ``Slot[c] % PAGE``) or from the chunk's row ``Src[c]``."""
+    h = tl.program_id(1)
+    c = (tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    live = c < n_cand
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    flag = tl.load(Flag + c * H + h, mask=live, other=0) != 0
+    ring = flag & (tl.load(FromRing + c, mask=flag, other=0) != 0)
+    new = flag & ~ring
+    dst = (tl.load(DestPage + c * H + h, mask=flag, other=0) * PAGE + tl.load(Dest + c * H + h, mask=flag, other=0) % PAGE)
+    dst = dst[:, None] * HEAD_DIM + d
+    ring_row = tl.load(SrcPage + c * H + h, mask=ring, other=0) * PAGE + tl.load(Slot + c, mask=ring, other=0) % PAGE
+    ring_row = ring_row[:, None] * HEAD_DIM + d
+    row = tl.load(Src + c, mask=new, other=0)
+    _move_rows(KPages, K + row[:, None] * stride_kn + h * stride_kh + d, ring_row, dst, flag, ring, new)
+    _move_rows(VPages, V + row[:, None] * stride_vn + h * stride_vh + d, ring_row, dst, flag, ring, new)
+
+
+@triton.jit
+def _move_rows(Pages, new_ptr, ring_row, dst, flag, ring, new):
+    from_ring = tl.load(Pages + ring_row, mask=ring[:, None])
+    from_new = tl.load(new_ptr, mask=new[:, None]).to(Pages.dtype.element_ty)
+    tl.store(Pages + dst, tl.where(ring[:, None], from_ring, from_new), mask=flag[:, None])
+
+
+@triton.jit
+def _extend_ring_kernel(K, V, KPages, VPages, PageTable, RingFlag, Admit, Req, RwB, RwSlot, RwSrc, layer, n_rows,
+                        stride_kn, stride_kh, stride_vn, stride_vh, stride_pr, stride_pl, stride_ph,
+                        stride_fr, stride_fl, stride_fh, stride_an,
+                        HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Ring rows ``i`` of one block, head ``h``: the chunk's row ``RwSrc[i]`` into ring slot
+    ``RwSlot[i]`` of request ``Req[RwB[i]]``, its key, value and admission flag."""
+    h = tl.program_id(1)
+    i = (tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    live = i < n_rows
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    r = tl.load(Req + tl.load(RwB + i, mask=live, other=0), mask=live, other=0).to(tl.int64)
+    slot = tl.load(RwSlot + i, mask=live, other=0).to(tl.int64)
+    src = tl.load(RwSrc + i, mask=live, other=0).to(tl.int64)
+    page = tl.load(PageTable + r * stride_pr + layer * stride_pl + h * stride_ph + slot // PAGE, mask=live, other=0)
+    dst = (page.to(tl.int64) * PAGE + slot % PAGE)[:, None] * HEAD_DIM + d
+    k = tl.load(K + src[:, None] * stride_kn + h * stride_kh + d, mask=live[:, None])
+    tl.store(KPages + dst, k.to(KPages.dtype.element_ty), mask=live[:, None])
+    v = tl.load(V + src[:, None] * stride_vn + h * stride_vh + d, mask=live[:, None])
+    tl.store(VPages + dst, v.to(VPages.dtype.element_ty), mask=live[:, None])
+    flag = tl.load(Admit + src * stride_an + h, mask=live, other=0)
+    tl.store(RingFlag + r * stride_fr + layer * stride_fl + h * stride_fh + slot, flag, mask=live)
+
+
+EXTEND_BLOCK = 64  # candidates / ring rows per program of the extend kernels
+
+
+def _check_rows(pool, k, v):
+    if k.shape[1:] != (pool.num_kv_heads, pool.head_dim) or v.shape != k.shape or k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError(f"k/v [N, {pool.num_kv_heads}, {pool.head_dim}] with a contiguous last dim expected, got "
+                         f"{tuple(k.shape)} {k.stride()}, {tuple(v.shape)} {v.stride()}")
+
+
+def extend_move(pool, k, v, flag, dest_page, dest, from_ring, src_page, slot, src) -> None:
+    """Admitted candidates of ``write_extend`` into their global slots (one launch). ``flag``,
+    ``dest_page``, ``dest``, ``src_page`` ``[C, H]``; ``from_ring``, ``slot``, ``src`` ``[C]``;
+    k, v ``[N, H, D]`` the chunk's rows. Reads ring slots before :func:`extend_ring_write` overwrites
+    them (same stream)."""
+    _check_rows(pool, k, v)
+    C, H = flag.shape
+    if not C:
+        return
+    flag8 = flag.contiguous().view(torch.uint8)
+    ring8 = from_ring.contiguous().view(torch.uint8)
+    dest_page, dest, src_page = dest_page.contiguous(), dest.contiguous(), src_page.contiguous()
+    _extend_move_kernel[(triton.cdiv(C, EXTEND_BLOCK), H)](
+        k, v, pool.k_pages, pool.v_pages, flag8, dest_page, dest, ring8, src_page, slot.contiguous(),
+        src.contiguous(), C, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        H=H, HEAD_DIM=pool.head_dim, PAGE=PAGE_SIZE, BLOCK_C=EXTEND_BLOCK)
+
+
+def extend_ring_write(pool, layer: int, k, v, admit, req, rw_b, rw_slot, rw_src) -> None:
+    """The chunk's ring rows of ``write_extend`` (one launch): row ``rw_src[i]`` of k, v and its flag
+    ``admit[rw_src[i]]`` into ring slot ``rw_slot[i]`` of request ``req[rw_b[i]]``."""
+    _check_rows(pool, k, v)
+    n = rw_b.numel()
+    if not n:
+        return
+    H = pool.num_kv_heads
+    pt, rf = pool.page_table, pool.ring_flag.view(torch.uint8)
+    adm = admit.contiguous().view(torch.uint8)
+    _extend_ring_kernel[(triton.cdiv(n, EXTEND_BLOCK), H)](
+        k, v, pool.k_pages, pool.v_pages, pt, rf, adm, req, rw_b, rw_slot, rw_src, layer, n,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), pt.stride(0), pt.stride(1), pt.stride(2),
+        rf.stride(0), rf.stride(1), rf.stride(2), adm.stride(0),
+        HEAD_DIM=pool.head_dim, PAGE=PAGE_SIZE, BLOCK_C=EXTEND_BLOCK)
 
 
 @triton.jit
