@@ -77,7 +77,7 @@ def make_backend(pool: DualCachePool, use_kernels: bool, tensor_core_gate: bool 
         decode_gate=DecodeGate(GATES, max_rows=8 * H) if use_kernels else None, prefill_gate=None, _sms=4,
         evictor=SnapKVEvictor(pool=pool, budget=10_000, num_q_heads=HQ, window=16), _extend=None,
         _rows=None, _row_tau=None, batch_slots=None, batch_prompt_ends=None, _graph=None, _graph_launch={},
-        _gate_stream=None, _extend_plan=None, _indptrs=None,
+        _gate_stream=None, _indptrs=None,
         _gate_check=DeferredGateCheck(pool.num_layers, pool.device), _tensor_core_gate_rows=1,
         decode_launch=DecodeConfig.parse(decode_launch) if use_kernels else None)
     if tensor_core_gate:

@@ -154,9 +154,9 @@ def test_compile_takes_the_launch_specialization():
 
 
 def test_extend_write_kernels_compile_for_sm90():
-    """The extend write's two row-movement launches (``triton_pool.extend_move``, ``extend_ring_write``)
-    as ``write_extend`` makes them for a chunk after a cached prefix (Llama-3.1-8B's 8 KV heads, D 128,
-    bf16 pool): both compile for sm_90 and fit its shared memory."""
+    """The extend's row-movement launches as the pool makes them for a chunk after a cached prefix
+    (Llama-3.1-8B's 8 KV heads, D 128, bf16 pool): the attention inputs (``triton_pool.extend_context``)
+    and the write (``extend_move``, ``extend_ring_write``) compile for sm_90 and fit its shared memory."""
     from sglang_wgkv.config import WGKVConfig
     from sglang_wgkv.memory import DualCachePool
 
@@ -168,8 +168,10 @@ def test_extend_write_kernels_compile_for_sm90():
     pool.begin_extend([1], [0], [300])
     launches(lambda: pool.write_extend(0, k, k, torch.rand(300, H) < 0.5))  # the launches recorded, not run
     pool.begin_extend([1], [300], [300])
-    got = launches(lambda: pool.write_extend(0, k, k, torch.rand(300, H) < 0.5))
+    admit, positions = torch.rand(300, H) < 0.5, torch.arange(300, 600)
+    got = launches(lambda: pool.extend_inputs(0, k, k, admit, positions, torch.bfloat16))
+    got += launches(lambda: pool.write_extend(0, k, k, admit))
     names = [kernel.fn.__name__ for kernel, _, _ in got]
-    assert names == ["_extend_move_kernel", "_extend_ring_kernel"], names
+    assert names == ["_extend_context_kernel", "_extend_move_kernel", "_extend_ring_kernel"], names
     for kernel, bound, options in got:
         assert compile_sm90(kernel, bound, options).metadata.shared <= SM90_MAX_SHARED

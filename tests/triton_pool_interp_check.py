@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sglang_wgkv.config import WGKVConfig  # noqa: E402
 from sglang_wgkv.memory import DualCachePool  # noqa: E402
 from sglang_wgkv.memory import triton_pool  # noqa: E402
+from sglang_wgkv.memory.extend_step import FAR_POSITION as FAR  # noqa: E402
 from sglang_wgkv.memory.page_allocator import PoolExhausted  # noqa: E402
 
 L, H, D, W, R, CTX = 2, 3, 16, 32, 5, 200
@@ -112,8 +113,21 @@ def scenario(seed):
                 assert len(refused) == 2, f"seed {seed} step {step}: one pool refused the extend"
                 assert_same(ref, tri, f"seed {seed} step {step} (extend refused)")
                 break
-            for pool in pools:
-                for layer in range(L):
+            positions = torch.cat([torch.arange(S, S + n) for S, n in zip(prefix, lens)])
+            for layer in range(L):
+                got = [pool.extend_inputs(layer, k[layer], v[layer], admit[layer], positions, torch.bfloat16)
+                       for pool in pools]
+                (k0, v0, p0, a0), (k1, v1, p1, a1) = got
+                # a global row past its head's length (padding to the longest head) is never read: it
+                # may point at the dump page, whose contents the two pools need not share
+                read = ~((p0 == FAR)[:, None] & ~a0)
+                for name, x, y, rows in (("keys", k0, k1, read), ("values", v0, v1, read), ("k_pos", p0, p1, None),
+                                         ("admitted", a0, a1, None)):
+                    same = x.dtype == y.dtype and x.shape == y.shape and (
+                        torch.equal(x, y) if rows is None else torch.equal(x[rows], y[rows]))
+                    if not same:
+                        raise AssertionError(f"seed {seed} step {step} layer {layer}: extend_inputs {name} differs")
+                for pool in pools:
                     pool.write_extend(layer, k[layer], v[layer], admit[layer])
             chunked_any = True
             assert_same(ref, tri, f"seed {seed} step {step} extend {batch} after {prefix} by {lens}")

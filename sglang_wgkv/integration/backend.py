@@ -171,7 +171,6 @@ class WGKVAttnBackend(AttentionBackend):
         if self.config.random_admission is not None:
             self.generator = torch.Generator(device=self.device).manual_seed(self.settings.seed)
         self._extend = None   # (slots, prefix_lens, extend_lens) of the current extend forward
-        self._extend_plan = None  # the pool's ExtendPlan of that forward
         self._indptrs = None  # (qo_indptr [B + 1], kv_indptr [L, B + 1]) on the device, per extend forward
         self._gate_check = DeferredGateCheck(self.dual.num_layers, self.device)  # prefill gate values
         self.use_kernels = runtime.use_kernels  # the runtime's one torch/Triton choice
@@ -240,7 +239,7 @@ class WGKVAttnBackend(AttentionBackend):
             prefix, extend = forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
             self._extend = (host_slots, list(prefix), list(extend))
             self._rows = None
-            self._extend_plan = plan = self.dual.begin_extend(*self._extend)
+            plan = self.dual.begin_extend(*self._extend)
             self._indptrs = self._extend_indptrs(plan)
             declared = self.batch_prompt_ends
             if self.evictor is not None and declared is not None and declared[0] == self._extend[0]:
@@ -365,22 +364,11 @@ class WGKVAttnBackend(AttentionBackend):
         admit = self._admit(layer, k3, self._row_tau, check=True)
         if self.evictor is not None:
             self.evictor.observe_extend(layer.layer_id, q3)
-        slots, prefix_lens, extend_lens = self._extend
-        gcols = self._extend_plan.context_gcols
-        keys, values, k_pos, admitted = [], [], [], []
-        start = 0
-        for b, (r, S, n) in enumerate(zip(slots, prefix_lens, extend_lens)):
-            if S:  # cached context first: global entries (admitted) and the ring
-                ck, cv, cpos, cadm = self.dual.gather_context(layer.layer_id, r, S, gcols[b][layer.layer_id])
-                keys.append(ck), values.append(cv), k_pos.append(cpos), admitted.append(cadm)
-            keys.append(k3[start:start + n]), values.append(v3[start:start + n])
-            k_pos.append(forward_batch.positions[start:start + n]), admitted.append(admit[start:start + n])
-            start += n
+        keys, values, k_pos, admitted = self.dual.extend_inputs(layer.layer_id, k3, v3, admit, forward_batch.positions,
+                                                               q.dtype)
         qo_indptr, kv_indptr = self._indptrs
-        out = self._prefill(
-            q3, torch.cat(keys).to(q.dtype), torch.cat(values).to(q.dtype), torch.cat(admitted),
-            qo_indptr, kv_indptr[layer.layer_id], forward_batch.positions,
-            torch.cat(k_pos).to(forward_batch.positions.dtype), self.config.local_window, sm_scale=layer.scaling)
+        out = self._prefill(q3, keys, values, admitted, qo_indptr, kv_indptr[layer.layer_id], forward_batch.positions,
+                            k_pos, self.config.local_window, sm_scale=layer.scaling)
         self.dual.write_extend(layer.layer_id, k3, v3, admit)
         if layer.layer_id == self.dual.num_layers - 1:
             self._gate_check.end_forward()

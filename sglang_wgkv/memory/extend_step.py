@@ -185,6 +185,44 @@ class ExtendStep:
             self.v_pages[page, slot % PAGE_SIZE] = v[p.rw_src].to(self.dtype)
             self.ring_flag[rr, layer, heads, slot] = admit[p.rw_src]
 
+    def extend_inputs(self, layer: int, k: torch.Tensor, v: torch.Tensor, admit: torch.Tensor,
+                      positions: torch.Tensor, dtype: torch.dtype):
+        """One layer's attention inputs for the current extend: per request of the plan, its cached
+        context (:meth:`gather_context` with ``context_gcols``: no host sync) then its new rows,
+        concatenated over the batch. k, v ``[N, H, D]``, admit ``[N, H]``, positions ``[N]``: the
+        chunk's packed rows. Returns keys, values ``[Nk, H, D]`` in ``dtype``, k_pos ``[Nk]`` in
+        positions' dtype and admitted ``[Nk, H]`` bool. One Triton launch per request on a
+        ``triton_decode`` pool (:func:`~sglang_wgkv.memory.triton_pool.extend_context`), torch gathers
+        and concatenations otherwise; the same tensors either way."""
+        p = self._extend
+        if p is None:
+            raise RuntimeError("extend_inputs without begin_extend")
+        H, D, W = self.num_kv_heads, self.head_dim, self.window
+        segments, start, out0 = [], 0, 0
+        for b, (r, S, n) in enumerate(zip(p.req_slots, p.prefix_lens, p.extend_lens)):
+            gcols = p.context_gcols[b][layer]
+            segments.append((r, S, gcols, n, start, out0))
+            out0 += (gcols * PAGE_SIZE + min(S, W) if S else 0) + n
+            start += n
+        if self.triton_decode:
+            from sglang_wgkv.memory.triton_pool import extend_context
+
+            keys = torch.empty(out0, H, D, dtype=dtype, device=self.device)
+            values = torch.empty(out0, H, v.shape[2], dtype=dtype, device=self.device)
+            k_pos = torch.empty(out0, dtype=positions.dtype, device=self.device)
+            admitted = torch.empty(out0, H, dtype=torch.bool, device=self.device)
+            extend_context(self, layer, segments, k, v, admit, positions, keys, values, k_pos, admitted)
+            return keys, values, k_pos, admitted
+        keys, values, k_pos, admitted = [], [], [], []
+        for r, S, gcols, n, start, _ in segments:
+            if S:  # cached context first: global entries (admitted) and the ring
+                ck, cv, cpos, cadm = self.gather_context(layer, r, S, gcols)
+                keys.append(ck), values.append(cv), k_pos.append(cpos), admitted.append(cadm)
+            keys.append(k[start:start + n]), values.append(v[start:start + n])
+            k_pos.append(positions[start:start + n]), admitted.append(admit[start:start + n])
+        return (torch.cat(keys).to(dtype), torch.cat(values).to(dtype), torch.cat(k_pos).to(positions.dtype),
+                torch.cat(admitted))
+
     def gather_context(self, layer: int, r: int, prefix_len: int, gcols: int | None = None):
         """The cached context of slot ``r`` in ``layer`` before an extend after ``prefix_len`` tokens.
 

@@ -16,6 +16,8 @@ flags and page contents; only the never-read dump page may differ):
   their flags), one launch each instead of a gather, a cast, a ``where`` and an ``index_put`` per
   tensor; ``write_extend`` uses them on a ``triton_decode`` pool. Rows not admitted are not written
   (the torch ops send them to the dump page).
+* :func:`extend_context` = ``extend_inputs``' torch gathers and concatenations (each request's cached
+  context, ``gather_context``, then its new rows), one launch per request.
 """
 
 import torch
@@ -105,6 +107,50 @@ def _extend_ring_kernel(K, V, KPages, VPages, PageTable, RingFlag, Admit, Req, R
     tl.store(RingFlag + r * stride_fr + layer * stride_fl + h * stride_fh + slot, flag, mask=live)
 
 
+@triton.jit
+def _extend_context_kernel(KPages, VPages, PageTable, GlobalLen, RingFlag, K, V, Admit, Positions,
+                           OutK, OutV, OutPos, OutAdm, r, layer, prefix, window, ring_cols, g_rows, ring_n, n_new,
+                           start, out0, stride_pr, stride_pl, stride_ph, stride_gr, stride_gl, stride_fr, stride_fl,
+                           stride_fh, stride_kn, stride_kh, stride_vn, stride_vh, stride_an, stride_on, stride_oh,
+                           stride_dn, FAR: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                           BLOCK_R: tl.constexpr):
+    """Rows ``i`` of one block of request ``r``'s attention inputs, head ``h``, at output row ``out0 + i``:
+    ``i < g_rows`` its global entries (page column ``ring_cols + i // PAGE``; admitted iff
+    ``i < global_len``, position ``FAR``), then ``ring_n`` ring entries in position order (positions
+    ``prefix - ring_n ..``; their flags), then ``n_new`` rows ``start ..`` of the chunk."""
+    h = tl.program_id(1)
+    i = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    live = i < g_rows + ring_n + n_new
+    is_g = live & (i < g_rows)
+    is_r = live & (i >= g_rows) & (i < g_rows + ring_n)
+    is_n = live & (i >= g_rows + ring_n)
+    ctx = is_g | is_r
+    pos = prefix - ring_n + (i - g_rows)                       # ring rows
+    slot = tl.where(is_r, pos, 0) % window
+    col = tl.where(is_g, ring_cols + i // PAGE, slot // PAGE)
+    off = tl.where(is_g, i % PAGE, slot % PAGE)
+    page = tl.load(PageTable + r * stride_pr + layer * stride_pl + h * stride_ph + col, mask=ctx, other=0)
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    crow = (page.to(tl.int64) * PAGE + off)[:, None] * HEAD_DIM + d
+    t = start + i - g_rows - ring_n                            # chunk rows
+    orow = (out0 + i)[:, None] * stride_on + h * stride_oh + d
+    ck = tl.load(KPages + crow, mask=ctx[:, None]).to(OutK.dtype.element_ty)
+    nk = tl.load(K + t[:, None] * stride_kn + h * stride_kh + d, mask=is_n[:, None]).to(OutK.dtype.element_ty)
+    tl.store(OutK + orow, tl.where(ctx[:, None], ck, nk), mask=live[:, None])
+    cv = tl.load(VPages + crow, mask=ctx[:, None]).to(OutV.dtype.element_ty)
+    nv = tl.load(V + t[:, None] * stride_vn + h * stride_vh + d, mask=is_n[:, None]).to(OutV.dtype.element_ty)
+    tl.store(OutV + orow, tl.where(ctx[:, None], cv, nv), mask=live[:, None])
+    glen = tl.load(GlobalLen + r * stride_gr + layer * stride_gl + h)
+    r_adm = tl.load(RingFlag + r * stride_fr + layer * stride_fl + h * stride_fh + slot, mask=is_r, other=0)
+    n_adm = tl.load(Admit + t * stride_an + h, mask=is_n, other=0)
+    adm = tl.where(is_g, (i < glen).to(tl.uint8), tl.where(is_r, r_adm, n_adm))
+    tl.store(OutAdm + (out0 + i) * stride_dn + h, adm, mask=live)
+    if h == 0:
+        npos = tl.load(Positions + t, mask=is_n, other=0)
+        kpos = tl.where(is_g, FAR, tl.where(is_r, pos, npos))
+        tl.store(OutPos + out0 + i, kpos.to(OutPos.dtype.element_ty), mask=live)
+
+
 EXTEND_BLOCK = 64  # candidates / ring rows per program of the extend kernels
 
 
@@ -130,6 +176,31 @@ def extend_move(pool, k, v, flag, dest_page, dest, from_ring, src_page, slot, sr
         k, v, pool.k_pages, pool.v_pages, flag8, dest_page, dest, ring8, src_page, slot.contiguous(),
         src.contiguous(), C, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         H=H, HEAD_DIM=pool.head_dim, PAGE=PAGE_SIZE, BLOCK_C=EXTEND_BLOCK)
+
+
+def extend_context(pool, layer: int, segments, k, v, admit, positions, out_k, out_v, out_pos, out_adm) -> None:
+    """The attention inputs of one layer's extend into ``out_*`` (one launch per request):
+    ``segments`` = ``[(slot, prefix, global page columns, new rows, first chunk row, first output row)]``
+    (host ints); k, v ``[N, H, D]``, admit ``[N, H]`` bool, positions ``[N]`` the chunk's rows."""
+    from sglang_wgkv.memory.extend_step import FAR_POSITION
+
+    _check_rows(pool, k, v)
+    H, D, W = pool.num_kv_heads, pool.head_dim, pool.window
+    pt, gl, rf = pool.page_table, pool.global_len, pool.ring_flag.view(torch.uint8)
+    adm = admit.contiguous().view(torch.uint8)
+    oadm = out_adm.view(torch.uint8)
+    for r, prefix, gcols, n, start, out0 in segments:
+        g_rows, ring_n = (gcols * PAGE_SIZE, min(prefix, W)) if prefix else (0, 0)
+        rows = g_rows + ring_n + n
+        if not rows:
+            continue
+        _extend_context_kernel[(triton.cdiv(rows, EXTEND_BLOCK), H)](
+            pool.k_pages, pool.v_pages, pt, gl, rf, k, v, adm, positions, out_k, out_v, out_pos, oadm,
+            r, layer, prefix, W, pool.ring_cols, g_rows, ring_n, n, start, out0,
+            pt.stride(0), pt.stride(1), pt.stride(2), gl.stride(0), gl.stride(1), rf.stride(0), rf.stride(1),
+            rf.stride(2), k.stride(0), k.stride(1), v.stride(0), v.stride(1), adm.stride(0),
+            out_k.stride(0), out_k.stride(1), oadm.stride(0),
+            FAR=FAR_POSITION, HEAD_DIM=D, PAGE=PAGE_SIZE, BLOCK_R=EXTEND_BLOCK)
 
 
 def extend_ring_write(pool, layer: int, k, v, admit, req, rw_b, rw_slot, rw_src) -> None:
