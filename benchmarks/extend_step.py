@@ -1,0 +1,101 @@
+"""The pool's share of a prefill chunk (issue 15, W2): ``extend_inputs`` (each request's cached context
+and new rows, the attention's keys) and ``write_extend`` (admitted tokens leaving the ring into their
+global pages, the chunk's last tokens into the ring), torch ops against the Triton launches of a
+``triton_decode`` pool, at the served W2 shape by default: Llama-3.1-8B attention (32 layers, 8 KV heads,
+D 128, bf16), W_local 256, 25% random admission, chunks of 8,192 tokens of one 32,768-token request.
+
+python benchmarks/extend_step.py [--layers 32 --kv-heads 8 --head-dim 128 --window 256 --chunk 8192
+                                  --prompt 32768 --admit 0.25 --reps 3] [--out PATH]
+
+For each chunk position (a request's first chunk, then after 8K, 16K, 24K cached tokens) and path,
+the wall time of one chunk's pool work, every layer (begin_extend, then per layer extend_inputs and
+write_extend), synchronised before and after: the host's launches count, as they do in service. Each
+repetition takes a fresh request through the earlier chunks (untimed). The two paths' pools are also
+compared after the last chunk (their states must be equal). CUDA if available, else CPU (a smoke run:
+the Triton path then needs TRITON_INTERPRET=1). Writes benchmarks/results/kernels/extend_step.json.
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import environment, write_json  # noqa: E402
+from sglang_wgkv.config import WGKVConfig  # noqa: E402
+from sglang_wgkv.memory import DualCachePool  # noqa: E402
+
+
+def chunk_rows(a, dev, gen, start, n):
+    H, D = a.kv_heads, a.head_dim
+    k = torch.randn(a.layers, n, H, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(a.layers, n, H, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    admit = torch.rand(a.layers, n, H, device=dev, generator=gen) < a.admit
+    return k, v, admit, torch.arange(start, start + n, device=dev)
+
+
+def run_chunk(pool, r, start, rows, sync):
+    k, v, admit, pos = rows
+    sync()
+    t0 = time.perf_counter()
+    pool.begin_extend([r], [start], [k.shape[1]])
+    for layer in range(pool.num_layers):
+        pool.extend_inputs(layer, k[layer], v[layer], admit[layer], pos, torch.bfloat16)
+        pool.write_extend(layer, k[layer], v[layer], admit[layer])
+    sync()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--prompt", type=int, default=32768)
+    ap.add_argument("--admit", type=float, default=0.25)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "kernels" / "extend_step.json"))
+    a = ap.parse_args()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    L, H, D = a.layers, a.kv_heads, a.head_dim
+    starts = list(range(0, a.prompt, a.chunk))
+    pages = L * H * (-(-a.prompt // 16) + 4)  # every token kept would fit: admission never runs short
+    pools = {name: DualCachePool(L, H, D, num_pages=pages, max_requests=2, max_context_len=a.prompt + 64,
+                                 config=WGKVConfig(local_window=a.window), dtype=torch.bfloat16, device=dev,
+                                 triton_decode=t) for name, t in (("torch", False), ("triton", True))}
+    ms = {name: {s: [] for s in starts} for name in pools}
+    for rep in range(a.reps + 1):  # the first repetition warms up (Triton compiles, allocator)
+        for name, pool in pools.items():
+            gen = torch.Generator(device=dev).manual_seed(rep)
+            pool.alloc_request(1)
+            for s in starts:
+                t = run_chunk(pool, 1, s, chunk_rows(a, dev, gen, s, min(a.chunk, a.prompt - s)), sync)
+                if rep:
+                    ms[name][s].append(t)
+        same = all(torch.equal(getattr(pools["torch"], x), getattr(pools["triton"], x))
+                   for x in ("page_table", "global_len", "ring_flag"))
+        same = same and torch.equal(pools["torch"].k_pages[:-1], pools["triton"].k_pages[:-1])
+        for pool in pools.values():
+            pool.free_request(1)
+        if not same:
+            raise SystemExit(f"repetition {rep}: the torch and Triton pools differ")
+    rows = []
+    for s in starts:
+        med = {name: sorted(ms[name][s])[len(ms[name][s]) // 2] for name in pools}
+        rows.append({"prefix": s, "chunk": min(a.chunk, a.prompt - s), "torch_ms": med["torch"],
+                     "triton_ms": med["triton"], "speedup": med["torch"] / med["triton"]})
+        print(rows[-1], flush=True)
+    write_json(a.out, {"env": environment(), "command": "python " + " ".join(sys.argv),
+                       "shape": {"layers": L, "kv_heads": H, "head_dim": D, "window": a.window, "chunk": a.chunk,
+                                 "prompt": a.prompt, "admit": a.admit, "reps": a.reps, "device": dev},
+                       "rows": rows, "per_chunk_ms": "one chunk's pool work over every layer, wall clock"})
+
+
+if __name__ == "__main__":
+    main()
