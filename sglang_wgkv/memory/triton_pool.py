@@ -188,6 +188,9 @@ def extend_context(pool, layer: int, segments, k, v, admit, positions, out_k, ou
     H, D, W = pool.num_kv_heads, pool.head_dim, pool.window
     pt, gl, rf = pool.page_table, pool.global_len, pool.ring_flag.view(torch.uint8)
     adm = admit.contiguous().view(torch.uint8)
+    positions = positions.contiguous()  # read at row t
+    if out_k.stride(2) != 1 or out_v.stride() != out_k.stride() or out_pos.stride(0) != 1 or not out_adm.is_contiguous():
+        raise ValueError("the extend inputs' buffers must be contiguous (as extend_inputs allocates them)")
     oadm = out_adm.view(torch.uint8)
     for r, prefix, gcols, n, start, out0 in segments:
         g_rows, ring_n = (gcols * PAGE_SIZE, min(prefix, W)) if prefix else (0, 0)
