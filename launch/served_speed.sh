@@ -53,12 +53,17 @@
 #   none` 244 s (start 115 s); each `--wgkv-extra` variant of it 186-219 s; `beside-warm W4 ...` 230 s; `run
 #   upstream W1` after deleting ~/.cache/flashinfer and restoring it from the warm-up's tgz 166 s (start 61 s,
 #   only cascade.so built: fi_cache_restore works; carry the tgz a W1 upstream run returns, it holds cascade).
+#   2026-12-04 13:10 (four machines, 1,680 s): `kit2 && decode_fixed_cost.py --configs` (ten launch shapes) 33 s;
+#   `run wgkv W1,W0 --profile-workloads W1 --profile-dir $OUT/prof` 269 s; `run upstream W1` (same profile
+#   flags) 252 s; on a second machine `run wgkv W2` 200 s (carry .kit2 .fi .tc: .tc/triton_cache.tgz, the
+#   ~6 MB tgz a call returns, fits beside them), `run upstream W2` 197 s; each W2 run with
+#   `--profile-prefill-workloads W2` ~250 s. A call carrying .kit with .fi and .tc is over 64 MiB: `setup` alone.
 # WG-KV server variants (issue 15, e.g. the decode launch shape), each part against the default of the
 # same lease: run wgkv W1 --tag pdl --wgkv-extra "--wgkv-decode-launch pdl=1" (one call per variant),
 # then here: python benchmarks/served_speed.py ab <wgkv parts> --out benchmarks/results/serving/X.json --what '...'
-# Triton's compile cache: a call that compiled kernels returns $OUT/triton_cache.tgz; unpack it here
-# (mkdir -p .tc && tar xzf triton_cache.tgz -C .tc) and carry [".tc"] (with .fi) later: the servers'
-# first starts then skip the compiles (launch/device_common.sh).
+# Triton's compile cache: a call that compiled kernels returns $OUT/triton_cache.tgz; keep it as
+# .tc/triton_cache.tgz (mkdir -p .tc && cp triton_cache.tgz .tc/) and carry [".tc"] (with .kit2 and .fi)
+# later: the servers' first starts then skip the compiles (launch/device_common.sh).
 # To read a trace here (host gaps: trace_summary's largest_idle_gaps / inside), give --profile-dir
 # under $OUT (a .trace.json.gz under 16 MB comes back).
 # `run` writes part.<server>.<tag>.json, bench_serving's JSON lines and the server logs to $OUT. The
