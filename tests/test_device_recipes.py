@@ -83,3 +83,27 @@ def test_a_carried_cache_is_not_rebuilt(tmp_path, old_recipe):
         assert "no work to do" not in out and "stored deps info out of date" in out
     else:
         assert "no work to do" in out, out
+
+
+@pytest.mark.parametrize("layout", ["tgz", "unpacked"])
+def test_triton_cache_restore_takes_the_returned_tgz(tmp_path, layout):
+    """``triton_cache_restore`` fills ~/.triton/cache from ``.tc/triton_cache.tgz`` as a call returns it
+    (~6 MB, small enough to carry beside .kit2 and .fi) or from an unpacked ``.tc/cache``; a cache the
+    machine already has is left alone."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    src = tmp_path / "made" / "cache" / "abc"
+    src.mkdir(parents=True)
+    (src / "k.cubin").write_bytes(b"cubin")
+    (work / ".tc").mkdir(parents=True)
+    if layout == "tgz":
+        subprocess.run(["tar", "czf", str(work / ".tc" / "triton_cache.tgz"), "-C", str(tmp_path / "made"), "cache"],
+                       check=True)
+    else:
+        shutil.copytree(tmp_path / "made" / "cache", work / ".tc" / "cache")
+    home.mkdir()
+    restore = ["bash", "-c", f". {REPO}/launch/device_common.sh && triton_cache_restore"]
+    subprocess.run(restore, cwd=work, env={**os.environ, "HOME": str(home)}, check=True)
+    assert (home / ".triton" / "cache" / "abc" / "k.cubin").read_bytes() == b"cubin"
+    (home / ".triton" / "cache" / "abc" / "k.cubin").write_bytes(b"newer")
+    subprocess.run(restore, cwd=work, env={**os.environ, "HOME": str(home)}, check=True)
+    assert (home / ".triton" / "cache" / "abc" / "k.cubin").read_bytes() == b"newer"
