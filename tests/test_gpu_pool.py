@@ -235,10 +235,11 @@ def test_deferred_gate_check_raises_once_the_counts_land():
 
 @pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16], ids=["cast", "same"])
 def test_triton_extend_chunks_match_torch(in_dtype):
-    """Chunked prefill on twin pools, torch vs Triton row movement (``triton_pool.extend_context``,
-    ``extend_move`` and ``extend_ring_write``): the attention inputs and the pool after each chunk; batches of requests extended after cached prefixes inside and past the
-    ring, chunks shorter and longer than the ring, mixed admission, rows cast to the pool's dtype
-    (float32 in) or not (bf16 in, as served)."""
+    """Chunked prefill on twin pools, torch vs Triton row movement (``triton_extend.extend_context``,
+    ``extend_move`` and ``extend_ring_write``): the attention inputs and the pool after each chunk;
+    batches of requests extended after cached prefixes inside and past the ring, chunks shorter and
+    longer than the ring, mixed admission, rows cast to the pool's dtype (float32 in) or not (bf16 in,
+    as served)."""
     dev, L, H, D, W = "cuda", 3, 8, 128, 64
     torch.manual_seed(7)
     pools = [DualCachePool(L, H, D, num_pages=6000, max_requests=4, max_context_len=3000,
@@ -257,7 +258,8 @@ def test_triton_extend_chunks_match_torch(in_dtype):
             pool.begin_extend(batch, prefix, lens)
         for layer in range(L):
             (k0, v0, p0, a0), (k1, v1, p1, a1) = [
-                pool.extend_inputs(layer, k[layer], v[layer], admit[layer], positions, torch.bfloat16) for pool in pools]
+                pool.extend_inputs(layer, k[layer], v[layer], admit[layer], positions, torch.bfloat16)
+                for pool in pools]
             read = ~((p0 == FAR_POSITION)[:, None] & ~a0)  # global padding rows are never read
             assert torch.equal(p0, p1) and torch.equal(a0, a1)
             assert torch.equal(k0[read], k1[read]) and torch.equal(v0[read], v1[read])

@@ -155,7 +155,7 @@ def test_compile_takes_the_launch_specialization():
 
 def test_extend_write_kernels_compile_for_sm90():
     """The extend's row-movement launches as the pool makes them for a chunk after a cached prefix
-    (Llama-3.1-8B's 8 KV heads, D 128, bf16 pool): the attention inputs (``triton_pool.extend_context``)
+    (Llama-3.1-8B's 8 KV heads, D 128, bf16 pool): the attention inputs (``triton_extend.extend_context``)
     and the write (``extend_move``, ``extend_ring_write``) compile for sm_90 and fit its shared memory."""
     from sglang_wgkv.config import WGKVConfig
     from sglang_wgkv.memory import DualCachePool

@@ -64,9 +64,10 @@ class DualCachePool(ExtendStep, DecodeStep):
     triton_decode : :meth:`begin_decode` promotes with the Triton kernels of
         :func:`~sglang_wgkv.memory.triton_pool.decode_promote` (same resulting state as the torch
         ops of :meth:`_promote`, two launches, four at large batches), and :meth:`write_extend` moves
-        its rows with :func:`~sglang_wgkv.memory.triton_pool.extend_move` and ``extend_ring_write``
-        (one launch each); default: on CUDA devices. A server passes its one
-        torch/Triton choice (:class:`~sglang_wgkv.integration.runtime.WGKVRuntime`).
+        its rows with :func:`~sglang_wgkv.memory.triton_extend.extend_move` and ``extend_ring_write``
+        (one launch each), and :meth:`extend_inputs` gathers with ``extend_context``; default: on
+        CUDA devices. A server passes its one torch/Triton choice
+        (:class:`~sglang_wgkv.integration.runtime.WGKVRuntime`).
     reclaimer : ``fn(worst_case)`` that releases pages it can spare (a prefix cache dropping
         snapshots) before a step's reserve gives up; it must not allocate.
     """

@@ -162,7 +162,7 @@ class ExtendStep:
                                     self.dump_page)
             src_page = self.page_table[rc, layer, heads, ring_col].long()
             if self.triton_decode:  # one launch (the ring is read here, before the ring write below)
-                from sglang_wgkv.memory.triton_pool import extend_move
+                from sglang_wgkv.memory.triton_extend import extend_move
 
                 extend_move(self, k, v, flag, dest_page, dest, p.cand_from_ring, src_page, p.cand_slot, p.cand_src)
             else:
@@ -174,7 +174,7 @@ class ExtendStep:
             self.left_ring[layer] += p.cand_b.numel()
             self.promoted[layer] += cnt.sum(0)
         if p.rw_b.numel() and self.triton_decode:
-            from sglang_wgkv.memory.triton_pool import extend_ring_write
+            from sglang_wgkv.memory.triton_extend import extend_ring_write
 
             extend_ring_write(self, layer, k, v, admit, p.req, p.rw_b, p.rw_slot, p.rw_src)
         elif p.rw_b.numel():
@@ -192,7 +192,7 @@ class ExtendStep:
         concatenated over the batch. k, v ``[N, H, D]``, admit ``[N, H]``, positions ``[N]``: the
         chunk's packed rows. Returns keys, values ``[Nk, H, D]`` in ``dtype``, k_pos ``[Nk]`` in
         positions' dtype and admitted ``[Nk, H]`` bool. One Triton launch per request on a
-        ``triton_decode`` pool (:func:`~sglang_wgkv.memory.triton_pool.extend_context`), torch gathers
+        ``triton_decode`` pool (:func:`~sglang_wgkv.memory.triton_extend.extend_context`), torch gathers
         and concatenations otherwise; the same tensors either way."""
         p = self._extend
         if p is None:
@@ -205,7 +205,7 @@ class ExtendStep:
             out0 += (gcols * PAGE_SIZE + min(S, W) if S else 0) + n
             start += n
         if self.triton_decode:
-            from sglang_wgkv.memory.triton_pool import extend_context
+            from sglang_wgkv.memory.triton_extend import extend_context
 
             keys = torch.empty(out0, H, D, dtype=dtype, device=self.device)
             values = torch.empty(out0, H, v.shape[2], dtype=dtype, device=self.device)

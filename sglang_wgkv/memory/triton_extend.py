@@ -1,0 +1,192 @@
+"""Triton launches of the extend step (:mod:`~sglang_wgkv.memory.extend_step`) for the CUDA path: a
+prefill chunk, with or without a cached prefix, in one to three launches a layer instead of ~40 torch
+gathers, casts, ``where``s, concatenations and index writes. Each leaves exactly the tensors (and the
+pool) its torch ops leave, except the never-read dump page (the torch ops send rows that are not
+admitted there; these kernels do not write them):
+
+* :func:`extend_context` = ``ExtendStep.extend_inputs``' torch path (each request's cached context,
+  ``gather_context``: global entries padded to the longest head, then the ring in position order;
+  then its new rows), one launch per request;
+* :func:`extend_move` = the row movement of ``write_extend`` (admitted tokens leaving the ring into
+  their global slots), one launch, before
+* :func:`extend_ring_write` = its ring write (the chunk's last tokens and their flags), one launch.
+
+A pool built with ``triton_decode`` uses them (:meth:`ExtendStep.write_extend`, ``extend_inputs``).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang_wgkv.config import PAGE_SIZE
+
+@triton.jit
+def _extend_move_kernel(K, V, KPages, VPages, Flag, DestPage, Dest, FromRing, SrcPage, Slot, Src, n_cand,
+                        stride_kn, stride_kh, stride_vn, stride_vh,
+                        H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Candidates ``c`` of one block, head ``h``: an admitted one's key and value go to global slot
+    ``(DestPage[c, h], Dest[c, h] % PAGE)``, read from its ring slot (``FromRing[c]``: page
+    ``SrcPage[c, h]``, offset ``Slot[c] % PAGE``) or from the chunk's row ``Src[c]``."""
+    h = tl.program_id(1)
+    c = (tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    live = c < n_cand
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    flag = tl.load(Flag + c * H + h, mask=live, other=0) != 0
+    ring = flag & (tl.load(FromRing + c, mask=flag, other=0) != 0)
+    new = flag & ~ring
+    dst = tl.load(DestPage + c * H + h, mask=flag, other=0) * PAGE \
+        + tl.load(Dest + c * H + h, mask=flag, other=0) % PAGE
+    dst = dst[:, None] * HEAD_DIM + d
+    ring_row = tl.load(SrcPage + c * H + h, mask=ring, other=0) * PAGE + tl.load(Slot + c, mask=ring, other=0) % PAGE
+    ring_row = ring_row[:, None] * HEAD_DIM + d
+    row = tl.load(Src + c, mask=new, other=0)
+    _move_rows(KPages, K + row[:, None] * stride_kn + h * stride_kh + d, ring_row, dst, flag, ring, new)
+    _move_rows(VPages, V + row[:, None] * stride_vn + h * stride_vh + d, ring_row, dst, flag, ring, new)
+
+
+@triton.jit
+def _move_rows(Pages, new_ptr, ring_row, dst, flag, ring, new):
+    from_ring = tl.load(Pages + ring_row, mask=ring[:, None])
+    from_new = tl.load(new_ptr, mask=new[:, None]).to(Pages.dtype.element_ty)
+    tl.store(Pages + dst, tl.where(ring[:, None], from_ring, from_new), mask=flag[:, None])
+
+
+@triton.jit
+def _extend_ring_kernel(K, V, KPages, VPages, PageTable, RingFlag, Admit, Req, RwB, RwSlot, RwSrc, layer, n_rows,
+                        stride_kn, stride_kh, stride_vn, stride_vh, stride_pr, stride_pl, stride_ph,
+                        stride_fr, stride_fl, stride_fh, stride_an,
+                        HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Ring rows ``i`` of one block, head ``h``: the chunk's row ``RwSrc[i]`` into ring slot
+    ``RwSlot[i]`` of request ``Req[RwB[i]]``, its key, value and admission flag."""
+    h = tl.program_id(1)
+    i = (tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    live = i < n_rows
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    r = tl.load(Req + tl.load(RwB + i, mask=live, other=0), mask=live, other=0).to(tl.int64)
+    slot = tl.load(RwSlot + i, mask=live, other=0).to(tl.int64)
+    src = tl.load(RwSrc + i, mask=live, other=0).to(tl.int64)
+    page = tl.load(PageTable + r * stride_pr + layer * stride_pl + h * stride_ph + slot // PAGE, mask=live, other=0)
+    dst = (page.to(tl.int64) * PAGE + slot % PAGE)[:, None] * HEAD_DIM + d
+    k = tl.load(K + src[:, None] * stride_kn + h * stride_kh + d, mask=live[:, None])
+    tl.store(KPages + dst, k.to(KPages.dtype.element_ty), mask=live[:, None])
+    v = tl.load(V + src[:, None] * stride_vn + h * stride_vh + d, mask=live[:, None])
+    tl.store(VPages + dst, v.to(VPages.dtype.element_ty), mask=live[:, None])
+    flag = tl.load(Admit + src * stride_an + h, mask=live, other=0)
+    tl.store(RingFlag + r * stride_fr + layer * stride_fl + h * stride_fh + slot, flag, mask=live)
+
+
+@triton.jit
+def _extend_context_kernel(KPages, VPages, PageTable, GlobalLen, RingFlag, K, V, Admit, Positions,
+                           OutK, OutV, OutPos, OutAdm, r, layer, prefix, window, ring_cols, g_rows, ring_n, n_new,
+                           start, out0, stride_pr, stride_pl, stride_ph, stride_gr, stride_gl, stride_fr, stride_fl,
+                           stride_fh, stride_kn, stride_kh, stride_vn, stride_vh, stride_an, stride_on, stride_oh,
+                           stride_dn, FAR: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                           BLOCK_R: tl.constexpr):
+    """Rows ``i`` of one block of request ``r``'s attention inputs, head ``h``, at output row ``out0 + i``:
+    ``i < g_rows`` its global entries (page column ``ring_cols + i // PAGE``; admitted iff
+    ``i < global_len``, position ``FAR``), then ``ring_n`` ring entries in position order (positions
+    ``prefix - ring_n ..``; their flags), then ``n_new`` rows ``start ..`` of the chunk."""
+    h = tl.program_id(1)
+    i = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    live = i < g_rows + ring_n + n_new
+    is_g = live & (i < g_rows)
+    is_r = live & (i >= g_rows) & (i < g_rows + ring_n)
+    is_n = live & (i >= g_rows + ring_n)
+    ctx = is_g | is_r
+    pos = prefix - ring_n + (i - g_rows)                       # ring rows
+    slot = tl.where(is_r, pos, 0) % window
+    col = tl.where(is_g, ring_cols + i // PAGE, slot // PAGE)
+    off = tl.where(is_g, i % PAGE, slot % PAGE)
+    page = tl.load(PageTable + r * stride_pr + layer * stride_pl + h * stride_ph + col, mask=ctx, other=0)
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    crow = (page.to(tl.int64) * PAGE + off)[:, None] * HEAD_DIM + d
+    t = start + i - g_rows - ring_n                            # chunk rows
+    orow = (out0 + i)[:, None] * stride_on + h * stride_oh + d
+    ck = tl.load(KPages + crow, mask=ctx[:, None]).to(OutK.dtype.element_ty)
+    nk = tl.load(K + t[:, None] * stride_kn + h * stride_kh + d, mask=is_n[:, None]).to(OutK.dtype.element_ty)
+    tl.store(OutK + orow, tl.where(ctx[:, None], ck, nk), mask=live[:, None])
+    cv = tl.load(VPages + crow, mask=ctx[:, None]).to(OutV.dtype.element_ty)
+    nv = tl.load(V + t[:, None] * stride_vn + h * stride_vh + d, mask=is_n[:, None]).to(OutV.dtype.element_ty)
+    tl.store(OutV + orow, tl.where(ctx[:, None], cv, nv), mask=live[:, None])
+    glen = tl.load(GlobalLen + r * stride_gr + layer * stride_gl + h)
+    r_adm = tl.load(RingFlag + r * stride_fr + layer * stride_fl + h * stride_fh + slot, mask=is_r, other=0)
+    n_adm = tl.load(Admit + t * stride_an + h, mask=is_n, other=0)
+    adm = tl.where(is_g, (i < glen).to(tl.uint8), tl.where(is_r, r_adm, n_adm))
+    tl.store(OutAdm + (out0 + i) * stride_dn + h, adm, mask=live)
+    if h == 0:
+        npos = tl.load(Positions + t, mask=is_n, other=0)
+        kpos = tl.where(is_g, FAR, tl.where(is_r, pos, npos))
+        tl.store(OutPos + out0 + i, kpos.to(OutPos.dtype.element_ty), mask=live)
+
+
+EXTEND_BLOCK = 64  # candidates / ring rows per program of the extend kernels
+
+
+def _check_rows(pool, k, v):
+    if k.shape[1:] != (pool.num_kv_heads, pool.head_dim) or v.shape != k.shape or k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError(f"k/v [N, {pool.num_kv_heads}, {pool.head_dim}] with a contiguous last dim expected, got "
+                         f"{tuple(k.shape)} {k.stride()}, {tuple(v.shape)} {v.stride()}")
+
+
+def extend_move(pool, k, v, flag, dest_page, dest, from_ring, src_page, slot, src) -> None:
+    """Admitted candidates of ``write_extend`` into their global slots (one launch). ``flag``,
+    ``dest_page``, ``dest``, ``src_page`` ``[C, H]``; ``from_ring``, ``slot``, ``src`` ``[C]``;
+    k, v ``[N, H, D]`` the chunk's rows. Reads ring slots before :func:`extend_ring_write` overwrites
+    them (same stream)."""
+    _check_rows(pool, k, v)
+    C, H = flag.shape
+    if not C:
+        return
+    flag8 = flag.contiguous().view(torch.uint8)
+    ring8 = from_ring.contiguous().view(torch.uint8)
+    dest_page, dest, src_page = dest_page.contiguous(), dest.contiguous(), src_page.contiguous()
+    _extend_move_kernel[(triton.cdiv(C, EXTEND_BLOCK), H)](
+        k, v, pool.k_pages, pool.v_pages, flag8, dest_page, dest, ring8, src_page, slot.contiguous(),
+        src.contiguous(), C, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        H=H, HEAD_DIM=pool.head_dim, PAGE=PAGE_SIZE, BLOCK_C=EXTEND_BLOCK)
+
+
+def extend_context(pool, layer: int, segments, k, v, admit, positions, out_k, out_v, out_pos, out_adm) -> None:
+    """The attention inputs of one layer's extend into ``out_*`` (one launch per request):
+    ``segments`` = ``[(slot, prefix, global page columns, new rows, first chunk row, first output row)]``
+    (host ints); k, v ``[N, H, D]``, admit ``[N, H]`` bool, positions ``[N]`` the chunk's rows."""
+    from sglang_wgkv.memory.extend_step import FAR_POSITION
+
+    _check_rows(pool, k, v)
+    H, D, W = pool.num_kv_heads, pool.head_dim, pool.window
+    pt, gl, rf = pool.page_table, pool.global_len, pool.ring_flag.view(torch.uint8)
+    adm = admit.contiguous().view(torch.uint8)
+    positions = positions.contiguous()  # read at row t
+    if (out_k.stride(2) != 1 or out_v.stride() != out_k.stride() or out_pos.stride(0) != 1
+            or not out_adm.is_contiguous()):
+        raise ValueError("the extend inputs' buffers must be contiguous (as extend_inputs allocates them)")
+    oadm = out_adm.view(torch.uint8)
+    for r, prefix, gcols, n, start, out0 in segments:
+        g_rows, ring_n = (gcols * PAGE_SIZE, min(prefix, W)) if prefix else (0, 0)
+        rows = g_rows + ring_n + n
+        if not rows:
+            continue
+        _extend_context_kernel[(triton.cdiv(rows, EXTEND_BLOCK), H)](
+            pool.k_pages, pool.v_pages, pt, gl, rf, k, v, adm, positions, out_k, out_v, out_pos, oadm,
+            r, layer, prefix, W, pool.ring_cols, g_rows, ring_n, n, start, out0,
+            pt.stride(0), pt.stride(1), pt.stride(2), gl.stride(0), gl.stride(1), rf.stride(0), rf.stride(1),
+            rf.stride(2), k.stride(0), k.stride(1), v.stride(0), v.stride(1), adm.stride(0),
+            out_k.stride(0), out_k.stride(1), oadm.stride(0),
+            FAR=FAR_POSITION, HEAD_DIM=D, PAGE=PAGE_SIZE, BLOCK_R=EXTEND_BLOCK)
+
+
+def extend_ring_write(pool, layer: int, k, v, admit, req, rw_b, rw_slot, rw_src) -> None:
+    """The chunk's ring rows of ``write_extend`` (one launch): row ``rw_src[i]`` of k, v and its flag
+    ``admit[rw_src[i]]`` into ring slot ``rw_slot[i]`` of request ``req[rw_b[i]]``."""
+    _check_rows(pool, k, v)
+    n = rw_b.numel()
+    if not n:
+        return
+    H = pool.num_kv_heads
+    pt, rf = pool.page_table, pool.ring_flag.view(torch.uint8)
+    adm = admit.contiguous().view(torch.uint8)
+    _extend_ring_kernel[(triton.cdiv(n, EXTEND_BLOCK), H)](
+        k, v, pool.k_pages, pool.v_pages, pt, rf, adm, req, rw_b, rw_slot, rw_src, layer, n,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), pt.stride(0), pt.stride(1), pt.stride(2),
+        rf.stride(0), rf.stride(1), rf.stride(2), adm.stride(0),
+        HEAD_DIM=pool.head_dim, PAGE=PAGE_SIZE, BLOCK_C=EXTEND_BLOCK)
