@@ -151,11 +151,8 @@ def main():
         results["empty_ms_per_layer"] = timed("fused", empty, q, out, splits, td) / 16
     rows = [r for r in results["by_length"] if "ms_per_layer" in r]
     if len(rows) >= 2:
-        x = np.array([r["kv_bytes_per_layer"] for r in rows])
         for name in rows[0]["ms_per_layer"]:
-            y = np.array([r["ms_per_layer"][name] for r in rows])
-            slope, fixed = np.polyfit(x, y, 1)
-            results["fit"][name] = {"fixed_us": fixed * 1e3, "tbps_marginal": 1e-9 / (slope * 1e-3)}
+            results["fit"][name] = fit_line([(r["kv_bytes_per_layer"], r["ms_per_layer"][name]) for r in rows])
     if configs:
         results["configs"] = config_summary(configs, launch_splits, rows, args.min_gain)
         if args.best_out:
@@ -167,6 +164,12 @@ def main():
            "configs": results.get("configs")}, flush=True)
 
 
+def fit_line(points) -> dict:
+    """``ms = fixed + bytes / bandwidth`` by least squares over ``(bytes, ms)`` points."""
+    slope, fixed = np.polyfit([b for b, _ in points], [ms for _, ms in points], 1)
+    return {"fixed_us": float(fixed) * 1e3, "tbps_marginal": 1e-9 / (float(slope) * 1e-3)}
+
+
 def config_summary(configs, launch_splits, rows, min_gain):
     """Per launch shape: its split count, ms per layer at the W1 length, the fit over the lengths that
     timed it; ``best``: the fastest spec at the W1 length if it beats the default ``""`` by
@@ -176,12 +179,8 @@ def config_summary(configs, launch_splits, rows, min_gain):
     for spec in configs:
         pts = [(r["kv_bytes_per_layer"], r["config_ms_per_layer"][spec]) for r in rows
                if spec in r.get("config_ms_per_layer", {})]
-        fit = None
-        if len(pts) >= 2:
-            slope, fixed = np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1)
-            fit = {"fixed_us": float(fixed) * 1e3, "tbps_marginal": 1e-9 / (float(slope) * 1e-3)}
         out["rows"].append({"spec": spec, "splits": launch_splits[spec], "w1_ms_per_layer": w1.get(spec),
-                            "fit": fit})
+                            "fit": fit_line(pts) if len(pts) >= 2 else None})
     if len(w1) == len(configs) and "" in w1:
         best = min(w1, key=w1.get)
         if w1[""] / w1[best] >= 1 + min_gain:

@@ -59,7 +59,6 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from sglang_wgkv.attention.folded_index import build_folded_indices
 from sglang_wgkv.attention import reference
-from sglang_wgkv.config import PAGE_SIZE
 from sglang_wgkv.gate import GateConfig, WriteGates, load_gates
 from sglang_wgkv.gate.admission import DeferredGateCheck, admission_flags
 from sglang_wgkv.gate.checkpoint import check_served_window
@@ -67,7 +66,7 @@ from sglang_wgkv.integration.key_capture import PreRopeKeyCapture
 from sglang_wgkv.integration.kv_pool import WGKVTokenToKVPool
 from sglang_wgkv.integration.runtime import get_runtime
 from sglang_wgkv.integration.settings import BACKEND_NAME, ServingSettings
-from sglang_wgkv.memory.extend_step import to_device
+from sglang_wgkv.memory.extend_step import context_rows, to_device
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -255,7 +254,7 @@ class WGKVAttnBackend(AttentionBackend):
         its new tokens) and copied once, so no layer waits for the host."""
         W, L = self.dual.window, self.dual.num_layers
         qo = np.concatenate([[0], np.cumsum(plan.extend_lens)])
-        keys = np.array([[n + (gc[layer] * PAGE_SIZE + min(S, W) if S else 0)
+        keys = np.array([[n + sum(context_rows(S, gc[layer], W))
                           for gc, S, n in zip(plan.context_gcols, plan.prefix_lens, plan.extend_lens)]
                          for layer in range(L)], dtype=np.int64).reshape(L, -1)
         kv = np.concatenate([np.zeros((L, 1), np.int64), np.cumsum(keys, 1)], 1)

@@ -15,6 +15,13 @@ from sglang_wgkv.config import PAGE_SIZE
 FAR_POSITION = -(2**30)  # position given to global entries: beyond every query's local band
 
 
+def context_rows(prefix_len: int, gcols: int, window: int) -> tuple[int, int]:
+    """(global rows, ring rows) of a request's cached context as :meth:`ExtendStep.gather_context` returns
+    it: ``gcols`` pages of global entries (padded to the longest head) and the ring's ``min(prefix, W)``
+    tokens; none without a prefix."""
+    return (gcols * PAGE_SIZE, min(prefix_len, window)) if prefix_len else (0, 0)
+
+
 def to_device(device: torch.device, parts, dtype=np.int64) -> torch.Tensor:
     """A host array (or a list of arrays, concatenated) as a tensor on ``device``, copied without a
     host sync on CUDA: pinned staging and a non-blocking copy (``torch.tensor(list, device=cuda)``
@@ -197,12 +204,12 @@ class ExtendStep:
         p = self._extend
         if p is None:
             raise RuntimeError("extend_inputs without begin_extend")
-        H, D, W = self.num_kv_heads, self.head_dim, self.window
+        H, D = self.num_kv_heads, self.head_dim
         segments, start, out0 = [], 0, 0
         for b, (r, S, n) in enumerate(zip(p.req_slots, p.prefix_lens, p.extend_lens)):
-            gcols = p.context_gcols[b][layer]
-            segments.append((r, S, gcols, n, start, out0))
-            out0 += (gcols * PAGE_SIZE + min(S, W) if S else 0) + n
+            g_rows, ring_n = context_rows(S, p.context_gcols[b][layer], self.window)
+            segments.append((r, S, g_rows, ring_n, n, start, out0))
+            out0 += g_rows + ring_n + n
             start += n
         if self.triton_decode:
             from sglang_wgkv.memory.triton_extend import extend_context
@@ -214,9 +221,9 @@ class ExtendStep:
             extend_context(self, layer, segments, k, v, admit, positions, keys, values, k_pos, admitted)
             return keys, values, k_pos, admitted
         keys, values, k_pos, admitted = [], [], [], []
-        for r, S, gcols, n, start, _ in segments:
+        for r, S, g_rows, _, n, start, _ in segments:
             if S:  # cached context first: global entries (admitted) and the ring
-                ck, cv, cpos, cadm = self.gather_context(layer, r, S, gcols)
+                ck, cv, cpos, cadm = self.gather_context(layer, r, S, g_rows // PAGE_SIZE)
                 keys.append(ck), values.append(cv), k_pos.append(cpos), admitted.append(cadm)
             keys.append(k[start:start + n]), values.append(v[start:start + n])
             k_pos.append(positions[start:start + n]), admitted.append(admit[start:start + n])

@@ -148,8 +148,8 @@ def extend_move(pool, k, v, flag, dest_page, dest, from_ring, src_page, slot, sr
 
 def extend_context(pool, layer: int, segments, k, v, admit, positions, out_k, out_v, out_pos, out_adm) -> None:
     """The attention inputs of one layer's extend into ``out_*`` (one launch per request):
-    ``segments`` = ``[(slot, prefix, global page columns, new rows, first chunk row, first output row)]``
-    (host ints); k, v ``[N, H, D]``, admit ``[N, H]`` bool, positions ``[N]`` the chunk's rows."""
+    ``segments`` = ``[(slot, prefix, global rows, ring rows, new rows, first chunk row, first output row)]``
+    (host ints; the context's rows as :func:`~sglang_wgkv.memory.extend_step.context_rows` counts them); k, v ``[N, H, D]``, admit ``[N, H]`` bool, positions ``[N]`` the chunk's rows."""
     from sglang_wgkv.memory.extend_step import FAR_POSITION
 
     _check_rows(pool, k, v)
@@ -161,8 +161,7 @@ def extend_context(pool, layer: int, segments, k, v, admit, positions, out_k, ou
             or not out_adm.is_contiguous()):
         raise ValueError("the extend inputs' buffers must be contiguous (as extend_inputs allocates them)")
     oadm = out_adm.view(torch.uint8)
-    for r, prefix, gcols, n, start, out0 in segments:
-        g_rows, ring_n = (gcols * PAGE_SIZE, min(prefix, W)) if prefix else (0, 0)
+    for r, prefix, g_rows, ring_n, n, start, out0 in segments:
         rows = g_rows + ring_n + n
         if not rows:
             continue
