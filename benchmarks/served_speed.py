@@ -550,7 +550,11 @@ def ab(a) -> None:
 
 
 def plot(rows: list[dict], png: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the `train` extra brings it; the tables and JSON do not need it
+        print(f"matplotlib is not installed (pip install -e .[train]): {png} not redrawn", file=sys.stderr)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
