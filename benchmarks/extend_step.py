@@ -1,7 +1,7 @@
 """The pool's share of a prefill chunk (issue 15, W2): ``extend_inputs`` (each request's cached context
 and new rows, the attention's keys) and ``write_extend`` (admitted tokens leaving the ring into their
 global pages, the chunk's last tokens into the ring), torch ops against the Triton launches of a
-``triton_decode`` pool, at the served W2 shape by default: Llama-3.1-8B attention (32 layers, 8 KV heads,
+``triton_extend`` pool, at the served W2 shape by default: Llama-3.1-8B attention (32 layers, 8 KV heads,
 D 128, bf16), W_local 256, 25% random admission, chunks of 8,192 tokens of one 32,768-token request.
 
 python benchmarks/extend_step.py [--layers 32 --kv-heads 8 --head-dim 128 --window 256 --chunk 8192
@@ -68,7 +68,7 @@ def main():
     pages = L * H * (-(-a.prompt // 16) + 4)  # every token kept would fit: admission never runs short
     pools = {name: DualCachePool(L, H, D, num_pages=pages, max_requests=2, max_context_len=a.prompt + 64,
                                  config=WGKVConfig(local_window=a.window), dtype=torch.bfloat16, device=dev,
-                                 triton_decode=t) for name, t in (("torch", False), ("triton", True))}
+                                 triton_decode=t, triton_extend=t) for name, t in (("torch", False), ("triton", True))}
     ms = {name: {s: [] for s in starts} for name in pools}
     for rep in range(a.reps + 1):  # the first repetition warms up (Triton compiles, allocator)
         for name, pool in pools.items():

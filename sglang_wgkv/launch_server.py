@@ -43,7 +43,7 @@ from sglang_wgkv.integration.settings import ATTENTION_IMPLS, BACKEND_NAME, DEFA
 CPU_KV_RAM_FRACTION = 0.125
 WGKV_FLAGS = ("--kv-budget", "--wgkv-gates", "--wgkv-tau", "--wgkv-local-window",
               "--wgkv-random-admission", "--wgkv-seed", "--wgkv-attention", "--wgkv-overcommit",
-              "--wgkv-decode-launch")
+              "--wgkv-decode-launch", "--wgkv-extend-kernels")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--wgkv-attention", choices=ATTENTION_IMPLS, default="auto")
     parser.add_argument("--wgkv-overcommit", type=float, default=None)
     parser.add_argument("--wgkv-decode-launch", default="")
+    parser.add_argument("--wgkv-extend-kernels", action="store_true")
     parser.add_argument("--disable-wgkv", action="store_true")
     return parser
 
@@ -223,7 +224,8 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
     try:
         settings = ServingSettings(config=config, gates_path=gates_path, seed=ours.wgkv_seed,
                                    attention=ours.wgkv_attention, overcommit=overcommit,
-                                   decode_launch=ours.wgkv_decode_launch)
+                                   decode_launch=ours.wgkv_decode_launch,
+                                   extend_kernels=ours.wgkv_extend_kernels)
     except ValueError as e:
         raise ValueError(f"invalid WG-KV option: {e}") from e
     env[ENV_VAR] = settings.to_env()

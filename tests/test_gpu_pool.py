@@ -243,7 +243,8 @@ def test_triton_extend_chunks_match_torch(in_dtype):
     dev, L, H, D, W = "cuda", 3, 8, 128, 64
     torch.manual_seed(7)
     pools = [DualCachePool(L, H, D, num_pages=6000, max_requests=4, max_context_len=3000,
-                           config=WGKVConfig(local_window=W), device=dev, triton_decode=t) for t in (False, True)]
+                           config=WGKVConfig(local_window=W), device=dev, triton_decode=t, triton_extend=t)
+             for t in (False, True)]
     for pool in pools:
         for r in (0, 2, 3):
             pool.alloc_request(r)

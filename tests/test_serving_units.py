@@ -234,6 +234,25 @@ def test_decode_launch_spec(monkeypatch):
     assert choose_num_splits(1, 8, 126976) == 66 and choose_num_splits(1, 8, 126976, programs_per_sm=2) == 33
 
 
+def test_extend_kernels_opt_in(monkeypatch):
+    """--wgkv-extend-kernels: the pool's Triton extend launches, off unless asked (not yet run on a GPU);
+    handed to the schedulers with the other settings; refused with the reference attention and with
+    --disable-wgkv."""
+    from sglang_wgkv.launch_server import resolve
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve(["--model-path", "/m"])[0].extend_kernels is False
+    from sglang_wgkv.memory import DualCachePool
+
+    assert DualCachePool(1, 1, 16, 8, 1, 64).triton_extend is False
+    settings, _, env = resolve(["--model-path", "/m", "--wgkv-extend-kernels"])
+    assert settings.extend_kernels and ServingSettings.from_env(env) == settings
+    with pytest.raises(ValueError, match="needs the kernels path"):
+        resolve(["--model-path", "/m", "--wgkv-extend-kernels", "--wgkv-attention", "reference"])
+    with pytest.raises(ValueError, match="configure WG-KV"):
+        resolve(["--model-path", "/m", "--disable-wgkv", "--wgkv-extend-kernels"])
+
+
 def test_launcher_refuses_float32_on_cuda(monkeypatch):
     """SGLang's CUDA RMSNorm has no float32 kernel: such a server died at its first forward on the
     H200 (2026-12-04). The launcher says so before start-up; CPU float32 (the tests' default) stays."""

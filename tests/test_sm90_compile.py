@@ -162,7 +162,7 @@ def test_extend_write_kernels_compile_for_sm90():
 
     L, H, D = 1, 8, 128
     pool = DualCachePool(L, H, D, num_pages=400, max_requests=2, max_context_len=2048,
-                         config=WGKVConfig(local_window=256), triton_decode=True)
+                         config=WGKVConfig(local_window=256), triton_decode=True, triton_extend=True)
     pool.alloc_request(1)
     k = torch.randn(300, H, D, dtype=torch.bfloat16)
     pool.begin_extend([1], [0], [300])

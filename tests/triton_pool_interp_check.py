@@ -32,9 +32,11 @@ def bf16(x):
     return x.to(torch.bfloat16)
 
 
-def make_pool(num_pages, triton_decode):
+def make_pool(num_pages, triton):
+    """A pool on the torch ops (False) or on every Triton pool launch (True: promotion and extend)."""
     return DualCachePool(L, H, D, num_pages=num_pages, max_requests=R, max_context_len=CTX,
-                         config=WGKVConfig(local_window=W), dtype=torch.bfloat16, triton_decode=triton_decode)
+                         config=WGKVConfig(local_window=W), dtype=torch.bfloat16, triton_decode=triton,
+                         triton_extend=triton)
 
 
 def assert_same(a, b, where, plans=None):

@@ -140,7 +140,7 @@ class WGKVRuntime:
             num_pages=physical_pages(self.plan.physical_tokens, num_layers, num_kv_heads),
             max_requests=max_requests, max_context_len=max_context_len, config=self.settings.config,
             dtype=configurator.kv_cache_dtype, device=configurator.device, triton_decode=self.use_kernels,
-            reclaimer=self._reclaim)
+            triton_extend=self.use_kernels and self.settings.extend_kernels, reclaimer=self._reclaim)
         config = self.settings.config
         if config.kv_budget is not None:
             from sglang_wgkv.memory import SnapKVEvictor

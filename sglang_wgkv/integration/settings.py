@@ -53,6 +53,8 @@ class ServingSettings:
         :data:`DEFAULT_GPU_OVERCOMMIT`.
     decode_launch : the kernels path's decode split-kernel launch shape,
         ``DecodeConfig.parse``'s spec (``""``: its defaults); for measuring launch shapes in service.
+    extend_kernels : the kernels path's pool moves a prefill chunk's rows with Triton launches
+        (``DualCachePool(triton_extend=True)``); off by default until they have run on a GPU.
     """
 
     config: WGKVConfig = field(default_factory=WGKVConfig)
@@ -61,6 +63,7 @@ class ServingSettings:
     attention: str = "auto"
     overcommit: float | None = None
     decode_launch: str = ""
+    extend_kernels: bool = False
 
     def __post_init__(self):
         if self.attention not in ATTENTION_IMPLS:
@@ -73,6 +76,8 @@ class ServingSettings:
             from sglang_wgkv.attention.triton_decode import DecodeConfig
 
             DecodeConfig.parse(self.decode_launch)  # ValueError naming the field
+        if self.extend_kernels and self.attention == "reference":
+            raise ValueError("extend_kernels needs the kernels path (attention 'kernels' or 'auto')")
 
     def decode_graph_blocker(self, device: str | None, dtype: str | None = None) -> str | None:
         """Why the ``wgkv`` decode cannot run under SGLang's CUDA graphs with SGLang's ``--device`` and
@@ -88,7 +93,7 @@ class ServingSettings:
     def to_env(self) -> str:
         return json.dumps({"config": asdict(self.config), "gates_path": self.gates_path, "seed": self.seed,
                            "attention": self.attention, "overcommit": self.overcommit,
-                           "decode_launch": self.decode_launch})
+                           "decode_launch": self.decode_launch, "extend_kernels": self.extend_kernels})
 
     @classmethod
     def from_env(cls, environ=None) -> "ServingSettings":
@@ -100,6 +105,7 @@ class ServingSettings:
             data = json.loads(raw)
             return cls(config=WGKVConfig(**data["config"]), gates_path=data.get("gates_path"),
                        seed=int(data.get("seed", 0)), attention=data.get("attention", "auto"),
-                       overcommit=data.get("overcommit"), decode_launch=data.get("decode_launch", ""))
+                       overcommit=data.get("overcommit"), decode_launch=data.get("decode_launch", ""),
+                       extend_kernels=bool(data.get("extend_kernels", False)))
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"malformed {ENV_VAR}={raw!r}: {e}") from e

@@ -63,11 +63,14 @@ class DualCachePool(ExtendStep, DecodeStep):
     max_context_len : longest sequence a request may reach.
     triton_decode : :meth:`begin_decode` promotes with the Triton kernels of
         :func:`~sglang_wgkv.memory.triton_pool.decode_promote` (same resulting state as the torch
-        ops of :meth:`_promote`, two launches, four at large batches), and :meth:`write_extend` moves
-        its rows with :func:`~sglang_wgkv.memory.triton_extend.extend_move` and ``extend_ring_write``
-        (one launch each), and :meth:`extend_inputs` gathers with ``extend_context``; default: on
-        CUDA devices. A server passes its one torch/Triton choice
-        (:class:`~sglang_wgkv.integration.runtime.WGKVRuntime`).
+        ops of :meth:`_promote`, two launches, four at large batches); default: on CUDA devices. A
+        server passes its one torch/Triton choice (:class:`~sglang_wgkv.integration.runtime.WGKVRuntime`).
+    triton_extend : :meth:`write_extend` moves its rows with
+        :func:`~sglang_wgkv.memory.triton_extend.extend_move` and ``extend_ring_write`` (one launch
+        each) and :meth:`extend_inputs` gathers with ``extend_context`` (one launch per request),
+        instead of torch gathers; the same tensors either way. Default off: the kernels pass the
+        Triton interpreter's check and the sm_90 compile but have not yet run on a GPU (a server opts
+        in with ``--wgkv-extend-kernels``).
     reclaimer : ``fn(worst_case)`` that releases pages it can spare (a prefix cache dropping
         snapshots) before a step's reserve gives up; it must not allocate.
     """
@@ -75,7 +78,7 @@ class DualCachePool(ExtendStep, DecodeStep):
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
                  max_requests: int, max_context_len: int, config: WGKVConfig = WGKVConfig(),
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                 triton_decode: bool | None = None, reclaimer=None):
+                 triton_decode: bool | None = None, triton_extend: bool = False, reclaimer=None):
         self.config = config
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.max_requests, self.max_context_len = max_requests, max_context_len
@@ -83,6 +86,7 @@ class DualCachePool(ExtendStep, DecodeStep):
         self.device = torch.device(device)
         self.dtype = dtype
         self.triton_decode = self.device.type == "cuda" if triton_decode is None else triton_decode
+        self.triton_extend = triton_extend
         self.allocator = PageAllocator(num_pages, self.device, reclaimer=reclaimer)
         self.dump_page = self.allocator.dump_page
         self.ring_cols = self.window // PAGE_SIZE

@@ -168,7 +168,7 @@ class ExtendStep:
             dest_page = torch.where(flag, self.page_table[rc, layer, heads, self.ring_cols + dest // PAGE_SIZE].long(),
                                     self.dump_page)
             src_page = self.page_table[rc, layer, heads, ring_col].long()
-            if self.triton_decode:  # one launch (the ring is read here, before the ring write below)
+            if self.triton_extend:  # one launch (the ring is read here, before the ring write below)
                 from sglang_wgkv.memory.triton_extend import extend_move
 
                 extend_move(self, k, v, flag, dest_page, dest, p.cand_from_ring, src_page, p.cand_slot, p.cand_src)
@@ -180,7 +180,7 @@ class ExtendStep:
             self.global_len[p.req, layer] += cnt.to(torch.int32)
             self.left_ring[layer] += p.cand_b.numel()
             self.promoted[layer] += cnt.sum(0)
-        if p.rw_b.numel() and self.triton_decode:
+        if p.rw_b.numel() and self.triton_extend:
             from sglang_wgkv.memory.triton_extend import extend_ring_write
 
             extend_ring_write(self, layer, k, v, admit, p.req, p.rw_b, p.rw_slot, p.rw_src)
@@ -199,7 +199,7 @@ class ExtendStep:
         concatenated over the batch. k, v ``[N, H, D]``, admit ``[N, H]``, positions ``[N]``: the
         chunk's packed rows. Returns keys, values ``[Nk, H, D]`` in ``dtype``, k_pos ``[Nk]`` in
         positions' dtype and admitted ``[Nk, H]`` bool. One Triton launch per request on a
-        ``triton_decode`` pool (:func:`~sglang_wgkv.memory.triton_extend.extend_context`), torch gathers
+        ``triton_extend`` pool (:func:`~sglang_wgkv.memory.triton_extend.extend_context`), torch gathers
         and concatenations otherwise; the same tensors either way."""
         p = self._extend
         if p is None:
@@ -211,7 +211,7 @@ class ExtendStep:
             segments.append((r, S, g_rows, ring_n, n, start, out0))
             out0 += g_rows + ring_n + n
             start += n
-        if self.triton_decode:
+        if self.triton_extend:
             from sglang_wgkv.memory.triton_extend import extend_context
 
             keys = torch.empty(out0, H, D, dtype=dtype, device=self.device)

@@ -11,7 +11,7 @@ admitted there; these kernels do not write them):
   their global slots), one launch, before
 * :func:`extend_ring_write` = its ring write (the chunk's last tokens and their flags), one launch.
 
-A pool built with ``triton_decode`` uses them (:meth:`ExtendStep.write_extend`, ``extend_inputs``).
+A pool built with ``triton_extend`` uses them (:meth:`ExtendStep.write_extend`, ``extend_inputs``).
 """
 
 import torch
