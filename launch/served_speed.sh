@@ -58,6 +58,13 @@
 #   flags) 252 s; on a second machine `run wgkv W2` 200 s (carry .kit2 .fi .tc: .tc/triton_cache.tgz, the
 #   ~6 MB tgz a call returns, fits beside them), `run upstream W2` 197 s; each W2 run with
 #   `--profile-prefill-workloads W2` ~250 s. A call carrying .kit with .fi and .tc is over 64 MiB: `setup` alone.
+# Next lease (issue 15; the extend step's Triton launches are opt-in until then): after `setup`, in one
+# message, carry [".kit2", ".fi", ".tc"]:
+#   bash launch/h200.sh kit2 && . /tmp/pp && PYTHONPATH=$PWD:/tmp/site python3 -m pytest -q -p no:cacheprovider \
+#     tests/test_gpu_pool.py tests/test_gpu_serving.py && python3 benchmarks/extend_step.py --out $OUT/extend_step.json
+#   run wgkv W2 --profile-workloads none; run wgkv W2 --tag ext --profile-workloads none --wgkv-extra
+#   "--wgkv-extend-kernels"; run upstream W2 --profile-workloads none. Then `served_speed.py ab` the two
+#   WG-KV parts; the default flips only where the GPU test passes and the served A/B is faster.
 # WG-KV server variants (issue 15, e.g. the decode launch shape), each part against the default of the
 # same lease: run wgkv W1 --tag pdl --wgkv-extra "--wgkv-decode-launch pdl=1" (one call per variant),
 # then here: python benchmarks/served_speed.py ab <wgkv parts> --out benchmarks/results/serving/X.json --what '...'
