@@ -180,7 +180,7 @@ class ExtendStep:
             self.global_len[p.req, layer] += cnt.to(torch.int32)
             self.left_ring[layer] += p.cand_b.numel()
             self.promoted[layer] += cnt.sum(0)
-        if p.rw_b.numel() and self.triton_extend:
+        if self.triton_extend:  # (no launch without ring rows)
             from sglang_wgkv.memory.triton_extend import extend_ring_write
 
             extend_ring_write(self, layer, k, v, admit, p.req, p.rw_b, p.rw_slot, p.rw_src)
