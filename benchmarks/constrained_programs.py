@@ -34,8 +34,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from evals.frontend_programs import run_programs  # noqa: E402
 from serving_support import Server  # noqa: E402
+
+from evals.frontend_programs import run_programs  # noqa: E402
 
 SERVERS = {
     "wgkv": ([], {}),
@@ -45,8 +46,12 @@ SERVERS = {
 
 
 def environment() -> dict:
-    env = {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "python": platform.python_version(), "host": platform.node(), "command": shlex.join(sys.argv)}
+    env = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "command": shlex.join(sys.argv),
+    }
     for dist in ("torch", "sglang", "xgrammar"):
         env[dist] = importlib.metadata.version(dist)
     import torch
@@ -62,8 +67,13 @@ def crash_lines(log: Path) -> list[str]:
     return [line[:300] for line in lines if any(k in line for k in keys)][:8]
 
 
-def run_server(name: str, server_args: list[str], max_new_tokens: int | None, log_dir: Path,
-               programs: list[str] | None = None) -> dict:
+def run_server(
+    name: str,
+    server_args: list[str],
+    max_new_tokens: int | None,
+    log_dir: Path,
+    programs: list[str] | None = None,
+) -> dict:
     args, env = SERVERS[name]
     log = log_dir / f"constrained_programs.{name}.log"
     base = ("--log-level", "warning", "--sleep-on-idle")
@@ -96,9 +106,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--servers", default="wgkv,disable-wgkv,upstream")
     ap.add_argument("--server-args", default="", help="extra arguments for every server")
-    ap.add_argument("--baseline-args", default="",
-                    help="extra arguments for the dense servers only (disable-wgkv, upstream), e.g. "
-                         "'--attention-backend flashinfer' on the H200 kit, which lacks SGLang's default FA3")
+    ap.add_argument(
+        "--baseline-args",
+        default="",
+        help="extra arguments for the dense servers only (disable-wgkv, upstream), e.g. "
+        "'--attention-backend flashinfer' on the H200 kit, which lacks SGLang's default FA3",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=None)
     ap.add_argument("--programs", default=None, help="comma-separated subset of the programs (default: all)")
     ap.add_argument("--log-dir", default="/tmp")
@@ -110,16 +123,24 @@ def main() -> None:
         if len({p["max_new_tokens"] for p in parts}) != 1:
             raise SystemExit("--merge: the parts ran with different --max-new-tokens")
         runs = [r for p in parts for r in p["runs"]]
-        result = {"environment": [p["environment"] for p in parts], "max_new_tokens": parts[0]["max_new_tokens"],
-                  "table": table(runs), "runs": runs}
+        result = {
+            "environment": [p["environment"] for p in parts],
+            "max_new_tokens": parts[0]["max_new_tokens"],
+            "table": table(runs),
+            "runs": runs,
+        }
     else:
         programs = a.programs.split(",") if a.programs else None
         runs = []
         for name in a.servers.split(","):  # written after each server: a cut-off run keeps what it measured
             extra = shlex.split(a.server_args) + (shlex.split(a.baseline_args) if name != "wgkv" else [])
             runs.append(run_server(name, extra, a.max_new_tokens, Path(a.log_dir), programs))
-            result = {"environment": environment(), "max_new_tokens": a.max_new_tokens, "table": table(runs),
-                      "runs": runs}
+            result = {
+                "environment": environment(),
+                "max_new_tokens": a.max_new_tokens,
+                "table": table(runs),
+                "runs": runs,
+            }
             write(a.out, result)
     write(a.out, result)
     width = max(map(len, result["table"]))

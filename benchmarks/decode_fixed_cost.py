@@ -44,8 +44,18 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import Deadline, environment, write_json  # noqa: E402
-from benchmarks.kernel_decode import (D, DT, HKV, HQ, TOKEN_BYTES, W, FoldedPool, global_lengths,  # noqa: E402
-                                      graph_ms, layers_for)
+from benchmarks.kernel_decode import (
+    DT,
+    HKV,
+    HQ,
+    TOKEN_BYTES,
+    D,
+    FoldedPool,
+    W,
+    global_lengths,  # noqa: E402
+    graph_ms,
+    layers_for,
+)
 
 W1_TOKENS = 126976 + 128
 W1_POS = W1_TOKENS - 1  # the decoded position of fused_write: slot pos % W lies in the (full) ring
@@ -62,7 +72,9 @@ def variant_fn(name, pool, q, out, splits, td, cfg=None):
     B, L = q.shape[0], pool.page_table.shape[1]
     ws = td.FoldedDecodeWorkspace(B, HQ, D, splits, "cuda", num_kv_heads=HKV)
     if cfg is None:
-        cfg = td.DecodeConfig(fused_merge=name not in ("two_launch", "split_only"), pdl=name == "fused_write_pdl")
+        cfg = td.DecodeConfig(
+            fused_merge=name not in ("two_launch", "split_only"), pdl=name == "fused_write_pdl"
+        )
     extra = {}
     if name in ("fused_write", "fused_write_pdl"):
         k_new = torch.randn(B, HKV, D, device="cuda", dtype=DT)
@@ -71,8 +83,22 @@ def variant_fn(name, pool, q, out, splits, td, cfg=None):
 
     def run():
         for layer in range(L):
-            td.folded_decode(q, pool.k_pages, pool.v_pages, pool.page_table, pool.global_len, pool.req, pool.ring,
-                             layer, num_splits=splits, workspace=ws, out=out, config=cfg, **extra)
+            td.folded_decode(
+                q,
+                pool.k_pages,
+                pool.v_pages,
+                pool.page_table,
+                pool.global_len,
+                pool.req,
+                pool.ring,
+                layer,
+                num_splits=splits,
+                workspace=ws,
+                out=out,
+                config=cfg,
+                **extra,
+            )
+
     return run
 
 
@@ -91,23 +117,38 @@ def main():
     ap.add_argument("--out", default="benchmarks/results/kernels")
     ap.add_argument("--lengths", type=int, nargs="+", default=[32768, 65536, W1_TOKENS, 262144])
     ap.add_argument("--splits", type=int, nargs="+", default=[24, 33, 40, 44, 49, 55, 66, 80, 99, 128])
-    ap.add_argument("--variants", nargs="+", default=["fused", "fused_write", "fused_write_pdl", "two_launch", "split_only", "empty"])
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=["fused", "fused_write", "fused_write_pdl", "two_launch", "split_only", "empty"],
+    )
     ap.add_argument("--deadline", type=float, default=150.0)
-    ap.add_argument("--configs", nargs="*", default=[], help="launch shapes (DecodeConfig.parse specs) to time")
+    ap.add_argument(
+        "--configs", nargs="*", default=[], help="launch shapes (DecodeConfig.parse specs) to time"
+    )
     ap.add_argument("--best-out", default=None, help="write the fastest spec at the W1 length here")
-    ap.add_argument("--min-gain", type=float, default=0.03, help="the best spec's least gain over the default")
+    ap.add_argument(
+        "--min-gain", type=float, default=0.03, help="the best spec's least gain over the default"
+    )
     args = ap.parse_args()
     from sglang_wgkv.attention import triton_decode as td
 
     configs = [""] + [c for c in args.configs if c != ""] if args.configs else []
     launch = {c: td.DecodeConfig.parse(c) for c in configs}
-    launch_splits = {c: td.choose_num_splits(1, HKV, 131072, "cuda", cfg.programs_per_sm) for c, cfg in launch.items()}
+    launch_splits = {
+        c: td.choose_num_splits(1, HKV, 131072, "cuda", cfg.programs_per_sm) for c, cfg in launch.items()
+    }
 
     deadline = Deadline(args.deadline)
     path = os.path.join(args.out, "decode_fixed_cost.json")
-    results = {"env": environment(), "command": "python3 " + " ".join(sys.argv),
-               "shape": {"batch": 1, "Hq": HQ, "Hkv": HKV, "head_dim": D, "local_window": W, "rejection": 0.75},
-               "by_length": [], "fit": {}, "splits_sweep": []}
+    results = {
+        "env": environment(),
+        "command": "python3 " + " ".join(sys.argv),
+        "shape": {"batch": 1, "Hq": HQ, "Hkv": HKV, "head_dim": D, "local_window": W, "rejection": 0.75},
+        "by_length": [],
+        "fit": {},
+        "splits_sweep": [],
+    }
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, HQ, D, device="cuda", dtype=DT)
     out = torch.empty_like(q)
@@ -130,8 +171,9 @@ def main():
         for spec in configs:
             if deadline.left() < 10:
                 break
-            row["config_ms_per_layer"][spec] = timed("fused_write", pool, q, out, launch_splits[spec], td,
-                                                     launch[spec]) / L
+            row["config_ms_per_layer"][spec] = (
+                timed("fused_write", pool, q, out, launch_splits[spec], td, launch[spec]) / L
+            )
         results["by_length"].append(row)
         print(row, flush=True)
         if n == W1_TOKENS:
@@ -139,8 +181,9 @@ def main():
                 if deadline.left() < 10:
                     break
                 t = timed("fused_write", pool, q, out, s, td) / L
-                results["splits_sweep"].append({"splits": s, "ms_per_layer": t,
-                                                "tbps": pool.kv_bytes_per_layer / t / 1e9})
+                results["splits_sweep"].append(
+                    {"splits": s, "ms_per_layer": t, "tbps": pool.kv_bytes_per_layer / t / 1e9}
+                )
                 print("splits", s, t, flush=True)
         del pool
         torch.cuda.empty_cache()
@@ -152,7 +195,9 @@ def main():
     rows = [r for r in results["by_length"] if "ms_per_layer" in r]
     if len(rows) >= 2:
         for name in rows[0]["ms_per_layer"]:
-            results["fit"][name] = fit_line([(r["kv_bytes_per_layer"], r["ms_per_layer"][name]) for r in rows])
+            results["fit"][name] = fit_line(
+                [(r["kv_bytes_per_layer"], r["ms_per_layer"][name]) for r in rows]
+            )
     if configs:
         results["configs"] = config_summary(configs, launch_splits, rows, args.min_gain)
         if args.best_out:
@@ -160,8 +205,14 @@ def main():
             with open(args.best_out, "w") as f:
                 f.write(best or "")
     write_json(path, results)
-    print({"fit": results["fit"], "empty_ms_per_layer": results.get("empty_ms_per_layer"),
-           "configs": results.get("configs")}, flush=True)
+    print(
+        {
+            "fit": results["fit"],
+            "empty_ms_per_layer": results.get("empty_ms_per_layer"),
+            "configs": results.get("configs"),
+        },
+        flush=True,
+    )
 
 
 def fit_line(points) -> dict:
@@ -177,10 +228,19 @@ def config_summary(configs, launch_splits, rows, min_gain):
     out = {"rows": [], "best": None, "min_gain": min_gain}
     w1 = next((r.get("config_ms_per_layer", {}) for r in rows if r["n"] == W1_TOKENS), {})
     for spec in configs:
-        pts = [(r["kv_bytes_per_layer"], r["config_ms_per_layer"][spec]) for r in rows
-               if spec in r.get("config_ms_per_layer", {})]
-        out["rows"].append({"spec": spec, "splits": launch_splits[spec], "w1_ms_per_layer": w1.get(spec),
-                            "fit": fit_line(pts) if len(pts) >= 2 else None})
+        pts = [
+            (r["kv_bytes_per_layer"], r["config_ms_per_layer"][spec])
+            for r in rows
+            if spec in r.get("config_ms_per_layer", {})
+        ]
+        out["rows"].append(
+            {
+                "spec": spec,
+                "splits": launch_splits[spec],
+                "w1_ms_per_layer": w1.get(spec),
+                "fit": fit_line(pts) if len(pts) >= 2 else None,
+            }
+        )
     if len(w1) == len(configs) and "" in w1:
         best = min(w1, key=w1.get)
         if w1[""] / w1[best] >= 1 + min_gain:

@@ -60,13 +60,21 @@ def compare(before: list, after: list, stall: float) -> dict:
         p["stall"] = p["before"] < stall * med_b or p["after"] < stall * med_a
     kept = [p for p in pairs if not p["stall"]]
     ratios = [p["ratio"] for p in kept]
-    return {"matched_intervals": pairs,
-            "summary": {"intervals": len(pairs), "kept": len(kept), "stalls": len(pairs) - len(kept),
-                        "before_median_tok_s": med_b, "after_median_tok_s": med_a,
-                        "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
-                        "ratio_max": max(ratios),
-                        "before_mean_tok_s": statistics.fmean(p["before"] for p in kept),
-                        "after_mean_tok_s": statistics.fmean(p["after"] for p in kept)}}
+    return {
+        "matched_intervals": pairs,
+        "summary": {
+            "intervals": len(pairs),
+            "kept": len(kept),
+            "stalls": len(pairs) - len(kept),
+            "before_median_tok_s": med_b,
+            "after_median_tok_s": med_a,
+            "ratio_median": statistics.median(ratios),
+            "ratio_min": min(ratios),
+            "ratio_max": max(ratios),
+            "before_mean_tok_s": statistics.fmean(p["before"] for p in kept),
+            "after_mean_tok_s": statistics.fmean(p["after"] for p in kept),
+        },
+    }
 
 
 def main(argv=None) -> int:
@@ -82,10 +90,15 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     before = first_long_run(Path(a.before).read_text(errors="replace"), a.min_lines)
     after = first_long_run(Path(a.after).read_text(errors="replace"), a.min_lines)
-    result = {"what": "decode throughput of two server runs of one workload, interval by interval",
-              "before": a.label_before, "after": a.label_after, "note": a.note,
-              "command": "python benchmarks/decode_log_compare.py " + shlex.join(sys.argv[1:] if argv is None else argv),
-              **compare(before, after, a.stall)}
+    result = {
+        "what": "decode throughput of two server runs of one workload, interval by interval",
+        "before": a.label_before,
+        "after": a.label_after,
+        "note": a.note,
+        "command": "python benchmarks/decode_log_compare.py "
+        + shlex.join(sys.argv[1:] if argv is None else argv),
+        **compare(before, after, a.stall),
+    }
     write_json(a.out, result)
     print(json.dumps(result["summary"]))
     return 0

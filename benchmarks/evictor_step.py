@@ -16,24 +16,32 @@ import time
 from pathlib import Path
 
 import torch
+from common import environment, write_json
 
 from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.memory import DualCachePool, SnapKVEvictor
 
-from common import environment, write_json
-
 
 def build(a, dev):
     L, H, D, W, B = a.layers, a.kv_heads, a.head_dim, a.window, a.requests
-    n = a.budget + W + 1                       # every stream ends at budget + 1 global tokens
+    n = a.budget + W + 1  # every stream ends at budget + 1 global tokens
     pages_per_req = L * H * (n // 16 + 2)
-    pool = DualCachePool(L, H, D, num_pages=B * pages_per_req, max_requests=B, max_context_len=n + 64,
-                         config=WGKVConfig(local_window=W), dtype=torch.bfloat16, device=dev)
+    pool = DualCachePool(
+        L,
+        H,
+        D,
+        num_pages=B * pages_per_req,
+        max_requests=B,
+        max_context_len=n + 64,
+        config=WGKVConfig(local_window=W),
+        dtype=torch.bfloat16,
+        device=dev,
+    )
     scores = {"auto": None, "torch": False, "triton": True}[a.scores]
     ev = SnapKVEvictor(pool, budget=a.budget, num_q_heads=a.q_heads, window=W, triton_scores=scores)
     for r in range(B):
         pool.alloc_request(r)
-        pool.begin_extend([r], [0], [n])       # one request at a time keeps the temporaries small
+        pool.begin_extend([r], [0], [n])  # one request at a time keeps the temporaries small
         for layer in range(L):
             ev.observe_extend(layer, torch.randn(n, a.q_heads, D, device=dev, dtype=torch.bfloat16))
             kv = torch.randn(2, n, H, D, device=dev, dtype=torch.bfloat16)
@@ -69,8 +77,12 @@ def main():
     ap.add_argument("--budget", type=int, default=4096)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--scores", choices=("auto", "torch", "triton"), default="auto",
-                    help="the evictor's scores: the torch reference or the Triton kernel (auto: the kernel on CUDA)")
+    ap.add_argument(
+        "--scores",
+        choices=("auto", "torch", "triton"),
+        default="auto",
+        help="the evictor's scores: the torch reference or the Triton kernel (auto: the kernel on CUDA)",
+    )
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "kernels" / "evictor_step.json"))
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -111,8 +123,12 @@ def main():
         streams = active * a.layers * a.kv_heads
         assert int(pool.global_len[:active].max()) <= a.budget
         result[f"evict_{active}_requests"] = {
-            "streams": streams, "ms": ms, "ms_per_stream": min(ms) / streams,
-            "peak_extra_mib": (torch.cuda.max_memory_allocated() - base) / 2**20 if dev.type == "cuda" else None,
+            "streams": streams,
+            "ms": ms,
+            "ms_per_stream": min(ms) / streams,
+            "peak_extra_mib": (torch.cuda.max_memory_allocated() - base) / 2**20
+            if dev.type == "cuda"
+            else None,
         }
     result["triton_scores_used"] = ev.triton_scores  # False if the kernel failed to build (logged)
     print(result)

@@ -59,16 +59,31 @@ def main():
     ap.add_argument("--prompt", type=int, default=32768)
     ap.add_argument("--admit", type=float, default=0.25)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "kernels" / "extend_step.json"))
+    ap.add_argument(
+        "--out", default=str(Path(__file__).resolve().parent / "results" / "kernels" / "extend_step.json")
+    )
     a = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     L, H, D = a.layers, a.kv_heads, a.head_dim
     starts = list(range(0, a.prompt, a.chunk))
     pages = L * H * (-(-a.prompt // 16) + 4)  # every token kept would fit: admission never runs short
-    pools = {name: DualCachePool(L, H, D, num_pages=pages, max_requests=2, max_context_len=a.prompt + 64,
-                                 config=WGKVConfig(local_window=a.window), dtype=torch.bfloat16, device=dev,
-                                 triton_decode=t, triton_extend=t) for name, t in (("torch", False), ("triton", True))}
+    pools = {
+        name: DualCachePool(
+            L,
+            H,
+            D,
+            num_pages=pages,
+            max_requests=2,
+            max_context_len=a.prompt + 64,
+            config=WGKVConfig(local_window=a.window),
+            dtype=torch.bfloat16,
+            device=dev,
+            triton_decode=t,
+            triton_extend=t,
+        )
+        for name, t in (("torch", False), ("triton", True))
+    }
     ms = {name: {s: [] for s in starts} for name in pools}
     for rep in range(a.reps + 1):  # the first repetition warms up (Triton compiles, allocator)
         for name, pool in pools.items():
@@ -78,8 +93,10 @@ def main():
                 t = run_chunk(pool, 1, s, chunk_rows(a, dev, gen, s, min(a.chunk, a.prompt - s)), sync)
                 if rep:
                     ms[name][s].append(t)
-        same = all(torch.equal(getattr(pools["torch"], x), getattr(pools["triton"], x))
-                   for x in ("page_table", "global_len", "ring_flag"))
+        same = all(
+            torch.equal(getattr(pools["torch"], x), getattr(pools["triton"], x))
+            for x in ("page_table", "global_len", "ring_flag")
+        )
         same = same and torch.equal(pools["torch"].k_pages[:-1], pools["triton"].k_pages[:-1])
         for pool in pools.values():
             pool.free_request(1)
@@ -88,13 +105,36 @@ def main():
     rows = []
     for s in starts:
         med = {name: sorted(ms[name][s])[len(ms[name][s]) // 2] for name in pools}
-        rows.append({"prefix": s, "chunk": min(a.chunk, a.prompt - s), "torch_ms": med["torch"],
-                     "triton_ms": med["triton"], "speedup": med["torch"] / med["triton"]})
+        rows.append(
+            {
+                "prefix": s,
+                "chunk": min(a.chunk, a.prompt - s),
+                "torch_ms": med["torch"],
+                "triton_ms": med["triton"],
+                "speedup": med["torch"] / med["triton"],
+            }
+        )
         print(rows[-1], flush=True)
-    write_json(a.out, {"env": environment(), "command": "python " + " ".join(sys.argv),
-                       "shape": {"layers": L, "kv_heads": H, "head_dim": D, "window": a.window, "chunk": a.chunk,
-                                 "prompt": a.prompt, "admit": a.admit, "reps": a.reps, "device": dev},
-                       "rows": rows, "per_chunk_ms": "one chunk's pool work over every layer, wall clock"})
+    write_json(
+        a.out,
+        {
+            "env": environment(),
+            "command": "python " + " ".join(sys.argv),
+            "shape": {
+                "layers": L,
+                "kv_heads": H,
+                "head_dim": D,
+                "window": a.window,
+                "chunk": a.chunk,
+                "prompt": a.prompt,
+                "admit": a.admit,
+                "reps": a.reps,
+                "device": dev,
+            },
+            "rows": rows,
+            "per_chunk_ms": "one chunk's pool work over every layer, wall clock",
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -110,22 +110,31 @@ class DenseEngine(Engine):
 
         super().__init__(model, use_graph)
         self.prefill_backend = prefill
-        self.name = {"fa3": "dense: FlashInfer FA3 prefill + FlashInfer paged decode",
-                     "fa2": "dense: FlashInfer FA2 prefill", "sdpa": "dense: torch SDPA (flash) prefill"}[prefill]
+        self.name = {
+            "fa3": "dense: FlashInfer FA3 prefill + FlashInfer paged decode",
+            "fa2": "dense: FlashInfer FA2 prefill",
+            "sdpa": "dense: torch SDPA (flash) prefill",
+        }[prefill]
         self.pages = -(-n_max // 16)
         shape = (self.pages, 16, HKV, D)
         self.k_cache = [torch.empty(shape, dtype=DT, device=DEVICE) for _ in range(model.layers)]
         self.v_cache = [torch.empty(shape, dtype=DT, device=DEVICE) for _ in range(model.layers)]
         self.all_pages = torch.arange(self.pages, dtype=torch.int32, device=DEVICE)
         self.dec = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, "NHD", use_cuda_graph=True,
+            workspace,
+            "NHD",
+            use_cuda_graph=True,
             paged_kv_indptr_buffer=torch.zeros(2, dtype=torch.int32, device=DEVICE),
             paged_kv_indices_buffer=torch.zeros(self.pages, dtype=torch.int32, device=DEVICE),
-            paged_kv_last_page_len_buffer=torch.zeros(1, dtype=torch.int32, device=DEVICE))
+            paged_kv_last_page_len_buffer=torch.zeros(1, dtype=torch.int32, device=DEVICE),
+        )
 
     def kv_bytes(self) -> dict:
         total = sum(t.numel() * t.element_size() for t in self.k_cache + self.v_cache)
-        return {"kv_allocated_bytes": total, "kv_used_bytes": total * min(1.0, (self.seq + 1) / (self.pages * 16))}
+        return {
+            "kv_allocated_bytes": total,
+            "kv_used_bytes": total * min(1.0, (self.seq + 1) / (self.pages * 16)),
+        }
 
     def _begin(self, n):
         pass
@@ -141,17 +150,29 @@ class DenseEngine(Engine):
 
             with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
                 out = torch.nn.functional.scaled_dot_product_attention(
-                    q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                    is_causal=True, enable_gqa=True)
+                    q.transpose(0, 1)[None],
+                    k.transpose(0, 1)[None],
+                    v.transpose(0, 1)[None],
+                    is_causal=True,
+                    enable_gqa=True,
+                )
             return out[0].transpose(0, 1)
         return flashinfer.single_prefill_with_kv_cache(q, k, v, causal=True, backend=self.prefill_backend)
 
     def _before_step(self):
         n = self.seq + 1
         pages = -(-n // 16)
-        self.dec.plan(torch.tensor([0, pages], dtype=torch.int32), self.all_pages[:pages],
-                      torch.tensor([n - (pages - 1) * 16], dtype=torch.int32), HQ, HKV, D, 16,
-                      q_data_type=DT, kv_data_type=DT)
+        self.dec.plan(
+            torch.tensor([0, pages], dtype=torch.int32),
+            self.all_pages[:pages],
+            torch.tensor([n - (pages - 1) * 16], dtype=torch.int32),
+            HQ,
+            HKV,
+            D,
+            16,
+            q_data_type=DT,
+            kv_data_type=DT,
+        )
 
     def _decode_attention(self, layer, q, k_pre, k, v):
         page, off = self.pos // 16, self.pos % 16
@@ -169,15 +190,24 @@ class WGKVEngine(Engine):
         super().__init__(model, use_graph)
         L = model.layers
         self.decode = decode
-        self.name = ("WG-KV: gate + Triton vertical-slash prefill + dual-cache pool (Triton promotion) + "
-                     + {"triton": "Triton split-KV decode", "flashinfer": "FlashInfer folded decode"}[decode])
+        self.name = (
+            "WG-KV: gate + Triton vertical-slash prefill + dual-cache pool (Triton promotion) + "
+            + {"triton": "Triton split-KV decode", "flashinfer": "FlashInfer folded decode"}[decode]
+        )
         # Pages per (layer, head): the admitted tokens with a 6-sigma margin, decode growth, the ring.
         mean, sd = P_ADMIT * n_max, math.sqrt(n_max * P_ADMIT * (1 - P_ADMIT))
         per_stream = -(-int(mean + 6 * sd + STEPS + WARMUP) // 16) + 2 + WINDOW // 16
-        self.pool = DualCachePool(L, HKV, D, num_pages=L * HKV * per_stream, max_requests=1,
-                                  max_context_len=n_max + 16,
-                                  config=WGKVConfig(local_window=WINDOW, random_admission=P_ADMIT),
-                                  dtype=DT, device=DEVICE)
+        self.pool = DualCachePool(
+            L,
+            HKV,
+            D,
+            num_pages=L * HKV * per_stream,
+            max_requests=1,
+            max_context_len=n_max + 16,
+            config=WGKVConfig(local_window=WINDOW, random_admission=P_ADMIT),
+            dtype=DT,
+            device=DEVICE,
+        )
         self.gates = [LayerGate(HKV, D).to(DEVICE) for _ in range(L)]
         self.req = torch.zeros(1, dtype=torch.long, device=DEVICE)
         self.admit = None
@@ -190,23 +220,30 @@ class WGKVEngine(Engine):
             self.ws = FoldedDecodeWorkspace(1, HQ, D, self.num_splits, DEVICE, num_kv_heads=HKV)
             self.attn_out = torch.empty(1, HQ, D, dtype=DT, device=DEVICE)
             # The step's decode plan (ring page / offset / ring tokens), written by the promotion launch.
-            self.plan = (torch.empty(1, L, HKV, dtype=torch.long, device=DEVICE),
-                         torch.empty(1, 1, dtype=torch.long, device=DEVICE),
-                         torch.empty(1, dtype=torch.long, device=DEVICE))
+            self.plan = (
+                torch.empty(1, L, HKV, dtype=torch.long, device=DEVICE),
+                torch.empty(1, 1, dtype=torch.long, device=DEVICE),
+                torch.empty(1, dtype=torch.long, device=DEVICE),
+            )
         else:
             from sglang_wgkv.attention.flashinfer_decode import FoldedPagedDecode
 
             cols = self.pool.page_table.shape[-1]
-            self.decs = [FoldedPagedDecode(HQ, HKV, D, 1, HKV * cols + 1, DEVICE, DT, float_workspace=workspace)
-                         for _ in range(L)]
+            self.decs = [
+                FoldedPagedDecode(HQ, HKV, D, 1, HKV * cols + 1, DEVICE, DT, float_workspace=workspace)
+                for _ in range(L)
+            ]
             self.prev_pages = None
 
     def kv_bytes(self) -> dict:
         st = self.pool.stats()
         used = self.pool.allocator.num_pages - self.pool.num_free_pages()
-        return {"kv_allocated_bytes": (self.pool.k_pages.numel() + self.pool.v_pages.numel()) * 2,
-                "kv_used_bytes": used * 2 * 16 * D * 2, "global_tokens": st.get("global_tokens"),
-                "admitted_fraction": st.get("admitted_fraction")}
+        return {
+            "kv_allocated_bytes": (self.pool.k_pages.numel() + self.pool.v_pages.numel()) * 2,
+            "kv_used_bytes": used * 2 * 16 * D * 2,
+            "global_tokens": st.get("global_tokens"),
+            "admitted_fraction": st.get("admitted_fraction"),
+        }
 
     def _begin(self, n):
         from sglang_wgkv.memory.triton_pool import begin_prefill
@@ -218,7 +255,7 @@ class WGKVEngine(Engine):
     def _gate(self, layer, k_pre, k, chunk=65536):
         g = torch.empty(k.shape[:2], dtype=torch.float32, device=DEVICE)
         for s in range(0, k.shape[0], chunk):
-            g[s:s + chunk] = self.gates[layer](k_pre[s:s + chunk], k[s:s + chunk])
+            g[s : s + chunk] = self.gates[layer](k_pre[s : s + chunk], k[s : s + chunk])
         return g
 
     def _prefill_attention(self, layer, q, k_pre, k, v, pos):
@@ -228,8 +265,9 @@ class WGKVEngine(Engine):
         self._gate(layer, k_pre, k)  # evaluated as in serving; the profiling mask replaces its decision
         admit = torch.rand(k.shape[:2], device=DEVICE) < P_ADMIT
         pos32 = pos.to(torch.int32)
-        attn = vertical_slash_attention(q, k, v, admit, self.ind, self.ind, pos32, pos32, WINDOW,
-                                        config=self.prefill_config)
+        attn = vertical_slash_attention(
+            q, k, v, admit, self.ind, self.ind, pos32, pos32, WINDOW, config=self.prefill_config
+        )
         prefill_write(self.pool, 0, layer, k, v, admit)
         return attn
 
@@ -238,7 +276,7 @@ class WGKVEngine(Engine):
         if self.decode == "flashinfer":
             pool.begin_decode([0], [self.seq], self.req, self.pos)
             glen = pool.global_len[0].long()
-            pages = (WINDOW // 16 + (glen + 15) // 16).to(torch.int32).cpu()          # [L, H], one sync
+            pages = (WINDOW // 16 + (glen + 15) // 16).to(torch.int32).cpu()  # [L, H], one sync
             for layer, dec in enumerate(self.decs):
                 if self.prev_pages is None or not torch.equal(pages[layer], self.prev_pages[layer]):
                     indptr = torch.zeros(HKV + 1, dtype=torch.int32)
@@ -270,17 +308,31 @@ class WGKVEngine(Engine):
         if self.decode == "triton":
             from sglang_wgkv.attention.triton_decode import folded_decode
 
-            return folded_decode(q, self.pool.k_pages, self.pool.v_pages, self.pool.page_table, self.pool.global_len,
-                                 self.req, self.plan[2], layer, num_splits=self.num_splits, workspace=self.ws,
-                                 out=self.attn_out)
+            return folded_decode(
+                q,
+                self.pool.k_pages,
+                self.pool.v_pages,
+                self.pool.page_table,
+                self.pool.global_len,
+                self.req,
+                self.plan[2],
+                layer,
+                num_splits=self.num_splits,
+                workspace=self.ws,
+                out=self.attn_out,
+            )
         from sglang_wgkv.attention.folded_index import build_folded_indices
 
         glen = self.pool.global_len[0, layer].long()
         gpages = (glen + 15) // 16
         last = torch.where(gpages > 0, glen - (gpages - 1) * 16, 16)
         dec = self.decs[layer]
-        _, _, last32 = build_folded_indices(self.pool.page_table[0, layer][None], (WINDOW // 16 + gpages)[None],
-                                            last[None], out_indices=dec.indices_buffer)
+        _, _, last32 = build_folded_indices(
+            self.pool.page_table[0, layer][None],
+            (WINDOW // 16 + gpages)[None],
+            last[None],
+            out_indices=dec.indices_buffer,
+        )
         dec.last_page_len.copy_(last32)
         return dec.run(q, self.pool.k_pages, self.pool.v_pages)
 
@@ -349,19 +401,28 @@ def ratios(row) -> dict:
 
 def markdown(results) -> str:
     """The SUMMARY table of every length and column in ``results``."""
-    lines = ["| N | column | TTFT s | TPOT ms | peak GB | KV used GB | note |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| N | column | TTFT s | TPOT ms | peak GB | KV used GB | note |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in sorted(results["lengths"], key=lambda r: r["n"]):
         for key, r in row.items():
             if key in ("n", "ratios"):
                 continue
             note = r.get("oom") and "OOM" or r.get("skipped", "")
-            cells = [f"{r['ttft_s']:.1f}" if "ttft_s" in r else "", f"{r['tpot_ms']:.2f}" if "tpot_ms" in r else "",
-                     f"{r['peak_memory_bytes'] / 1e9:.1f}" if "peak_memory_bytes" in r else "",
-                     f"{r['kv_used_bytes'] / 1e9:.1f}" if "kv_used_bytes" in r else ""]
+            cells = [
+                f"{r['ttft_s']:.1f}" if "ttft_s" in r else "",
+                f"{r['tpot_ms']:.2f}" if "tpot_ms" in r else "",
+                f"{r['peak_memory_bytes'] / 1e9:.1f}" if "peak_memory_bytes" in r else "",
+                f"{r['kv_used_bytes'] / 1e9:.1f}" if "kv_used_bytes" in r else "",
+            ]
             lines.append(f"| {row['n']} | {key} | " + " | ".join(cells) + f" | {note} |")
         if row.get("ratios"):
-            lines.append(f"| {row['n']} | ratios | " + ", ".join(f"{k} {v:.2f}" for k, v in row["ratios"].items())
-                         + " |||||")
+            lines.append(
+                f"| {row['n']} | ratios | "
+                + ", ".join(f"{k} {v:.2f}" for k, v in row["ratios"].items())
+                + " |||||"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -373,8 +434,11 @@ def plot(results, png):
 
     rows = results["lengths"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    for ax, key, label, scale in ((axes[0], "ttft_s", "TTFT (s)", 1), (axes[1], "tpot_ms", "TPOT (ms)", 1),
-                                  (axes[2], "peak_memory_bytes", "peak memory (GB)", 1e-9)):
+    for ax, key, label, scale in (
+        (axes[0], "ttft_s", "TTFT (s)", 1),
+        (axes[1], "tpot_ms", "TPOT (ms)", 1),
+        (axes[2], "peak_memory_bytes", "peak memory (GB)", 1e-9),
+    ):
         cols = sorted({k for r in rows for k in r if k not in ("n", "ratios")})
         for col in cols:
             pts = sorted((r["n"] / 1024, r[col][key] * scale) for r in rows if key in r.get(col, {}))
@@ -395,12 +459,27 @@ def main():
     ap.add_argument("--layers", type=int, default=LAYERS)
     ap.add_argument("--eager", action="store_true", help="no CUDA graph for decode")
     ap.add_argument("--modes", nargs="+", default=["wgkv", "dense"], choices=["wgkv", "dense"])
-    ap.add_argument("--decode", nargs="+", default=["triton"], choices=["triton", "flashinfer"],
-                    help="WG-KV decode attention; the first is column 'wgkv', others 'wgkv_<name>'")
-    ap.add_argument("--extra-dense", nargs="*", default=[], choices=["fa2", "sdpa"],
-                    help="also measure dense TTFT with these prefill backends (columns 'dense_<name>')")
-    ap.add_argument("--extra-dense-lengths", type=int, nargs="*", default=[],
-                    help="lengths (among --lengths) for --extra-dense")
+    ap.add_argument(
+        "--decode",
+        nargs="+",
+        default=["triton"],
+        choices=["triton", "flashinfer"],
+        help="WG-KV decode attention; the first is column 'wgkv', others 'wgkv_<name>'",
+    )
+    ap.add_argument(
+        "--extra-dense",
+        nargs="*",
+        default=[],
+        choices=["fa2", "sdpa"],
+        help="also measure dense TTFT with these prefill backends (columns 'dense_<name>')",
+    )
+    ap.add_argument(
+        "--extra-dense-lengths",
+        type=int,
+        nargs="*",
+        default=[],
+        help="lengths (among --lengths) for --extra-dense",
+    )
     ap.add_argument("--name", default="fig8_end_to_end", help="output file stem")
     ap.add_argument("--append", action="store_true", help="merge into an existing <name>.json")
     args = ap.parse_args()
@@ -417,18 +496,33 @@ def main():
         columns += [("wgkv" if i == 0 else f"wgkv_{d}", args.lengths) for i, d in enumerate(args.decode)]
     if "dense" in args.modes:
         columns.append(("dense", args.lengths))
-    columns += [(f"dense_{b}", [n for n in args.lengths if n in args.extra_dense_lengths]) for b in args.extra_dense]
+    columns += [
+        (f"dense_{b}", [n for n in args.lengths if n in args.extra_dense_lengths]) for b in args.extra_dense
+    ]
     engine_key = {"wgkv": "wgkv_" + args.decode[0]}
     torch.manual_seed(0)
     model = RandomLlama(max(args.lengths) + WARMUP + STEPS + 16, layers=args.layers)
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=DEVICE)
     protocol = {
-        "layers": args.layers, "q_heads": HQ, "kv_heads": HKV, "head_dim": D, "dtype": "bfloat16", "batch": 1,
-        "local_window": WINDOW, "admission": f"random {P_ADMIT} per (token, layer, head), gate MLP evaluated",
-        "decode_steps": STEPS, "warmup_steps": WARMUP, "cuda_graph_decode": not args.eager,
-        "prefill_config": cfg.__dict__ if cfg else "default"}
-    run = {"env": environment(), "protocol": protocol, "columns": [c for c, _ in columns],
-           "wgkv_decode": args.decode[0]}
+        "layers": args.layers,
+        "q_heads": HQ,
+        "kv_heads": HKV,
+        "head_dim": D,
+        "dtype": "bfloat16",
+        "batch": 1,
+        "local_window": WINDOW,
+        "admission": f"random {P_ADMIT} per (token, layer, head), gate MLP evaluated",
+        "decode_steps": STEPS,
+        "warmup_steps": WARMUP,
+        "cuda_graph_decode": not args.eager,
+        "prefill_config": cfg.__dict__ if cfg else "default",
+    }
+    run = {
+        "env": environment(),
+        "protocol": protocol,
+        "columns": [c for c, _ in columns],
+        "wgkv_decode": args.decode[0],
+    }
     if args.append and os.path.exists(path):
         with open(path) as f:
             results = json.load(f)
@@ -437,8 +531,9 @@ def main():
         results = {**run, "weight_bytes": model.weight_bytes(), "lengths": [], "runs": [run]}
     for key, lengths in columns:  # warm-up pass: JIT builds, Triton compiles, graph machinery
         if lengths:
-            run.setdefault("warmup", {})[key] = run_length(model, 8192, engine_key.get(key, key), workspace,
-                                                           not args.eager, cfg)
+            run.setdefault("warmup", {})[key] = run_length(
+                model, 8192, engine_key.get(key, key), workspace, not args.eager, cfg
+            )
     write_json(path, results)
     for n in args.lengths:
         row = next((r for r in results["lengths"] if r["n"] == n), None)

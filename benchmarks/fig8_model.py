@@ -19,11 +19,13 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 class RandomLlama:
-    def __init__(self, max_pos: int, device="cuda", dtype=torch.bfloat16, layers: int = LAYERS, seed: int = 0):
+    def __init__(
+        self, max_pos: int, device="cuda", dtype=torch.bfloat16, layers: int = LAYERS, seed: int = 0
+    ):
         g = torch.Generator(device=device).manual_seed(seed)
 
         def w(out_f, in_f):
-            return (torch.randn(out_f, in_f, device=device, dtype=dtype, generator=g) / in_f ** 0.5)
+            return torch.randn(out_f, in_f, device=device, dtype=dtype, generator=g) / in_f**0.5
 
         self.layers = layers
         self.embed = torch.randn(VOCAB, HIDDEN, device=device, dtype=dtype, generator=g)
@@ -37,11 +39,20 @@ class RandomLlama:
         self.lm_head = w(VOCAB, HIDDEN)
         inv = 1.0 / ROPE_THETA ** (torch.arange(0, D, 2, device=device, dtype=torch.float32) / D)
         ang = torch.arange(max_pos, device=device, dtype=torch.float32)[:, None] * inv[None, :]
-        self.cos, self.sin = ang.cos(), ang.sin()                      # [max_pos, D/2]
+        self.cos, self.sin = ang.cos(), ang.sin()  # [max_pos, D/2]
 
     def weight_bytes(self) -> int:
-        ts = [self.embed, self.lm_head, self.norm, *self.wqkv, *self.wo, *self.w_gate_up, *self.w_down,
-              *self.ln1, *self.ln2]
+        ts = [
+            self.embed,
+            self.lm_head,
+            self.norm,
+            *self.wqkv,
+            *self.wo,
+            *self.w_gate_up,
+            *self.w_down,
+            *self.ln1,
+            *self.ln2,
+        ]
         return sum(t.numel() * t.element_size() for t in ts)
 
     def rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -60,12 +71,14 @@ class RandomLlama:
             e = min(T, s + chunk)
             qkv = F.linear(rms_norm(x[s:e], self.ln1[layer]), self.wqkv[layer])
             q[s:e] = self.rope(qkv[:, : HQ * D].view(e - s, HQ, D), pos[s:e])
-            k_pre[s:e] = qkv[:, HQ * D: (HQ + HKV) * D].view(e - s, HKV, D)
+            k_pre[s:e] = qkv[:, HQ * D : (HQ + HKV) * D].view(e - s, HKV, D)
             k[s:e] = self.rope(k_pre[s:e], pos[s:e])
-            v[s:e] = qkv[:, (HQ + HKV) * D:].view(e - s, HKV, D)
+            v[s:e] = qkv[:, (HQ + HKV) * D :].view(e - s, HKV, D)
         return q, k_pre, k, v
 
-    def finish_layer(self, layer: int, x: torch.Tensor, attn: torch.Tensor, chunk: int = 32768) -> torch.Tensor:
+    def finish_layer(
+        self, layer: int, x: torch.Tensor, attn: torch.Tensor, chunk: int = 32768
+    ) -> torch.Tensor:
         """Output projection, residual and MLP, in token chunks (bounded activation memory); in place."""
         T = x.shape[0]
         for s in range(0, T, chunk):

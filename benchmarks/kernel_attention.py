@@ -12,7 +12,6 @@ usage: python benchmarks/kernel_attention.py --out DIR [--lengths 32768 131072 .
 
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -46,8 +45,13 @@ def inputs(n):
 def prefill_configs():
     from sglang_wgkv.attention.triton_prefill import PrefillConfig
 
-    return [PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 128, 8, 2), PrefillConfig(128, 64, 8, 2),
-            PrefillConfig(64, 64, 4, 3), PrefillConfig(128, 64, 8, 4)]
+    return [
+        PrefillConfig(128, 64, 8, 3),
+        PrefillConfig(128, 128, 8, 2),
+        PrefillConfig(128, 64, 8, 2),
+        PrefillConfig(64, 64, 4, 3),
+        PrefillConfig(128, 64, 8, 4),
+    ]
 
 
 def run_prefill(args, deadline, results, path):
@@ -64,8 +68,13 @@ def run_prefill(args, deadline, results, path):
         try:
             plan = build_vertical_slash_plan(adm, ind, ind, pos, pos, W, cfg.block_m)
             comp = compact_admitted(k, v, adm, ind)
-            ms = cuda_ms(lambda: vertical_slash_attention(q, k, v, adm, ind, ind, pos, pos, W, plan=plan,
-                                                          compacted=comp, config=cfg), reps=5, warmup=2)
+            ms = cuda_ms(
+                lambda: vertical_slash_attention(
+                    q, k, v, adm, ind, ind, pos, pos, W, plan=plan, compacted=comp, config=cfg
+                ),
+                reps=5,
+                warmup=2,
+            )
             sweep.append({"config": cfg.__dict__, "ms": sorted(ms)[len(ms) // 2]})
         except Exception as exc:
             sweep.append({"config": cfg.__dict__, "error": repr(exc)[:300]})
@@ -82,9 +91,16 @@ def run_prefill(args, deadline, results, path):
 def _prefill_lengths(args, deadline, results, path, cfg):
     import flashinfer
 
-    from sglang_wgkv.attention.triton_prefill import (build_vertical_slash_plan_triton, compact_admitted_triton,
-                                                      vertical_slash_attention)
-    from sglang_wgkv.attention.vertical_slash_plan import _exclusive_count, build_vertical_slash_plan, compact_admitted
+    from sglang_wgkv.attention.triton_prefill import (
+        build_vertical_slash_plan_triton,
+        compact_admitted_triton,
+        vertical_slash_attention,
+    )
+    from sglang_wgkv.attention.vertical_slash_plan import (
+        _exclusive_count,
+        build_vertical_slash_plan,
+        compact_admitted,
+    )
 
     results["prefill_config"] = cfg.__dict__
 
@@ -93,8 +109,12 @@ def _prefill_lengths(args, deadline, results, path, cfg):
 
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             return torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                is_causal=True, enable_gqa=True)
+                q.transpose(0, 1)[None],
+                k.transpose(0, 1)[None],
+                v.transpose(0, 1)[None],
+                is_causal=True,
+                enable_gqa=True,
+            )
 
     rows = results.setdefault("prefill", [])
     for n in args.lengths:
@@ -107,14 +127,22 @@ def _prefill_lengths(args, deadline, results, path, cfg):
             write_json(path, results)
             continue
         entry = {"n": n, "dense_tflop": dense_flops / 1e12}
-        dense = [("flashinfer_fa3", lambda: flashinfer.single_prefill_with_kv_cache(
-                      q, k, v, causal=True, backend="fa3")),
-                  ("torch_sdpa_flash", lambda: sdpa(q, k, v))]
+        dense = [
+            (
+                "flashinfer_fa3",
+                lambda: flashinfer.single_prefill_with_kv_cache(q, k, v, causal=True, backend="fa3"),
+            ),
+            ("torch_sdpa_flash", lambda: sdpa(q, k, v)),
+        ]
         dense = [(name, fn) for name, fn in dense if name in args.baselines]
         # FA2 (a further JIT build) only when the run has time to spare.
         if "flashinfer_fa2" in args.baselines and deadline.left() > 200 + 30 * dense_flops / 5e14:
-            dense.append(("flashinfer_fa2", lambda: flashinfer.single_prefill_with_kv_cache(
-                q, k, v, causal=True, backend="fa2")))
+            dense.append(
+                (
+                    "flashinfer_fa2",
+                    lambda: flashinfer.single_prefill_with_kv_cache(q, k, v, causal=True, backend="fa2"),
+                )
+            )
         for name, fn in dense:
             try:
                 ms = cuda_ms(fn, reps=reps, warmup=1 if n <= 131072 else 0)
@@ -129,25 +157,40 @@ def _prefill_lengths(args, deadline, results, path, cfg):
             # What the served prefill runs (the one-launch Triton plan, the Triton copy of admitted rows),
             # and, same run, the torch plan, the torch scatter and the 2-D row scan used before.
             # Files without "served_plan" predate the switch: their plan_ms is the torch plan.
-            plan_ms = cuda_ms(lambda: build_vertical_slash_plan_triton(adm, ind, ind, pos, pos, W, cfg.block_m),
-                              reps=3)
-            plan_torch_ms = cuda_ms(lambda: build_vertical_slash_plan(adm, ind, ind, pos, pos, W, cfg.block_m), reps=3)
+            plan_ms = cuda_ms(
+                lambda: build_vertical_slash_plan_triton(adm, ind, ind, pos, pos, W, cfg.block_m), reps=3
+            )
+            plan_torch_ms = cuda_ms(
+                lambda: build_vertical_slash_plan(adm, ind, ind, pos, pos, W, cfg.block_m), reps=3
+            )
             comp_ms = cuda_ms(lambda: compact_admitted_triton(k, v, adm, ind), reps=3)
             comp_torch_ms = cuda_ms(lambda: compact_admitted(k, v, adm, ind), reps=3)
             scan_1d_ms = cuda_ms(lambda: _exclusive_count(adm), reps=3)
             scan_2d_ms = cuda_ms(lambda: torch.cumsum(adm.t().contiguous(), 1, dtype=torch.int32), reps=3)
             plan = build_vertical_slash_plan_triton(adm, ind, ind, pos, pos, W, cfg.block_m)
             comp = compact_admitted_triton(k, v, adm, ind)
-            kern = cuda_ms(lambda: vertical_slash_attention(q, k, v, adm, ind, ind, pos, pos, W, plan=plan,
-                                                            compacted=comp, config=cfg),
-                           reps=reps, warmup=1 if n <= 131072 else 0)
+            kern = cuda_ms(
+                lambda: vertical_slash_attention(
+                    q, k, v, adm, ind, ind, pos, pos, W, plan=plan, compacted=comp, config=cfg
+                ),
+                reps=reps,
+                warmup=1 if n <= 131072 else 0,
+            )
             total = min(kern) + min(plan_ms) + min(comp_ms)
-            wg = {"rejection": rej, "kernel_ms": min(kern), "plan_ms": min(plan_ms), "compact_ms": min(comp_ms),
-                  "served_plan": "triton",
-                  "plan_torch_ms": min(plan_torch_ms), "compact_torch_ms": min(comp_torch_ms),
-                  "scan_1d_ms": min(scan_1d_ms),
-                  "scan_2d_ms": min(scan_2d_ms),
-                  "total_ms": total, "visible_pairs": pairs, "tflops_useful": flops / min(kern) / 1e9}
+            wg = {
+                "rejection": rej,
+                "kernel_ms": min(kern),
+                "plan_ms": min(plan_ms),
+                "compact_ms": min(comp_ms),
+                "served_plan": "triton",
+                "plan_torch_ms": min(plan_torch_ms),
+                "compact_torch_ms": min(comp_torch_ms),
+                "scan_1d_ms": min(scan_1d_ms),
+                "scan_2d_ms": min(scan_2d_ms),
+                "total_ms": total,
+                "visible_pairs": pairs,
+                "tflops_useful": flops / min(kern) / 1e9,
+            }
             for base in ("flashinfer_fa3", "flashinfer_fa2", "torch_sdpa_flash"):
                 if "ms" in entry.get(base, {}):
                     wg[f"speedup_vs_{base}"] = entry[base]["ms"] / total
@@ -186,26 +229,44 @@ def run_decode(args, deadline, results, path, layers=8):
         pages = -(-n // 16)
         kv_dense = [torch.randn(pages, 2, 16, HKV, D, device="cuda", dtype=DT) for _ in range(layers)]
         dense = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, "NHD", use_cuda_graph=True,
+            workspace,
+            "NHD",
+            use_cuda_graph=True,
             paged_kv_indptr_buffer=torch.zeros(2, dtype=torch.int32, device="cuda"),
             paged_kv_indices_buffer=torch.zeros(pages, dtype=torch.int32, device="cuda"),
-            paged_kv_last_page_len_buffer=torch.zeros(1, dtype=torch.int32, device="cuda"))
-        dense.plan(torch.tensor([0, pages], dtype=torch.int32), torch.randperm(pages, device="cuda").to(torch.int32),
-                   torch.tensor([n - (pages - 1) * 16], dtype=torch.int32), HQ, HKV, D, 16,
-                   q_data_type=DT, kv_data_type=DT)
+            paged_kv_last_page_len_buffer=torch.zeros(1, dtype=torch.int32, device="cuda"),
+        )
+        dense.plan(
+            torch.tensor([0, pages], dtype=torch.int32),
+            torch.randperm(pages, device="cuda").to(torch.int32),
+            torch.tensor([n - (pages - 1) * 16], dtype=torch.int32),
+            HQ,
+            HKV,
+            D,
+            16,
+            q_data_type=DT,
+            kv_data_type=DT,
+        )
         out = torch.empty_like(q)
 
         def dense_layers():
             for kv in kv_dense:
                 dense.run(q, kv, out=out)
+
         dense_bytes = n * HKV * D * 2 * 2
         entry["dense_flashinfer"] = _time_layers(dense_layers, dense_bytes, layers)
         # SDPA decode on one layer's contiguous K/V.
         kc = torch.randn(1, HKV, n, D, device="cuda", dtype=DT)
         vc = torch.randn_like(kc)
-        ms = cuda_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
-            q[:, :, None], kc, vc, enable_gqa=True), reps=20, warmup=3)
-        entry["dense_torch_sdpa"] = {"ms_per_layer": sorted(ms)[10], "tbps": dense_bytes / sorted(ms)[10] / 1e9}
+        ms = cuda_ms(
+            lambda: torch.nn.functional.scaled_dot_product_attention(q[:, :, None], kc, vc, enable_gqa=True),
+            reps=20,
+            warmup=3,
+        )
+        entry["dense_torch_sdpa"] = {
+            "ms_per_layer": sorted(ms)[10],
+            "tbps": dense_bytes / sorted(ms)[10] / 1e9,
+        }
         del kc, vc, kv_dense
         torch.cuda.empty_cache()
         for rej in args.rejections:
@@ -220,7 +281,7 @@ def run_decode(args, deadline, results, path, layers=8):
                 indptr = torch.tensor([0] + npl, dtype=torch.int32).cumsum(0).to(torch.int32)
                 last = torch.tensor([(g - 1) % 16 + 1 if g else 16 for g in gl], dtype=torch.int32)
                 dec = FoldedPagedDecode(HQ, HKV, D, 1, int(indptr[-1]), "cuda", DT, float_workspace=workspace)
-                dec.plan(indptr, perm[off: off + int(indptr[-1])], last.cuda())
+                dec.plan(indptr, perm[off : off + int(indptr[-1])], last.cuda())
                 off += int(indptr[-1])
                 kv_bytes += sum(W + g for g in gl) * D * 2 * 2
                 decs.append(dec)
@@ -228,13 +289,17 @@ def run_decode(args, deadline, results, path, layers=8):
             def folded_layers():
                 for dec in decs:
                     dec.run(q, kp, vp, out=out)
+
             res = _time_layers(folded_layers, kv_bytes / layers, layers)
             res["rejection"] = rej
             res["kv_bytes_vs_dense"] = kv_bytes / layers / dense_bytes
             for mode in ("eager", "graph"):
-                if "ms_per_layer" in res.get(mode, {}) and "ms_per_layer" in entry["dense_flashinfer"].get(mode, {}):
-                    res[mode]["speedup_vs_dense_flashinfer"] = (entry["dense_flashinfer"][mode]["ms_per_layer"]
-                                                                / res[mode]["ms_per_layer"])
+                if "ms_per_layer" in res.get(mode, {}) and "ms_per_layer" in entry["dense_flashinfer"].get(
+                    mode, {}
+                ):
+                    res[mode]["speedup_vs_dense_flashinfer"] = (
+                        entry["dense_flashinfer"][mode]["ms_per_layer"] / res[mode]["ms_per_layer"]
+                    )
             entry.setdefault("wgkv_folded_flashinfer", []).append(res)
             del kp, vp, decs
             torch.cuda.empty_cache()
@@ -272,24 +337,43 @@ def plot(results, png):
         if pts:
             ax.plot(*zip(*pts), "o--", label=f"dense {base}")
     for rej in sorted({w["rejection"] for r in pre for w in r.get("wgkv_triton", [])}):
-        pts = [(r["n"], w["total_ms"]) for r in pre for w in r.get("wgkv_triton", []) if w["rejection"] == rej]
+        pts = [
+            (r["n"], w["total_ms"]) for r in pre for w in r.get("wgkv_triton", []) if w["rejection"] == rej
+        ]
         ax.plot(*zip(*pts), "o-", label=f"WG-KV Triton, {int(rej * 100)}% rejected")
-    ax.set(xscale="log", yscale="log", xlabel="prefill tokens", ylabel="ms per layer",
-           title="Prefill attention, one Llama-3.1-8B layer (H200)")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="prefill tokens",
+        ylabel="ms per layer",
+        title="Prefill attention, one Llama-3.1-8B layer (H200)",
+    )
     ax.legend(fontsize=7)
     dec = [r for r in results.get("decode", []) if "skipped" not in r]
     ax = axes[1]
-    pts = [(r["n"], r["dense_flashinfer"]["graph"]["ms_per_layer"]) for r in dec
-           if "ms_per_layer" in r["dense_flashinfer"].get("graph", {})]
+    pts = [
+        (r["n"], r["dense_flashinfer"]["graph"]["ms_per_layer"])
+        for r in dec
+        if "ms_per_layer" in r["dense_flashinfer"].get("graph", {})
+    ]
     if pts:
         ax.plot(*zip(*pts), "o--", label="dense FlashInfer decode (graph)")
     for rej in sorted({w["rejection"] for r in dec for w in r.get("wgkv_folded_flashinfer", [])}):
-        pts = [(r["n"], w["graph"]["ms_per_layer"]) for r in dec for w in r.get("wgkv_folded_flashinfer", [])
-               if w["rejection"] == rej and "ms_per_layer" in w.get("graph", {})]
+        pts = [
+            (r["n"], w["graph"]["ms_per_layer"])
+            for r in dec
+            for w in r.get("wgkv_folded_flashinfer", [])
+            if w["rejection"] == rej and "ms_per_layer" in w.get("graph", {})
+        ]
         if pts:
             ax.plot(*zip(*pts), "o-", label=f"WG-KV folded, {int(rej * 100)}% rejected (graph)")
-    ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="ms per layer",
-           title="Decode attention, batch 1, one layer (H200)")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="context tokens",
+        ylabel="ms per layer",
+        title="Decode attention, batch 1, one layer (H200)",
+    )
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
@@ -305,12 +389,16 @@ def main():
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--no-sweep", action="store_true", help="default launch shape, no sweep")
-    ap.add_argument("--baselines", nargs="+", default=["flashinfer_fa3", "flashinfer_fa2", "torch_sdpa_flash"])
+    ap.add_argument(
+        "--baselines", nargs="+", default=["flashinfer_fa3", "flashinfer_fa2", "torch_sdpa_flash"]
+    )
     args = ap.parse_args()
     deadline = Deadline(args.deadline)
     path = os.path.join(args.out, args.name + ".json")
-    results = {"env": environment(), "shape": {"Hq": HQ, "Hkv": HKV, "head_dim": D, "dtype": "bfloat16",
-                                               "local_window": W, "batch": 1}}
+    results = {
+        "env": environment(),
+        "shape": {"Hq": HQ, "Hkv": HKV, "head_dim": D, "dtype": "bfloat16", "local_window": W, "batch": 1},
+    }
     torch.manual_seed(0)
     if not args.skip_decode:
         run_decode(args, deadline, results, path)

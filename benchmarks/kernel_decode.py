@@ -37,11 +37,14 @@ from benchmarks.common import Deadline, capture_graph, cuda_ms, environment, wri
 
 HQ, HKV, D, W, PAGE = 32, 8, 128, 256, 16
 DT = torch.bfloat16
-TOKEN_BYTES = D * 2 * 2          # K + V of one token of one KV head, bf16
-WORKING_SET = 256 << 20          # bytes each timed graph reads at least (L2 is 50 MB)
+TOKEN_BYTES = D * 2 * 2  # K + V of one token of one KV head, bf16
+WORKING_SET = 256 << 20  # bytes each timed graph reads at least (L2 is 50 MB)
 SWEEP_CONFIGS = [(64, 4, 2), (64, 8, 2), (32, 4, 2), (128, 8, 2), (64, 4, 3), (64, 4, 4)]
-TRITON_ROWS = {"fused": [("triton", True)], "two_launch": [("triton_two_launch", False)],
-               "both": [("triton", True), ("triton_two_launch", False)]}   # --fused-merge -> (key, fused_merge)
+TRITON_ROWS = {
+    "fused": [("triton", True)],
+    "two_launch": [("triton_two_launch", False)],
+    "both": [("triton", True), ("triton_two_launch", False)],
+}  # --fused-merge -> (key, fused_merge)
 
 
 def layers_for(bytes_per_layer: int, cap: int) -> int:
@@ -59,7 +62,7 @@ class FoldedPool:
 
     def __init__(self, glen: torch.Tensor, gen, device="cuda"):
         B, L, H = glen.shape
-        npages = W // PAGE + (glen.long() + PAGE - 1) // PAGE                        # [B, L, H]
+        npages = W // PAGE + (glen.long() + PAGE - 1) // PAGE  # [B, L, H]
         total = int(npages.sum())
         cols = int(npages.max())
         self.k_pages = torch.randn(total + 1, PAGE, D, device=device, dtype=DT)
@@ -99,6 +102,7 @@ def graph_ms(fn, inner: int = 20, reps: int = 7) -> float:
     def replays():
         for _ in range(inner):
             graph.replay()
+
     ms = sorted(cuda_ms(replays, reps=reps, warmup=2))
     return ms[len(ms) // 2] / inner
 
@@ -111,8 +115,21 @@ def triton_fn(pool, q, out, splits, cfg):
 
     def run():
         for layer in range(L):
-            folded_decode(q, pool.k_pages, pool.v_pages, pool.page_table, pool.global_len, pool.req, pool.ring,
-                          layer, num_splits=splits, workspace=ws, out=out, config=cfg)
+            folded_decode(
+                q,
+                pool.k_pages,
+                pool.v_pages,
+                pool.page_table,
+                pool.global_len,
+                pool.req,
+                pool.ring,
+                layer,
+                num_splits=splits,
+                workspace=ws,
+                out=out,
+                config=cfg,
+            )
+
     return run
 
 
@@ -130,20 +147,45 @@ def sweep(args, results, gen):
     rows = []
     fused = args.fused_merge != "two_launch"
     for bn, warps, stages in SWEEP_CONFIGS:
-        for splits in sorted(set(args.sweep_splits) if args.sweep_splits else
-                             {max(1, base // 2), base, min(MAX_SPLIT_COUNT, base * 2)}):
+        for splits in sorted(
+            set(args.sweep_splits)
+            if args.sweep_splits
+            else {max(1, base // 2), base, min(MAX_SPLIT_COUNT, base * 2)}
+        ):
             cfg = DecodeConfig(bn, warps, stages, fused)
             try:
                 t = graph_ms(triton_fn(pool, q, out, splits, cfg)) / L
-                rows.append({"block_n": bn, "num_warps": warps, "num_stages": stages, "splits": splits,
-                             "ms_per_layer": t, "tbps": pool.kv_bytes_per_layer / t / 1e9})
+                rows.append(
+                    {
+                        "block_n": bn,
+                        "num_warps": warps,
+                        "num_stages": stages,
+                        "splits": splits,
+                        "ms_per_layer": t,
+                        "tbps": pool.kv_bytes_per_layer / t / 1e9,
+                    }
+                )
             except Exception as exc:
-                rows.append({"block_n": bn, "num_warps": warps, "num_stages": stages, "splits": splits,
-                             "error": repr(exc)[:300]})
+                rows.append(
+                    {
+                        "block_n": bn,
+                        "num_warps": warps,
+                        "num_stages": stages,
+                        "splits": splits,
+                        "error": repr(exc)[:300],
+                    }
+                )
     ok = [r for r in rows if "ms_per_layer" in r]
     best = min(ok, key=lambda r: r["ms_per_layer"]) if ok else None
-    results["sweep"] = {"n": n, "rejection": 0.75, "batch": 1, "default_splits": base, "fused_merge": fused,
-                        "rows": rows, "best": best}
+    results["sweep"] = {
+        "n": n,
+        "rejection": 0.75,
+        "batch": 1,
+        "default_splits": base,
+        "fused_merge": fused,
+        "rows": rows,
+        "best": best,
+    }
     print("sweep best:", best, flush=True)
     del pool
     torch.cuda.empty_cache()
@@ -175,18 +217,29 @@ def run(args, deadline, results, path, best):
             L = layers_for(dense_bytes, 4)
             kv = [torch.randn(B * pages, 2, PAGE, HKV, D, device="cuda", dtype=DT) for _ in range(L)]
             dense = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                workspace, "NHD", use_cuda_graph=True,
+                workspace,
+                "NHD",
+                use_cuda_graph=True,
                 paged_kv_indptr_buffer=torch.zeros(B + 1, dtype=torch.int32, device="cuda"),
                 paged_kv_indices_buffer=torch.zeros(B * pages, dtype=torch.int32, device="cuda"),
-                paged_kv_last_page_len_buffer=torch.zeros(B, dtype=torch.int32, device="cuda"))
-            dense.plan(torch.arange(B + 1, dtype=torch.int32) * pages,
-                       torch.randperm(B * pages, device="cuda").to(torch.int32),
-                       torch.full((B,), n - (pages - 1) * PAGE, dtype=torch.int32), HQ, HKV, D, PAGE,
-                       q_data_type=DT, kv_data_type=DT)
+                paged_kv_last_page_len_buffer=torch.zeros(B, dtype=torch.int32, device="cuda"),
+            )
+            dense.plan(
+                torch.arange(B + 1, dtype=torch.int32) * pages,
+                torch.randperm(B * pages, device="cuda").to(torch.int32),
+                torch.full((B,), n - (pages - 1) * PAGE, dtype=torch.int32),
+                HQ,
+                HKV,
+                D,
+                PAGE,
+                q_data_type=DT,
+                kv_data_type=DT,
+            )
 
             def dense_run():
                 for layer_kv in kv:
                     dense.run(q, layer_kv, out=out)
+
             try:
                 t = graph_ms(dense_run) / L
                 entry["dense_flashinfer"] = {"ms": t, "tbps": dense_bytes / t / 1e9, "layers": L}
@@ -195,10 +248,17 @@ def run(args, deadline, results, path, best):
             del kv, dense
             torch.cuda.empty_cache()
             splits = best["splits"] if args.use_best and best else choose_num_splits(B, HKV, n, "cuda")
-            cfg = DecodeConfig(best["block_n"], best["num_warps"], best["num_stages"]) \
-                if args.use_best and best else DecodeConfig()
-            entry["triton_launch"] = {"splits": splits, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
-                                      "num_stages": cfg.num_stages}
+            cfg = (
+                DecodeConfig(best["block_n"], best["num_warps"], best["num_stages"])
+                if args.use_best and best
+                else DecodeConfig()
+            )
+            entry["triton_launch"] = {
+                "splits": splits,
+                "block_n": cfg.block_n,
+                "num_warps": cfg.num_warps,
+                "num_stages": cfg.num_stages,
+            }
             for rej in args.rejections:
                 if deadline.left() < 8:
                     entry.setdefault("folded", []).append({"rejection": rej, "skipped": "deadline"})
@@ -206,14 +266,19 @@ def run(args, deadline, results, path, best):
                 per_layer = B * HKV * (W + (1 - rej) * max(n - W, 0)) * TOKEN_BYTES
                 L = layers_for(int(per_layer), 16)
                 pool = FoldedPool(global_lengths(B, L, n, rej, gen), gen)
-                res = {"rejection": rej, "layers": L, "kv_bytes_per_layer": pool.kv_bytes_per_layer,
-                       "kv_bytes_vs_dense": pool.kv_bytes_per_layer / dense_bytes}
+                res = {
+                    "rejection": rej,
+                    "layers": L,
+                    "kv_bytes_per_layer": pool.kv_bytes_per_layer,
+                    "kv_bytes_vs_dense": pool.kv_bytes_per_layer / dense_bytes,
+                }
                 try:
                     decs = pool.flashinfer_plans(workspace)
 
                     def fi_run():
                         for dec in decs:
                             dec.run(q, pool.k_pages, pool.v_pages, out=out)
+
                     t = graph_ms(fi_run) / L
                     res["folded_flashinfer"] = {"ms": t, "tbps": pool.kv_bytes_per_layer / t / 1e9}
                     del decs
@@ -221,7 +286,12 @@ def run(args, deadline, results, path, best):
                     res["folded_flashinfer"] = {"error": repr(exc)[:300]}
                 for key, fused in TRITON_ROWS[args.fused_merge]:
                     try:
-                        t = graph_ms(triton_fn(pool, q, out, splits, dataclasses.replace(cfg, fused_merge=fused))) / L
+                        t = (
+                            graph_ms(
+                                triton_fn(pool, q, out, splits, dataclasses.replace(cfg, fused_merge=fused))
+                            )
+                            / L
+                        )
                         res[key] = {"ms": t, "tbps": pool.kv_bytes_per_layer / t / 1e9}
                     except Exception as exc:
                         res[key] = {"error": repr(exc)[:300]}
@@ -230,10 +300,13 @@ def run(args, deadline, results, path, best):
                         if "ms" in (ref or {}) and "ms" in res[key]:
                             res[key][f"speedup_vs_{base}"] = ref["ms"] / res[key]["ms"]
                 if "ms" in res.get("triton", {}) and "ms" in res.get("triton_two_launch", {}):
-                    res["triton"]["speedup_vs_two_launch"] = res["triton_two_launch"]["ms"] / res["triton"]["ms"]
+                    res["triton"]["speedup_vs_two_launch"] = (
+                        res["triton_two_launch"]["ms"] / res["triton"]["ms"]
+                    )
                 if "ms" in res["folded_flashinfer"] and "ms" in entry.get("dense_flashinfer", {}):
-                    res["folded_flashinfer"]["speedup_vs_dense_flashinfer"] = \
+                    res["folded_flashinfer"]["speedup_vs_dense_flashinfer"] = (
                         entry["dense_flashinfer"]["ms"] / res["folded_flashinfer"]["ms"]
+                    )
                 entry.setdefault("folded", []).append(res)
                 print(B, n, res, flush=True)
                 del pool
@@ -256,26 +329,45 @@ def plot(results, png):
     for i, B in enumerate(batches):
         rb = [r for r in rows if r["batch"] == B]
         ax_ms, ax_bw = axes[i]
-        pts = [(r["n"], r["dense_flashinfer"]["ms"], r["dense_flashinfer"]["tbps"]) for r in rb
-               if "ms" in r.get("dense_flashinfer", {})]
+        pts = [
+            (r["n"], r["dense_flashinfer"]["ms"], r["dense_flashinfer"]["tbps"])
+            for r in rb
+            if "ms" in r.get("dense_flashinfer", {})
+        ]
         if pts:
             ax_ms.plot([p[0] for p in pts], [p[1] for p in pts], "ko--", label="dense FlashInfer")
             ax_bw.plot([p[0] for p in pts], [p[2] for p in pts], "ko--", label="dense FlashInfer")
         rejs = sorted({f["rejection"] for r in rb for f in r.get("folded", []) if "skipped" not in f})
         for j, rej in enumerate(rejs):
             color = plt.cm.viridis(j / max(1, len(rejs) - 1))
-            for kern, style, name in (("folded_flashinfer", "s:", "FlashInfer folded"), ("triton", "o-", "Triton"),
-                                      ("triton_two_launch", "^--", "Triton 2 launches")):
-                pts = [(r["n"], f[kern]["ms"], f[kern]["tbps"]) for r in rb for f in r.get("folded", [])
-                       if f.get("rejection") == rej and "ms" in f.get(kern, {})]
+            for kern, style, name in (
+                ("folded_flashinfer", "s:", "FlashInfer folded"),
+                ("triton", "o-", "Triton"),
+                ("triton_two_launch", "^--", "Triton 2 launches"),
+            ):
+                pts = [
+                    (r["n"], f[kern]["ms"], f[kern]["tbps"])
+                    for r in rb
+                    for f in r.get("folded", [])
+                    if f.get("rejection") == rej and "ms" in f.get(kern, {})
+                ]
                 if pts:
                     label = f"{name} {int(rej * 100)}% rej."
                     ax_ms.plot([p[0] for p in pts], [p[1] for p in pts], style, color=color, label=label)
                     ax_bw.plot([p[0] for p in pts], [p[2] for p in pts], style, color=color, label=label)
-        ax_ms.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="ms per layer",
-                  title=f"Decode, batch {B}, one Llama-3.1-8B layer (CUDA graph)")
-        ax_bw.set(xscale="log", xlabel="context tokens", ylabel="effective TB/s (K+V read / time)",
-                  title=f"Decode bandwidth, batch {B}")
+        ax_ms.set(
+            xscale="log",
+            yscale="log",
+            xlabel="context tokens",
+            ylabel="ms per layer",
+            title=f"Decode, batch {B}, one Llama-3.1-8B layer (CUDA graph)",
+        )
+        ax_bw.set(
+            xscale="log",
+            xlabel="context tokens",
+            ylabel="effective TB/s (K+V read / time)",
+            title=f"Decode bandwidth, batch {B}",
+        )
         ax_ms.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
@@ -289,13 +381,26 @@ def parse_args(argv=None):
     ap.add_argument("--rejections", type=float, nargs="+", default=[0.0, 0.5, 0.75, 0.9])
     ap.add_argument("--batches", type=int, nargs="+", default=[1])
     ap.add_argument("--deadline", type=float, default=90.0, help="seconds for the whole run")
-    ap.add_argument("--max-dense-gb", type=float, default=24.0, help="skip shapes whose dense KV per layer is larger")
+    ap.add_argument(
+        "--max-dense-gb", type=float, default=24.0, help="skip shapes whose dense KV per layer is larger"
+    )
     ap.add_argument("--no-sweep", action="store_true", help="skip the launch-shape sweep")
-    ap.add_argument("--sweep-splits", type=int, nargs="+", default=None,
-                    help="split counts the sweep tries (default: half, once and twice choose_num_splits)")
-    ap.add_argument("--use-best", action="store_true", help="time the sweep's best launch shape, not the default")
-    ap.add_argument("--fused-merge", choices=sorted(TRITON_ROWS), default="both",
-                    help="Triton rows: one launch per layer (triton), two (triton_two_launch) or both")
+    ap.add_argument(
+        "--sweep-splits",
+        type=int,
+        nargs="+",
+        default=None,
+        help="split counts the sweep tries (default: half, once and twice choose_num_splits)",
+    )
+    ap.add_argument(
+        "--use-best", action="store_true", help="time the sweep's best launch shape, not the default"
+    )
+    ap.add_argument(
+        "--fused-merge",
+        choices=sorted(TRITON_ROWS),
+        default="both",
+        help="Triton rows: one launch per layer (triton), two (triton_two_launch) or both",
+    )
     args = ap.parse_args(argv)
     if any(n < W for n in args.lengths) or any(not 0.0 <= r <= 1.0 for r in args.rejections):
         ap.error(f"lengths must be >= {W} and rejections in [0, 1]")
@@ -306,8 +411,17 @@ def main():
     args = parse_args()
     deadline = Deadline(args.deadline)
     path = os.path.join(args.out, args.name + ".json")
-    results = {"env": environment(), "shape": {"Hq": HQ, "Hkv": HKV, "head_dim": D, "dtype": "bfloat16",
-                                               "local_window": W, "page_size": PAGE}}
+    results = {
+        "env": environment(),
+        "shape": {
+            "Hq": HQ,
+            "Hkv": HKV,
+            "head_dim": D,
+            "dtype": "bfloat16",
+            "local_window": W,
+            "page_size": PAGE,
+        },
+    }
     torch.manual_seed(0)
     best = None if args.no_sweep else sweep(args, results, torch.Generator().manual_seed(1))
     run(args, deadline, results, path, best)

@@ -34,24 +34,33 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from benchmarks.common import environment, write_json  # noqa: E402
 from serving_support import OfflineTruth, Server, save_head_gates  # noqa: E402
 from test_gpu_serving import HEAD_BIAS, NEW_TOKENS, PROMPTS, SERVER_ARGS, W_LOCAL, common_args  # noqa: E402
+
+from benchmarks.common import environment, write_json  # noqa: E402
 
 # the GPU test's two servers, the kernels path without decode graphs and (CPU) the float32 reference
 SERVERS = {
     "fp32_reference": ["--dtype", "float32", "--wgkv-attention", "reference"],
     "bf16_reference": SERVER_ARGS["reference"],
     "bf16_kernels_graphs": SERVER_ARGS["kernels"],
-    "bf16_kernels_eager": ["--dtype", "bfloat16", "--wgkv-attention", "kernels", "--disable-decode-cuda-graph"],
+    "bf16_kernels_eager": [
+        "--dtype",
+        "bfloat16",
+        "--wgkv-attention",
+        "kernels",
+        "--disable-decode-cuda-graph",
+    ],
 }
 
 
 def compare(a: dict, b: dict) -> dict:
     """First differing greedy token and the largest logprob difference up to and including it."""
     n = next((i for i, (x, y) in enumerate(zip(a["ids"], b["ids"])) if x != y), len(a["ids"]))
-    return {"first_divergence": n if n < len(a["ids"]) else None,
-            **error_stats(a["logprobs"][:n + 1], b["logprobs"][:n + 1])}
+    return {
+        "first_divergence": n if n < len(a["ids"]) else None,
+        **error_stats(a["logprobs"][: n + 1], b["logprobs"][: n + 1]),
+    }
 
 
 def against_truth(truth: OfflineTruth, prompt: str, run: dict) -> dict:
@@ -63,8 +72,12 @@ def error_stats(xs: list[float], ys: list[float]) -> dict:
     """Largest absolute difference (and its token), mean and per-token differences of two logprob lists."""
     errs = [abs(x - y) for x, y in zip(xs, ys)]
     worst = max(range(len(errs)), key=errs.__getitem__)
-    return {"max_abs": errs[worst], "at": worst, "mean_abs": sum(errs) / len(errs),
-            "per_token": [round(e, 4) for e in errs]}
+    return {
+        "max_abs": errs[worst],
+        "at": worst,
+        "mean_abs": sum(errs) / len(errs),
+        "per_token": [round(e, 4) for e in errs],
+    }
 
 
 def main() -> None:
@@ -92,26 +105,49 @@ def main() -> None:
             srv.wait_healthy()
             runs[name] = []
             for p in PROMPTS:
-                o = srv.generate([p], max_new_tokens=NEW_TOKENS, return_logprob=True, top_logprobs_num=2,
-                                 sampling_params={"ignore_eos": True})[0]
+                o = srv.generate(
+                    [p],
+                    max_new_tokens=NEW_TOKENS,
+                    return_logprob=True,
+                    top_logprobs_num=2,
+                    sampling_params={"ignore_eos": True},
+                )[0]
                 top = o["meta_info"]["output_top_logprobs"]
-                runs[name].append({"ids": o["output_ids"],
-                                   "logprobs": [lp[0] for lp in o["meta_info"]["output_token_logprobs"]],
-                                   "top2_gap": [t[0][0] - t[1][0] for t in top]})
+                runs[name].append(
+                    {
+                        "ids": o["output_ids"],
+                        "logprobs": [lp[0] for lp in o["meta_info"]["output_token_logprobs"]],
+                        "top2_gap": [t[0][0] - t[1][0] for t in top],
+                    }
+                )
         finally:
             srv.stop()
     truth = OfflineTruth(model_dir, tmp / "gates", W_LOCAL, device="cuda" if cuda else "cpu")
-    float32 = {name: [against_truth(truth, p, r) for p, r in zip(PROMPTS, rows)] for name, rows in runs.items()}
+    float32 = {
+        name: [against_truth(truth, p, r) for p, r in zip(PROMPTS, rows)] for name, rows in runs.items()
+    }
     for name, rows in float32.items():
         print(f"{name} ~ float32", " ".join(f"{r['max_abs']:.3f}@{r['at']}" for r in rows))
-    pairs = {f"{x}~{y}": [compare(rx, ry) for rx, ry in zip(runs[x], runs[y])]
-             for x, y in itertools.combinations(runs, 2)}
+    pairs = {
+        f"{x}~{y}": [compare(rx, ry) for rx, ry in zip(runs[x], runs[y])]
+        for x, y in itertools.combinations(runs, 2)
+    }
     for key, rows in pairs.items():
         print(key, " ".join(f"{r['max_abs']:.3f}@{r['at']}" for r in rows))
-    write_json(str(out / "logprob_floor.json"), {
-        "what": __doc__.split("\n\n")[0], "command": " ".join(sys.argv), "server_commands": commands,
-        "truth": "float32 offline (serving_support.OfflineTruth), each server's own tokens teacher-forced",
-        "prompts": PROMPTS, "environment": environment(), "runs": runs, "float32": float32, "pairs": pairs})
+    write_json(
+        str(out / "logprob_floor.json"),
+        {
+            "what": __doc__.split("\n\n")[0],
+            "command": " ".join(sys.argv),
+            "server_commands": commands,
+            "truth": "float32 offline (serving_support.OfflineTruth), each server's own tokens teacher-forced",
+            "prompts": PROMPTS,
+            "environment": environment(),
+            "runs": runs,
+            "float32": float32,
+            "pairs": pairs,
+        },
+    )
 
 
 if __name__ == "__main__":

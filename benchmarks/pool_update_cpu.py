@@ -25,19 +25,33 @@ def main():
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "kernels" / "pool_update_cpu.json"))
+    ap.add_argument(
+        "--out", default=str(Path(__file__).parent / "results" / "kernels" / "pool_update_cpu.json")
+    )
     a = ap.parse_args()
     torch.manual_seed(0)
     B, L, H, D = a.requests, a.layers, a.kv_heads, a.head_dim
-    pool = DualCachePool(L, H, D, num_pages=B * L * H * (a.context // 16 + 20), max_requests=B,
-                         max_context_len=a.context + a.steps + 16, config=WGKVConfig(), dtype=torch.bfloat16)
+    pool = DualCachePool(
+        L,
+        H,
+        D,
+        num_pages=B * L * H * (a.context // 16 + 20),
+        max_requests=B,
+        max_context_len=a.context + a.steps + 16,
+        config=WGKVConfig(),
+        dtype=torch.bfloat16,
+    )
     slots = list(range(B))
     for r in slots:
         pool.alloc_request(r)
     pool.begin_extend(slots, [0] * B, [a.context] * B)
     for layer in range(L):
-        pool.write_extend(layer, torch.randn(B * a.context, H, D), torch.randn(B * a.context, H, D),
-                          torch.rand(B * a.context, H) < 0.25)
+        pool.write_extend(
+            layer,
+            torch.randn(B * a.context, H, D),
+            torch.randn(B * a.context, H, D),
+            torch.rand(B * a.context, H) < 0.25,
+        )
     k, v = torch.randn(B, H, D), torch.randn(B, H, D)
     admit = torch.rand(B, H) < 0.25
     slots_dev = torch.tensor(slots)
@@ -53,11 +67,15 @@ def main():
     times = sorted(times[5:])
     res = {
         "command": " ".join([Path(sys.executable).name] + sys.argv),
-        "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "shape": {"requests": B, "layers": L, "kv_heads": H, "head_dim": D, "context": a.context},
-        "decode_step_pool_update_ms": {"median": 1e3 * times[len(times) // 2], "min": 1e3 * times[0],
-                                       "p90": 1e3 * times[int(0.9 * len(times))]},
+        "decode_step_pool_update_ms": {
+            "median": 1e3 * times[len(times) // 2],
+            "min": 1e3 * times[0],
+            "p90": 1e3 * times[int(0.9 * len(times))],
+        },
     }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=2) + "\n")

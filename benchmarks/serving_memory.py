@@ -43,8 +43,18 @@ def gpu_memory() -> tuple[int, int] | None:
     if shutil.which("nvidia-smi") is None:
         return None
     try:
-        out = subprocess.run(["nvidia-smi", "-i", "0", "--query-gpu=memory.used,memory.total",
-                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            [
+                "nvidia-smi",
+                "-i",
+                "0",
+                "--query-gpu=memory.used,memory.total",
+                "--format=csv,noheader,nounits",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         used, total = (int(x) << 20 for x in out.stdout.strip().split(","))
     except (OSError, ValueError, subprocess.TimeoutExpired):
         return None
@@ -119,8 +129,10 @@ class TreeSampler(threading.Thread):
 def _long_prompt(tokens: int, seed: int) -> str:
     """About ``tokens`` tokens of list-like text (about 12 tokens per item)."""
     colors, things = ["red", "blue", "green", "old", "new"], ["car", "house", "tree", "river", "book"]
-    items = [f"Item {i}: the {colors[(i + seed) % 5]} {things[(3 * i + seed) % 5]} number {(7 * i + seed) % 13}."
-             for i in range(tokens // 12)]
+    items = [
+        f"Item {i}: the {colors[(i + seed) % 5]} {things[(3 * i + seed) % 5]} number {(7 * i + seed) % 13}."
+        for i in range(tokens // 12)
+    ]
     return " ".join(items) + " Which item mentions a river first?"
 
 
@@ -152,14 +164,25 @@ def frontend_program(url: str) -> dict:
 
 
 def chat(url: str) -> None:
-    r = requests.post(url + "/v1/chat/completions", timeout=600, json={
-        "model": "default", "max_tokens": 32, "temperature": 0,
-        "messages": [{"role": "user", "content": "Name three rivers in Europe."}]})
+    r = requests.post(
+        url + "/v1/chat/completions",
+        timeout=600,
+        json={
+            "model": "default",
+            "max_tokens": 32,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "Name three rivers in Europe."}],
+        },
+    )
     r.raise_for_status()
 
 
 def stream(url: str) -> None:
-    body = {"text": "Once upon a time", "stream": True, "sampling_params": {"max_new_tokens": 48, "temperature": 0}}
+    body = {
+        "text": "Once upon a time",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 48, "temperature": 0},
+    }
     with requests.post(url + "/generate", json=body, stream=True, timeout=600) as r:
         r.raise_for_status()
         for _ in r.iter_lines():
@@ -169,15 +192,22 @@ def stream(url: str) -> None:
 def long_prompts(url: str, n: int, tokens: int) -> list[int]:
     out = []
     for i in range(n):
-        r = requests.post(url + "/generate", timeout=1800, json={
-            "text": _long_prompt(tokens, seed=i), "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+        r = requests.post(
+            url + "/generate",
+            timeout=1800,
+            json={
+                "text": _long_prompt(tokens, seed=i),
+                "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+            },
+        )
         r.raise_for_status()
         out.append(r.json()["meta_info"]["prompt_tokens"])
     return out
 
 
-def measure(server_args: list[str], label: str, log_path: Path, long_prompt_count: int = 3,
-            long_tokens: int = 6000) -> dict:
+def measure(
+    server_args: list[str], label: str, log_path: Path, long_prompt_count: int = 3, long_tokens: int = 6000
+) -> dict:
     """Start the launcher with ``server_args``, run the phases, stop it; the result dict (module
     docstring). The server is always stopped, also when a phase fails."""
     port = free_port()
@@ -185,11 +215,19 @@ def measure(server_args: list[str], label: str, log_path: Path, long_prompt_coun
     vm = psutil.virtual_memory()
     gpu = gpu_memory()
     cmd = [*LAUNCHER, "--port", str(port), *server_args]
-    result = {"label": label, "command": " ".join(["python -m sglang_wgkv.launch_server", *server_args]),
-              "machine": {"mem_total_bytes": vm.total, "mem_available_at_start_bytes": vm.available,
-                          "cpus": os.cpu_count(), "python": platform.python_version(),
-                          **({"gpu_total_bytes": gpu[1], "gpu_used_at_start_bytes": gpu[0]} if gpu else {})},
-              "phases": {}, "survived": False}
+    result = {
+        "label": label,
+        "command": " ".join(["python -m sglang_wgkv.launch_server", *server_args]),
+        "machine": {
+            "mem_total_bytes": vm.total,
+            "mem_available_at_start_bytes": vm.available,
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            **({"gpu_total_bytes": gpu[1], "gpu_used_at_start_bytes": gpu[0]} if gpu else {}),
+        },
+        "phases": {},
+        "survived": False,
+    }
     srv = ServerProcess(cmd, log_path, port=port, env=dict(os.environ), cwd=REPO, stop_timeout_s=60)
     sampler = TreeSampler(srv.proc.pid)
     sampler.start()
@@ -197,14 +235,22 @@ def measure(server_args: list[str], label: str, log_path: Path, long_prompt_coun
         result["startup_s"] = round(srv.wait_healthy(900, probe_timeout_s=30), 1)
         info = requests.get(url + "/server_info", timeout=60).json()
         state = info["internal_states"][0]
-        result["server"] = {"max_total_num_tokens": info.get("max_total_num_tokens"),
-                            "max_running_requests": state.get("effective_max_running_requests_per_dp"),
-                            "wgkv": {k: v for k, v in state.get("wgkv", {}).items()
-                                     if k in ("total_pages", "page_bytes", "local_window", "tau")}}
+        result["server"] = {
+            "max_total_num_tokens": info.get("max_total_num_tokens"),
+            "max_running_requests": state.get("effective_max_running_requests_per_dp"),
+            "wgkv": {
+                k: v
+                for k, v in state.get("wgkv", {}).items()
+                if k in ("total_pages", "page_bytes", "local_window", "tau")
+            },
+        }
         result["phases"]["startup"] = sampler.take_phase()
-        for name, fn in (("frontend", lambda: frontend_program(url)), ("chat", lambda: chat(url)),
-                         ("stream", lambda: stream(url)),
-                         ("long_prompts", lambda: long_prompts(url, long_prompt_count, long_tokens))):
+        for name, fn in (
+            ("frontend", lambda: frontend_program(url)),
+            ("chat", lambda: chat(url)),
+            ("stream", lambda: stream(url)),
+            ("long_prompts", lambda: long_prompts(url, long_prompt_count, long_tokens)),
+        ):
             t = time.monotonic()
             try:
                 detail, ok = fn(), True
@@ -213,8 +259,12 @@ def measure(server_args: list[str], label: str, log_path: Path, long_prompt_coun
             except Exception as e:  # the server may have died: record it and stop
                 detail, ok = f"{type(e).__name__}: {e}", False
             time.sleep(2)  # the idle check after the phase
-            result["phases"][name] = {"ok": ok and srv.alive(), "seconds": round(time.monotonic() - t, 1),
-                                      **sampler.take_phase(), "detail": detail}
+            result["phases"][name] = {
+                "ok": ok and srv.alive(),
+                "seconds": round(time.monotonic() - t, 1),
+                **sampler.take_phase(),
+                "detail": detail,
+            }
             if not result["phases"][name]["ok"]:
                 break
         result["survived"] = srv.alive()
@@ -241,8 +291,13 @@ def main() -> None:
     ap.add_argument("--long-tokens", type=int, default=6000)
     ap.add_argument("server_args", nargs="*", help="launcher arguments (after --)")
     a = ap.parse_args()
-    result = measure(a.server_args, a.label, Path(a.log or f"/tmp/serving_memory_{a.label}.log"),
-                     a.long_prompts, a.long_tokens)
+    result = measure(
+        a.server_args,
+        a.label,
+        Path(a.log or f"/tmp/serving_memory_{a.label}.log"),
+        a.long_prompts,
+        a.long_tokens,
+    )
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"memory_{a.label}.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -24,17 +24,27 @@ import triton
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
 
-from benchmarks.common import environment, write_json  # noqa: E402
 from sm90_compile import compile_sm90, split_kernel_launch  # noqa: E402
+
+from benchmarks.common import environment, write_json  # noqa: E402
 
 SM90_SHARED_PER_SM = 233472  # bytes of shared memory an H200 SM holds for its resident blocks (228 KiB)
 
 CONFIGS = [  # (block_n, num_warps, num_stages, fused ring write, fused merge, maxnreg: 0 = uncapped)
-    (64, 4, 2, True, True, 0), (64, 4, 2, False, True, 0), (64, 4, 2, False, False, 0),
-    (32, 4, 2, True, True, 0), (64, 8, 2, True, True, 0), (128, 8, 2, True, True, 0), (32, 8, 2, True, True, 0),
+    (64, 4, 2, True, True, 0),
+    (64, 4, 2, False, True, 0),
+    (64, 4, 2, False, False, 0),
+    (32, 4, 2, True, True, 0),
+    (64, 8, 2, True, True, 0),
+    (128, 8, 2, True, True, 0),
+    (32, 8, 2, True, True, 0),
     # register caps (--wgkv-decode-launch maxnreg)
-    (64, 4, 2, True, True, 168), (64, 4, 2, True, True, 128), (32, 4, 2, True, True, 168),
-    (32, 4, 2, True, True, 128), (16, 4, 2, True, True, 0), (16, 4, 2, True, True, 128),
+    (64, 4, 2, True, True, 168),
+    (64, 4, 2, True, True, 128),
+    (32, 4, 2, True, True, 168),
+    (32, 4, 2, True, True, 128),
+    (16, 4, 2, True, True, 0),
+    (16, 4, 2, True, True, 128),
 ]
 
 
@@ -43,8 +53,12 @@ def ptxas_stats(ptx: str) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     try:
-        err = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
-                             capture_output=True, text=True, check=True).stderr
+        err = subprocess.run(
+            [ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
     finally:
         os.unlink(f.name)
     regs = int(re.search(r"Used (\d+) registers", err).group(1))
@@ -61,22 +75,40 @@ def main():
     splits = td.choose_num_splits(1, 8, 131072, "cpu")
     rows = []
     for block_n, warps, stages, write, fused, maxnreg in CONFIGS:
-        cfg = td.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, fused_merge=fused,
-                              maxnreg=maxnreg)
+        cfg = td.DecodeConfig(
+            block_n=block_n, num_warps=warps, num_stages=stages, fused_merge=fused, maxnreg=maxnreg
+        )
         kernel, bound, options = split_kernel_launch(cfg, splits=splits, fused_write=write)
         compiled = compile_sm90(kernel, bound, options)
-        row = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "fused_write": write,
-               "fused_merge": fused, "maxnreg": maxnreg, "shared_bytes": compiled.metadata.shared,
-               **ptxas_stats(compiled.asm["ptx"])}
+        row = {
+            "block_n": block_n,
+            "num_warps": warps,
+            "num_stages": stages,
+            "fused_write": write,
+            "fused_merge": fused,
+            "maxnreg": maxnreg,
+            "shared_bytes": compiled.metadata.shared,
+            **ptxas_stats(compiled.asm["ptx"]),
+        }
         row["blocks_per_sm_by_registers"] = 65536 // (row["registers"] * 32 * warps)
         row["blocks_per_sm_by_shared"] = SM90_SHARED_PER_SM // max(row["shared_bytes"], 1)
         rows.append(row)
         print(row, flush=True)
-    write_json(os.path.join(args.out, "sm90_registers.json"), {
-        "env": environment(), "command": "python3 " + " ".join(sys.argv), "target": "sm_90a (ptxas -v)",
-        "shape": {"batch": 1, "Hq": 32, "Hkv": 8, "head_dim": 128, "splits": splits, "dtype": "bfloat16"},
-        "rows": rows, "served_default": {"block_n": td.DecodeConfig.block_n, "num_warps": td.DecodeConfig.num_warps,
-                                         "num_stages": td.DecodeConfig.num_stages}})
+    write_json(
+        os.path.join(args.out, "sm90_registers.json"),
+        {
+            "env": environment(),
+            "command": "python3 " + " ".join(sys.argv),
+            "target": "sm_90a (ptxas -v)",
+            "shape": {"batch": 1, "Hq": 32, "Hkv": 8, "head_dim": 128, "splits": splits, "dtype": "bfloat16"},
+            "rows": rows,
+            "served_default": {
+                "block_n": td.DecodeConfig.block_n,
+                "num_warps": td.DecodeConfig.num_warps,
+                "num_stages": td.DecodeConfig.num_stages,
+            },
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -49,7 +49,9 @@ def load_events(path: Path) -> list[dict]:
 
 
 def summarize_events(events: list[dict], steps: int | None = None) -> dict:
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    kernels = [
+        e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    ]
     if not kernels:
         return {"kernels": 0}
     by_phase, by_name, count = defaultdict(float), defaultdict(float), defaultdict(int)
@@ -68,16 +70,25 @@ def summarize_events(events: list[dict], steps: int | None = None) -> dict:
     per = steps or 1
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:30]
     return {
-        "steps": steps, "kernels": len(kernels), "kernels_per_step": len(kernels) / per,
-        "span_us_per_step": span / per, "gpu_busy_us_per_step": busy / per,
+        "steps": steps,
+        "kernels": len(kernels),
+        "kernels_per_step": len(kernels) / per,
+        "span_us_per_step": span / per,
+        "gpu_busy_us_per_step": busy / per,
         "gpu_idle_us_per_step": (span - busy) / per,
         "phase_us_per_step": {k: v / per for k, v in sorted(by_phase.items(), key=lambda kv: -kv[1])},
-        "top_kernels": [{"name": n, "phase": phase_of(n), "us_per_step": t / per, "calls_per_step": count[n] / per}
-                        for n, t in top],
-        "cuda_runtime_calls": {k: {"calls": c, "us": round(t, 1)}
-                               for k, (c, t) in sorted(runtime.items(), key=lambda kv: -kv[1][1])[:12]},
+        "top_kernels": [
+            {"name": n, "phase": phase_of(n), "us_per_step": t / per, "calls_per_step": count[n] / per}
+            for n, t in top
+        ],
+        "cuda_runtime_calls": {
+            k: {"calls": c, "us": round(t, 1)}
+            for k, (c, t) in sorted(runtime.items(), key=lambda kv: -kv[1][1])[:12]
+        },
         "idle_in_gaps_over_1ms_us_per_step": sum(g - a for a, g, *_ in gaps if g - a > 1000) / per,
-        "largest_idle_gaps": [describe_gap(g, events) for g in sorted(gaps, key=lambda g: g[0] - g[1])[:TOP_GAPS]],
+        "largest_idle_gaps": [
+            describe_gap(g, events) for g in sorted(gaps, key=lambda g: g[0] - g[1])[:TOP_GAPS]
+        ],
     }
 
 
@@ -117,9 +128,18 @@ def describe_gap(gap: tuple[float, float, str, str], events: list[dict], top: in
     inside.sort()
 
     def rows(found):
-        return [{"name": n, "cat": c, "overlap_us": round(-o, 1), "dur_us": round(d, 1)} for o, d, n, c in found[:top]]
-    return {"idle_us": round(b - a, 1), "after_kernel": before[:100], "before_kernel": after[:100],
-            "host": rows(host), "inside": rows(inside)}
+        return [
+            {"name": n, "cat": c, "overlap_us": round(-o, 1), "dur_us": round(d, 1)}
+            for o, d, n, c in found[:top]
+        ]
+
+    return {
+        "idle_us": round(b - a, 1),
+        "after_kernel": before[:100],
+        "before_kernel": after[:100],
+        "host": rows(host),
+        "inside": rows(inside),
+    }
 
 
 def recategorize(summary: dict) -> dict:
@@ -133,7 +153,9 @@ def recategorize(summary: dict) -> dict:
             phases[was] = phases.get(was, 0.0) - k["us_per_step"]
             phases[now] = phases.get(now, 0.0) + k["us_per_step"]
         k["phase"] = now
-    summary["phase_us_per_step"] = {p: v for p, v in sorted(phases.items(), key=lambda kv: -kv[1]) if v > 0.05}
+    summary["phase_us_per_step"] = {
+        p: v for p, v in sorted(phases.items(), key=lambda kv: -kv[1]) if v > 0.05
+    }
     return summary
 
 
@@ -141,8 +163,10 @@ def summarize_dir(trace_dir: str, steps: int | None = None) -> dict:
     paths = sorted(Path(trace_dir).rglob("*.json*"))
     if not paths:
         return {"error": f"no trace under {trace_dir}"}
-    return {"traces": [p.name for p in paths],
-            "summary": [summarize_events(load_events(p), steps) for p in paths]}
+    return {
+        "traces": [p.name for p in paths],
+        "summary": [summarize_events(load_events(p), steps) for p in paths],
+    }
 
 
 if __name__ == "__main__":

@@ -38,19 +38,36 @@ class RandomRows:
 def smollm2_shaped(device, dtype) -> Backbone:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                      rope_theta=100000.0, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     return Backbone(LlamaForCausalLM(cfg).to(device=device, dtype=dtype))
 
 
-def measure(backbone: Backbone, backend: str, grad_checkpoint: bool, lams, seq_len: int, warmup: int,
-            steps: int) -> dict:
-    cfg = TrainConfig(model="-", corpus="-", out_dir=tempfile.mkdtemp(), lams=lams, steps=10**6, seq_len=seq_len,
-                      backend=backend, grad_checkpoint=grad_checkpoint,
-                      dtype="bf16" if backbone.dtype == torch.bfloat16 else "fp32",
-                      device=str(backbone.device))
+def measure(
+    backbone: Backbone, backend: str, grad_checkpoint: bool, lams, seq_len: int, warmup: int, steps: int
+) -> dict:
+    cfg = TrainConfig(
+        model="-",
+        corpus="-",
+        out_dir=tempfile.mkdtemp(),
+        lams=lams,
+        steps=10**6,
+        seq_len=seq_len,
+        backend=backend,
+        grad_checkpoint=grad_checkpoint,
+        dtype="bf16" if backbone.dtype == torch.bfloat16 else "fp32",
+        device=str(backbone.device),
+    )
     trainer = GateTrainer(cfg, backbone=backbone, corpus=RandomRows(backbone.lm.config.vocab_size))
     sync = torch.cuda.synchronize if backbone.device.type == "cuda" else (lambda: None)
     if backbone.device.type == "cuda":
@@ -63,15 +80,21 @@ def measure(backbone: Backbone, backend: str, grad_checkpoint: bool, lams, seq_l
         trainer.train_step()
     sync()
     per_step = (time.perf_counter() - t) / steps
-    return {"seconds_per_step": per_step, "tokens_per_s_per_lambda": seq_len / per_step,
-            "tokens_per_s_all_lambdas": seq_len * len(lams) / per_step,
-            "minutes_for_2000_steps": GOAL_STEPS * per_step / 60, "meets_goal": GOAL_STEPS * per_step <= GOAL_S,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if backbone.device.type == "cuda" else None}
+    return {
+        "seconds_per_step": per_step,
+        "tokens_per_s_per_lambda": seq_len / per_step,
+        "tokens_per_s_all_lambdas": seq_len * len(lams) / per_step,
+        "minutes_for_2000_steps": GOAL_STEPS * per_step / 60,
+        "meets_goal": GOAL_STEPS * per_step <= GOAL_S,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if backbone.device.type == "cuda" else None,
+    }
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="HF dir, .gguf or 'embedded' (default: random SmolLM2-135M shape)")
+    p.add_argument(
+        "--model", default=None, help="HF dir, .gguf or 'embedded' (default: random SmolLM2-135M shape)"
+    )
     p.add_argument("--backends", default="sdpa,split,flex_split,flex")
     p.add_argument("--grad-checkpoint", default="on,off", help="which of on,off to run")
     p.add_argument("--lams", default="0.003,0.01,0.03,0.1")
@@ -80,18 +103,32 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=None)
-    p.add_argument("--time-budget-s", type=float, default=None,
-                   help="start no configuration after this many seconds (those left are recorded as skipped)")
+    p.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=None,
+        help="start no configuration after this many seconds (those left are recorded as skipped)",
+    )
     a = p.parse_args(argv)
     start = time.perf_counter()
     device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    backbone = load_backbone(a.model, dtype=dtype, device=device) if a.model else smollm2_shaped(device, dtype)
+    backbone = (
+        load_backbone(a.model, dtype=dtype, device=device) if a.model else smollm2_shaped(device, dtype)
+    )
     lams = tuple(float(x) for x in a.lams.split(","))
     runs = []
-    result = {"what": "gate trainer speed per soft-gate backend", "model": a.model or "random SmolLM2-135M shape",
-              "seq_len": a.seq_len, "lams": lams, "warmup": a.warmup, "steps": a.steps, "runs": runs,
-              "goal": f"{GOAL_STEPS} steps in {GOAL_S // 60} min", **environment()}
+    result = {
+        "what": "gate trainer speed per soft-gate backend",
+        "model": a.model or "random SmolLM2-135M shape",
+        "seq_len": a.seq_len,
+        "lams": lams,
+        "warmup": a.warmup,
+        "steps": a.steps,
+        "runs": runs,
+        "goal": f"{GOAL_STEPS} steps in {GOAL_S // 60} min",
+        **environment(),
+    }
     for backend in a.backends.split(","):
         for gc in a.grad_checkpoint.split(","):
             run = {"backend": backend, "grad_checkpoint": gc == "on"}
@@ -108,7 +145,9 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
             print(run, flush=True)
             runs.append(run)
-            if a.out:  # after every configuration: a run cut by the caller's time limit keeps what it measured
+            if (
+                a.out
+            ):  # after every configuration: a run cut by the caller's time limit keeps what it measured
                 write_json(a.out, result)
     return 0
 

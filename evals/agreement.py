@@ -56,19 +56,33 @@ def compare(served_rows: list[dict], offline_rows: list[dict], near_tie: float) 
         else:
             verdict = "hard"
         counts[verdict] += 1
-        samples.append({"task": _key(s)[0], "length": s["length"], "index": s["index"], "verdict": verdict,
-                        "served_correct": s["correct"], "offline_correct": o["correct"], "offline_margin": margin,
-                        "served_kv": share, "offline_kv": o["kv_fraction"], "kv_tolerance": tol,
-                        "kv_within_tolerance": abs(share - o["kv_fraction"]) <= tol + 1e-9})
+        samples.append(
+            {
+                "task": _key(s)[0],
+                "length": s["length"],
+                "index": s["index"],
+                "verdict": verdict,
+                "served_correct": s["correct"],
+                "offline_correct": o["correct"],
+                "offline_margin": margin,
+                "served_kv": share,
+                "offline_kv": o["kv_fraction"],
+                "kv_tolerance": tol,
+                "kv_within_tolerance": abs(share - o["kv_fraction"]) <= tol + 1e-9,
+            }
+        )
     n = len(samples)
-    return {**counts, "n": n,
-            "served_accuracy": sum(x["served_correct"] for x in samples) / n if n else None,
-            "offline_accuracy": sum(x["offline_correct"] for x in samples) / n if n else None,
-            "served_kv": sum(x["served_kv"] for x in samples) / n if n else None,
-            "offline_kv": sum(x["offline_kv"] for x in samples) / n if n else None,
-            "max_kv_gap": max((abs(x["served_kv"] - x["offline_kv"]) for x in samples), default=None),
-            "kv_within_tolerance": all(x["kv_within_tolerance"] for x in samples),
-            "samples": samples}
+    return {
+        **counts,
+        "n": n,
+        "served_accuracy": sum(x["served_correct"] for x in samples) / n if n else None,
+        "offline_accuracy": sum(x["offline_correct"] for x in samples) / n if n else None,
+        "served_kv": sum(x["served_kv"] for x in samples) / n if n else None,
+        "offline_kv": sum(x["offline_kv"] for x in samples) / n if n else None,
+        "max_kv_gap": max((abs(x["served_kv"] - x["offline_kv"]) for x in samples), default=None),
+        "kv_within_tolerance": all(x["kv_within_tolerance"] for x in samples),
+        "samples": samples,
+    }
 
 
 def parse_pairs(text: str) -> list[tuple[str, str, float | None]]:
@@ -90,21 +104,49 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     served = json.loads(Path(a.served).read_text())
     offline = json.loads(Path(a.offline).read_text())
-    out = {"command": "python -m evals.agreement " + " ".join(sys.argv[1:] if argv is None else argv),
-           "served_command": served.get("command"), "offline_command": offline.get("config", {}).get("command"),
-           "near_tie": a.near_tie, "pairs": []}
+    out = {
+        "command": "python -m evals.agreement " + " ".join(sys.argv[1:] if argv is None else argv),
+        "served_command": served.get("command"),
+        "offline_command": offline.get("config", {}).get("command"),
+        "near_tie": a.near_tie,
+        "pairs": [],
+    }
     for s_method, o_method, lam in parse_pairs(a.pairs):
-        s_rows = [r for res in served["results"] if res["method"] == s_method and res.get("budget") is None
-                  for r in res["rows"]]
-        o_rows = [r for r in offline["rows"] if r["method"] == o_method and r["eval"] != "nll"
-                  and (lam is None or r.get("lam") == lam)]
+        s_rows = [
+            r
+            for res in served["results"]
+            if res["method"] == s_method and res.get("budget") is None
+            for r in res["rows"]
+        ]
+        o_rows = [
+            r
+            for r in offline["rows"]
+            if r["method"] == o_method and r["eval"] != "nll" and (lam is None or r.get("lam") == lam)
+        ]
         if o_method != "full" and lam is None and len({r.get("lam") for r in o_rows}) > 1:
             raise SystemExit(f"{o_method}: several λ in the offline results; name one ({o_method}@λ)")
         res = compare(s_rows, o_rows, a.near_tie)
         out["pairs"].append({"served": s_method, "offline": o_method, "lam": lam, **res})
-        print(json.dumps({"served": s_method, "offline": o_method}
-                         | {k: res[k] for k in ("n", "agree", "near_tie", "hard", "served_accuracy", "offline_accuracy",
-                                                "served_kv", "offline_kv", "max_kv_gap", "kv_within_tolerance")}))
+        print(
+            json.dumps(
+                {"served": s_method, "offline": o_method}
+                | {
+                    k: res[k]
+                    for k in (
+                        "n",
+                        "agree",
+                        "near_tie",
+                        "hard",
+                        "served_accuracy",
+                        "offline_accuracy",
+                        "served_kv",
+                        "offline_kv",
+                        "max_kv_gap",
+                        "kv_within_tolerance",
+                    )
+                }
+            )
+        )
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     return 0

@@ -130,9 +130,13 @@ def ask(client, settings: Settings, problem: str, reference, index: int, sample:
     for attempt in range(settings.retries + 1):
         try:
             resp = client.chat.completions.create(
-                model=settings.model, messages=[{"role": "user", "content": PROMPT.format(problem=problem)}],
-                temperature=settings.temperature, top_p=settings.top_p, max_tokens=settings.max_tokens,
-                extra_body={"top_k": settings.top_k})
+                model=settings.model,
+                messages=[{"role": "user", "content": PROMPT.format(problem=problem)}],
+                temperature=settings.temperature,
+                top_p=settings.top_p,
+                max_tokens=settings.max_tokens,
+                extra_body={"top_k": settings.top_k},
+            )
             break
         except Exception as e:  # noqa: BLE001 - any client/server failure is retried, then recorded
             out.error = f"{type(e).__name__}: {e}"
@@ -142,7 +146,7 @@ def ask(client, settings: Settings, problem: str, reference, index: int, sample:
     out.error = None
     choice = resp.choices[0]
     message = choice.message
-    reasoning = getattr(message, "reasoning_content", None)   # servers run with a reasoning parser
+    reasoning = getattr(message, "reasoning_content", None)  # servers run with a reasoning parser
     out.predicted = last_boxed(message.content) or last_boxed(reasoning)
     out.correct = is_correct(out.predicted, reference)
     out.finish_reason = choice.finish_reason
@@ -177,15 +181,26 @@ def _mean(values):
 def report(problems: list[dict], samples: list[Sample], settings: Settings, base_url: str, k: int) -> dict:
     """Accuracy = pass@1 averaged over problems (each problem: fraction of its k samples correct)."""
     by_problem = [[s for s in samples if s.problem == i] for i in range(len(problems))]
-    per_problem = [{
-        "problem": i, "answer": str(p["answer"]),
-        "pass@1": statistics.fmean(s.correct for s in rows),
-        "predicted": [s.predicted for s in rows],
-    } for i, (p, rows) in enumerate(zip(problems, by_problem))]
+    per_problem = [
+        {
+            "problem": i,
+            "answer": str(p["answer"]),
+            "pass@1": statistics.fmean(s.correct for s in rows),
+            "predicted": [s.predicted for s in rows],
+        }
+        for i, (p, rows) in enumerate(zip(problems, by_problem))
+    ]
     return {
-        "model": settings.model, "base_url": base_url, "num_problems": len(problems), "samples_per_problem": k,
-        "sampling": {"temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k,
-                     "max_tokens": settings.max_tokens},
+        "model": settings.model,
+        "base_url": base_url,
+        "num_problems": len(problems),
+        "samples_per_problem": k,
+        "sampling": {
+            "temperature": settings.temperature,
+            "top_p": settings.top_p,
+            "top_k": settings.top_k,
+            "max_tokens": settings.max_tokens,
+        },
         "accuracy": statistics.fmean(row["pass@1"] for row in per_problem),
         "pass@k": statistics.fmean(any(s.correct for s in rows) for rows in by_problem),
         "mean_completion_tokens": _mean(s.completion_tokens for s in samples),
@@ -198,15 +213,21 @@ def report(problems: list[dict], samples: list[Sample], settings: Settings, base
     }
 
 
-def run(problems: list[dict], client, settings: Settings, k: int, concurrency: int, progress: bool = True) -> list[Sample]:
+def run(
+    problems: list[dict], client, settings: Settings, k: int, concurrency: int, progress: bool = True
+) -> list[Sample]:
     from tqdm import tqdm
 
     jobs = [(i, j) for i in range(len(problems)) for j in range(k)]
     results = []
-    with ThreadPoolExecutor(max_workers=concurrency) as pool, \
-            tqdm(total=len(jobs), desc="aime25", unit="sample", disable=not progress) as bar:
-        futures = [pool.submit(ask, client, settings, problems[i]["problem"], problems[i]["answer"], i, j)
-                   for i, j in jobs]
+    with (
+        ThreadPoolExecutor(max_workers=concurrency) as pool,
+        tqdm(total=len(jobs), desc="aime25", unit="sample", disable=not progress) as bar,
+    ):
+        futures = [
+            pool.submit(ask, client, settings, problems[i]["problem"], problems[i]["answer"], i, j)
+            for i, j in jobs
+        ]
         for future in as_completed(futures):
             sample = future.result()
             results.append(sample)
@@ -220,7 +241,9 @@ def parse_args(argv=None):
     p.add_argument("--base-url", default="http://127.0.0.1:30000/v1", help="OpenAI API root of the server")
     p.add_argument("--model", default="default", help="model name sent in each request")
     p.add_argument("--api-key", default="EMPTY")
-    p.add_argument("--problems", type=Path, default=DEFAULT_PROBLEMS, help="JSONL with 'problem' and 'answer'")
+    p.add_argument(
+        "--problems", type=Path, default=DEFAULT_PROBLEMS, help="JSONL with 'problem' and 'answer'"
+    )
     p.add_argument("--limit", type=int, default=None, help="only the first N problems")
     p.add_argument("--samples", "-k", type=int, default=1, help="samples per problem (pass@1 over them)")
     p.add_argument("--max-tokens", type=int, default=81920)
@@ -252,9 +275,18 @@ def main(argv=None) -> dict:
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(text + "\n")
-    summary = {key: result[key] for key in ("accuracy", "pass@k", "mean_completion_tokens",
-                                            "mean_kv_tokens_per_head", "mean_eviction_triggers",
-                                            "truncated", "errors")}
+    summary = {
+        key: result[key]
+        for key in (
+            "accuracy",
+            "pass@k",
+            "mean_completion_tokens",
+            "mean_kv_tokens_per_head",
+            "mean_eviction_triggers",
+            "truncated",
+            "errors",
+        )
+    }
     print(json.dumps(summary), file=sys.stdout)
     return result
 

@@ -44,7 +44,9 @@ PROGRAMS = (
 
 def constraint_violation(pattern: str, text: str, finish_reason: dict | None) -> str | None:
     """Why ``text`` breaks ``pattern`` given how generation ended, or None if it obeys it."""
-    ended_on_eos = (finish_reason or {}).get("type") == "stop" and isinstance(finish_reason.get("matched"), int)
+    ended_on_eos = (finish_reason or {}).get("type") == "stop" and isinstance(
+        finish_reason.get("matched"), int
+    )
     if ended_on_eos:
         ok = regex.fullmatch(pattern, text) is not None
     else:
@@ -132,8 +134,12 @@ def run_program(url: str, function_name: str, kwargs: dict, max_new_tokens: int 
     try:
         endpoint = checked_endpoint_class()(url, max_new_tokens)
     except Exception as e:  # the server is unreachable: nothing ran
-        return {**record, "outcome": "error", "detail": f"endpoint: {type(e).__name__}: {e}"[:500],
-                "seconds": 0.0}
+        return {
+            **record,
+            "outcome": "error",
+            "detail": f"endpoint: {type(e).__name__}: {e}"[:500],
+            "seconds": 0.0,
+        }
     sgl.set_default_backend(endpoint)
     raised = None
     try:
@@ -142,9 +148,14 @@ def run_program(url: str, function_name: str, kwargs: dict, max_new_tokens: int 
         raised = f"{type(e).__name__}: {e}"[:500]
         record["traceback_tail"] = traceback.format_exc().splitlines()[-3:]
     healthy = server_healthy(url)
-    record.update(seconds=round(time.perf_counter() - t0, 1), requests=endpoint.requests,
-                  constrained_outputs=endpoint.constrained_outputs, failures=endpoint.failures,
-                  violations=endpoint.violations, server_healthy_after=healthy)
+    record.update(
+        seconds=round(time.perf_counter() - t0, 1),
+        requests=endpoint.requests,
+        constrained_outputs=endpoint.constrained_outputs,
+        failures=endpoint.failures,
+        violations=endpoint.violations,
+        server_healthy_after=healthy,
+    )
     if endpoint.failures or endpoint.violations or not healthy:
         outcome = "error"
     else:
@@ -155,5 +166,8 @@ def run_program(url: str, function_name: str, kwargs: dict, max_new_tokens: int 
 
 def run_programs(url: str, max_new_tokens: int | None = None, names=None) -> dict:
     """Every program of :data:`PROGRAMS` (or those in ``names``) in order: {name: outcome record}."""
-    return {name: run_program(url, fn, kwargs, max_new_tokens)
-            for name, fn, kwargs in PROGRAMS if names is None or name in names}
+    return {
+        name: run_program(url, fn, kwargs, max_new_tokens)
+        for name, fn, kwargs in PROGRAMS
+        if names is None or name in names
+    }

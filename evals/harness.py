@@ -22,15 +22,23 @@ class PolicyAttention:
         self.policies, self.prompt_len = policies, prompt_len
 
     def __call__(self, layer, q, k_pre, k_post, v, scale):
-        vis = [p.visibility(layer, q[b], k_pre[b], k_post[b], self.prompt_len) for b, p in enumerate(self.policies)]
+        vis = [
+            p.visibility(layer, q[b], k_pre[b], k_post[b], self.prompt_len)
+            for b, p in enumerate(self.policies)
+        ]
         mask = torch.stack([visibility_mask(x.kept[None], x.window, x.full_rows)[0] for x in vis])
         counts = torch.stack([cache_count(x, self.prompt_len) for x in vis])
         return masked_attention(q, k_post, v, mask, scale), counts
 
 
 @torch.no_grad()
-def policy_forward(backbone: Backbone, ids: torch.Tensor, policies: list, prompt_len: int,
-                   max_batch_tokens2: int = 6 * 8192 * 8192):
+def policy_forward(
+    backbone: Backbone,
+    ids: torch.Tensor,
+    policies: list,
+    prompt_len: int,
+    max_batch_tokens2: int = 6 * 8192 * 8192,
+):
     """ids ``[T]`` -> (final hidden ``[B, T, hidden]``, cache counts ``[B, layers, Hkv]``) for B policies.
 
     Policies run in chunks so that ``chunk * T^2`` (the mask size) stays under ``max_batch_tokens2``.
@@ -39,7 +47,7 @@ def policy_forward(backbone: Backbone, ids: torch.Tensor, policies: list, prompt
     chunk = max(1, max_batch_tokens2 // (T * T))
     hidden, counts = [], []
     for i in range(0, len(policies), chunk):
-        part = policies[i:i + chunk]
+        part = policies[i : i + chunk]
         h, aux = backbone(ids[None].expand(len(part), -1), PolicyAttention(part, prompt_len))
         hidden.append(h)
         counts.append(torch.stack(aux, dim=1))
@@ -59,8 +67,16 @@ def matched_baselines(budget: float, prompt_len: int, local_window: int, seed: i
     return out
 
 
-def two_pass(backbone: Backbone, ids: torch.Tensor, prompt_len: int, gate_sets: list, tau: float,
-             local_window: int, seed: int = 0, stats=None):
+def two_pass(
+    backbone: Backbone,
+    ids: torch.Tensor,
+    prompt_len: int,
+    gate_sets: list,
+    tau: float,
+    local_window: int,
+    seed: int = 0,
+    stats=None,
+):
     """Full cache and WG-KV (one per gate set) first, then the baselines at each WG-KV's measured budget.
 
     Returns ``(records, hidden)``: records[i] = {method, lam, cache} aligned with hidden ``[N, T, hidden]``;
@@ -95,5 +111,5 @@ def teacher_forced_logprobs(backbone: Backbone, ids: torch.Tensor, policy, start
     """
     T = ids.shape[0]
     hidden, _ = policy_forward(backbone, ids, [policy], prompt_len=T)
-    logits = backbone.logits(hidden[0, start - 1:T - 1]).float()
+    logits = backbone.logits(hidden[0, start - 1 : T - 1]).float()
     return torch.log_softmax(logits, dim=-1).gather(-1, ids[start:, None]).squeeze(-1).tolist()

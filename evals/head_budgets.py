@@ -29,8 +29,15 @@ from sglang_wgkv.training.corpus import Corpus
 
 
 @torch.no_grad()
-def head_breakdown(backbone: Backbone, gates: WriteGates, stats, ids: torch.Tensor, prompt_len: int,
-                   tau: float, local_window: int) -> dict[str, torch.Tensor]:
+def head_breakdown(
+    backbone: Backbone,
+    gates: WriteGates,
+    stats,
+    ids: torch.Tensor,
+    prompt_len: int,
+    tau: float,
+    local_window: int,
+) -> dict[str, torch.Tensor]:
     """One sample -> per-(layer, KV head) tensors ``[L, Hkv]``: wgkv_kept, equal_kept, old_mass,
     recall_wgkv, recall_equal (see the module docstring)."""
     P, old = prompt_len, max(prompt_len - local_window, 0)
@@ -42,8 +49,13 @@ def head_breakdown(backbone: Backbone, gates: WriteGates, stats, ids: torch.Tens
         g = gates.layers[layer](k_pre[0].transpose(0, 1), k_post[0].transpose(0, 1)).t()  # [Hkv, T]
         kept_wgkv.append(g[:, :old] >= tau)
         scores.append(key_scores(stats, layer, k_pre[0, :, :old], P))
-        logits = q[0, :, P:].float() @ k_post[0, :, : q.shape[2]].float().repeat_interleave(group, 0).transpose(1, 2)
-        causal = torch.arange(q.shape[2], device=q.device)[None, :] <= torch.arange(P, q.shape[2], device=q.device)[:, None]
+        logits = q[0, :, P:].float() @ k_post[0, :, : q.shape[2]].float().repeat_interleave(
+            group, 0
+        ).transpose(1, 2)
+        causal = (
+            torch.arange(q.shape[2], device=q.device)[None, :]
+            <= torch.arange(P, q.shape[2], device=q.device)[:, None]
+        )
         probs = torch.softmax((logits * scale).masked_fill(~causal, float("-inf")), dim=-1)  # [Hq, A, T]
         mass = probs.sum(1).view(Hkv, group, -1).sum(1)  # [Hkv, T]
         masses.append(mass / mass.sum(-1, keepdim=True))
@@ -82,15 +94,24 @@ def summarize(per_sample: list[dict[str, torch.Tensor]], local_window: int) -> d
     gain = mean["recall_wgkv"] - mean["recall_equal"]
     return {
         "per_head": {k: v.tolist() for k, v in mean.items()},
-        "mass_weighted_recall": {"wgkv": float((mean["recall_wgkv"] * w).sum() / w.sum()),
-                                 "equal_budget": float((mean["recall_equal"] * w).sum() / w.sum())},
-        "heads_where_wgkv_keeps_more": {"count": int(more.sum()), "of": more.numel(),
-                                        "mean_old_mass": float(w[more].mean()) if more.any() else None,
-                                        "mean_recall_gain": float(gain[more].mean()) if more.any() else None},
-        "heads_where_wgkv_keeps_less": {"count": int((~more).sum()),
-                                        "mean_old_mass": float(w[~more].mean()) if (~more).any() else None,
-                                        "mean_recall_gain": float(gain[~more].mean()) if (~more).any() else None},
-        "corr_wgkv_kept_vs_old_mass": float(torch.corrcoef(torch.stack([mean["wgkv_kept"].flatten(), w.flatten()]))[0, 1]),
+        "mass_weighted_recall": {
+            "wgkv": float((mean["recall_wgkv"] * w).sum() / w.sum()),
+            "equal_budget": float((mean["recall_equal"] * w).sum() / w.sum()),
+        },
+        "heads_where_wgkv_keeps_more": {
+            "count": int(more.sum()),
+            "of": more.numel(),
+            "mean_old_mass": float(w[more].mean()) if more.any() else None,
+            "mean_recall_gain": float(gain[more].mean()) if more.any() else None,
+        },
+        "heads_where_wgkv_keeps_less": {
+            "count": int((~more).sum()),
+            "mean_old_mass": float(w[~more].mean()) if (~more).any() else None,
+            "mean_recall_gain": float(gain[~more].mean()) if (~more).any() else None,
+        },
+        "corr_wgkv_kept_vs_old_mass": float(
+            torch.corrcoef(torch.stack([mean["wgkv_kept"].flatten(), w.flatten()]))[0, 1]
+        ),
         "local_window": local_window,
     }
 
@@ -102,10 +123,12 @@ def plot(summary: dict, out: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     h = {k: torch.tensor(v) for k, v in summary["per_head"].items()}
-    panels = [("wgkv_kept", "WG-KV keeps (older keys)", "viridis"),
-              ("equal_kept", "equal budget keeps", "viridis"),
-              ("old_mass", "attention on older keys (full cache)", "magma"),
-              ("recall_gain", "recall: WG-KV - equal budget", "coolwarm")]
+    panels = [
+        ("wgkv_kept", "WG-KV keeps (older keys)", "viridis"),
+        ("equal_kept", "equal budget keeps", "viridis"),
+        ("old_mass", "attention on older keys (full cache)", "magma"),
+        ("recall_gain", "recall: WG-KV - equal budget", "coolwarm"),
+    ]
     h["recall_gain"] = h["recall_wgkv"] - h["recall_equal"]
     fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 6))
     vmax_keep = float(max(h["wgkv_kept"].max(), h["equal_kept"].max()))
@@ -120,8 +143,11 @@ def plot(summary: dict, out: str | Path) -> Path:
         fig.colorbar(im, ax=ax, fraction=0.08)
     axes[0].set_ylabel("layer")
     r = summary["mass_weighted_recall"]
-    fig.suptitle(f"mass-weighted recall of older-key attention: WG-KV {r['wgkv']:.3f}, "
-                 f"equal budget {r['equal_budget']:.3f}", fontsize=10)
+    fig.suptitle(
+        f"mass-weighted recall of older-key attention: WG-KV {r['wgkv']:.3f}, "
+        f"equal budget {r['equal_budget']:.3f}",
+        fontsize=10,
+    )
     fig.tight_layout()
     out = Path(out)
     fig.savefig(out, dpi=110)
@@ -145,8 +171,10 @@ def main(argv=None) -> int:
     backbone = load_backbone(a.model)
     gates = load_gates(a.gates)
     corpus = Corpus(a.corpus)
-    stats = calibrate(backbone, [torch.as_tensor(r).long()
-                                 for r in corpus.rows("train", a.calibration_length)[: a.calibration_rows]])
+    stats = calibrate(
+        backbone,
+        [torch.as_tensor(r).long() for r in corpus.rows("train", a.calibration_length)[: a.calibration_rows]],
+    )
     ruler = json.loads(Path(a.ruler).read_text())["samples"] if a.ruler else []
     c = gates.config
     per_sample, kinds = [], []
@@ -155,7 +183,9 @@ def main(argv=None) -> int:
         kinds.append(kind)
     out = summarize(per_sample, c.local_window)
     out["samples"] = kinds
-    out["command"] = "python -m evals.head_budgets " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    out["command"] = "python -m evals.head_budgets " + " ".join(
+        argv if argv is not None else __import__("sys").argv[1:]
+    )
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     if a.plot:

@@ -7,11 +7,13 @@ import argparse
 import json
 from pathlib import Path
 
-STYLE = {"wgkv": ("WG-KV (learned admission)", "tab:red", "o"),
-         "streaming": ("StreamingLLM (sinks + window)", "tab:blue", "s"),
-         "snapkv": ("SnapKV (prefill one-shot)", "tab:green", "^"),
-         "random": ("random admission + ring", "tab:gray", "x"),
-         "equal_budget": ("equal per-head budget (calibrated)", "tab:purple", "D")}
+STYLE = {
+    "wgkv": ("WG-KV (learned admission)", "tab:red", "o"),
+    "streaming": ("StreamingLLM (sinks + window)", "tab:blue", "s"),
+    "snapkv": ("SnapKV (prefill one-shot)", "tab:green", "^"),
+    "random": ("random admission + ring", "tab:gray", "x"),
+    "equal_budget": ("equal per-head budget (calibrated)", "tab:purple", "D"),
+}
 
 
 def plot(results: dict, out: str | Path, length: int | None = None) -> Path:

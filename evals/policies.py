@@ -43,8 +43,10 @@ class FullCache:
     name = "full"
 
     def visibility(self, layer, q, k_pre, k_post, prompt_len):
-        return Visibility(torch.ones(k_post.shape[0], k_post.shape[1], dtype=torch.bool, device=k_post.device),
-                          window=k_post.shape[1])
+        return Visibility(
+            torch.ones(k_post.shape[0], k_post.shape[1], dtype=torch.bool, device=k_post.device),
+            window=k_post.shape[1],
+        )
 
 
 class WGKVAdmission:
@@ -105,10 +107,10 @@ class SnapKV:
         P, obs = prompt_len, min(self.obs_window, self.budget, prompt_len)
         group = q.shape[0] // Hkv
         kept = torch.zeros(Hkv, T, dtype=torch.bool, device=k_post.device)
-        kept[:, P - obs:P] = True
+        kept[:, P - obs : P] = True
         n_select = min(self.budget - obs, P - obs)
         if n_select > 0:
-            qo = q[:, P - obs:P].float()  # [Hq, obs, D]
+            qo = q[:, P - obs : P].float()  # [Hq, obs, D]
             kk = k_post[:, : P - obs].float().repeat_interleave(group, 0)  # [Hq, P-obs, D]
             probs = torch.softmax(qo @ kk.transpose(1, 2) / D**0.5, dim=-1)
             score = probs.sum(1).view(Hkv, group, -1).sum(1)  # [Hkv, P-obs]
@@ -159,18 +161,26 @@ class ServedPromptEnd:
 
         Hkv, T, D = k_post.shape
         P, dev = prompt_len, k_post.device
-        ng = max(P - self.window, 0)                     # global part at the prompt's end
+        ng = max(P - self.window, 0)  # global part at the prompt's end
         kept = torch.zeros(Hkv, T, dtype=torch.bool, device=dev)
-        kept[:, ng:] = True                              # the ring, then the answer
+        kept[:, ng:] = True  # the ring, then the answer
         if ng <= self.keep:
             kept[:, :ng] = True
             return Visibility(kept, window=1, full_rows=P)
         obs = min(self.obs, P)
         group = q.shape[0] // Hkv
-        qw = q[:, P - obs:P].reshape(Hkv, group, obs, D).transpose(1, 2)          # [Hkv, obs, G, D]
+        qw = q[:, P - obs : P].reshape(Hkv, group, obs, D).transpose(1, 2)  # [Hkv, obs, G, D]
         q_pos = torch.arange(P - obs, P, device=dev)[None].expand(Hkv, -1)
         r_pos = torch.arange(ng, P, device=dev)[None].expand(Hkv, -1)
-        scores = snapkv_scores(qw, q_pos, k_post[:, :ng], torch.full((Hkv,), ng, device=dev), k_post[:, ng:P],
-                               r_pos, D ** -0.5, self.kernel)
+        scores = snapkv_scores(
+            qw,
+            q_pos,
+            k_post[:, :ng],
+            torch.full((Hkv,), ng, device=dev),
+            k_post[:, ng:P],
+            r_pos,
+            D**-0.5,
+            self.kernel,
+        )
         kept.scatter_(1, scores.topk(self.keep, dim=-1).indices, True)
         return Visibility(kept, window=1, full_rows=P)

@@ -55,8 +55,10 @@ def main(argv=None) -> int:
     samples = load_samples(a.ruler, a.samples, a.lengths, a.tasks)
     settings = [parse_setting(x) for x in a.settings.split(",")]
     names = ["full"] + [f"{o}:{k}@{b}" for o, k, b in settings]
-    policies = [FullCache()] + [ServedPromptEnd(b - WGKVConfig(kv_budget=b).evictor_lead, o, k, a.local_window)
-                                for o, k, b in settings]
+    policies = [FullCache()] + [
+        ServedPromptEnd(b - WGKVConfig(kv_budget=b).evictor_lead, o, k, a.local_window)
+        for o, k, b in settings
+    ]
     backbone = load_backbone("embedded")
     rows = []
     for s in samples:
@@ -67,22 +69,44 @@ def main(argv=None) -> int:
         hidden, _ = policy_forward(backbone, torch.tensor(prompt + answer), policies, P, max_batch_tokens2=1)
         correct, nll, _ = answer_scores(backbone, hidden, P, answer)
         for name, c, n in zip(names, correct, nll):
-            rows.append({"task": s["task"], "length": int(s["length"]), "index": int(s["index"]), "policy": name,
-                         "correct": c, "answer_nll": round(n, 4)})
-        print(s["task"], s["length"], s["index"], f"{time.monotonic() - t0:.0f}s",
-              " ".join(f"{n}={'ok' if c else 'miss'}" for n, c in zip(names, correct)), flush=True)
+            rows.append(
+                {
+                    "task": s["task"],
+                    "length": int(s["length"]),
+                    "index": int(s["index"]),
+                    "policy": name,
+                    "correct": c,
+                    "answer_nll": round(n, 4),
+                }
+            )
+        print(
+            s["task"],
+            s["length"],
+            s["index"],
+            f"{time.monotonic() - t0:.0f}s",
+            " ".join(f"{n}={'ok' if c else 'miss'}" for n, c in zip(names, correct)),
+            flush=True,
+        )
     summary = defaultdict(lambda: {"correct": 0, "n": 0})
     for r in rows:
         for key in ((r["policy"], r["length"], r["task"]), (r["policy"], r["length"], "all")):
             summary[key]["correct"] += r["correct"]
             summary[key]["n"] += 1
-    table = [{"policy": k[0], "length": k[1], "task": k[2], **v, "accuracy": v["correct"] / v["n"]}
-             for k, v in sorted(summary.items(), key=lambda kv: (kv[0][1], kv[0][2], names.index(kv[0][0])))]
+    table = [
+        {"policy": k[0], "length": k[1], "task": k[2], **v, "accuracy": v["correct"] / v["n"]}
+        for k, v in sorted(summary.items(), key=lambda kv: (kv[0][1], kv[0][2], names.index(kv[0][0])))
+    ]
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     prev = json.loads(out.read_text()) if out.exists() else {"runs": []}
     prev["runs"] = [r for r in prev["runs"] if r["command"] != command] + [
-        {"command": command, "model": "embedded SmolLM2-135M-Instruct (float32, CPU)", "summary": table, "rows": rows}]
+        {
+            "command": command,
+            "model": "embedded SmolLM2-135M-Instruct (float32, CPU)",
+            "summary": table,
+            "rows": rows,
+        }
+    ]
     out.write_text(json.dumps(prev, indent=1) + "\n")
     for t in table:
         if t["task"] == "all":

@@ -34,9 +34,15 @@ class QueryStats:
 
     def __post_init__(self):
         L, Hq, F = self.center.shape
-        if not self.center.is_complex() or tuple(self.mean_abs.shape) != (L, Hq, F) or tuple(self.inv_freq.shape) != (F,):
-            raise ValueError(f"QueryStats shapes do not agree: center {tuple(self.center.shape)} "
-                             f"mean_abs {tuple(self.mean_abs.shape)} inv_freq {tuple(self.inv_freq.shape)}")
+        if (
+            not self.center.is_complex()
+            or tuple(self.mean_abs.shape) != (L, Hq, F)
+            or tuple(self.inv_freq.shape) != (F,)
+        ):
+            raise ValueError(
+                f"QueryStats shapes do not agree: center {tuple(self.center.shape)} "
+                f"mean_abs {tuple(self.mean_abs.shape)} inv_freq {tuple(self.inv_freq.shape)}"
+            )
         if self.tokens <= 0:
             raise ValueError("QueryStats needs at least one calibration token")
 
@@ -90,8 +96,9 @@ def future_offsets(max_offset: int) -> torch.Tensor:
     return torch.tensor(offsets)
 
 
-def key_scores(stats: QueryStats, layer: int, k_pre: torch.Tensor, prompt_len: int,
-               max_offset: int = 512) -> torch.Tensor:
+def key_scores(
+    stats: QueryStats, layer: int, k_pre: torch.Tensor, prompt_len: int, max_offset: int = 512
+) -> torch.Tensor:
     """Predicted attention logit of each key for queries just after ``prompt_len`` -> ``[Hkv, T]`` float32.
 
     k_pre ``[Hkv, T, D]``: the layer's pre-RoPE keys. A key's score is the largest over the query

@@ -24,9 +24,38 @@ import random
 from pathlib import Path
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-KEY_WORDS = ("apple", "river", "candle", "falcon", "marble", "violin", "harbor", "pepper", "glacier", "lantern",
-             "orchid", "saddle", "thunder", "walnut", "copper", "meadow", "anchor", "biscuit", "compass", "dolphin",
-             "ember", "fossil", "garnet", "hazel", "igloo", "jasmine", "kettle", "lagoon", "mosaic", "nectar")
+KEY_WORDS = (
+    "apple",
+    "river",
+    "candle",
+    "falcon",
+    "marble",
+    "violin",
+    "harbor",
+    "pepper",
+    "glacier",
+    "lantern",
+    "orchid",
+    "saddle",
+    "thunder",
+    "walnut",
+    "copper",
+    "meadow",
+    "anchor",
+    "biscuit",
+    "compass",
+    "dolphin",
+    "ember",
+    "fossil",
+    "garnet",
+    "hazel",
+    "igloo",
+    "jasmine",
+    "kettle",
+    "lagoon",
+    "mosaic",
+    "nectar",
+)
 TASKS = ("passkey", "niah_multikey", "vt")
 
 
@@ -39,8 +68,17 @@ class _Builder:
     def ids(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
-    def assemble(self, rng, head: str, needles: list[str], tail: str, answer: str, length: int,
-                 haystack: str, depths: list[float] | None = None) -> dict:
+    def assemble(
+        self,
+        rng,
+        head: str,
+        needles: list[str],
+        tail: str,
+        answer: str,
+        length: int,
+        haystack: str,
+        depths: list[float] | None = None,
+    ) -> dict:
         head_ids, tail_ids, answer_ids = self.ids(head), self.ids(tail), self.ids(answer)
         needle_ids = [self.ids("\n" + n + "\n") for n in needles]
         room = length - len(head_ids) - len(tail_ids) - len(answer_ids) - sum(map(len, needle_ids))
@@ -67,8 +105,10 @@ class _Builder:
 
     def passkey(self, rng, length):
         key = str(rng.randint(10000, 99999))
-        head = ("<|im_start|>user\nThere is an important info hidden inside a lot of irrelevant text. "
-                "Find it and memorize it. I will quiz you about the important information there.\n\n")
+        head = (
+            "<|im_start|>user\nThere is an important info hidden inside a lot of irrelevant text. "
+            "Find it and memorize it. I will quiz you about the important information there.\n\n"
+        )
         needle = f"The pass key is {key}. Remember it. {key} is the pass key."
         tail = "\n\nWhat is the pass key?<|im_end|>\n<|im_start|>assistant\nThe pass key is "
         return self.assemble(rng, head, [needle], tail, key, length, "noise")
@@ -77,12 +117,16 @@ class _Builder:
         words = rng.sample(KEY_WORDS, 4)
         values = [str(rng.randint(1000000, 9999999)) for _ in words]
         target = rng.randrange(len(words))
-        head = ("<|im_start|>user\nSome special magic numbers are hidden within the following text. "
-                "Make sure to memorize it. I will quiz you about the numbers afterwards.\n\n")
+        head = (
+            "<|im_start|>user\nSome special magic numbers are hidden within the following text. "
+            "Make sure to memorize it. I will quiz you about the numbers afterwards.\n\n"
+        )
         needles = [f"One of the special magic numbers for {w} is: {v}." for w, v in zip(words, values)]
-        tail = (f"\n\nWhat is the special magic number for {words[target]} mentioned in the provided text?"
-                f"<|im_end|>\n<|im_start|>assistant\nThe special magic number for {words[target]} "
-                "mentioned in the provided text is: ")
+        tail = (
+            f"\n\nWhat is the special magic number for {words[target]} mentioned in the provided text?"
+            f"<|im_end|>\n<|im_start|>assistant\nThe special magic number for {words[target]} "
+            "mentioned in the provided text is: "
+        )
         return self.assemble(rng, head, needles, tail, values[target], length, "corpus")
 
     def vt(self, rng, length, hops: int = 4):
@@ -92,18 +136,25 @@ class _Builder:
             if name not in names:
                 names.append(name)
         value = str(rng.randint(10000, 99999))
-        chain = [f"VAR {names[0]} = {value}."] + [f"VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, hops + 1)]
-        head = ("<|im_start|>user\nMemorize and track the chain(s) of variable assignment hidden in the "
-                "following text.\n\n")
-        tail = (f"\n\nQuestion: Find all variables that are assigned the value {value} in the text above."
-                f"<|im_end|>\n<|im_start|>assistant\nAnswer: According to the chain(s) of variable assignment "
-                f"in the text above, {hops + 1} variables are assigned the value {value}, they are:")
+        chain = [f"VAR {names[0]} = {value}."] + [
+            f"VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, hops + 1)
+        ]
+        head = (
+            "<|im_start|>user\nMemorize and track the chain(s) of variable assignment hidden in the "
+            "following text.\n\n"
+        )
+        tail = (
+            f"\n\nQuestion: Find all variables that are assigned the value {value} in the text above."
+            f"<|im_end|>\n<|im_start|>assistant\nAnswer: According to the chain(s) of variable assignment "
+            f"in the text above, {hops + 1} variables are assigned the value {value}, they are:"
+        )
         depths = sorted(rng.random() for _ in chain)
         return self.assemble(rng, head, chain, tail, " " + " ".join(names), length, "noise", depths)
 
 
-def load_samples(path: str | Path, samples: int | None = None, lengths: str | None = None,
-                 tasks: str | None = None) -> list[dict]:
+def load_samples(
+    path: str | Path, samples: int | None = None, lengths: str | None = None, tasks: str | None = None
+) -> list[dict]:
     """The samples of a file written by this module (``.json`` or ``.json.gz``), optionally only the
     first ``samples`` per (task, length) and the comma-separated ``lengths`` / ``tasks`` (the filters
     every consumer takes: evals.run, evals.served and evals.prompt_window then see one sample set)."""
@@ -119,8 +170,14 @@ def load_samples(path: str | Path, samples: int | None = None, lengths: str | No
     return out
 
 
-def generate(tokenizer, haystack_ids: list[list[int]], tasks=TASKS, lengths=(2048, 4096, 8192),
-             samples: int = 16, seed: int = 0) -> list[dict]:
+def generate(
+    tokenizer,
+    haystack_ids: list[list[int]],
+    tasks=TASKS,
+    lengths=(2048, 4096, 8192),
+    samples: int = 16,
+    seed: int = 0,
+) -> list[dict]:
     """All samples, deterministic in ``seed``; ``haystack_ids`` are held-out corpus rows (prefix removed)."""
     b = _Builder(tokenizer, haystack_ids)
     out = []
@@ -151,7 +208,9 @@ def main(argv=None) -> int:
     corpus = Corpus(a.corpus)
     n_prefix = len(tok(corpus.manifest["spec"]["prefix"], add_special_tokens=False)["input_ids"])
     hay = [row[n_prefix:].tolist() for L in corpus.bins for row in corpus.bin("heldout", L)]
-    samples = generate(tok, hay, a.tasks.split(","), [int(x) for x in a.lengths.split(",")], a.samples, a.seed)
+    samples = generate(
+        tok, hay, a.tasks.split(","), [int(x) for x in a.lengths.split(",")], a.samples, a.seed
+    )
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"tokenizer": a.tokenizer, "seed": a.seed, "samples": samples}))
     print(f"{len(samples)} samples -> {a.out}")

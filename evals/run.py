@@ -35,9 +35,11 @@ from sglang_wgkv.training.corpus import Corpus
 def answer_scores(backbone: Backbone, hidden: torch.Tensor, prompt_len: int, answer: list[int]):
     A = len(answer)
     target = torch.tensor(answer, device=hidden.device)
-    logits = backbone.logits(hidden[:, prompt_len - 1:prompt_len + A - 1]).float()  # [N, A, V]
+    logits = backbone.logits(hidden[:, prompt_len - 1 : prompt_len + A - 1]).float()  # [N, A, V]
     correct = (logits.argmax(-1) == target).all(-1)
-    nll = F.cross_entropy(logits.transpose(1, 2), target[None].expand(len(hidden), -1), reduction="none").mean(-1)
+    nll = F.cross_entropy(
+        logits.transpose(1, 2), target[None].expand(len(hidden), -1), reduction="none"
+    ).mean(-1)
     # the closest call of greedy decoding: min over answer positions of (target logit - best other logit);
     # negative where greedy leaves the answer, near 0 a near-tie (evals.agreement)
     tgt = logits.gather(-1, target[None, :, None].expand(len(hidden), -1, 1))[..., 0]
@@ -52,13 +54,24 @@ def _nll(backbone: Backbone, hidden: torch.Tensor, ids: torch.Tensor, prompt_len
     for h in hidden:  # one element at a time keeps the [T, vocab] logits small
         lp = F.cross_entropy(backbone.logits(h[:-1]).float(), ids[1:], reduction="none")
         out_all.append(lp.mean().item())
-        out_cont.append(lp[prompt_len - 1:].mean().item())
+        out_cont.append(lp[prompt_len - 1 :].mean().item())
     return out_all, out_cont
 
 
-def evaluate(backbone: Backbone, gate_sets: list, tau: float, local_window: int, corpus: Corpus | None,
-             nll_lengths: list[int], nll_rows: int, cont: int, ruler: list[dict], time_budget_s: float | None,
-             log=print, stats=None) -> dict:
+def evaluate(
+    backbone: Backbone,
+    gate_sets: list,
+    tau: float,
+    local_window: int,
+    corpus: Corpus | None,
+    nll_lengths: list[int],
+    nll_rows: int,
+    cont: int,
+    ruler: list[dict],
+    time_budget_s: float | None,
+    log=print,
+    stats=None,
+) -> dict:
     """Run the NLL and task evaluations; returns per-sample rows (stops early past ``time_budget_s``)."""
     t0 = time.time()
     dev = backbone.device
@@ -85,16 +98,36 @@ def evaluate(backbone: Backbone, gate_sets: list, tau: float, local_window: int,
             nll_all, nll_cont = _nll(backbone, hidden, ids, P)
             mse = (hidden.float() - hidden[0].float()).pow(2).mean(dim=(1, 2)).tolist()
             for r, a, c, m in zip(recs, nll_all, nll_cont, mse):
-                rows.append({"eval": "nll", "length": L, "index": i, **r, "kv_fraction": r["cache"] / P,
-                             "nll_all": None if r["method"] == "snapkv" else a, "nll_cont": c, "mse": m})
+                rows.append(
+                    {
+                        "eval": "nll",
+                        "length": L,
+                        "index": i,
+                        **r,
+                        "kv_fraction": r["cache"] / P,
+                        "nll_all": None if r["method"] == "snapkv" else a,
+                        "nll_cont": c,
+                        "mse": m,
+                    }
+                )
         else:
             ids = torch.tensor(item["prompt"] + item["answer"], device=dev)
             P = len(item["prompt"])
             recs, hidden = two_pass(backbone, ids, P, gate_sets, tau, local_window, seed=i, stats=stats)
             correct, nll, margin = answer_scores(backbone, hidden, P, item["answer"])
             for r, ok, n, m in zip(recs, correct, nll, margin):
-                rows.append({"eval": item["task"], "length": L, "index": i, **r, "kv_fraction": r["cache"] / P,
-                             "correct": ok, "answer_nll": n, "answer_margin": m})
+                rows.append(
+                    {
+                        "eval": item["task"],
+                        "length": L,
+                        "index": i,
+                        **r,
+                        "kv_fraction": r["cache"] / P,
+                        "correct": ok,
+                        "answer_nll": n,
+                        "answer_margin": m,
+                    }
+                )
         log(f"[{time.time() - t0:6.1f}s] {kind} {L} #{i}")
     return {"rows": rows, "complete": complete, "elapsed_s": round(time.time() - t0, 1)}
 
@@ -107,8 +140,14 @@ def summarize(rows: list[dict]) -> list[dict]:
         groups[(r["eval"], None, r["method"], r["lam"])].append(r)
     out = []
     for (ev, L, method, lam), rs in groups.items():
-        s = {"eval": ev, "length": L, "method": method, "lam": lam, "n": len(rs),
-             "kv_fraction": sum(r["kv_fraction"] for r in rs) / len(rs)}
+        s = {
+            "eval": ev,
+            "length": L,
+            "method": method,
+            "lam": lam,
+            "n": len(rs),
+            "kv_fraction": sum(r["kv_fraction"] for r in rs) / len(rs),
+        }
         for key in ("correct", "nll_all", "nll_cont", "mse", "answer_nll"):
             vals = [float(r[key]) for r in rs if r.get(key) is not None]
             if vals:
@@ -127,14 +166,20 @@ def main(argv=None) -> int:
     p.add_argument("--nll-rows", type=int, default=4)
     p.add_argument("--cont", type=int, default=256, help="continuation tokens scored after the prompt")
     p.add_argument("--ruler", default=None, help="samples from `python -m evals.ruler`")
-    p.add_argument("--samples", type=int, default=None, help="use at most this many samples per (task, length)")
+    p.add_argument(
+        "--samples", type=int, default=None, help="use at most this many samples per (task, length)"
+    )
     p.add_argument("--lengths", default=None, help="comma-separated task lengths to keep (default: all)")
     p.add_argument("--tasks", default=None, help="comma-separated tasks to keep (default: all)")
     p.add_argument("--out", required=True)
     p.add_argument("--device", default="auto")
     p.add_argument("--time-budget-s", type=float, default=None)
-    p.add_argument("--calibration-rows", type=int, default=2,
-                   help="training rows of the corpus that calibrate the equal-budget policy (0: no such policy)")
+    p.add_argument(
+        "--calibration-rows",
+        type=int,
+        default=2,
+        help="training rows of the corpus that calibrate the equal-budget policy (0: no such policy)",
+    )
     p.add_argument("--calibration-length", type=int, default=2048)
     a = p.parse_args(argv)
     device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -150,17 +195,41 @@ def main(argv=None) -> int:
     corpus = Corpus(a.corpus) if a.corpus else None
     stats = None
     if corpus is not None and a.calibration_rows > 0:
-        rows = corpus.rows("train", a.calibration_length)[:a.calibration_rows]
+        rows = corpus.rows("train", a.calibration_length)[: a.calibration_rows]
         stats = calibrate(backbone, [torch.as_tensor(r).long() for r in rows])
-    res = evaluate(backbone, gate_sets, tau, window, corpus, [int(x) for x in a.nll_lengths.split(",")],
-                   a.nll_rows, a.cont, ruler, a.time_budget_s, stats=stats)
+    res = evaluate(
+        backbone,
+        gate_sets,
+        tau,
+        window,
+        corpus,
+        [int(x) for x in a.nll_lengths.split(",")],
+        a.nll_rows,
+        a.cont,
+        ruler,
+        a.time_budget_s,
+        stats=stats,
+    )
     res["summary"] = summarize(res["rows"])
-    res["config"] = {"model": a.model, "gates": a.gates.split(","), "tau": tau, "local_window": window,
-                     "cont": a.cont, "device": device, "dtype": str(dtype),
-                     "calibration": None if stats is None else {"split": "train", "length": a.calibration_length,
-                                                                "rows": a.calibration_rows, "tokens": stats.tokens},
-                     "command": "python -m evals.run " + " ".join(argv if argv is not None else sys.argv[1:]),
-                     "gpu": torch.cuda.get_device_name() if device == "cuda" else None}
+    res["config"] = {
+        "model": a.model,
+        "gates": a.gates.split(","),
+        "tau": tau,
+        "local_window": window,
+        "cont": a.cont,
+        "device": device,
+        "dtype": str(dtype),
+        "calibration": None
+        if stats is None
+        else {
+            "split": "train",
+            "length": a.calibration_length,
+            "rows": a.calibration_rows,
+            "tokens": stats.tokens,
+        },
+        "command": "python -m evals.run " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+    }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
     for s in res["summary"]:

@@ -53,8 +53,12 @@ from evals.summary import merge_summary
 from sglang_wgkv.server_process import LAUNCHER, ServerProcess, free_port
 
 REPO = Path(__file__).resolve().parents[1]
-METHOD_ARGS = {"full": ["--disable-wgkv"], "wgkv_served": [], "snapkv_served": ["--disable-wgkv"],
-               "wgkv_snapkv_served": []}
+METHOD_ARGS = {
+    "full": ["--disable-wgkv"],
+    "wgkv_served": [],
+    "snapkv_served": ["--disable-wgkv"],
+    "wgkv_snapkv_served": [],
+}
 BUDGETED = ("snapkv_served", "wgkv_snapkv_served")
 
 
@@ -86,23 +90,43 @@ def ask(url: str, sample: dict, timeout: float = 3600) -> dict:
     """One greedy ``/generate`` of ``sample``; its row (correct, kv_fraction, usage, seconds)."""
     answer = sample["answer"]
     t0 = time.monotonic()
-    r = requests.post(url + "/generate", timeout=timeout, json={
-        "input_ids": sample["prompt"],
-        "sampling_params": {"max_new_tokens": len(answer), "temperature": 0}})
+    r = requests.post(
+        url + "/generate",
+        timeout=timeout,
+        json={
+            "input_ids": sample["prompt"],
+            "sampling_params": {"max_new_tokens": len(answer), "temperature": 0},
+        },
+    )
     r.raise_for_status()
     out = r.json()
     meta = out["meta_info"]
     usage = next((u for u in reversed(meta.get("wgkv") or []) if u), None)
     cached = usage["cached_tokens"] if usage else meta["prompt_tokens"] + meta["completion_tokens"]
     kv = usage["mean_kv_tokens_per_head"] / cached if usage else 1.0
-    return {"task": sample["task"], "length": sample["length"], "index": sample["index"],
-            "correct": list(out["output_ids"][:len(answer)]) == list(answer), "output_ids": out["output_ids"],
-            "kv_fraction": kv,
-            "prompt_tokens": meta["prompt_tokens"], "usage": usage, "seconds": round(time.monotonic() - t0, 2)}
+    return {
+        "task": sample["task"],
+        "length": sample["length"],
+        "index": sample["index"],
+        "correct": list(out["output_ids"][: len(answer)]) == list(answer),
+        "output_ids": out["output_ids"],
+        "kv_fraction": kv,
+        "prompt_tokens": meta["prompt_tokens"],
+        "usage": usage,
+        "seconds": round(time.monotonic() - t0, 2),
+    }
 
 
-def run_configuration(config: Configuration, samples: list[dict], server_args: list[str], log_dir: Path,
-                      concurrency: int, startup_timeout: float, cwd: Path = REPO, log=print) -> dict:
+def run_configuration(
+    config: Configuration,
+    samples: list[dict],
+    server_args: list[str],
+    log_dir: Path,
+    concurrency: int,
+    startup_timeout: float,
+    cwd: Path = REPO,
+    log=print,
+) -> dict:
     """Start the configuration's server (the ``sglang_wgkv`` of checkout ``cwd``), ask every sample
     (``concurrency`` at once), stop it."""
     name = config.method + (f"_{config.budget}" if config.budget is not None else "")
@@ -117,15 +141,23 @@ def run_configuration(config: Configuration, samples: list[dict], server_args: l
     finally:
         server.stop()
     acc = sum(r["correct"] for r in rows) / len(rows)
-    log(f"{name}: accuracy {acc:.3f} over {len(rows)} samples, {elapsed:.0f} s of requests "
-        f"(start-up {started - t0:.0f} s)")
-    return {"method": config.method, "budget": config.budget, "command": shlex.join(server.command),
-            "rows": rows, "seconds": round(elapsed, 1)}
+    log(
+        f"{name}: accuracy {acc:.3f} over {len(rows)} samples, {elapsed:.0f} s of requests "
+        f"(start-up {started - t0:.0f} s)"
+    )
+    return {
+        "method": config.method,
+        "budget": config.budget,
+        "command": shlex.join(server.command),
+        "rows": rows,
+        "seconds": round(elapsed, 1),
+    }
 
 
 def summary_rows(results: list[dict], engine: str) -> list[dict]:
     """One row per configuration: accuracy overall and per task, mean kv_fraction, and the full
     cache's accuracy on the same samples (when ``full`` ran)."""
+
     def by_task(rows):
         groups = defaultdict(list)
         for r in rows:
@@ -136,15 +168,25 @@ def summary_rows(results: list[dict], engine: str) -> list[dict]:
     out = []
     for res in results:
         rows = res["rows"]
-        row = {"method": res["method"], "budget": res["budget"], "engine": engine, "n": len(rows),
-               "lengths": sorted({r["length"] for r in rows}),
-               "accuracy": sum(r["correct"] for r in rows) / len(rows),
-               "kv_fraction": sum(r["kv_fraction"] for r in rows) / len(rows),
-               "tasks": by_task(rows), "lam": None, "command": res["command"]}
+        row = {
+            "method": res["method"],
+            "budget": res["budget"],
+            "engine": engine,
+            "n": len(rows),
+            "lengths": sorted({r["length"] for r in rows}),
+            "accuracy": sum(r["correct"] for r in rows) / len(rows),
+            "kv_fraction": sum(r["kv_fraction"] for r in rows) / len(rows),
+            "tasks": by_task(rows),
+            "lam": None,
+            "command": res["command"],
+        }
         if full is not None:
             full_acc = sum(r["correct"] for r in full["rows"]) / len(full["rows"])
-            row.update(full_accuracy=full_acc, full_tasks=by_task(full["rows"]),
-                       accuracy_vs_full=row["accuracy"] / full_acc if full_acc else None)
+            row.update(
+                full_accuracy=full_acc,
+                full_tasks=by_task(full["rows"]),
+                accuracy_vs_full=row["accuracy"] / full_acc if full_acc else None,
+            )
         out.append(row)
     return out
 
@@ -158,15 +200,25 @@ def main(argv=None) -> int:
     p.add_argument("--methods", default="full,snapkv_served,wgkv_snapkv_served")
     p.add_argument("--budgets", default="512,1024")
     p.add_argument("--server-args", default="", help="SGLang arguments of every server")
-    p.add_argument("--wgkv-args", default="", help="arguments of the WG-KV servers only (not full, not "
-                   "snapkv_served, which takes no WG-KV option but --kv-budget)")
-    p.add_argument("--full-args", default="", help="arguments of the full-cache server only (e.g. "
-                   "--attention-backend flashinfer on a GPU)")
+    p.add_argument(
+        "--wgkv-args",
+        default="",
+        help="arguments of the WG-KV servers only (not full, not "
+        "snapkv_served, which takes no WG-KV option but --kv-budget)",
+    )
+    p.add_argument(
+        "--full-args",
+        default="",
+        help="arguments of the full-cache server only (e.g. --attention-backend flashinfer on a GPU)",
+    )
     p.add_argument("--engine", default="cpu", help="label of the summary rows (cpu, h200, ...)")
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--startup-timeout", type=float, default=900)
-    p.add_argument("--checkout", default=str(REPO), help="checkout whose sglang_wgkv the servers run (e.g. an "
-                   "older one, for a before/after comparison)")
+    p.add_argument(
+        "--checkout",
+        default=str(REPO),
+        help="checkout whose sglang_wgkv the servers run (e.g. an older one, for a before/after comparison)",
+    )
     p.add_argument("--out", required=True)
     p.add_argument("--summary", default=None)
     a = p.parse_args(argv)
@@ -189,16 +241,33 @@ def main(argv=None) -> int:
         if (config.method, config.budget) in done:
             continue
         own = {"full": a.full_args, "snapkv_served": ""}.get(config.method, a.wgkv_args)
-        results.append(run_configuration(config, samples, shlex.split(a.server_args) + shlex.split(own), log_dir,
-                                         a.concurrency, a.startup_timeout, Path(a.checkout)))
-        out.write_text(json.dumps({"command": command, "ruler": a.ruler, "engine": a.engine, "results": results},
-                                  indent=1) + "\n")
+        results.append(
+            run_configuration(
+                config,
+                samples,
+                shlex.split(a.server_args) + shlex.split(own),
+                log_dir,
+                a.concurrency,
+                a.startup_timeout,
+                Path(a.checkout),
+            )
+        )
+        out.write_text(
+            json.dumps(
+                {"command": command, "ruler": a.ruler, "engine": a.engine, "results": results}, indent=1
+            )
+            + "\n"
+        )
     rows = summary_rows(results, a.engine)
     if a.summary:
         merge_summary(Path(a.summary), rows)
     for r in rows:
-        print(json.dumps({k: r[k] for k in ("method", "budget", "n", "accuracy", "kv_fraction")}
-                         | {"vs_full": r.get("accuracy_vs_full")}))
+        print(
+            json.dumps(
+                {k: r[k] for k in ("method", "budget", "n", "accuracy", "kv_fraction")}
+                | {"vs_full": r.get("accuracy_vs_full")}
+            )
+        )
     return 0
 
 

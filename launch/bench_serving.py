@@ -29,23 +29,38 @@ def main():
     a = p.parse_args()
     greedy = {"temperature": 0, "ignore_eos": True}
     result = {}
-    sanity = generate(a.url, {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 12, "temperature": 0}})
+    sanity = generate(
+        a.url,
+        {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 12, "temperature": 0}},
+    )
     result["sanity_text"] = sanity["text"]
     t = time.perf_counter()
-    one = generate(a.url, {"text": "Once upon a time", "sampling_params": {"max_new_tokens": a.output_tokens, **greedy}})
+    one = generate(
+        a.url, {"text": "Once upon a time", "sampling_params": {"max_new_tokens": a.output_tokens, **greedy}}
+    )
     result["batch1_decode_tok_s"] = one["meta_info"]["completion_tokens"] / (time.perf_counter() - t)
     rng = random.Random(0)
     ids = [[rng.randrange(100, 49000) for _ in range(a.prompt_tokens)] for _ in range(a.concurrency)]
     t = time.perf_counter()
-    outs = generate(a.url, {"input_ids": ids, "sampling_params": {"max_new_tokens": a.output_tokens, **greedy}})
+    outs = generate(
+        a.url, {"input_ids": ids, "sampling_params": {"max_new_tokens": a.output_tokens, **greedy}}
+    )
     wall = time.perf_counter() - t
     out_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
-    result.update(concurrency=a.concurrency, prompt_tokens=a.prompt_tokens, output_tokens=a.output_tokens,
-                  wall_s=wall, output_tok_s=out_tokens / wall,
-                  total_tok_s=(out_tokens + a.concurrency * a.prompt_tokens) / wall)
+    result.update(
+        concurrency=a.concurrency,
+        prompt_tokens=a.prompt_tokens,
+        output_tokens=a.output_tokens,
+        wall_s=wall,
+        output_tok_s=out_tokens / wall,
+        total_tok_s=(out_tokens + a.concurrency * a.prompt_tokens) / wall,
+    )
     info = requests.get(a.url + "/server_info", timeout=60).json()
-    result["wgkv"] = {k: v for k, v in info["internal_states"][0].get("wgkv", {}).items()
-                      if not k.endswith("per_layer_head")}
+    result["wgkv"] = {
+        k: v
+        for k, v in info["internal_states"][0].get("wgkv", {}).items()
+        if not k.endswith("per_layer_head")
+    }
     print(json.dumps(result, indent=1))
     if a.out:
         with open(a.out, "w") as f:

@@ -9,15 +9,21 @@ must be on ``PYTHONPATH`` too.
 """
 
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 root = Path(__file__).resolve().parents[1]
 project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
 target = Path(sys.argv[1]) / f"{project['name'].replace('-', '_')}-{project['version']}.dist-info"
 target.mkdir(parents=True, exist_ok=True)
-(target / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
-(target / "entry_points.txt").write_text("".join(
-    f"[{group}]\n" + "".join(f"{name} = {value}\n" for name, value in eps.items()) + "\n"
-    for group, eps in project["entry-points"].items()))
+(target / "METADATA").write_text(
+    f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n"
+)
+(target / "entry_points.txt").write_text(
+    "".join(
+        f"[{group}]\n" + "".join(f"{name} = {value}\n" for name, value in eps.items()) + "\n"
+        for group, eps in project["entry-points"].items()
+    )
+)
 print(target)

@@ -47,9 +47,9 @@ class SnapshotRadixCache(RadixCache):
         self.dual = runtime.dual
         self.store = SnapshotStore(self.dual)
         self.restore_slots = runtime.plan.restore_slots
-        self._snap_nodes = set()       # nodes that own a snapshot
-        self._pinned = {}              # id(snapshot) -> snapshot matched since the last alloc
-        self._restored = {}            # request slot -> pool generation at restore
+        self._snap_nodes = set()  # nodes that own a snapshot
+        self._pinned = {}  # id(snapshot) -> snapshot matched since the last alloc
+        self._restored = {}  # request slot -> pool generation at restore
         self._raw_match = False
         self.hits = self.hit_tokens = self.snapshots_taken = self.snapshots_dropped = 0
         super().__init__(params)
@@ -65,8 +65,10 @@ class SnapshotRadixCache(RadixCache):
     def reclaim(self, worst_case: int) -> None:
         """Drop unpinned snapshots, least recently used first, until ``worst_case`` pages fit."""
         allocator = self.dual.allocator
-        victims = sorted((n for n in self._snap_nodes if id(n.snapshot) not in self._pinned),
-                         key=lambda n: n.last_access_time)
+        victims = sorted(
+            (n for n in self._snap_nodes if id(n.snapshot) not in self._pinned),
+            key=lambda n: n.last_access_time,
+        )
         for node in victims:
             if allocator.can_allocate(worst_case):
                 return
@@ -84,7 +86,9 @@ class SnapshotRadixCache(RadixCache):
         placeholder = torch.zeros(S, dtype=torch.int64)  # never stored: the whole path already exists
         prefix_len, node = self._insert_helper(self.root_node, key, placeholder, priority, chunked=True)
         if prefix_len != S:
-            raise RuntimeError(f"radix path of request slot {r} is shorter ({prefix_len}) than its cache ({S})")
+            raise RuntimeError(
+                f"radix path of request slot {r} is shorter ({prefix_len}) than its cache ({S})"
+            )
         if getattr(node, "snapshot", None) is not None:
             return
         try:
@@ -127,8 +131,12 @@ class SnapshotRadixCache(RadixCache):
             else:
                 self._pinned[id(node.snapshot)] = node.snapshot
         depth = node.snapshot.length if node is not self.root_node else 0
-        return result._replace(device_indices=result.device_indices[:depth], last_device_node=node,
-                               last_host_node=node, best_match_node=node)
+        return result._replace(
+            device_indices=result.device_indices[:depth],
+            last_device_node=node,
+            last_host_node=node,
+            best_match_node=node,
+        )
 
     def cache_unfinished_req(self, req, chunked=False):
         if self.disable:
@@ -142,8 +150,12 @@ class SnapshotRadixCache(RadixCache):
 
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
         super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
-        if (is_insert and not self.disable and not self.disable_finished_insert
-                and int(self.dual.cached_len[req.req_pool_idx]) <= kv_len_to_handle):
+        if (
+            is_insert
+            and not self.disable
+            and not self.disable_finished_insert
+            and int(self.dual.cached_len[req.req_pool_idx]) <= kv_len_to_handle
+        ):
             self._snapshot_request(req, getattr(req, "priority", 0) or 0)
 
     def _delete_leaf(self, node):
@@ -175,8 +187,14 @@ class SnapshotRadixCache(RadixCache):
         self.dual.check_integrity()
 
     def stats(self) -> dict:
-        return {"snapshots": len(self.store), "snapshot_pages": self.dual.num_ref_holder_pages(),
-                "snapshots_taken": self.snapshots_taken,
-                "snapshots_dropped": self.snapshots_dropped, "prefix_hits": self.hits,
-                "prefix_hit_tokens": self.hit_tokens, "restore_slots": self.restore_slots,
-                "evictable_tokens": self.evictable_size(), "protected_tokens": self.protected_size()}
+        return {
+            "snapshots": len(self.store),
+            "snapshot_pages": self.dual.num_ref_holder_pages(),
+            "snapshots_taken": self.snapshots_taken,
+            "snapshots_dropped": self.snapshots_dropped,
+            "prefix_hits": self.hits,
+            "prefix_hit_tokens": self.hit_tokens,
+            "restore_slots": self.restore_slots,
+            "evictable_tokens": self.evictable_size(),
+            "protected_tokens": self.protected_size(),
+        }

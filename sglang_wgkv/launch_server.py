@@ -37,19 +37,36 @@ from importlib.metadata import entry_points
 
 from sglang_wgkv.config import DEFAULT_LOCAL_WINDOW, DEFAULT_TAU, WGKVConfig
 from sglang_wgkv.embedded_model import SHIPPED_GATES
-from sglang_wgkv.integration.settings import ATTENTION_IMPLS, BACKEND_NAME, DEFAULT_GPU_OVERCOMMIT, ENV_VAR, ServingSettings
+from sglang_wgkv.integration.settings import (
+    ATTENTION_IMPLS,
+    BACKEND_NAME,
+    DEFAULT_GPU_OVERCOMMIT,
+    ENV_VAR,
+    ServingSettings,
+)
 
 # Default KV budget on CPU, as a fraction of the machine's RAM (see cpu_default_kv_tokens).
 CPU_KV_RAM_FRACTION = 0.125
-WGKV_FLAGS = ("--kv-budget", "--wgkv-gates", "--wgkv-tau", "--wgkv-local-window",
-              "--wgkv-random-admission", "--wgkv-seed", "--wgkv-attention", "--wgkv-overcommit",
-              "--wgkv-decode-launch", "--wgkv-extend-kernels")
+WGKV_FLAGS = (
+    "--kv-budget",
+    "--wgkv-gates",
+    "--wgkv-tau",
+    "--wgkv-local-window",
+    "--wgkv-random-admission",
+    "--wgkv-seed",
+    "--wgkv-attention",
+    "--wgkv-overcommit",
+    "--wgkv-decode-launch",
+    "--wgkv-extend-kernels",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m sglang_wgkv.launch_server", allow_abbrev=False,
-        description="SGLang server with Write-Gated KV. Unknown arguments are passed to SGLang.")
+        prog="python -m sglang_wgkv.launch_server",
+        allow_abbrev=False,
+        description="SGLang server with Write-Gated KV. Unknown arguments are passed to SGLang.",
+    )
     parser.add_argument("--kv-budget", type=int, default=None)
     parser.add_argument("--wgkv-gates", default=None)
     parser.add_argument("--wgkv-tau", type=float, default=DEFAULT_TAU)
@@ -91,7 +108,9 @@ def _model_shape(model_path: str) -> tuple[int, int, int] | None:
     return cfg.num_hidden_layers, kv_heads, head_dim
 
 
-def cpu_default_kv_tokens(model_path: str, sglang_argv: list[str], ram_bytes: int | None = None) -> int | None:
+def cpu_default_kv_tokens(
+    model_path: str, sglang_argv: list[str], ram_bytes: int | None = None
+) -> int | None:
     """The CPU default KV budget: the tokens whose K/V fill :data:`CPU_KV_RAM_FRACTION` of the RAM
     (None for a model that is not a local directory: SGLang's own default then).
 
@@ -162,18 +181,24 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
             # SGLang's CPU engine binds one OpenMP core set per rank (default: one NUMA node per rank),
             # and with torch's CUDA build it would pick up the bundled libnccl on a CPU device.
             cores = os.cpu_count() or 1
-            env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", os.environ.get(
-                "SGLANG_CPU_OMP_THREADS_BIND", "|".join(str(r % cores) for r in range(tp))))
-            env.setdefault("SGLANG_NCCL_SO_PATH", os.environ.get("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl.so.2"))
+            env.setdefault(
+                "SGLANG_CPU_OMP_THREADS_BIND",
+                os.environ.get("SGLANG_CPU_OMP_THREADS_BIND", "|".join(str(r % cores) for r in range(tp))),
+            )
+            env.setdefault(
+                "SGLANG_NCCL_SO_PATH", os.environ.get("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl.so.2")
+            )
         if _option(sglang_argv, "--max-total-tokens", "--mem-fraction-static") is None:
             tokens = cpu_default_kv_tokens(model_path, sglang_argv)
             if tokens is not None:
                 sglang_argv += ["--max-total-tokens", str(tokens)]
     if device != "cpu" and _option(sglang_argv, "--dtype") in ("float32", "float"):
         # upstream fails the same way; refused here before minutes of start-up instead
-        raise ValueError("--dtype float32 is not served on CUDA: SGLang 0.5.17's CUDA RMSNorm "
-                         "(sgl_kernel.rmsnorm) has no float32 kernel, and the server would die at its first "
-                         "forward (H200, 2026-12-04); use bfloat16 or float16 there")
+        raise ValueError(
+            "--dtype float32 is not served on CUDA: SGLang 0.5.17's CUDA RMSNorm "
+            "(sgl_kernel.rmsnorm) has no float32 kernel, and the server would die at its first "
+            "forward (H200, 2026-12-04); use bfloat16 or float16 there"
+        )
     backend = _option(sglang_argv, "--attention-backend")
 
     snapkv_only = ours.disable_wgkv and ours.kv_budget is not None
@@ -190,27 +215,40 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
     if snapkv_only:
         # The paper's SnapKV-only baseline: every token is written (admission off), the evictor
         # alone enforces the budget. It needs the dual pool, so it runs on the wgkv backend.
-        given = [flag for flag in WGKV_FLAGS if flag != "--kv-budget"
-                 and any(a == flag or a.startswith(flag + "=") for a in argv)]
+        given = [
+            flag
+            for flag in WGKV_FLAGS
+            if flag != "--kv-budget" and any(a == flag or a.startswith(flag + "=") for a in argv)
+        ]
         if given:
-            raise ValueError(f"{', '.join(given)} configure admission; --disable-wgkv --kv-budget is SnapKV alone")
+            raise ValueError(
+                f"{', '.join(given)} configure admission; --disable-wgkv --kv-budget is SnapKV alone"
+            )
         ours.wgkv_random_admission, ours.wgkv_gates = 1.0, "fresh"
     try:
-        config = WGKVConfig(local_window=ours.wgkv_local_window, tau=ours.wgkv_tau,
-                            random_admission=ours.wgkv_random_admission, kv_budget=ours.kv_budget)
+        config = WGKVConfig(
+            local_window=ours.wgkv_local_window,
+            tau=ours.wgkv_tau,
+            random_admission=ours.wgkv_random_admission,
+            kv_budget=ours.kv_budget,
+        )
     except ValueError as e:
         raise ValueError(f"invalid WG-KV option: {e}") from e
     workers = _option(sglang_argv, "--tokenizer-worker-num")
     if workers is not None and workers.isdigit() and int(workers) > 1:
         # SGLang's extra tokenizer workers are fresh processes that never load plugins: requests they
         # take would skip WG-KV's request checks (custom_params.wgkv, sampling params, token ids).
-        raise ValueError(f"--tokenizer-worker-num {workers} is not supported with WG-KV (SGLang's extra "
-                         "tokenizer workers load no plugins, so per-request checks would not run); use 1")
+        raise ValueError(
+            f"--tokenizer-worker-num {workers} is not supported with WG-KV (SGLang's extra "
+            "tokenizer workers load no plugins, so per-request checks would not run); use 1"
+        )
     if backend is None:
         sglang_argv += ["--attention-backend", BACKEND_NAME]
     elif backend != BACKEND_NAME:
-        raise ValueError(f"WG-KV runs with --attention-backend {BACKEND_NAME}, got {backend} "
-                         "(use --disable-wgkv for plain SGLang)")
+        raise ValueError(
+            f"WG-KV runs with --attention-backend {BACKEND_NAME}, got {backend} "
+            "(use --disable-wgkv for plain SGLang)"
+        )
     if ours.wgkv_gates is None and embedded:
         ours.wgkv_gates = str(SHIPPED_GATES)
     if ours.wgkv_gates not in (None, "fresh"):
@@ -222,10 +260,15 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
     if overcommit is None and device != "cpu" and config.kv_budget is None:
         overcommit = DEFAULT_GPU_OVERCOMMIT  # admit by the post-admission footprint (settings.py)
     try:
-        settings = ServingSettings(config=config, gates_path=gates_path, seed=ours.wgkv_seed,
-                                   attention=ours.wgkv_attention, overcommit=overcommit,
-                                   decode_launch=ours.wgkv_decode_launch,
-                                   extend_kernels=ours.wgkv_extend_kernels)
+        settings = ServingSettings(
+            config=config,
+            gates_path=gates_path,
+            seed=ours.wgkv_seed,
+            attention=ours.wgkv_attention,
+            overcommit=overcommit,
+            decode_launch=ours.wgkv_decode_launch,
+            extend_kernels=ours.wgkv_extend_kernels,
+        )
     except ValueError as e:
         raise ValueError(f"invalid WG-KV option: {e}") from e
     env[ENV_VAR] = settings.to_env()
@@ -238,9 +281,13 @@ def main(argv: list[str] | None = None) -> None:
         settings, sglang_argv, env = resolve(argv)
     except ValueError as e:
         build_parser().error(str(e))
-    if settings is not None and not any(ep.name == BACKEND_NAME for ep in entry_points(group="sglang.srt.plugins")):
-        build_parser().error("the sglang-wgkv package is not installed (its SGLang plugin entry point is "
-                             "missing); run scripts/setup.sh or `pip install -e .`")
+    if settings is not None and not any(
+        ep.name == BACKEND_NAME for ep in entry_points(group="sglang.srt.plugins")
+    ):
+        build_parser().error(
+            "the sglang-wgkv package is not installed (its SGLang plugin entry point is "
+            "missing); run scripts/setup.sh or `pip install -e .`"
+        )
     os.environ.update(env)
     if settings is None:
         os.environ.pop(ENV_VAR, None)

@@ -33,8 +33,16 @@ class ServerProcess:
     and :meth:`stop` must end them too, whatever state the launcher is in.
     """
 
-    def __init__(self, command: list[str], log_path: Path, *, port: int, env: dict[str, str], cwd: Path | str,
-                 stop_timeout_s: float = 30.0):
+    def __init__(
+        self,
+        command: list[str],
+        log_path: Path,
+        *,
+        port: int,
+        env: dict[str, str],
+        cwd: Path | str,
+        stop_timeout_s: float = 30.0,
+    ):
         self.command = list(command)
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
@@ -42,10 +50,13 @@ class ServerProcess:
         self.stop_timeout_s = stop_timeout_s
         self._log = open(self.log_path, "w")
         self.started = time.perf_counter()
-        self.proc = subprocess.Popen(self.command, cwd=cwd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.command, cwd=cwd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
-    def wait_healthy(self, timeout_s: float, *, path: str = "/health_generate", probe_timeout_s: float = 60.0) -> float:
+    def wait_healthy(
+        self, timeout_s: float, *, path: str = "/health_generate", probe_timeout_s: float = 60.0
+    ) -> float:
         """Poll ``path`` every 2 s until it answers 200 (``/health_generate`` runs a one-token
         generation: the scheduler is up, not only the HTTP server). Returns the seconds since the
         process started. Raises RuntimeError if the process exits, TimeoutError after ``timeout_s``
@@ -62,7 +73,9 @@ class ServerProcess:
             except requests.RequestException:
                 pass
             time.sleep(2)
-        raise TimeoutError(f"server not healthy after {timeout_s:.0f} s (log: {self.log_path}):\n{self.log_tail()}")
+        raise TimeoutError(
+            f"server not healthy after {timeout_s:.0f} s (log: {self.log_path}):\n{self.log_tail()}"
+        )
 
     def log_tail(self, lines: int = 60) -> str:
         """The log's last ``lines`` lines, each cut at 400 characters (a traceback's locals can be huge)."""

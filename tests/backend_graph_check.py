@@ -20,8 +20,8 @@ import copy
 from types import SimpleNamespace
 
 import torch
-
 from interp_gate_check import make_gates
+
 from sglang_wgkv.attention.triton_decode import DecodeConfig
 from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.gate.admission import DeferredGateCheck
@@ -33,7 +33,7 @@ from sglang_wgkv.memory.evictor import SnapKVEvictor
 
 L, H, HQ, D, W = 2, 2, 4, 64, 32
 DT = torch.bfloat16
-SLOTS, PLENS = [3, 1, 2], [45, 20, 33]   # batch order != slot order
+SLOTS, PLENS = [3, 1, 2], [45, 20, 33]  # batch order != slot order
 TAU = {1: float("-inf"), 2: 0.5, 3: 0.3}  # per-request thresholds (slot 1: admission off)
 
 
@@ -62,8 +62,9 @@ class Capture:
 GATES = make_gates(D, H, 2 * D, seed=5, device="cpu")  # real write gates with varied decisions
 
 
-def make_backend(pool: DualCachePool, use_kernels: bool, tensor_core_gate: bool = False,
-                 decode_launch: str = "") -> WGKVAttnBackend:
+def make_backend(
+    pool: DualCachePool, use_kernels: bool, tensor_core_gate: bool = False, decode_launch: str = ""
+) -> WGKVAttnBackend:
     """``tensor_core_gate``: the decode gate of every batch is the prefill gate's launch
     (:meth:`PrefillGate.admit`; served from ``DECODE_MIN_ROWS`` (row, head) pairs a step);
     ``decode_launch``: the split kernel's launch shape (``--wgkv-decode-launch``)."""
@@ -72,22 +73,48 @@ def make_backend(pool: DualCachePool, use_kernels: bool, tensor_core_gate: bool 
     for r, t in TAU.items():
         slot_tau[r] = t
     b.__dict__.update(
-        dual=pool, config=pool.config, device=pool.device, use_kernels=use_kernels, generator=None,
-        capture=Capture(), gates=GATES, req_pool=SimpleNamespace(slot_tau=slot_tau), num_q_heads=HQ,
-        decode_gate=DecodeGate(GATES, max_rows=8 * H) if use_kernels else None, prefill_gate=None, _sms=4,
-        evictor=SnapKVEvictor(pool=pool, budget=10_000, num_q_heads=HQ, window=16), _extend=None,
-        _rows=None, _row_tau=None, batch_slots=None, batch_prompt_ends=None, _graph=None, _graph_launch={},
-        _gate_stream=None, _indptrs=None,
-        _gate_check=DeferredGateCheck(pool.num_layers, pool.device), _tensor_core_gate_rows=1,
-        decode_launch=DecodeConfig.parse(decode_launch) if use_kernels else None)
+        dual=pool,
+        config=pool.config,
+        device=pool.device,
+        use_kernels=use_kernels,
+        generator=None,
+        capture=Capture(),
+        gates=GATES,
+        req_pool=SimpleNamespace(slot_tau=slot_tau),
+        num_q_heads=HQ,
+        decode_gate=DecodeGate(GATES, max_rows=8 * H) if use_kernels else None,
+        prefill_gate=None,
+        _sms=4,
+        evictor=SnapKVEvictor(pool=pool, budget=10_000, num_q_heads=HQ, window=16),
+        _extend=None,
+        _rows=None,
+        _row_tau=None,
+        batch_slots=None,
+        batch_prompt_ends=None,
+        _graph=None,
+        _graph_launch={},
+        _gate_stream=None,
+        _indptrs=None,
+        _gate_check=DeferredGateCheck(pool.num_layers, pool.device),
+        _tensor_core_gate_rows=1,
+        decode_launch=DecodeConfig.parse(decode_launch) if use_kernels else None,
+    )
     if tensor_core_gate:
         b.prefill_gate = PrefillGate(GATES, b.decode_gate.layers)
     return b
 
 
 def build_pool() -> DualCachePool:
-    pool = DualCachePool(L, H, D, num_pages=200, max_requests=5, max_context_len=96,
-                         config=WGKVConfig(local_window=W, tau=0.1), dtype=DT)
+    pool = DualCachePool(
+        L,
+        H,
+        D,
+        num_pages=200,
+        max_requests=5,
+        max_context_len=96,
+        config=WGKVConfig(local_window=W, tau=0.1),
+        dtype=DT,
+    )
     gen = torch.Generator().manual_seed(0)
     for r in SLOTS:
         pool.alloc_request(r)
@@ -100,8 +127,15 @@ def build_pool() -> DualCachePool:
 
 
 def layer_of(i):
-    return SimpleNamespace(layer_id=i, tp_q_head_num=HQ, tp_k_head_num=H, qk_head_dim=D, v_head_dim=D,
-                           scaling=D ** -0.5, sliding_window_size=None)
+    return SimpleNamespace(
+        layer_id=i,
+        tp_q_head_num=HQ,
+        tp_k_head_num=H,
+        qk_head_dim=D,
+        v_head_dim=D,
+        scaling=D**-0.5,
+        sliding_window_size=None,
+    )
 
 
 def run_layers(backend, fb, q, k, v):
@@ -111,10 +145,16 @@ def run_layers(backend, fb, q, k, v):
 def live_state(pool):
     """Pool state of the live request slots and the allocator (the dump page excluded)."""
     live = torch.tensor(SLOTS)
-    return {"page_table": pool.page_table[live].clone(), "global_len": pool.global_len[live].clone(),
-            "ring_flag": pool.ring_flag[live].clone(), "k": pool.k_pages[:-1].clone(),
-            "v": pool.v_pages[:-1].clone(), "ref": pool.allocator.ref.clone(),
-            "num_free": pool.allocator.num_free.clone(), "cached_len": pool.cached_len.copy()}
+    return {
+        "page_table": pool.page_table[live].clone(),
+        "global_len": pool.global_len[live].clone(),
+        "ring_flag": pool.ring_flag[live].clone(),
+        "k": pool.k_pages[:-1].clone(),
+        "v": pool.v_pages[:-1].clone(),
+        "ref": pool.allocator.ref.clone(),
+        "num_free": pool.allocator.num_free.clone(),
+        "cached_len": pool.cached_len.copy(),
+    }
 
 
 def assert_same(a, b, what):
@@ -127,36 +167,57 @@ def main(tensor_core_gate: bool, decode_launch: str = ""):
     pool_a = build_pool()
     pool_b = copy.deepcopy(pool_a)
     pool_b.triton_decode = True  # the kernels path's pool: Triton promotion and ring write (interpreted)
-    a, b = make_backend(pool_a, use_kernels=False), make_backend(pool_b, True, tensor_core_gate, decode_launch)
+    a, b = (
+        make_backend(pool_a, use_kernels=False),
+        make_backend(pool_b, True, tensor_core_gate, decode_launch),
+    )
     gen = torch.Generator().manual_seed(1)
     B, BS = len(SLOTS), 5
 
     # -- capture: every row padding; the forwards of warm-up and capture must not touch live state
     b.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
     before = live_state(pool_b)
-    cap = SimpleNamespace(forward_mode=Mode(True), batch_size=BS, num_padding=0,
-                          req_pool_indices=torch.zeros(BS, dtype=torch.int64), seq_lens=torch.ones(BS, dtype=torch.int64),
-                          seq_lens_cpu=torch.ones(BS, dtype=torch.int64))
+    cap = SimpleNamespace(
+        forward_mode=Mode(True),
+        batch_size=BS,
+        num_padding=0,
+        req_pool_indices=torch.zeros(BS, dtype=torch.int64),
+        seq_lens=torch.ones(BS, dtype=torch.int64),
+        seq_lens_cpu=torch.ones(BS, dtype=torch.int64),
+    )
     b.init_forward_metadata_out_graph(cap, in_capture=True)
     assert (b._rows.req == SCRATCH_SLOT).all() and (b._rows.ring == 1).all()
     for _ in range(2):
         out = run_layers(b, cap, *(torch.randn(L, BS, n * D, generator=gen).to(DT) for n in (HQ, H, H)))
         assert all(torch.isfinite(o.float()).all() for o in out)
     assert_same(before, live_state(pool_b), "capture/warm-up")
-    assert not pool_b.active[SCRATCH_SLOT] and bool((pool_b.page_table[SCRATCH_SLOT] == pool_b.dump_page).all())
+    assert not pool_b.active[SCRATCH_SLOT] and bool(
+        (pool_b.page_table[SCRATCH_SLOT] == pool_b.dump_page).all()
+    )
 
     # -- one step: A eager reference, B replay preparation of 3 rows padded to 5 + kernels path
     seq = torch.tensor(PLENS) + 1
     q, k, v = (torch.randn(L, B, n * D, generator=gen).to(DT) for n in (HQ, H, H))
-    fb_a = SimpleNamespace(forward_mode=Mode(True), batch_size=B, req_pool_indices=torch.tensor(SLOTS),
-                           seq_lens=seq, seq_lens_cpu=seq, wgkv_req_slots=list(SLOTS))
+    fb_a = SimpleNamespace(
+        forward_mode=Mode(True),
+        batch_size=B,
+        req_pool_indices=torch.tensor(SLOTS),
+        seq_lens=seq,
+        seq_lens_cpu=seq,
+        wgkv_req_slots=list(SLOTS),
+    )
     a.init_forward_metadata(fb_a)
     out_a = run_layers(a, fb_a, q, k, v)
 
     pad = lambda t, fill: torch.cat([t, torch.full((BS - B,), fill, dtype=t.dtype)])  # noqa: E731
-    view = SimpleNamespace(forward_mode=Mode(True), batch_size=BS, num_padding=BS - B,
-                           req_pool_indices=pad(torch.tensor(SLOTS), 0), seq_lens=pad(seq, 1),
-                           seq_lens_cpu=pad(seq, 1))
+    view = SimpleNamespace(
+        forward_mode=Mode(True),
+        batch_size=BS,
+        num_padding=BS - B,
+        req_pool_indices=pad(torch.tensor(SLOTS), 0),
+        seq_lens=pad(seq, 1),
+        seq_lens_cpu=pad(seq, 1),
+    )
     b.batch_slots = list(SLOTS)
     b.init_forward_metadata_out_graph(view)
     rows: _DecodeRows = b._rows

@@ -25,13 +25,43 @@ TOL = {torch.float16: (3e-3, 2e-2), torch.bfloat16: (2e-2, 8e-2)}  # (relative n
 # (a request that joins at position 0), many splits (some empty), several block sizes and groups.
 CASES = {
     # D, Hq, Hkv, dtype, W, prefill lengths, late joiners, decode steps, admit prob, [(splits, block_n)]
-    "d64_g3_fp16": dict(D=64, Hq=9, Hkv=3, dtype=torch.float16, W=32, plens=[300, 20, 77], late=0, steps=2,
-                        p_admit=0.5, launches=[(1, 64), (3, 32), (8, 16)]),
-    "d128_g4_bf16": dict(D=128, Hq=8, Hkv=2, dtype=torch.bfloat16, W=32, plens=[200, 45], late=1, steps=2,
-                         p_admit=0.3, launches=[(2, 64), (16, 16)]),
+    "d64_g3_fp16": dict(
+        D=64,
+        Hq=9,
+        Hkv=3,
+        dtype=torch.float16,
+        W=32,
+        plens=[300, 20, 77],
+        late=0,
+        steps=2,
+        p_admit=0.5,
+        launches=[(1, 64), (3, 32), (8, 16)],
+    ),
+    "d128_g4_bf16": dict(
+        D=128,
+        Hq=8,
+        Hkv=2,
+        dtype=torch.bfloat16,
+        W=32,
+        plens=[200, 45],
+        late=1,
+        steps=2,
+        p_admit=0.3,
+        launches=[(2, 64), (16, 16)],
+    ),
     # group 6: the fused merge takes the query heads of a KV head in two passes of at most 4
-    "d64_g6_fp16": dict(D=64, Hq=12, Hkv=2, dtype=torch.float16, W=32, plens=[120, 50], late=1, steps=1,
-                        p_admit=0.5, launches=[(1, 64), (4, 16)]),
+    "d64_g6_fp16": dict(
+        D=64,
+        Hq=12,
+        Hkv=2,
+        dtype=torch.float16,
+        W=32,
+        plens=[120, 50],
+        late=1,
+        steps=1,
+        p_admit=0.5,
+        launches=[(1, 64), (4, 16)],
+    ),
 }
 
 
@@ -48,17 +78,39 @@ class PoolCase:
     """A pool with ``len(plens)`` prefilled requests plus ``late`` requests that start decoding at
     position 0; :meth:`step` runs one decode step (``begin_decode`` + ``write_decode`` per layer)."""
 
-    def __init__(self, D, Hq, Hkv, dtype, W, plens, late, p_admit, device, num_layers=2, num_pages=None,
-                 max_context=None, seed=0):
+    def __init__(
+        self,
+        D,
+        Hq,
+        Hkv,
+        dtype,
+        W,
+        plens,
+        late,
+        p_admit,
+        device,
+        num_layers=2,
+        num_pages=None,
+        max_context=None,
+        seed=0,
+    ):
         self.gen = torch.Generator(device="cpu").manual_seed(seed)
         self.D, self.Hq, self.Hkv, self.dtype, self.device, self.p_admit = D, Hq, Hkv, dtype, device, p_admit
         self.L = num_layers
         B = len(plens) + late
         max_context = max_context or max(plens) + 64
         num_pages = num_pages or 2 * num_layers * Hkv * B * (-(-max_context // 16) + 2)
-        self.pool = DualCachePool(num_layers, Hkv, D, num_pages=num_pages, max_requests=B + 2,
-                                  max_context_len=max_context, config=WGKVConfig(local_window=W), dtype=dtype,
-                                  device=device)
+        self.pool = DualCachePool(
+            num_layers,
+            Hkv,
+            D,
+            num_pages=num_pages,
+            max_requests=B + 2,
+            max_context_len=max_context,
+            config=WGKVConfig(local_window=W),
+            dtype=dtype,
+            device=device,
+        )
         free = self.pool.allocator.free_stack  # pages handed out in random order, as in a used pool
         free.copy_(free[torch.randperm(free.numel(), generator=self.gen).to(device)])
         # Slots out of order, one unused slot in between: the kernel must index rows by slot.
@@ -121,26 +173,43 @@ def run_case(name: str, device: str = "cpu") -> bool:
     from sglang_wgkv.attention.triton_decode import DecodeConfig, FoldedDecodeWorkspace, folded_decode
 
     c = CASES[name]
-    case = PoolCase(c["D"], c["Hq"], c["Hkv"], c["dtype"], c["W"], c["plens"], c["late"], c["p_admit"], device)
+    case = PoolCase(
+        c["D"], c["Hq"], c["Hkv"], c["dtype"], c["W"], c["plens"], c["late"], c["p_admit"], device
+    )
     assert not case.pool.global_len[EMPTY_SLOT].any()
-    ws = FoldedDecodeWorkspace(len(case.slots) + 1, c["Hq"], c["D"], max(s for s, _ in c["launches"]), device,
-                               num_kv_heads=c["Hkv"])
+    ws = FoldedDecodeWorkspace(
+        len(case.slots) + 1, c["Hq"], c["D"], max(s for s, _ in c["launches"]), device, num_kv_heads=c["Hkv"]
+    )
     ok_all = True
     fused_writes = {}  # (layer, launch, merge) -> (outputs, k pages, v pages) of the fused-write runs
 
     R, w_obs = case.pool.max_requests, c["W"] // 2
 
     def window_buffers():
-        return (torch.zeros(R, w_obs, c["Hq"], c["D"], dtype=c["dtype"], device=device),
-                torch.full((R, w_obs), -1, dtype=torch.int64, device=device))
+        return (
+            torch.zeros(R, w_obs, c["Hq"], c["D"], dtype=c["dtype"], device=device),
+            torch.full((R, w_obs), -1, dtype=torch.int64, device=device),
+        )
 
     def launch(q, req, ring, layer, splits, block_n, fused, k_pages, v_pages, new=None, observe=None):
         extra = dict(zip(("new_k", "new_v", "pos", "window"), new)) if new else {}
         if observe is not None:
             extra["observe"] = observe
-        return folded_decode(q, k_pages, v_pages, case.pool.page_table, case.pool.global_len, req, ring, layer,
-                             num_splits=splits, workspace=ws, out=torch.full_like(q, float("nan")),
-                             config=DecodeConfig(block_n=block_n, fused_merge=fused), **extra)
+        return folded_decode(
+            q,
+            k_pages,
+            v_pages,
+            case.pool.page_table,
+            case.pool.global_len,
+            req,
+            ring,
+            layer,
+            num_splits=splits,
+            workspace=ws,
+            out=torch.full_like(q, float("nan")),
+            config=DecodeConfig(block_n=block_n, fused_merge=fused),
+            **extra,
+        )
 
     def rows(q_main):
         q = torch.cat([q_main, case.randn(1, c["Hq"], c["D"])])
@@ -151,8 +220,8 @@ def run_case(name: str, device: str = "cpu") -> bool:
     def before_write(layer, k, v):
         q, req, ring = rows(case.query())
         pos = torch.cat([case.plan.pos, case.plan.pos.new_zeros(1)])
-        v_wide = torch.cat([v, v[:1]]).repeat(1, 1, 2)                # new_v [B, H, D] with row stride 2 * D
-        new = (torch.cat([k, k[:1]]), v_wide[..., :c["D"]], pos, c["W"])
+        v_wide = torch.cat([v, v[:1]]).repeat(1, 1, 2)  # new_v [B, H, D] with row stride 2 * D
+        new = (torch.cat([k, k[:1]]), v_wide[..., : c["D"]], pos, c["W"])
         obs_ref = window_buffers()
         obs_ref[0][req, pos % w_obs] = q
         if layer == 0:
@@ -161,8 +230,22 @@ def run_case(name: str, device: str = "cpu") -> bool:
             for fused in (True, False):
                 kp, vp = case.pool.k_pages.clone(), case.pool.v_pages.clone()
                 obs_q, obs_pos = window_buffers()
-                outs = [launch(q, req, ring, layer, splits, block_n, fused, kp, vp, new,
-                               observe=(obs_q, obs_pos if layer == 0 else None)) for _ in range(2)]
+                outs = [
+                    launch(
+                        q,
+                        req,
+                        ring,
+                        layer,
+                        splits,
+                        block_n,
+                        fused,
+                        kp,
+                        vp,
+                        new,
+                        observe=(obs_q, obs_pos if layer == 0 else None),
+                    )
+                    for _ in range(2)
+                ]
                 observed = torch.equal(obs_q, obs_ref[0]) and torch.equal(obs_pos, obs_ref[1])
                 fused_writes[layer, splits, block_n, fused] = (q, outs, kp, vp, observed)
 
@@ -179,21 +262,52 @@ def run_case(name: str, device: str = "cpu") -> bool:
                         if write_new:
                             q_w, outs, kp, vp, observed = fused_writes.pop((layer, splits, block_n, fused))
                             ref = torch.cat([case.reference(q_w[:-1], layer), torch.zeros_like(q_w[-1:])])
-                            pages_equal = torch.equal(kp, case.pool.k_pages) and torch.equal(vp, case.pool.v_pages)
+                            pages_equal = torch.equal(kp, case.pool.k_pages) and torch.equal(
+                                vp, case.pool.v_pages
+                            )
                         else:
-                            outs = [launch(q, req, ring, layer, splits, block_n, fused, case.pool.k_pages,
-                                           case.pool.v_pages) for _ in range(2)]
+                            outs = [
+                                launch(
+                                    q,
+                                    req,
+                                    ring,
+                                    layer,
+                                    splits,
+                                    block_n,
+                                    fused,
+                                    case.pool.k_pages,
+                                    case.pool.v_pages,
+                                )
+                                for _ in range(2)
+                            ]
                             ref = torch.cat([case.reference(q[:-1], layer), torch.zeros_like(q[-1:])])
                             pages_equal = observed = True
                         ok, rel, mx = close(outs[0], ref, c["dtype"])
                         repeat = torch.equal(outs[0], outs[1])
                         good = ok and repeat and pages_equal and observed
-                        print(json.dumps({"case": name, "step": step, "layer": layer, "splits": splits,
-                                          "block_n": block_n, "fused": fused, "write_new": write_new,
-                                          "kv_len": kv_len.tolist(), "empty_streams": int((used == 0).sum()),
-                                          "partial_streams": int(((used > 0) & (used < splits)).sum()),
-                                          "rel": rel, "max_abs": mx, "repeat_equal": repeat,
-                                          "pages_equal": pages_equal, "observed_equal": observed, "ok": good}), flush=True)
+                        print(
+                            json.dumps(
+                                {
+                                    "case": name,
+                                    "step": step,
+                                    "layer": layer,
+                                    "splits": splits,
+                                    "block_n": block_n,
+                                    "fused": fused,
+                                    "write_new": write_new,
+                                    "kv_len": kv_len.tolist(),
+                                    "empty_streams": int((used == 0).sum()),
+                                    "partial_streams": int(((used > 0) & (used < splits)).sum()),
+                                    "rel": rel,
+                                    "max_abs": mx,
+                                    "repeat_equal": repeat,
+                                    "pages_equal": pages_equal,
+                                    "observed_equal": observed,
+                                    "ok": good,
+                                }
+                            ),
+                            flush=True,
+                        )
                         ok_all &= good
     return ok_all
 

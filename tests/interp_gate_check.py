@@ -18,20 +18,37 @@ from sglang_wgkv.gate import GateConfig, WriteGates
 from sglang_wgkv.gate.triton_gate import DecodeGate, reference_decode_gate
 
 NEAR_TIE = 1e-4  # |g - tau| below this may round either way between the two summation orders
-G_TOL = 2e-5     # gate values: float32 sums in another order
+G_TOL = 2e-5  # gate values: float32 sums in another order
 
 # (D, H, inner, rows B, splits, dtype, random_p)
 CASES = [
     (64, 3, 256, 4, 1, torch.float32, None),
     (64, 3, 256, 4, 3, torch.float16, None),
-    (64, 2, 96, 5, 32, torch.bfloat16, None),     # I not a multiple of the 32-unit block; more splits than blocks
-    (128, 2, 192, 3, 2, torch.float16, None),      # the Qwen3 layout's I = 1.5 * D
-    (64, 3, 256, 6, 4, torch.float32, 0.4),        # random admission, some rows with admission off
+    (
+        64,
+        2,
+        96,
+        5,
+        32,
+        torch.bfloat16,
+        None,
+    ),  # I not a multiple of the 32-unit block; more splits than blocks
+    (128, 2, 192, 3, 2, torch.float16, None),  # the Qwen3 layout's I = 1.5 * D
+    (64, 3, 256, 6, 4, torch.float32, 0.4),  # random admission, some rows with admission off
 ]
 
 
-def make_gates(D: int, H: int, inner: int, seed: int, device, b1_scale: float = 0.1, w2_scale: float = 1.0,
-               b2_scale: float = 1.5, b2_shift: float = 0.0) -> WriteGates:
+def make_gates(
+    D: int,
+    H: int,
+    inner: int,
+    seed: int,
+    device,
+    b1_scale: float = 0.1,
+    w2_scale: float = 1.0,
+    b2_scale: float = 1.5,
+    b2_shift: float = 0.0,
+) -> WriteGates:
     """Two layers of gates with varied, decision-relevant parameters and hidden width ``inner``
     (``b1 ~ b1_scale N``, ``w2 ~ w2_scale N / sqrt(inner)``, ``b2 ~ b2_scale N + b2_shift``)."""
     gen = torch.Generator().manual_seed(seed)
@@ -41,7 +58,7 @@ def make_gates(D: int, H: int, inner: int, seed: int, device, b1_scale: float = 
         layer.post_norm = nn.Parameter(1 + 0.3 * torch.randn(D, generator=gen))
         layer.w1 = nn.Parameter(torch.randn(H, 2 * D, inner, generator=gen) / (2 * D) ** 0.5)
         layer.b1 = nn.Parameter(b1_scale * torch.randn(H, inner, generator=gen))
-        layer.w2 = nn.Parameter(w2_scale * torch.randn(H, inner, generator=gen) / inner ** 0.5)
+        layer.w2 = nn.Parameter(w2_scale * torch.randn(H, inner, generator=gen) / inner**0.5)
         layer.b2 = nn.Parameter(b2_scale * torch.randn(H, generator=gen) + b2_shift)
     return gates.to(device).eval().requires_grad_(False)
 
@@ -52,7 +69,7 @@ def check(D, H, inner, B, splits, dtype, random_p, device, seed=0, graph=False) 
     gen = torch.Generator().manual_seed(seed + 1)
     # Strided like SGLang's k (a view of the qkv output) and the captured pre-RoPE key.
     qkv = torch.randn(B, (4 * H) * D, generator=gen).to(device, dtype)
-    k_post = qkv[:, 2 * H * D:3 * H * D].view(B, H, D)
+    k_post = qkv[:, 2 * H * D : 3 * H * D].view(B, H, D)
     k_pre = torch.randn(B, H, D, generator=gen).to(device, dtype)
     tau = torch.rand(B, generator=gen).to(device) * 0.8 + 0.1
     tau[0] = float("-inf")
@@ -77,10 +94,18 @@ def check(D, H, inner, B, splits, dtype, random_p, device, seed=0, graph=False) 
         tie = (g - tau[:, None]).abs() < NEAR_TIE if random_p is None else torch.zeros_like(ref)
         bad = (out != ref) & ~tie
         g_err = (g_out - g).abs().max().item()
-        rows.append(dict(case=[D, H, inner, B, splits, str(dtype), random_p], layer=layer,
-                         ok=not bool(bad.any()) and g_err < G_TOL, g_err=g_err,
-                         admitted=int(out.sum()), of=out.numel(), ties=int(tie.sum()),
-                         counts_reset=not bool(fused.count.any())))
+        rows.append(
+            dict(
+                case=[D, H, inner, B, splits, str(dtype), random_p],
+                layer=layer,
+                ok=not bool(bad.any()) and g_err < G_TOL,
+                g_err=g_err,
+                admitted=int(out.sum()),
+                of=out.numel(),
+                ties=int(tie.sum()),
+                counts_reset=not bool(fused.count.any()),
+            )
+        )
     return rows
 
 

@@ -18,14 +18,22 @@ def run_extend(pool, slots, prefix_lens, extend_lens, q, k, v, admit, window):
             ck, cv, cpos, cadm = pool.gather_context(layer, r, S, plan.context_gcols[b][layer])
             exact = pool.gather_context(layer, r, S)
             assert all(torch.equal(a, e) for a, e in zip((ck, cv, cpos, cadm), exact)), (layer, r, S)
-            kk = torch.cat([ck, k[layer, off:off + n].to(ck.dtype)])
-            vv = torch.cat([cv, v[layer, off:off + n].to(cv.dtype)])
+            kk = torch.cat([ck, k[layer, off : off + n].to(ck.dtype)])
+            vv = torch.cat([cv, v[layer, off : off + n].to(cv.dtype)])
             pos = torch.arange(S, S + n)
             kpos = torch.cat([cpos, pos])
-            adm = torch.cat([cadm, admit[layer, off:off + n]])
-            out[off:off + n] = vertical_slash_attention(
-                q[layer, off:off + n], kk, vv, adm, torch.tensor([0, n]), torch.tensor([0, kk.shape[0]]),
-                pos, kpos, window)
+            adm = torch.cat([cadm, admit[layer, off : off + n]])
+            out[off : off + n] = vertical_slash_attention(
+                q[layer, off : off + n],
+                kk,
+                vv,
+                adm,
+                torch.tensor([0, n]),
+                torch.tensor([0, kk.shape[0]]),
+                pos,
+                kpos,
+                window,
+            )
             off += n
         pool.write_extend(layer, k[layer], v[layer], admit[layer])
         outs.append(out)

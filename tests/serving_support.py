@@ -30,17 +30,25 @@ class Server(ServerProcess):
     def __init__(self, args: list[str], log_path: Path, env: dict | None = None, base_args=BASE_ARGS):
         port = free_port()
         full_env = {**os.environ, "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", **(env or {})}
-        super().__init__([*LAUNCHER, *base_args, "--port", str(port), *args], log_path, port=port, env=full_env,
-                         cwd=REPO)
+        super().__init__(
+            [*LAUNCHER, *base_args, "--port", str(port), *args], log_path, port=port, env=full_env, cwd=REPO
+        )
 
-    def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> "Server":
+    def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> Server:
         super().wait_healthy(timeout)
         return self
 
     # -- API helpers ----------------------------------------------------------------------------
     def generate(self, text, max_new_tokens: int = 16, timeout: float = 600, **extra) -> dict | list:
-        body = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0,
-                                                  **extra.pop("sampling_params", {})}, **extra}
+        body = {
+            "text": text,
+            "sampling_params": {
+                "max_new_tokens": max_new_tokens,
+                "temperature": 0,
+                **extra.pop("sampling_params", {}),
+            },
+            **extra,
+        }
         r = requests.post(self.url + "/generate", json=body, timeout=timeout)
         r.raise_for_status()
         return r.json()
@@ -73,16 +81,22 @@ def flush_cache(server) -> None:
 def stream_generate(server, rid, prompt, max_new_tokens, abort_after, results, timeout=900):
     """Stream one greedy ``/generate`` request into ``results[rid]`` (its last ``meta_info``); with
     ``abort_after`` chunks received, abort it through ``/abort_request``."""
-    body = {"text": prompt, "rid": rid, "stream": True,
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "text": prompt,
+        "rid": rid,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
+    }
     chunks, last = 0, None
     with requests.post(server.url + "/generate", json=body, stream=True, timeout=timeout) as r:
         for line in r.iter_lines():
             if line.startswith(b"data:") and line != b"data: [DONE]":
                 chunks, last = chunks + 1, line
                 if chunks == abort_after:
-                    requests.post(server.url + "/abort_request", json={"rid": rid}, timeout=60).raise_for_status()
-    results[rid] = json.loads(last[len(b"data:"):])["meta_info"]
+                    requests.post(
+                        server.url + "/abort_request", json={"rid": rid}, timeout=60
+                    ).raise_for_status()
+    results[rid] = json.loads(last[len(b"data:") :])["meta_info"]
 
 
 def embedded_model_dir() -> str:
@@ -101,8 +115,10 @@ def embedded_model_dir() -> str:
 def long_prompt(n_items: int, seed: int = 0) -> str:
     """A deterministic list-like prompt, about 12 tokens per item."""
     colors, things = ["red", "blue", "green", "old", "new"], ["car", "house", "tree", "river", "book"]
-    items = [f"Item {i}: the {colors[(i + seed) % 5]} {things[(3 * i + seed) % 5]} number {(7 * i + seed) % 13}."
-             for i in range(n_items)]
+    items = [
+        f"Item {i}: the {colors[(i + seed) % 5]} {things[(3 * i + seed) % 5]} number {(7 * i + seed) % 13}."
+        for i in range(n_items)
+    ]
     return " ".join(items) + " Which item mentions a river first?"
 
 
@@ -130,20 +146,26 @@ def embedded_plan(budget_tokens: int, dtype_bytes: int = BASE_DTYPE_BYTES, **opt
     kv_budget, ...)."""
     from sglang_wgkv.integration.capacity import ModelShape, plan_capacity
 
-    shape = ModelShape(num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64, context_len=8192,
-                       dtype_bytes=dtype_bytes)
+    shape = ModelShape(
+        num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64, context_len=8192, dtype_bytes=dtype_bytes
+    )
     return plan_capacity(budget_tokens, 10**6, shape=shape, **options)
 
 
-def save_head_gates(path: Path, head_bias, local_window: int, num_layers: int = 30, head_dim: int = 64) -> Path:
+def save_head_gates(
+    path: Path, head_bias, local_window: int, num_layers: int = 30, head_dim: int = 64
+) -> Path:
     """Gates whose output bias per KV head is ``head_bias`` in every layer: +30 admits every token
     (sigmoid = 1), -30 none. Defaults: the embedded model (30 layers, 3 KV heads, head_dim 64)."""
     import torch
 
     from sglang_wgkv.gate import GateConfig, WriteGates, save_gates
 
-    gates = WriteGates(GateConfig(num_layers=num_layers, num_kv_heads=len(head_bias), head_dim=head_dim,
-                                  local_window=local_window))
+    gates = WriteGates(
+        GateConfig(
+            num_layers=num_layers, num_kv_heads=len(head_bias), head_dim=head_dim, local_window=local_window
+        )
+    )
     with torch.no_grad():
         for layer in gates.layers:
             layer.b2.copy_(torch.tensor(head_bias, dtype=torch.float32))
@@ -171,7 +193,9 @@ class OfflineTruth:
         self.device = device
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.backbone = load_backbone(str(model_dir), torch.float32, device)
-        self.policy = WGKVAdmission(load_gates(gates_dir, device), DEFAULT_TAU if tau is None else tau, local_window)
+        self.policy = WGKVAdmission(
+            load_gates(gates_dir, device), DEFAULT_TAU if tau is None else tau, local_window
+        )
 
     def logprobs(self, prompt: str, output_ids) -> list[float]:
         """Float32 logprob of each output token given the prompt and the output tokens before it."""

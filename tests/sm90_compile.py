@@ -62,19 +62,31 @@ def compile_sm90(kernel: JITFunction, bound: dict, options: dict):
         # As JITFunction.run specializes a launch: pointers 16-byte aligned and integers divisible by
         # 16 carry tt.divisibility (vector loads and the loop pipeliner depend on it), an integer 1
         # becomes a constant. Without these attributes every gather compiled to 2-byte scalar loads.
-        kind, attr = native_specialize_impl(BaseBackend, bound[name], False, not param.do_not_specialize,
-                                            not param.do_not_specialize_on_alignment)
+        kind, attr = native_specialize_impl(
+            BaseBackend,
+            bound[name],
+            False,
+            not param.do_not_specialize,
+            not param.do_not_specialize_on_alignment,
+        )
         sig[name] = kind
         if kind == "constexpr":
             constexprs[(i,)] = attr
         elif isinstance(attr, str):
             attrs[(i,)] = BaseBackend.parse_attr(attr)
-    return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs), target=H200,
-                          options=options)
+    return triton.compile(
+        ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs), target=H200, options=options
+    )
 
 
-def split_kernel_launch(config, batch: int = 1, pos: int = 126975, splits: int | None = None,
-                        fused_write: bool = True, observe: bool = False):
+def split_kernel_launch(
+    config,
+    batch: int = 1,
+    pos: int = 126975,
+    splits: int | None = None,
+    fused_write: bool = True,
+    observe: bool = False,
+):
     """The decode split kernel's launch as the served step makes it at Llama-3.1-8B's layer shape (bf16,
     W_local 256; ``config`` a ``DecodeConfig``), captured: ``(kernel, args, options)``. Captured on CPU
     tensors, the launch lacks what only CUDA launches ask for (PDL, the register cap): the options are
@@ -87,7 +99,10 @@ def split_kernel_launch(config, batch: int = 1, pos: int = 126975, splits: int |
     B, Hq, H, D, R, W = batch, 32, 8, 128, batch + 1, 256
     bf = dict(dtype=torch.bfloat16)
     q, pages = torch.zeros(B, Hq, D, **bf), torch.zeros(16, PAGE_SIZE, D, **bf)
-    page_table, global_len = torch.zeros(R, 2, H, 8, dtype=torch.int32), torch.zeros(R, 2, H, dtype=torch.int32)
+    page_table, global_len = (
+        torch.zeros(R, 2, H, 8, dtype=torch.int32),
+        torch.zeros(R, 2, H, dtype=torch.int32),
+    )
     req, positions = torch.arange(1, B + 1), torch.full((B,), pos)
     ring = torch.clamp(positions + 1, max=W)
     splits = splits or td.choose_num_splits(B, H, 131072, "cpu")
@@ -100,8 +115,21 @@ def split_kernel_launch(config, batch: int = 1, pos: int = 126975, splits: int |
     ws = td.FoldedDecodeWorkspace(B, Hq, D, splits, "cpu", num_kv_heads=H)
     with device_checks_off():
         # the split kernel is the first launch (a merge kernel follows it where not config.fused_merge)
-        (kernel, bound, options), *_ = launches(lambda: td.folded_decode(
-            q, pages, pages, page_table, global_len, req, ring, 1, num_splits=splits, workspace=ws,
-            config=config, **extra))
+        (kernel, bound, options), *_ = launches(
+            lambda: td.folded_decode(
+                q,
+                pages,
+                pages,
+                page_table,
+                global_len,
+                req,
+                ring,
+                1,
+                num_splits=splits,
+                workspace=ws,
+                config=config,
+                **extra,
+            )
+        )
     options = {**options, **config.launch_options("cuda")}
     return kernel, {**bound, "PDL": "launch_pdl" in options}, options

@@ -30,19 +30,35 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import requests
-
 from serving_support import long_prompt
 
-MIX = {"generate": 14, "generate_tau": 6, "generate_dense": 4, "stream": 10, "stream_abort": 6, "stream_drop": 5,
-       "chat": 10, "chat_stream": 8, "completion": 8, "program": 7, "pressure": 4, "bad_input": 10}
+MIX = {
+    "generate": 14,
+    "generate_tau": 6,
+    "generate_dense": 4,
+    "stream": 10,
+    "stream_abort": 6,
+    "stream_drop": 5,
+    "chat": 10,
+    "chat_stream": 8,
+    "completion": 8,
+    "program": 7,
+    "pressure": 4,
+    "bad_input": 10,
+}
 PROBES = ["The capital of France is", long_prompt(6, seed=11)]
 SYSTEM = "You are a terse assistant. Answer in one short sentence."
-BAD = [({"text": "Hi", "sampling_params": {"max_new_tokens": "ten"}}, "max_new_tokens"),
-       ({"input_ids": [1, 10 ** 7], "sampling_params": {"max_new_tokens": 2}}, "vocabulary"),
-       ({"text": "Hi", "sampling_params": {"custom_params": {"wgkv": {"tau": 7}}}}, "custom_params.wgkv"),
-       ({"text": "Hi", "return_logprob": True, "top_logprobs_num": 10 ** 7, "sampling_params": {}}, "top_logprobs"),
-       ({"text": "Hi", "stream": True, "sampling_params": {"max_new_tokens": "ten"}}, "max_new_tokens"),
-       ({"text": "Hi", "max_new_tokens": 2}, "unknown field")]
+BAD = [
+    ({"text": "Hi", "sampling_params": {"max_new_tokens": "ten"}}, "max_new_tokens"),
+    ({"input_ids": [1, 10**7], "sampling_params": {"max_new_tokens": 2}}, "vocabulary"),
+    ({"text": "Hi", "sampling_params": {"custom_params": {"wgkv": {"tau": 7}}}}, "custom_params.wgkv"),
+    (
+        {"text": "Hi", "return_logprob": True, "top_logprobs_num": 10**7, "sampling_params": {}},
+        "top_logprobs",
+    ),
+    ({"text": "Hi", "stream": True, "sampling_params": {"max_new_tokens": "ten"}}, "max_new_tokens"),
+    ({"text": "Hi", "max_new_tokens": 2}, "unknown field"),
+]
 
 
 @dataclass(frozen=True)
@@ -51,16 +67,26 @@ class SoakConfig:
     concurrency: int = 8
     seed: int = 0
     checkpoint_every: int = 100
-    new_tokens: int = 12          # ordinary jobs generate up to this many tokens
-    pressure_items: int = 30      # pressure prompt: long_prompt(items) ~ 12 tokens per item
-    pressure_tokens: int = 120    # pressure jobs generate exactly this many (EOS ignored)
-    pressure_batch: int = 4       # prompts per pressure job (one /generate call: admitted together)
+    new_tokens: int = 12  # ordinary jobs generate up to this many tokens
+    pressure_items: int = 30  # pressure prompt: long_prompt(items) ~ 12 tokens per item
+    pressure_tokens: int = 120  # pressure jobs generate exactly this many (EOS ignored)
+    pressure_batch: int = 4  # prompts per pressure job (one /generate call: admitted together)
     timeout_s: float = 1800.0
-    time_budget_s: float = 0.0    # > 0: no new block of jobs starts after this many seconds
+    time_budget_s: float = 0.0  # > 0: no new block of jobs starts after this many seconds
 
     def __post_init__(self):
-        if min(self.requests, self.concurrency, self.checkpoint_every, self.new_tokens, self.pressure_items,
-               self.pressure_tokens, self.pressure_batch) < 1:
+        if (
+            min(
+                self.requests,
+                self.concurrency,
+                self.checkpoint_every,
+                self.new_tokens,
+                self.pressure_items,
+                self.pressure_tokens,
+                self.pressure_batch,
+            )
+            < 1
+        ):
             raise ValueError(f"every size must be >= 1: {self}")
 
 
@@ -103,8 +129,10 @@ class Soak:
             raise TimeoutError("/flush_cache refused for 60 s")
         outs = []
         for p in PROBES:
-            r = self.post("/generate", {"text": p, "sampling_params": {"max_new_tokens": 24, "temperature": 0,
-                                                                       "ignore_eos": True}})
+            r = self.post(
+                "/generate",
+                {"text": p, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}},
+            )
             r.raise_for_status()
             outs.append(r.json()["output_ids"])
         return outs
@@ -122,8 +150,13 @@ class Soak:
         held = s.get("radix", {}).get("snapshot_pages", 0)
         if s["free_pages"] + held != s["total_pages"] or s["requests_started"] != s["requests_released"]:
             raise RuntimeError(f"pool not clean after {done} jobs: {s}")
-        return {"jobs": done, "free_pages": s["free_pages"], "snapshot_pages": held,
-                "requests_released": s["requests_released"], "idle_checks": s["idle_checks"]}
+        return {
+            "jobs": done,
+            "free_pages": s["free_pages"],
+            "snapshot_pages": held,
+            "requests_released": s["requests_released"],
+            "idle_checks": s["idle_checks"],
+        }
 
     # -- jobs -----------------------------------------------------------------------------------
     def jobs(self) -> list[tuple[int, str, int]]:
@@ -137,7 +170,9 @@ class Soak:
         t0 = time.monotonic()
         try:
             getattr(self, f"_{kind}")(job, rng)
-        except Exception as e:  # a job's failure is recorded; the run goes on (a dead server fails every later job)
+        except (
+            Exception
+        ) as e:  # a job's failure is recorded; the run goes on (a dead server fails every later job)
             self.fail(job, f"{type(e).__name__}: {e}")
         with self._lock:
             self.counts[kind] = self.counts.get(kind, 0) + 1
@@ -149,8 +184,15 @@ class Soak:
 
     def _generate_body(self, rng, extra_params=None, n=None):
         n = n or rng.randint(1, self.config.new_tokens)
-        return {"text": self._prompt(rng), "sampling_params": {"max_new_tokens": n, "temperature": 0,
-                                                               "ignore_eos": True, **(extra_params or {})}}, n
+        return {
+            "text": self._prompt(rng),
+            "sampling_params": {
+                "max_new_tokens": n,
+                "temperature": 0,
+                "ignore_eos": True,
+                **(extra_params or {}),
+            },
+        }, n
 
     def _check_generate(self, job, out, n, usage_expected=True):
         meta = out["meta_info"]
@@ -192,7 +234,7 @@ class Soak:
             r.raise_for_status()
             for line in r.iter_lines():
                 if line.startswith(b"data:") and line != b"data: [DONE]":
-                    events.append(json.loads(line[len(b"data:"):]))
+                    events.append(json.loads(line[len(b"data:") :]))
                     if len(events) == stop_after:
                         if abort_rid is None:
                             break  # the client goes away
@@ -219,13 +261,19 @@ class Soak:
     def _messages(self, rng):
         turns = [{"role": "system", "content": SYSTEM}]
         for k in range(rng.randint(0, 2)):
-            turns += [{"role": "user", "content": f"Name a city, number {k}."},
-                      {"role": "assistant", "content": rng.choice(["Paris.", "Tokyo.", "Lima."])}]
+            turns += [
+                {"role": "user", "content": f"Name a city, number {k}."},
+                {"role": "assistant", "content": rng.choice(["Paris.", "Tokyo.", "Lima."])},
+            ]
         return turns + [{"role": "user", "content": rng.choice(["What is 2+2?", "Name a river.", "Say hi."])}]
 
     def _chat(self, job, rng):
-        body = {"model": "default", "messages": self._messages(rng), "max_tokens": self.config.new_tokens,
-                "temperature": 0}
+        body = {
+            "model": "default",
+            "messages": self._messages(rng),
+            "max_tokens": self.config.new_tokens,
+            "temperature": 0,
+        }
         if rng.random() < 0.3:
             body["custom_params"] = {"wgkv": {"tau": 0.2}}
         r = self.post("/v1/chat/completions", body)
@@ -235,8 +283,13 @@ class Soak:
             self.fail(job, f"chat usage {usage}")
 
     def _chat_stream(self, job, rng):
-        body = {"model": "default", "messages": self._messages(rng), "max_tokens": self.config.new_tokens,
-                "temperature": 0, "stream_options": {"include_usage": True}}
+        body = {
+            "model": "default",
+            "messages": self._messages(rng),
+            "max_tokens": self.config.new_tokens,
+            "temperature": 0,
+            "stream_options": {"include_usage": True},
+        }
         events = self._stream_events("/v1/chat/completions", body)
         usage = next((e["usage"] for e in events if e.get("usage") and not e.get("choices")), None)
         if not usage or "wgkv" not in usage:
@@ -244,8 +297,10 @@ class Soak:
 
     def _completion(self, job, rng):
         n = rng.randint(1, self.config.new_tokens)
-        r = self.post("/v1/completions", {"model": "default", "prompt": self._prompt(rng), "max_tokens": n,
-                                          "temperature": 0})
+        r = self.post(
+            "/v1/completions",
+            {"model": "default", "prompt": self._prompt(rng), "max_tokens": n, "temperature": 0},
+        )
         r.raise_for_status()
         usage = r.json()["usage"]
         if not 1 <= usage["completion_tokens"] <= n or "wgkv" not in usage:
@@ -263,8 +318,10 @@ class Soak:
 
         with self._lock:
             self.http_requests += 3  # gen, then select's prefix + choices scoring
-        state = quiz.run(city=rng.choice(["Paris", "Berlin", "Tokyo", "Lima", "Cairo"]),
-                         backend=sgl.RuntimeEndpoint(self.url))
+        state = quiz.run(
+            city=rng.choice(["Paris", "Berlin", "Tokyo", "Lima", "Cairo"]),
+            backend=sgl.RuntimeEndpoint(self.url),
+        )
         if state["europe"] not in (" yes", " no"):
             self.fail(job, f"select answered {state['europe']!r}")
 
@@ -272,10 +329,14 @@ class Soak:
         """A batch of long requests admitted together: their decodes outgrow a small pool, so the
         scheduler retracts some (their slots and pages freed, the requests re-run)."""
         n, c = self.config.pressure_tokens, self.config
-        texts = [long_prompt(c.pressure_items, seed=rng.randint(0, 2)) + f" Q{rng.randint(0, 99)}"
-                 for _ in range(c.pressure_batch)]
-        r = self.post("/generate", {"text": texts, "sampling_params": {"max_new_tokens": n, "temperature": 0,
-                                                                       "ignore_eos": True}})
+        texts = [
+            long_prompt(c.pressure_items, seed=rng.randint(0, 2)) + f" Q{rng.randint(0, 99)}"
+            for _ in range(c.pressure_batch)
+        ]
+        r = self.post(
+            "/generate",
+            {"text": texts, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}},
+        )
         r.raise_for_status()
         for out in r.json():
             self._check_generate(job, out, n)
@@ -305,25 +366,39 @@ class Soak:
             for lo in range(0, len(jobs), step):
                 if self.config.time_budget_s and time.monotonic() - start > self.config.time_budget_s:
                     break
-                list(pool.map(self.run_job, jobs[lo:lo + step]))
+                list(pool.map(self.run_job, jobs[lo : lo + step]))
                 ran = min(lo + step, len(jobs))
                 checkpoints.append(self.checkpoint(min(lo + step, len(jobs))))
-                print(json.dumps({"t_s": round(time.monotonic() - start, 1), **checkpoints[-1],
-                                  "failures": len(self.failures)}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "t_s": round(time.monotonic() - start, 1),
+                            **checkpoints[-1],
+                            "failures": len(self.failures),
+                        }
+                    ),
+                    flush=True,
+                )
         probe_after = self.probe()
         checkpoints.append(self.checkpoint(ran))
         if probe_after != probe_before:
             self.failures.append(f"probe changed: {probe_before} -> {probe_after}")
         wall = time.monotonic() - start
         retracted = self.retractions()
-        return {"config": asdict(self.config), "jobs": ran, "http_requests": self.http_requests,
-                "counts": dict(sorted(self.counts.items())), "wall_s": round(wall, 1),
-                "mean_job_s": {k: round(self.seconds[k] / self.counts[k], 2) for k in sorted(self.counts)},
-                "jobs_per_s": round(ran / wall, 3),
-                "retractions": None if retracted is None else retracted - retracted0,
-                "probe_equal": probe_after == probe_before, "checkpoints": checkpoints,
-                "final_stats": {k: v for k, v in self.stats().items() if not k.endswith("per_layer_head")},
-                "failures": self.failures}
+        return {
+            "config": asdict(self.config),
+            "jobs": ran,
+            "http_requests": self.http_requests,
+            "counts": dict(sorted(self.counts.items())),
+            "wall_s": round(wall, 1),
+            "mean_job_s": {k: round(self.seconds[k] / self.counts[k], 2) for k in sorted(self.counts)},
+            "jobs_per_s": round(ran / wall, 3),
+            "retractions": None if retracted is None else retracted - retracted0,
+            "probe_equal": probe_after == probe_before,
+            "checkpoints": checkpoints,
+            "final_stats": {k: v for k, v in self.stats().items() if not k.endswith("per_layer_head")},
+            "failures": self.failures,
+        }
 
 
 def main():

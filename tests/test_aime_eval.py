@@ -19,28 +19,44 @@ _spec.loader.exec_module(aime25)
 pytestmark = pytest.mark.evictor
 
 
-@pytest.mark.parametrize("text,want", [
-    (r"so the answer is \boxed{42}.", "42"),
-    (r"\boxed{1} then \boxed{7}", "7"),                                   # the last one counts
-    (r"\boxed{\frac{1}{\sqrt{2}}} done", r"\frac{1}{\sqrt{2}}"),          # nested braces
-    (r"\boxed {  12 }", "12"),
-    (r"\fbox{3}", "3"),
-    (r"\boxed{5", None),                                                   # never closed
-    ("no box here", None),
-    (None, None),
-    (r"\boxed{a} and \boxed{b{c}", None),                                   # the last is unclosed
-])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        (r"so the answer is \boxed{42}.", "42"),
+        (r"\boxed{1} then \boxed{7}", "7"),  # the last one counts
+        (r"\boxed{\frac{1}{\sqrt{2}}} done", r"\frac{1}{\sqrt{2}}"),  # nested braces
+        (r"\boxed {  12 }", "12"),
+        (r"\fbox{3}", "3"),
+        (r"\boxed{5", None),  # never closed
+        ("no box here", None),
+        (None, None),
+        (r"\boxed{a} and \boxed{b{c}", None),  # the last is unclosed
+    ],
+)
 def test_last_boxed(text, want):
     assert aime25.last_boxed(text) == want
 
 
-@pytest.mark.parametrize("pred,ref,ok", [
-    ("042", 42, True), ("42.", "42", True), ("$42$", "42", True), (r"\text{42}", "42", True),
-    ("1,000", "1000", True), ("42.0", "42", True), (r"\dfrac{1}{2}", r"\frac{1}{2}", True),
-    (r"\left( 1, 2 \right)", "(1,2)", True), (r"90^\circ", "90", True),
-    ("43", "42", False), ("4 2", "42", True), ("0.5", r"\frac{1}{2}", False), (None, "42", False),
-    ("-7", "7", False), ("12345678901234567891", "12345678901234567890", False),
-])
+@pytest.mark.parametrize(
+    "pred,ref,ok",
+    [
+        ("042", 42, True),
+        ("42.", "42", True),
+        ("$42$", "42", True),
+        (r"\text{42}", "42", True),
+        ("1,000", "1000", True),
+        ("42.0", "42", True),
+        (r"\dfrac{1}{2}", r"\frac{1}{2}", True),
+        (r"\left( 1, 2 \right)", "(1,2)", True),
+        (r"90^\circ", "90", True),
+        ("43", "42", False),
+        ("4 2", "42", True),
+        ("0.5", r"\frac{1}{2}", False),
+        (None, "42", False),
+        ("-7", "7", False),
+        ("12345678901234567891", "12345678901234567890", False),
+    ],
+)
 def test_is_correct(pred, ref, ok):
     assert aime25.is_correct(pred, ref) is ok
 
@@ -93,8 +109,11 @@ class FakeOpenAI(BaseHTTPRequestHandler):
         with self.lock:
             self.requests.append(body)
             call = self.calls[index] = self.calls.get(index, 0) + 1
-        message, finish, usage = {"role": "assistant", "content": "Thus \\boxed{%s}." % PROBLEMS[index][1]}, \
-            "stop", {"prompt_tokens": 20, "completion_tokens": 10 * (index + 1), "total_tokens": 0}
+        message, finish, usage = (
+            {"role": "assistant", "content": "Thus \\boxed{%s}." % PROBLEMS[index][1]},
+            "stop",
+            {"prompt_tokens": 20, "completion_tokens": 10 * (index + 1), "total_tokens": 0},
+        )
         if index == 0:
             usage["wgkv"] = {"mean_kv_tokens_per_head": 100.0, "eviction_triggers": 2}
         elif index == 1:
@@ -108,9 +127,17 @@ class FakeOpenAI(BaseHTTPRequestHandler):
             message["content"] = "\\boxed{5{3}}"
         elif index == 5 and call == 1:
             return self._reply(500, {"error": {"message": "try again"}})
-        self._reply(200, {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
-                          "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-                          "usage": usage})
+        self._reply(
+            200,
+            {
+                "id": "x",
+                "object": "chat.completion",
+                "created": 0,
+                "model": body["model"],
+                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                "usage": usage,
+            },
+        )
 
 
 @pytest.fixture
@@ -129,12 +156,32 @@ def test_cli_end_to_end_against_fake_server(fake_server, tmp_path):
     problems.write_text("".join(json.dumps({"problem": p, "answer": a}) + "\n" for p, a, _ in PROBLEMS))
     out = tmp_path / "report.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "evals.aime25", "--base-url", fake_server, "--model", "m1",
-         "--problems", str(problems), "--samples", "2", "--concurrency", "4", "--max-tokens", "128",
-         "--output", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "evals.aime25",
+            "--base-url",
+            fake_server,
+            "--model",
+            "m1",
+            "--problems",
+            str(problems),
+            "--samples",
+            "2",
+            "--concurrency",
+            "4",
+            "--max-tokens",
+            "128",
+            "--output",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
-    assert "aime25" in proc.stderr                                    # the progress bar
+    assert "aime25" in proc.stderr  # the progress bar
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     rep = json.loads(out.read_text())
     assert summary["accuracy"] == rep["accuracy"] == pytest.approx(4.5 / 6)
@@ -145,14 +192,15 @@ def test_cli_end_to_end_against_fake_server(fake_server, tmp_path):
     assert rep["truncated"] == 2 and rep["errors"] == 0
     assert rep["mean_completion_tokens"] == pytest.approx(35.0)
     assert len(rep["samples"]) == 12
-    assert len(FakeOpenAI.requests) == 12 + 1                         # one retry after the 500
+    assert len(FakeOpenAI.requests) == 12 + 1  # one retry after the 500
     for body in FakeOpenAI.requests:
         assert body["model"] == "m1" and body["max_tokens"] == 128
         assert body["temperature"] == 0.6 and body["top_p"] == 0.95 and body["top_k"] == 20
         (msg,) = body["messages"]
         assert msg["role"] == "user"
         assert msg["content"].endswith(
-            "\nPlease reason step by step, and put your final answer within \\boxed{}.")
+            "\nPlease reason step by step, and put your final answer within \\boxed{}."
+        )
 
 
 def test_failures_are_recorded_not_raised(fake_server):

@@ -15,16 +15,37 @@ serving_support = pytest.importorskip("serving_support")
 
 def test_eval_cli_runs_against_the_server(tmp_path):
     gates = serving_support.shipped_gates_at(tmp_path / "gates", 32)
-    server = serving_support.Server(["--kv-budget", "64", "--wgkv-local-window", "32", "--wgkv-gates", str(gates)],
-                                    tmp_path / "server.log")
+    server = serving_support.Server(
+        ["--kv-budget", "64", "--wgkv-local-window", "32", "--wgkv-gates", str(gates)],
+        tmp_path / "server.log",
+    )
     try:
         server.wait_healthy()
         out = tmp_path / "report.json"
         proc = subprocess.run(
-            [sys.executable, "-m", "evals.aime25", "--base-url", server.url + "/v1", "--limit", "2",
-             "--samples", "2", "--max-tokens", "24", "--concurrency", "4", "--no-progress",
-             "--output", str(out)],
-            cwd=serving_support.REPO, capture_output=True, text=True, timeout=900)
+            [
+                sys.executable,
+                "-m",
+                "evals.aime25",
+                "--base-url",
+                server.url + "/v1",
+                "--limit",
+                "2",
+                "--samples",
+                "2",
+                "--max-tokens",
+                "24",
+                "--concurrency",
+                "4",
+                "--no-progress",
+                "--output",
+                str(out),
+            ],
+            cwd=serving_support.REPO,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert proc.returncode == 0, proc.stderr + server.log_tail()
         report = json.loads(out.read_text())
         assert report["errors"] == 0, [s["error"] for s in report["samples"]]

@@ -15,12 +15,23 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter is the CPU CI stand-in; on a GPU "
-                    "host tests/test_gpu_serving.py runs the compiled path under real CUDA graphs")
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="the Triton interpreter is the CPU CI stand-in; on a GPU "
+    "host tests/test_gpu_serving.py runs the compiled path under real CUDA graphs",
+)
 def test_graph_decode_path_matches_eager_reference():
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}  # CPU even on a GPU host
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "backend_graph_check.py")], env=env,
-                          capture_output=True, text=True, timeout=600, cwd=os.path.dirname(HERE))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "backend_graph_check.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=os.path.dirname(HERE),
+    )
     lines = proc.stdout.strip().splitlines()
-    assert proc.returncode == 0 and lines[-2:] == ["decode gate: DecodeGate OK", "decode gate: PrefillGate.admit OK"], \
-        proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 and lines[-2:] == [
+        "decode gate: DecodeGate OK",
+        "decode gate: PrefillGate.admit OK",
+    ], proc.stdout[-3000:] + proc.stderr[-3000:]

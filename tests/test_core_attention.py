@@ -2,14 +2,17 @@
 
 import pytest
 import torch
+from pool_driver import run_decode, run_extend
 
 from sglang_wgkv.attention.folded_index import build_folded_indices
-from sglang_wgkv.attention.reference import (dense_causal_attention, paged_decode_attention,
-                                             soft_gated_attention, vertical_slash_attention)
+from sglang_wgkv.attention.reference import (
+    dense_causal_attention,
+    paged_decode_attention,
+    soft_gated_attention,
+    vertical_slash_attention,
+)
 from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.memory import DualCachePool
-
-from pool_driver import run_decode, run_extend
 
 pytestmark = pytest.mark.core
 
@@ -44,8 +47,16 @@ def test_prefill_then_decode_matches_mask_semantics(B, H, G, D, W, tau, plens, s
     v = torch.randn(L, B, T, H, D)
     g = torch.rand(L, B, T, H)
     admit = torch.ones_like(g, dtype=torch.bool) if all_admit else g >= tau
-    pool = DualCachePool(L, H, D, num_pages=4096, max_requests=8, max_context_len=T + 1,
-                         config=WGKVConfig(local_window=W, tau=tau), dtype=torch.float32)
+    pool = DualCachePool(
+        L,
+        H,
+        D,
+        num_pages=4096,
+        max_requests=8,
+        max_context_len=T + 1,
+        config=WGKVConfig(local_window=W, tau=tau),
+        dtype=torch.float32,
+    )
     slots = [5, 0, 3, 7][:B]
     for r in slots:
         pool.alloc_request(r)
@@ -56,12 +67,21 @@ def test_prefill_then_decode_matches_mask_semantics(B, H, G, D, W, tau, plens, s
     while any(d < p for d, p in zip(done, plens)):
         idx = [b for b in range(B) if done[b] < plens[b]]
         n = [min(plens[b] - done[b], chunk or plens[b]) for b in idx]
-        pack = lambda x: torch.cat([x[:, b, done[b]:done[b] + m] for b, m in zip(idx, n)], 1)
-        out = run_extend(pool, [slots[b] for b in idx], [done[b] for b in idx], n,
-                         pack(q), pack(k), pack(v), pack(admit), W)
+        pack = lambda x: torch.cat([x[:, b, done[b] : done[b] + m] for b, m in zip(idx, n)], 1)
+        out = run_extend(
+            pool,
+            [slots[b] for b in idx],
+            [done[b] for b in idx],
+            n,
+            pack(q),
+            pack(k),
+            pack(v),
+            pack(admit),
+            W,
+        )
         off = 0
         for b, m in zip(idx, n):
-            got[:, b, done[b]:done[b] + m] = out[:, off:off + m]
+            got[:, b, done[b] : done[b] + m] = out[:, off : off + m]
             off += m
             done[b] += m
         pool.check_integrity()
@@ -134,8 +154,8 @@ def test_paged_decode_matches_padded_dense():
     for h, (pages, n) in enumerate((([4, 1], 19), ([6], 16))):
         kk = pages_k[pages].reshape(-1, 32)[:n]
         vv = pages_v[pages].reshape(-1, 32)[:n]
-        s = q[0, 2 * h:2 * h + 2] @ kk.t() / 32 ** 0.5
-        torch.testing.assert_close(out[0, 2 * h:2 * h + 2], torch.softmax(s, -1) @ vv)
+        s = q[0, 2 * h : 2 * h + 2] @ kk.t() / 32**0.5
+        torch.testing.assert_close(out[0, 2 * h : 2 * h + 2], torch.softmax(s, -1) @ vv)
 
 
 @pytest.mark.parametrize("block", [1, 7 * 3 * 40, 10**9])
@@ -169,9 +189,18 @@ def test_vertical_slash_query_that_sees_no_key_gets_zeros():
     k, v = torch.randn(n, Hkv, D, generator=gen), torch.randn(n, Hkv, D, generator=gen)
     k_pos = torch.arange(10, 10 + n)
     q_pos = torch.tensor([2, 12, 15])  # the first sees nothing; the second the keys at 10-12
-    out = vertical_slash_attention(q, k, v, torch.zeros(n, Hkv, dtype=torch.bool), torch.tensor([0, 3]),
-                                   torch.tensor([0, n]), q_pos, k_pos, local_window=4)
+    out = vertical_slash_attention(
+        q,
+        k,
+        v,
+        torch.zeros(n, Hkv, dtype=torch.bool),
+        torch.tensor([0, 3]),
+        torch.tensor([0, n]),
+        q_pos,
+        k_pos,
+        local_window=4,
+    )
     assert torch.isfinite(out).all() and not out[0].any()
     for h in range(Hq):  # query 1 attends to keys 0..2 of its KV head (positions 10-12, all in the band)
         kk, vv = k[:3, h // 2], v[:3, h // 2]
-        torch.testing.assert_close(out[1, h], torch.softmax(q[1, h] @ kk.t() / D ** 0.5, -1) @ vv)
+        torch.testing.assert_close(out[1, h], torch.softmax(q[1, h] @ kk.t() / D**0.5, -1) @ vv)

@@ -7,8 +7,16 @@ import torch
 from torch.nn import functional as F
 
 from sglang_wgkv.config import WGKVConfig
-from sglang_wgkv.gate import (GateConfig, GateOutputError, WriteGates, admission_flags, check_gate_output,
-                              load_gates, load_official_pt, save_gates)
+from sglang_wgkv.gate import (
+    GateConfig,
+    GateOutputError,
+    WriteGates,
+    admission_flags,
+    check_gate_output,
+    load_gates,
+    load_official_pt,
+    save_gates,
+)
 from sglang_wgkv.memory import DualCachePool, PoolExhausted
 
 pytestmark = pytest.mark.core
@@ -47,7 +55,9 @@ def _official_state(gates):
         p = f"model.layers.{i}.self_attn.g_predictors."
         state[p + "pre_key_norm.weight"] = lg.pre_norm.detach().clone()
         state[p + "post_key_norm.weight"] = lg.post_norm.detach().clone()
-        state[p + "conv1.weight"] = lg.w1.detach().transpose(1, 2).reshape(c.num_kv_heads * inner, 2 * c.head_dim, 1).clone()
+        state[p + "conv1.weight"] = (
+            lg.w1.detach().transpose(1, 2).reshape(c.num_kv_heads * inner, 2 * c.head_dim, 1).clone()
+        )
         state[p + "conv1.bias"] = lg.b1.detach().reshape(-1).clone()
         state[p + "conv2.weight"] = lg.w2.detach()[:, :, None].clone()
         state[p + "conv2.bias"] = lg.b2.detach().clone()
@@ -58,7 +68,10 @@ def _official_forward(state, i, kp, kq, eps=1e-6):
     """Independent evaluation with grouped 1x1 convolutions, as the authors' module computes it."""
     p = f"model.layers.{i}.self_attn.g_predictors."
     T, H, D = kp.shape
-    x = torch.cat([_rms(kp, state[p + "pre_key_norm.weight"], eps), _rms(kq, state[p + "post_key_norm.weight"], eps)], -1)
+    x = torch.cat(
+        [_rms(kp, state[p + "pre_key_norm.weight"], eps), _rms(kq, state[p + "post_key_norm.weight"], eps)],
+        -1,
+    )
     x = x.reshape(T, H * 2 * D).t()[None]  # [1, C, T]
     hid = F.gelu(F.conv1d(x, state[p + "conv1.weight"], state[p + "conv1.bias"], groups=H))
     return torch.sigmoid(F.conv1d(hid, state[p + "conv2.weight"], state[p + "conv2.bias"], groups=H))[0].t()
@@ -83,7 +96,9 @@ def test_blocked_inference_equals_one_pass(monkeypatch, T):
 
 # The two published layouts: Llama gates with I = 4 * head_dim, Qwen3 gates with I = 1.5 * head_dim
 # (192 for head_dim 128; here 48 for head_dim 32, which is no multiple of head_dim either).
-@pytest.mark.parametrize("layout, H, D, hidden", [("llama", 3, 8, 32), ("qwen3", 2, 32, 48), ("qwen3-d128", 1, 128, 192)])
+@pytest.mark.parametrize(
+    "layout, H, D, hidden", [("llama", 3, 8, 32), ("qwen3", 2, 32, 48), ("qwen3-d128", 1, 128, 192)]
+)
 def test_official_pt_round_trip(tmp_path, layout, H, D, hidden):
     gates = _gates(L=2, H=H, D=D, hidden=hidden)
     state = _official_state(gates)
@@ -91,11 +106,16 @@ def test_official_pt_round_trip(tmp_path, layout, H, D, hidden):
     loaded = load_official_pt(tmp_path / "gates.pt")
     c = loaded.config
     assert (c.num_layers, c.num_kv_heads, c.head_dim, c.hidden) == (2, H, D, hidden)
-    assert tuple(loaded.layers[0].w1.shape) == (H, 2 * D, hidden) and tuple(loaded.layers[0].b1.shape) == (H, hidden)
+    assert tuple(loaded.layers[0].w1.shape) == (H, 2 * D, hidden) and tuple(loaded.layers[0].b1.shape) == (
+        H,
+        hidden,
+    )
     assert tuple(loaded.layers[0].w2.shape) == (H, hidden) and tuple(loaded.layers[0].b2.shape) == (H,)
     kp, kq = torch.randn(5, H, D), torch.randn(5, H, D)
     for i in range(2):
-        torch.testing.assert_close(loaded(i, kp, kq), _official_forward(state, i, kp, kq), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            loaded(i, kp, kq), _official_forward(state, i, kp, kq), atol=1e-5, rtol=1e-5
+        )
     # and through our own format, which stores the width itself
     save_gates(loaded, tmp_path / "ours")
     assert json.loads((tmp_path / "ours" / "gates.json").read_text())["hidden"] == hidden
@@ -182,7 +202,9 @@ def test_config_shape_mismatch_is_refused(tmp_path):
 def test_model_mismatch_names_expected_and_found():
     gates = _gates(L=3, H=2, D=16)
     gates.check_model(3, 2, 16)
-    with pytest.raises(ValueError, match=r"expected \(layers, kv_heads, head_dim\) = \(30, 3, 64\), found \(3, 2, 16\)"):
+    with pytest.raises(
+        ValueError, match=r"expected \(layers, kv_heads, head_dim\) = \(30, 3, 64\), found \(3, 2, 16\)"
+    ):
         gates.check_model(30, 3, 64)
 
 
@@ -211,12 +233,22 @@ def test_bad_config_values():
 
 
 def test_pool_exhaustion_leaves_pool_intact():
-    pool = DualCachePool(2, 2, 8, num_pages=12, max_requests=2, max_context_len=256,
-                         config=WGKVConfig(local_window=32), dtype=torch.float32)
+    pool = DualCachePool(
+        2,
+        2,
+        8,
+        num_pages=12,
+        max_requests=2,
+        max_context_len=256,
+        config=WGKVConfig(local_window=32),
+        dtype=torch.float32,
+    )
     pool.alloc_request(0)
     pool.begin_extend([0], [0], [30])  # 2 ring pages x 4 streams = 8 pages
     for layer in range(2):
-        pool.write_extend(layer, torch.randn(30, 2, 8), torch.randn(30, 2, 8), torch.ones(30, 2, dtype=torch.bool))
+        pool.write_extend(
+            layer, torch.randn(30, 2, 8), torch.randn(30, 2, 8), torch.ones(30, 2, dtype=torch.bool)
+        )
     before = (pool.num_free_pages(), pool.page_table.clone(), pool.cached_len.copy())
     pool.alloc_request(1)
     with pytest.raises(PoolExhausted, match="need up to 8 pages, 4 free"):
@@ -232,8 +264,16 @@ def test_pool_exhaustion_leaves_pool_intact():
 
 
 def test_pool_rejects_inconsistent_calls():
-    pool = DualCachePool(1, 1, 8, num_pages=8, max_requests=2, max_context_len=64,
-                         config=WGKVConfig(local_window=16), dtype=torch.float32)
+    pool = DualCachePool(
+        1,
+        1,
+        8,
+        num_pages=8,
+        max_requests=2,
+        max_context_len=64,
+        config=WGKVConfig(local_window=16),
+        dtype=torch.float32,
+    )
     with pytest.raises(ValueError, match="not allocated"):
         pool.begin_extend([0], [0], [4])
     pool.alloc_request(0)

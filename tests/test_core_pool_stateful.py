@@ -33,8 +33,9 @@ def _keys(positions, salt=0.0):
 class PoolMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.pool = DualCachePool(L, H, D, PAGES, SLOTS, MAXLEN, WGKVConfig(local_window=W),
-                                  dtype=torch.float32)
+        self.pool = DualCachePool(
+            L, H, D, PAGES, SLOTS, MAXLEN, WGKVConfig(local_window=W), dtype=torch.float32
+        )
         self.model = {}  # slot -> {"len": n, "flags": {pos: [L][H] bool}, "global": [[list]]}
         self.rng = torch.Generator().manual_seed(0)
 
@@ -109,7 +110,7 @@ class PoolMachine(RuleBasedStateMachine):
             k = torch.stack([_keys([n])[layer, 0] for n in lens])
             self.pool.write_decode(layer, k, -k, flags[layer])
         for i, r in enumerate(slots):
-            self._model_extend(r, 1, flags[:, i:i + 1])
+            self._model_extend(r, 1, flags[:, i : i + 1])
 
     @precondition(lambda self: len(self.model) > 0)
     @rule(data=st.data())
@@ -133,7 +134,7 @@ class PoolMachine(RuleBasedStateMachine):
                     want = m["global"][layer][h]
                     assert int(pool.global_len[r, layer, h]) == len(want)
                     if want:
-                        pages = pool.page_table[r, layer, h, pool.ring_cols:].long()
+                        pages = pool.page_table[r, layer, h, pool.ring_cols :].long()
                         ks = pool.k_pages[pages].reshape(-1, D)[: len(want)]
                         vs = pool.v_pages[pages].reshape(-1, D)[: len(want)]
                         assert ks[:, 0].tolist() == [float(x) for x in want]
@@ -174,14 +175,26 @@ def test_write_decode_rows_matches_write_decode(halves):
 
     gen = torch.Generator().manual_seed(3)
     L, H, D = 2, 3, 8
-    a = DualCachePool(L, H, D, num_pages=300, max_requests=4, max_context_len=200,
-                      config=WGKVConfig(local_window=32), dtype=torch.float32)
+    a = DualCachePool(
+        L,
+        H,
+        D,
+        num_pages=300,
+        max_requests=4,
+        max_context_len=200,
+        config=WGKVConfig(local_window=32),
+        dtype=torch.float32,
+    )
     for r, n in ((1, 40), (2, 7), (3, 31)):
         a.alloc_request(r)
         a.begin_extend([r], [0], [n])
         for layer in range(L):
-            a.write_extend(layer, torch.randn(n, H, D, generator=gen), torch.randn(n, H, D, generator=gen),
-                           torch.rand(n, H, generator=gen) < 0.5)
+            a.write_extend(
+                layer,
+                torch.randn(n, H, D, generator=gen),
+                torch.randn(n, H, D, generator=gen),
+                torch.rand(n, H, generator=gen) < 0.5,
+            )
     b = copy.deepcopy(a)
     slots, lens = [3, 1, 2], [31, 40, 7]
     plan_a, plan_b = a.begin_decode(slots, lens), b.begin_decode(slots, lens)
@@ -195,6 +208,8 @@ def test_write_decode_rows_matches_write_decode(halves):
         else:
             b.write_decode_rows(layer, plan_b.req, plan_b.pos, k, v, admit)
     for name in ("k_pages", "v_pages", "ring_flag", "page_table", "global_len"):
-        assert torch.equal(getattr(a, name)[:-1] if name.endswith("pages") else getattr(a, name),
-                           getattr(b, name)[:-1] if name.endswith("pages") else getattr(b, name)), name
+        assert torch.equal(
+            getattr(a, name)[:-1] if name.endswith("pages") else getattr(a, name),
+            getattr(b, name)[:-1] if name.endswith("pages") else getattr(b, name),
+        ), name
     b.check_integrity()

@@ -2,12 +2,11 @@
 
 import pytest
 import torch
+from pool_driver import run_decode, run_extend
 
 from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.memory import DualCachePool
 from sglang_wgkv.memory.prefix_snapshot import SnapshotStore
-
-from pool_driver import run_decode, run_extend
 
 pytestmark = pytest.mark.core
 
@@ -25,17 +24,20 @@ def test_restored_request_continues_identically(prefix, W):
     def decode_from(slot, start):
         outs = []
         for t in range(start, T):
-            outs.append(run_decode(pool, [slot], [t], q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1],
-                                   admit[:, t:t + 1]))
+            outs.append(
+                run_decode(
+                    pool, [slot], [t], q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], admit[:, t : t + 1]
+                )
+            )
         return torch.cat(outs, 1)
 
     pool.alloc_request(0)
     run_extend(pool, [0], [0], [prefix], q[:, :prefix], k[:, :prefix], v[:, :prefix], admit[:, :prefix], W)
     snap = store.take(0)
     pool.check_integrity()
-    want = decode_from(0, prefix)          # the original request goes on (writes its own pages)
+    want = decode_from(0, prefix)  # the original request goes on (writes its own pages)
     pool.check_integrity()
-    for slot in (1, 2):                    # two requests resume from the same snapshot
+    for slot in (1, 2):  # two requests resume from the same snapshot
         pool.alloc_request(slot)
         store.restore(slot, snap)
         pool.check_integrity()
@@ -55,8 +57,17 @@ def test_snapshot_errors():
     pool.alloc_request(0)
     with pytest.raises(ValueError, match="nothing to snapshot"):
         store.take(0)
-    run_extend(pool, [0], [0], [5], torch.randn(1, 5, 1, 8), torch.randn(1, 5, 1, 8), torch.randn(1, 5, 1, 8),
-               torch.ones(1, 5, 1, dtype=torch.bool), 16)
+    run_extend(
+        pool,
+        [0],
+        [0],
+        [5],
+        torch.randn(1, 5, 1, 8),
+        torch.randn(1, 5, 1, 8),
+        torch.randn(1, 5, 1, 8),
+        torch.ones(1, 5, 1, dtype=torch.bool),
+        16,
+    )
     snap = store.take(0)
     with pytest.raises(ValueError, match="allocated and empty"):
         store.restore(0, snap)

@@ -25,8 +25,9 @@ def _summary_module():
 def test_summary_is_generated_from_the_json():
     summary = _summary_module()
     text = summary.render()
-    assert (REPO / "benchmarks" / "results" / "SUMMARY.md").read_text() == text, \
+    assert (REPO / "benchmarks" / "results" / "SUMMARY.md").read_text() == text, (
         "SUMMARY.md is out of date: run python benchmarks/summary.py"
+    )
     for path in sorted((REPO / "benchmarks" / "results").rglob("*.json")):
         assert path.parent.name in {folder for folder, _ in summary.SECTIONS}, path
         assert f"`{path.parent.name}/{path.name}`" in text
@@ -35,10 +36,14 @@ def test_summary_is_generated_from_the_json():
 
 def test_machine_paths_are_replaced():
     clean = _summary_module().clean_path
-    assert clean("python3 x.py --out /root/out --model /work/main/launch/configs/llama") == \
-        "python3 x.py --out OUT --model launch/configs/llama"
-    assert clean("/opt/torch/.venv/bin/python3 -m a --model-path /root/.cache/sglang_wgkv/SmolLM2-135M-Instruct") == \
-        "python -m a --model-path EMBEDDED_MODEL"
+    assert (
+        clean("python3 x.py --out /root/out --model /work/main/launch/configs/llama")
+        == "python3 x.py --out OUT --model launch/configs/llama"
+    )
+    assert (
+        clean("/opt/torch/.venv/bin/python3 -m a --model-path /root/.cache/sglang_wgkv/SmolLM2-135M-Instruct")
+        == "python -m a --model-path EMBEDDED_MODEL"
+    )
     assert clean("--gates /tmp/wgkv_run/lam0.1") == "--gates <lam0.1>"
 
 
@@ -52,7 +57,13 @@ def test_trace_summary_attributes_idle_gaps_to_host_events():
     events = [
         {"ph": "X", "cat": "kernel", "name": "nvjet_gemm", "ts": 0.0, "dur": 500.0},
         {"ph": "X", "cat": "kernel", "name": "_vertical_slash_fwd", "ts": 2500.0, "dur": 100.0},
-        {"ph": "X", "cat": "kernel", "name": "memcpy32_post", "ts": 2550.0, "dur": 10.0},  # inside the busy span
+        {
+            "ph": "X",
+            "cat": "kernel",
+            "name": "memcpy32_post",
+            "ts": 2550.0,
+            "dur": 10.0,
+        },  # inside the busy span
         {"ph": "X", "cat": "kernel", "name": "act_and_mul_kernel", "ts": 2700.0, "dur": 100.0},
         {"ph": "X", "cat": "user_annotation", "name": "forward_step", "ts": 0.0, "dur": 3000.0},
         {"ph": "X", "cat": "cpu_op", "name": "aten::index_put_", "ts": 450.0, "dur": 1900.0},
@@ -62,15 +73,21 @@ def test_trace_summary_attributes_idle_gaps_to_host_events():
     assert out["gpu_idle_us_per_step"] == 2000.0 + 100.0
     assert out["idle_in_gaps_over_1ms_us_per_step"] == 2000.0
     first, second = out["largest_idle_gaps"]
-    assert (first["idle_us"], first["after_kernel"], first["before_kernel"]) == (2000.0, "nvjet_gemm",
-                                                                              "_vertical_slash_fwd")
+    assert (first["idle_us"], first["after_kernel"], first["before_kernel"]) == (
+        2000.0,
+        "nvjet_gemm",
+        "_vertical_slash_fwd",
+    )
     # the Python op covers 1,850 us of the gap, the step annotation all 2,000 (listed first); aten::add 50
     assert [h["name"] for h in first["host"]] == ["forward_step", "aten::index_put_", "aten::add"]
     assert first["host"][1]["overlap_us"] == 1850.0
     # Calls that ran mostly within the gap (not the step around it): the Python op, then aten::add.
     assert [h["name"] for h in first["inside"]] == ["aten::index_put_", "aten::add"]
-    assert (second["idle_us"], second["after_kernel"], second["before_kernel"]) == (100.0, "_vertical_slash_fwd",
-                                                                                 "act_and_mul_kernel")
+    assert (second["idle_us"], second["after_kernel"], second["before_kernel"]) == (
+        100.0,
+        "_vertical_slash_fwd",
+        "act_and_mul_kernel",
+    )
 
 
 def test_serving_memory_samples_the_gpu_through_nvidia_smi(tmp_path, monkeypatch):
@@ -82,12 +99,12 @@ def test_serving_memory_samples_the_gpu_through_nvidia_smi(tmp_path, monkeypatch
     spec.loader.exec_module(sm)
     (tmp_path / "empty").mkdir()
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    assert sm.gpu_memory() is None                      # no nvidia-smi on the PATH
+    assert sm.gpu_memory() is None  # no nvidia-smi on the PATH
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")  # the stand-in first
     used = tmp_path / "used"
     used.write_text("1024")
     tool = tmp_path / "nvidia-smi"
-    tool.write_text(f"#!/bin/sh\necho \"$(cat {used}), 143771\"\n")
+    tool.write_text(f'#!/bin/sh\necho "$(cat {used}), 143771"\n')
     tool.chmod(0o755)
     assert sm.gpu_memory() == (1024 << 20, 143771 << 20)
     sampler = sm.TreeSampler(os.getpid(), period=0.01)
@@ -101,18 +118,29 @@ def test_serving_memory_samples_the_gpu_through_nvidia_smi(tmp_path, monkeypatch
     used.write_text("5000")
     sampler.start()
     sampled()
-    used.write_text("2000")   # before the boundary: a sample in flight across it may have read 5000,
+    used.write_text("2000")  # before the boundary: a sample in flight across it may have read 5000,
     first = sampler.take_phase()  # and it counts in the phase it started in, not in the next
     sampled()
     second = sampler.take_phase()
     sampler.stop()
     assert first["peak_gpu_used_bytes"] == 5000 << 20 and second["peak_gpu_used_bytes"] == 2000 << 20
     assert sampler.gpu_peak == 5000 << 20 and first["peak_rss_bytes"] > 0
-    d = {"label": "x", "command": "python -m sglang_wgkv.launch_server", "survived": True,
-         "machine": {"cpus": 16, "mem_total_bytes": 1 << 37, "mem_available_at_start_bytes": 1 << 36,
-                     "gpu_total_bytes": 143771 << 20},
-         "peak_rss_bytes": 1 << 32, "peak_rss_fraction_of_ram": 0.03, "peak_gpu_used_bytes": 5000 << 20,
-         "peak_gpu_fraction": 0.035, "phases": {"startup": {"peak_rss_bytes": 1 << 32, "peak_gpu_used_bytes": 5000 << 20}}}
+    d = {
+        "label": "x",
+        "command": "python -m sglang_wgkv.launch_server",
+        "survived": True,
+        "machine": {
+            "cpus": 16,
+            "mem_total_bytes": 1 << 37,
+            "mem_available_at_start_bytes": 1 << 36,
+            "gpu_total_bytes": 143771 << 20,
+        },
+        "peak_rss_bytes": 1 << 32,
+        "peak_rss_fraction_of_ram": 0.03,
+        "peak_gpu_used_bytes": 5000 << 20,
+        "peak_gpu_fraction": 0.035,
+        "phases": {"startup": {"peak_rss_bytes": 1 << 32, "peak_gpu_used_bytes": 5000 << 20}},
+    }
     summary = _summary_module()
     text = "\n".join(summary.serving_memory(d))
     assert "peak GPU GiB" in text and "Peak GPU memory used 4.88 of 140.4 GiB (3.5%)" in text

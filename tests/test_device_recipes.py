@@ -37,14 +37,21 @@ def _module(home: Path, site: Path) -> Path:
         "rule cc\n"
         f"  command = cat $in {header} > $out && printf '%s: %s %s\\n' $out $in {header} > $out.d\n"
         "  deps = gcc\n  depfile = $out.d\n"
-        f"build {mod}/norm.so: cc {mod}/norm.cu\n")
+        f"build {mod}/norm.so: cc {mod}/norm.cu\n"
+    )
     return mod
 
 
 def _ninja_dry_run(mod: Path) -> str:
     """What ninja would do now, with its reasons (``-d explain`` writes them to stderr)."""
-    return subprocess.run([NINJA, "-n", "-d", "explain"], cwd=mod, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, check=True).stdout
+    return subprocess.run(
+        [NINJA, "-n", "-d", "explain"],
+        cwd=mod,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        check=True,
+    ).stdout
 
 
 def _restore(workdir: Path, home: Path, site: Path, old_recipe: bool = False) -> None:
@@ -54,8 +61,12 @@ def _restore(workdir: Path, home: Path, site: Path, old_recipe: bool = False) ->
         for f in (home / ".cache" / "flashinfer").rglob("*"):
             os.utime(f, (now, now))
         return
-    subprocess.run(["bash", "-c", f". {REPO}/launch/device_common.sh && fi_cache_restore"], cwd=workdir,
-                   env={**os.environ, "HOME": str(home), "KIT_SITE": str(site)}, check=True)
+    subprocess.run(
+        ["bash", "-c", f". {REPO}/launch/device_common.sh && fi_cache_restore"],
+        cwd=workdir,
+        env={**os.environ, "HOME": str(home), "KIT_SITE": str(site)},
+        check=True,
+    )
 
 
 @pytest.mark.parametrize("old_recipe", [False, True], ids=["fi_cache_restore", "copy_and_touch"])
@@ -68,10 +79,14 @@ def test_a_carried_cache_is_not_rebuilt(tmp_path, old_recipe):
     (work / ".fi").mkdir(parents=True)
     # as a device call returns it (GNU tar's default format keeps whole seconds: a restored output is
     # then never newer than the mtime ninja recorded; Python's PAX tarfile rounds up to 100 ns)
-    subprocess.run(["tar", "czf", str(work / ".fi" / "fi_cache.tgz"), "-C", str(home / ".cache"), "flashinfer"],
-                   check=True)
+    subprocess.run(
+        ["tar", "czf", str(work / ".fi" / "fi_cache.tgz"), "-C", str(home / ".cache"), "flashinfer"],
+        check=True,
+    )
     if old_recipe:
-        subprocess.run(["tar", "xzf", str(work / ".fi" / "fi_cache.tgz"), "-C", str(work / ".fi")], check=True)
+        subprocess.run(
+            ["tar", "xzf", str(work / ".fi" / "fi_cache.tgz"), "-C", str(work / ".fi")], check=True
+        )
 
     time.sleep(1.1)  # the next machine: later, the wheels installed afresh, the cache restored
     shutil.rmtree(home)
@@ -96,8 +111,10 @@ def test_triton_cache_restore_takes_the_returned_tgz(tmp_path, layout):
     (src / "k.cubin").write_bytes(b"cubin")
     (work / ".tc").mkdir(parents=True)
     if layout == "tgz":
-        subprocess.run(["tar", "czf", str(work / ".tc" / "triton_cache.tgz"), "-C", str(tmp_path / "made"), "cache"],
-                       check=True)
+        subprocess.run(
+            ["tar", "czf", str(work / ".tc" / "triton_cache.tgz"), "-C", str(tmp_path / "made"), "cache"],
+            check=True,
+        )
     else:
         shutil.copytree(tmp_path / "made" / "cache", work / ".tc" / "cache")
     home.mkdir()

@@ -2,14 +2,16 @@
 
 import pytest
 import torch
+from test_evictor_run import RUNS, long_random_run
 
 from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.memory import DualCachePool, SnapKVEvictor
 
-from test_evictor_run import RUNS, long_random_run
-
-pytestmark = [pytest.mark.evictor, pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device)")]
+pytestmark = [
+    pytest.mark.evictor,
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device)"),
+]
 
 
 @pytest.mark.parametrize("W,window,budget,p_admit,seed,lead", RUNS)
@@ -20,8 +22,17 @@ def test_long_random_run_on_cuda(W, window, budget, p_admit, seed, lead):
 def test_bf16_model_scale_budget_and_pages():
     # Qwen3-4B attention shape (36 layers, 8 KV heads, GQA 4, head_dim 128), small budget and window
     L, H, G, D, W, budget = 36, 8, 4, 128, 64, 256
-    pool = DualCachePool(L, H, D, num_pages=40_000, max_requests=4, max_context_len=2048,
-                         config=WGKVConfig(local_window=W), dtype=torch.bfloat16, device="cuda")
+    pool = DualCachePool(
+        L,
+        H,
+        D,
+        num_pages=40_000,
+        max_requests=4,
+        max_context_len=2048,
+        config=WGKVConfig(local_window=W),
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
     ev = SnapKVEvictor(pool, budget=budget, num_q_heads=H * G, window=W, max_score_elems=1 << 24)
     gen = torch.Generator(device="cuda").manual_seed(0)
     lens = [700, 300, 1000]
@@ -42,7 +53,9 @@ def test_bf16_model_scale_budget_and_pages():
         for layer in range(L):
             kv = torch.randn(2, 3, H, D, device="cuda", generator=gen, dtype=torch.bfloat16)
             pool.write_decode(layer, kv[0], kv[1], torch.rand(3, H, device="cuda", generator=gen) < 0.9)
-            ev.observe_decode(layer, torch.randn(3, H * G, D, device="cuda", generator=gen, dtype=torch.bfloat16))
+            ev.observe_decode(
+                layer, torch.randn(3, H * G, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+            )
         ev.maybe_evict()
         assert int(pool.global_len.max()) <= budget
         seq = [n + 1 for n in seq]
@@ -54,7 +67,9 @@ def test_bf16_model_scale_budget_and_pages():
     assert pool.num_free_pages() == 40_000
 
 
-@pytest.mark.parametrize("dtype,G,D", [(torch.bfloat16, 4, 128), (torch.float16, 3, 64), (torch.float32, 4, 128)])
+@pytest.mark.parametrize(
+    "dtype,G,D", [(torch.bfloat16, 4, 128), (torch.float16, 3, 64), (torch.float32, 4, 128)]
+)
 def test_triton_scores_match_the_reference_at_model_scale(dtype, G, D):
     """The compiled SnapKV score kernel (the kernels path's evictor) against the torch reference:
     Llama-3.1-8B's GQA 4 x head_dim 128 (bf16), SmolLM2's GQA 3 x 64 (fp16, heads padded), float32

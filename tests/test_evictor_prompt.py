@@ -8,11 +8,10 @@ import logging
 
 import pytest
 import torch
+from test_evictor_run import G, H, L, Run
 
 from sglang_wgkv.config import DEFAULT_PROMPT_KERNEL
 from sglang_wgkv.memory import SnapKVEvictor
-
-from test_evictor_run import G, H, L, Run
 
 pytestmark = pytest.mark.evictor
 
@@ -46,21 +45,27 @@ def test_prompt_is_kept_while_prefilled_then_compressed_to_budget_by_its_end(pro
     """By default the prompt window is the whole (16-query) decode window here; with 4, only the
     prompt's last 4 queries score it (the decode window stays 16)."""
     budget = 24
-    run = Run(W=16, window=16, budget=budget, pages=600, slots=2, maxlen=300, seed=21, prompt_window=prompt_window)
+    run = Run(
+        W=16, window=16, budget=budget, pages=600, slots=2, maxlen=300, seed=21, prompt_window=prompt_window
+    )
     assert run.ev.prompt_window == (prompt_window or 16) and run.ev.prompt_kernel == DEFAULT_PROMPT_KERNEL
     run.new(1, 1.0)
     # the last chunk is shorter than the window: the window spans two chunks
-    assert _chunked_prompt(run, 1, [60, 80, 10]) == [0, 0]      # nothing evicted inside the prompt
+    assert _chunked_prompt(run, 1, [60, 80, 10]) == [0, 0]  # nothing evicted inside the prompt
     req = run.reqs[1]
-    assert int(run.pool.global_len[1].min()) == 150 - 16           # the whole prompt's global part
-    expected = {(layer, h): run.naive_stream_scores(req, layer, h, prompt=True) for layer in range(L) for h in range(H)}
+    assert int(run.pool.global_len[1].min()) == 150 - 16  # the whole prompt's global part
+    expected = {
+        (layer, h): run.naive_stream_scores(req, layer, h, prompt=True)
+        for layer in range(L)
+        for h in range(H)
+    }
     before = _globals(run, 1)
-    assert run.ev.maybe_evict() == L * H                          # the prompt's end: every stream
+    assert run.ev.maybe_evict() == L * H  # the prompt's end: every stream
     after = _globals(run, 1)
     for layer in range(L):
         for h in range(H):
             kept = set(after[layer][h])
-            assert len(kept) == budget                             # exactly the budget, not 10% steps
+            assert len(kept) == budget  # exactly the budget, not 10% steps
             assert after[layer][h] == [p for p in before[layer][h] if p in kept]
             scores = expected[layer, h]
             gone = [sc for p, sc in zip(before[layer][h], scores) if p not in kept]
@@ -68,12 +73,12 @@ def test_prompt_is_kept_while_prefilled_then_compressed_to_budget_by_its_end(pro
             assert max(gone) <= min(stay) + 1e-6
             req.glob[layer][h] = after[layer][h]
     assert run.ev.triggers[1] == 1 and run.ev.early_compressions[1] == 0
-    for _ in range(30):                                            # decode: the bottom-10% rule as before
+    for _ in range(30):  # decode: the bottom-10% rule as before
         run.decode([1])
         run.check_matches_model()
         run.evict_and_check()
     assert run.ev.triggers[1] > 1
-    run.new(0, 1.0)                         # 25 global entries: the bottom-10% rule would keep 23
+    run.new(0, 1.0)  # 25 global entries: the bottom-10% rule would keep 23
     _chunked_prompt(run, 0, [41])
     run.ev.maybe_evict()
     assert (run.pool.global_len[0] == budget).all()
@@ -104,10 +109,10 @@ def test_undeclared_requests_and_new_owners_evict_at_every_boundary():
     run.extend({1: 60})
     run.ev.mark_extend([1], [False])
     assert run.ev.maybe_evict() == 0
-    run.finish(1)                                                  # aborted mid-prompt: the slot's next
-    run.new(1, 1.0)                                                # owner starts undeclared
+    run.finish(1)  # aborted mid-prompt: the slot's next
+    run.new(1, 1.0)  # owner starts undeclared
     run.extend({1: 60})
-    run.evict_and_check()                                          # evicted right away, as before
+    run.evict_and_check()  # evicted right away, as before
     assert run.ev.triggers[1] == 1
 
 
@@ -123,7 +128,7 @@ def _needle_run(declare: bool) -> bool:
     req.k[:, needle, :, 0] = 4.0
     req.q.zero_()
     req.q[:, :, :, 0] = -4.0
-    req.q[:, 120 - 16:120, :, 0] = 4.0
+    req.q[:, 120 - 16 : 120, :, 0] = 4.0
     for i, n in enumerate([40, 40, 40]):
         run.extend({1: n})
         if declare:
@@ -146,16 +151,17 @@ def _question_run(prompt_window: int) -> tuple[bool, bool]:
     read a distractor: budget 1, kernel 1. Returns (needle kept, distractor kept) in every stream."""
     needle, distractor, n = 10, 30, 120
     run = Run(W=16, window=16, budget=1, pages=600, slots=2, maxlen=200, seed=29)
-    run.ev = SnapKVEvictor(run.pool, budget=1, num_q_heads=H * G, window=16, prompt_window=prompt_window,
-                           prompt_kernel=1)
+    run.ev = SnapKVEvictor(
+        run.pool, budget=1, num_q_heads=H * G, window=16, prompt_window=prompt_window, prompt_kernel=1
+    )
     run.new(1, 1.0)
     req = run.reqs[1]
     req.k[..., :2] = 0.0
     req.k[:, needle, :, 0] = 4.0
     req.k[:, distractor, :, 1] = 4.0
     req.q.zero_()
-    req.q[:, n - 16:n - 4, :, 1] = 4.0
-    req.q[:, n - 4:n, :, 0] = 4.0
+    req.q[:, n - 16 : n - 4, :, 1] = 4.0
+    req.q[:, n - 4 : n, :, 0] = 4.0
     run.extend({1: n})
     run.ev.mark_extend([1], [True])
     run.ev.maybe_evict()
@@ -169,8 +175,13 @@ def test_the_prompt_window_is_the_question_not_the_decode_window():
     assert _question_run(prompt_window=4) == (True, False)
     assert _question_run(prompt_window=16) == (False, True)
     with pytest.raises(ValueError, match="prompt_window"):
-        SnapKVEvictor(Run(W=16, window=16, budget=1, pages=60, slots=1, maxlen=20, seed=1).pool, budget=1,
-                      num_q_heads=H * G, window=16, prompt_window=17)
+        SnapKVEvictor(
+            Run(W=16, window=16, budget=1, pages=60, slots=1, maxlen=20, seed=1).pool,
+            budget=1,
+            num_q_heads=H * G,
+            window=16,
+            prompt_window=17,
+        )
 
 
 @pytest.mark.parametrize("declared_open", [True, False])
@@ -182,11 +193,11 @@ def test_a_new_owner_with_a_cache_before_its_first_extend_waits_for_its_prompt_e
     budget = 24
     run = Run(W=16, window=16, budget=budget, pages=600, slots=2, maxlen=300, seed=29)
     run.new(1, 1.0)
-    run.extend({1: 60})                                            # the restored prefix: 44 global
+    run.extend({1: 60})  # the restored prefix: 44 global
     if declared_open:
         run.ev.open_prompts([1])
     assert run.ev.maybe_evict() == (0 if declared_open else L * H)
-    run.extend({1: 30})                                            # the rest of its prompt
+    run.extend({1: 30})  # the rest of its prompt
     run.ev.mark_extend([1], [True])
     assert run.ev.maybe_evict() == L * H
     assert (run.pool.global_len[1] == budget).all()

@@ -12,14 +12,13 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_evictor_scores import naive_scores
 
 from sglang_wgkv.attention.folded_index import build_folded_indices
 from sglang_wgkv.attention.reference import padded_decode_attention, paged_decode_attention
 from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.memory import DualCachePool, SnapKVEvictor
 from sglang_wgkv.memory.prefix_snapshot import SnapshotStore
-
-from test_evictor_scores import naive_scores
 
 pytestmark = pytest.mark.evictor
 
@@ -31,6 +30,7 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
 
 L, H, G, D = 2, 2, 2, 8
 
@@ -62,13 +62,17 @@ class Req:
 
 
 class Run:
-    def __init__(self, W, window, budget, pages, slots, maxlen, seed, device="cpu", lead=0, prompt_window=None):
+    def __init__(
+        self, W, window, budget, pages, slots, maxlen, seed, device="cpu", lead=0, prompt_window=None
+    ):
         self.W, self.window, self.budget, self.maxlen, self.lead = W, window, budget, maxlen, lead
         self.dev = torch.device(device)
-        self.pool = DualCachePool(L, H, D, pages, slots, maxlen, WGKVConfig(local_window=W), dtype=torch.float32,
-                                  device=device)
-        self.ev = SnapKVEvictor(self.pool, budget=budget, num_q_heads=H * G, window=window, lead=lead,
-                                prompt_window=prompt_window)
+        self.pool = DualCachePool(
+            L, H, D, pages, slots, maxlen, WGKVConfig(local_window=W), dtype=torch.float32, device=device
+        )
+        self.ev = SnapKVEvictor(
+            self.pool, budget=budget, num_q_heads=H * G, window=window, lead=lead, prompt_window=prompt_window
+        )
         self.gen = torch.Generator().manual_seed(seed)
         self.reqs = {}
         self.evictions_checked = 0
@@ -82,7 +86,9 @@ class Run:
         reqs = [self.reqs[s] for s in lens]
         ns = list(lens.values())
         self.pool.begin_extend(list(lens), [r.n for r in reqs], ns)
-        pack = lambda x: torch.cat([getattr(r, x)[:, r.n:r.n + m] for r, m in zip(reqs, ns)], 1).to(self.dev)
+        pack = lambda x: torch.cat([getattr(r, x)[:, r.n : r.n + m] for r, m in zip(reqs, ns)], 1).to(
+            self.dev
+        )
         q, k, v, a = pack("q"), pack("k"), pack("v"), pack("admit")
         for layer in range(L):
             self.ev.observe_extend(layer, q[layer])
@@ -105,7 +111,9 @@ class Run:
                 continue
             rows, num_pages, last, _ = self.pool.decode_page_rows(layer)
             indptr, indices, last_len = build_folded_indices(rows, num_pages, last)
-            got = paged_decode_attention(q[layer], self.pool.k_pages, self.pool.v_pages, indptr, indices, last_len)
+            got = paged_decode_attention(
+                q[layer], self.pool.k_pages, self.pool.v_pages, indptr, indices, last_len
+            )
             want = self._oracle_decode(reqs, layer, q[layer].cpu())
             torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
 
@@ -118,8 +126,8 @@ class Run:
         for b, r in enumerate(reqs):
             for h in range(H):
                 idx = r.glob[layer][h] + list(range(max(0, r.n - self.W), r.n))
-                k[b, h, :len(idx)] = r.k[layer, idx, h]
-                v[b, h, :len(idx)] = r.v[layer, idx, h]
+                k[b, h, : len(idx)] = r.k[layer, idx, h]
+                v[b, h, : len(idx)] = r.v[layer, idx, h]
         return padded_decode_attention(q, k, v, lens)
 
     # -- checks -------------------------------------------------------------------------------
@@ -127,7 +135,7 @@ class Run:
         """Positions in the pool's global cache of a stream, read through its page table."""
         pool = self.pool
         g = int(pool.global_len[r, layer, h])
-        pages = pool.page_table[r, layer, h, pool.ring_cols:].long()
+        pages = pool.page_table[r, layer, h, pool.ring_cols :].long()
         vals = pool.v_pages[pages].reshape(-1, D)[:g].cpu()
         assert torch.all(vals[:, 1] == layer) and torch.all(vals[:, 2] == h)
         return [int(x) for x in vals[:, 0].tolist()]
@@ -147,8 +155,16 @@ class Run:
         q = r.q[layer, qpos].view(len(qpos), H, G, D)[:, h]
         gpos = r.glob[layer][h]
         rpos = list(range(max(0, n - W), n))
-        return naive_scores(q, qpos, r.k[layer, gpos, h], len(gpos), r.k[layer, rpos, h], rpos,
-                            1 / math.sqrt(D), self.ev.prompt_kernel if prompt else self.ev.kernel_size)
+        return naive_scores(
+            q,
+            qpos,
+            r.k[layer, gpos, h],
+            len(gpos),
+            r.k[layer, rpos, h],
+            rpos,
+            1 / math.sqrt(D),
+            self.ev.prompt_kernel if prompt else self.ev.kernel_size,
+        )
 
     def evict_and_check(self):
         """maybe_evict, checked against the model; then the model follows the pool.
@@ -156,15 +172,21 @@ class Run:
         A look must happen when a stream is over the budget; when one happens (it may also on a loose
         host bound), every stream over ``T = budget - lead`` loses its lowest-scored entries."""
         target = self.budget - self.lead
-        lengths = {(s, layer, h): len(r.glob[layer][h])
-                   for s, r in self.reqs.items() for layer in range(L) for h in range(H)}
+        lengths = {
+            (s, layer, h): len(r.glob[layer][h])
+            for s, r in self.reqs.items()
+            for layer in range(L)
+            for h in range(H)
+        }
         must_look = max(lengths.values(), default=0) > self.budget
         checks, triggers_before = self.ev.checks, self.ev.triggers.copy()
         expected = {}
         for (s, layer, h), g in lengths.items():
             if g > target:
-                expected[s, layer, h] = (self.naive_stream_scores(self.reqs[s], layer, h),
-                                         max(int(g * self.ev.ratio), 1, g - target))
+                expected[s, layer, h] = (
+                    self.naive_stream_scores(self.reqs[s], layer, h),
+                    max(int(g * self.ev.ratio), 1, g - target),
+                )
         n = self.ev.maybe_evict()
         looked = self.ev.checks > checks
         assert looked or not must_look
@@ -182,11 +204,11 @@ class Run:
                         continue
                     scores, n_evict = expected[s, layer, h]
                     kept = set(after)
-                    assert after == [p for p in before if p in kept]              # order kept
+                    assert after == [p for p in before if p in kept]  # order kept
                     assert len(after) == len(before) - n_evict <= self.budget
                     gone = [sc for p, sc in zip(before, scores) if p not in kept]
                     stay = [sc for p, sc in zip(before, scores) if p in kept]
-                    assert max(gone) <= min(stay) + 1e-6                          # lowest scored left
+                    assert max(gone) <= min(stay) + 1e-6  # lowest scored left
                     r.glob[layer][h] = after
                     self.evictions_checked += 1
         assert int(self.pool.global_len.max()) <= self.budget
@@ -198,11 +220,11 @@ class Run:
 
 
 RUNS = [  # W_local, observation window, budget, admission probability per request, seed, lead
-    (16, 16, 24, [1.0, 1.0, 1.0], 0, 0),     # SnapKV alone (all-admit gates)
-    (16, 16, 24, [0.6, 0.3, 1.0], 1, 0),     # admission + eviction
-    (32, 8, 40, [0.8, 1.0, 0.5], 2, 0),      # observation window shorter than W_local
-    (16, 16, 16, [1.0, 0.7, 0.9], 3, 0),     # budget of one page
-    (16, 16, 24, [0.6, 0.3, 1.0], 4, 5),     # looks amortized: streams cut 5 under the budget
+    (16, 16, 24, [1.0, 1.0, 1.0], 0, 0),  # SnapKV alone (all-admit gates)
+    (16, 16, 24, [0.6, 0.3, 1.0], 1, 0),  # admission + eviction
+    (32, 8, 40, [0.8, 1.0, 0.5], 2, 0),  # observation window shorter than W_local
+    (16, 16, 16, [1.0, 0.7, 0.9], 3, 0),  # budget of one page
+    (16, 16, 24, [0.6, 0.3, 1.0], 4, 5),  # looks amortized: streams cut 5 under the budget
     (32, 8, 40, [1.0, 0.2, 0.5], 5, 4),
 ]
 
@@ -218,9 +240,9 @@ def long_random_run(W, window, budget, p_admit, seed, device, lead=0):
     slots = [3, 0, 2]
     for s, p in zip(slots, p_admit):
         run.new(s, p)
-    run.extend({3: 70, 0: 5})                              # a prefill, a short one
+    run.extend({3: 70, 0: 5})  # a prefill, a short one
     run.evict_and_check()
-    run.extend({2: 37, 0: 20})                             # chunked prefill continues (old ring leaves)
+    run.extend({2: 37, 0: 20})  # chunked prefill continues (old ring leaves)
     run.evict_and_check()
     replaced = False
     for step in range(150):
@@ -229,7 +251,7 @@ def long_random_run(W, window, budget, p_admit, seed, device, lead=0):
         run.decode(batch)
         run.check_matches_model()
         run.evict_and_check()
-        if step == 90 and not replaced:                   # slot 0 finishes; a new request takes it
+        if step == 90 and not replaced:  # slot 0 finishes; a new request takes it
             stats = run.ev.request_stats(0)
             assert stats["max_global_tokens_per_head"] <= budget
             run.finish(0)
@@ -266,7 +288,7 @@ def test_query_window_holds_last_queries_per_request_and_layer():
 def test_overshooting_extend_is_cut_to_budget_in_one_trigger():
     run = Run(W=16, window=16, budget=20, pages=300, slots=2, maxlen=260, seed=7)
     run.new(1, 1.0)
-    run.extend({1: 200})                                   # 184 admitted per stream at once
+    run.extend({1: 200})  # 184 admitted per stream at once
     run.evict_and_check()
     assert run.ev.triggers[1] == 1
     assert int(run.ev.stream_triggers[1].min()) == 1
@@ -276,7 +298,7 @@ def test_overshooting_extend_is_cut_to_budget_in_one_trigger():
 
 def test_no_device_look_while_the_host_bound_is_within_budget():
     run = Run(W=16, window=16, budget=24, pages=300, slots=2, maxlen=260, seed=9)
-    run.new(0, 0.0)                                        # nothing admitted: global stays empty
+    run.new(0, 0.0)  # nothing admitted: global stays empty
     run.extend({0: 16})
     steps = 120
     for _ in range(steps):
@@ -326,7 +348,7 @@ def test_admission_reduces_eviction_triggers():
     triggers = {}
     for p in (1.0, 0.3):
         run = Run(W=16, window=16, budget=24, pages=400, slots=2, maxlen=260, seed=11)
-        run.check_attention = False                        # the model does not follow evictions here
+        run.check_attention = False  # the model does not follow evictions here
         run.new(1, p)
         run.extend({1: 30})
         for _ in range(200):
@@ -340,18 +362,18 @@ def test_admission_reduces_eviction_triggers():
 def test_pages_shared_with_a_prefix_snapshot_are_copied_not_rewritten():
     run = Run(W=16, window=16, budget=24, pages=300, slots=2, maxlen=260, seed=13)
     run.new(1, 1.0)
-    run.extend({1: 60})                                    # 44 global entries per stream: 3 pages
+    run.extend({1: 60})  # 44 global entries per stream: 3 pages
     pool = run.pool
     store = SnapshotStore(pool)
-    snap = store.take(1)                                   # shares the global pages by refcount
+    snap = store.take(1)  # shares the global pages by refcount
     before = [[run.pool_global(1, layer, h) for h in range(H)] for layer in range(L)]
-    shared = snap.rows[:, :, pool.ring_cols:].long()
+    shared = snap.rows[:, :, pool.ring_cols :].long()
     shared = shared[shared != pool.dump_page]
     contents = (pool.k_pages[shared].clone(), pool.v_pages[shared].clone())
-    run.evict_and_check()                                  # checks integrity with the snapshot's refs
+    run.evict_and_check()  # checks integrity with the snapshot's refs
     assert torch.equal(pool.k_pages[shared], contents[0]) and torch.equal(pool.v_pages[shared], contents[1])
     pool.alloc_request(0)
-    store.restore(0, snap)                                 # the snapshot still holds the pre-eviction cache
+    store.restore(0, snap)  # the snapshot still holds the pre-eviction cache
     assert [[run.pool_global(0, layer, h) for h in range(H)] for layer in range(L)] == before
     pool.free_request(0)
     store.release(snap)

@@ -30,11 +30,13 @@ def naive_scores(q, q_pos, g_keys, g_len, r_keys, r_pos, scale, kernel):
                 best[j] = max(best[j], math.exp(logits[j] - top) / z)
         raw = [a + b for a, b in zip(raw, best)]
     half = kernel // 2
-    return [max(raw[max(0, j - half):j + half + 1]) for j in range(g)]
+    return [max(raw[max(0, j - half) : j + half + 1]) for j in range(g)]
 
 
-@pytest.mark.parametrize("S,Wq,G,D,Nr,kernel", [
-    (3, 8, 1, 16, 8, 5), (4, 16, 4, 32, 16, 5), (2, 5, 2, 8, 12, 3), (3, 8, 3, 16, 8, 1)])
+@pytest.mark.parametrize(
+    "S,Wq,G,D,Nr,kernel",
+    [(3, 8, 1, 16, 8, 5), (4, 16, 4, 32, 16, 5), (2, 5, 2, 8, 12, 3), (3, 8, 3, 16, 8, 1)],
+)
 def test_scores_match_naive_loop(S, Wq, G, D, Nr, kernel):
     torch.manual_seed(S * 1000 + Wq * 10 + G)
     Ng = 23
@@ -51,11 +53,13 @@ def test_scores_match_naive_loop(S, Wq, G, D, Nr, kernel):
     got = snapkv_scores(q, q_pos, g_keys, g_len, r_keys, r_pos, scale, kernel)
     assert got.shape == (S, Ng)
     for s in range(S):
-        want = naive_scores(q[s], q_pos[s].tolist(), g_keys[s], g_len[s], r_keys[s], r_pos[s].tolist(),
-                            scale, kernel)
-        torch.testing.assert_close(got[s, :g_len[s]].double(), torch.tensor(want, dtype=torch.float64),
-                                   rtol=1e-5, atol=1e-6)
-        assert torch.isneginf(got[s, g_len[s]:]).all()
+        want = naive_scores(
+            q[s], q_pos[s].tolist(), g_keys[s], g_len[s], r_keys[s], r_pos[s].tolist(), scale, kernel
+        )
+        torch.testing.assert_close(
+            got[s, : g_len[s]].double(), torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=1e-6
+        )
+        assert torch.isneginf(got[s, g_len[s] :]).all()
 
 
 def test_ring_mass_lowers_global_scores():
@@ -65,12 +69,14 @@ def test_ring_mass_lowers_global_scores():
     D = 8
     q = torch.randn(1, 4, 1, D)
     g_keys = torch.randn(1, 6, D)
-    r_keys = q[:, :1, 0, :].clone() * 5     # aligned with the first query
+    r_keys = q[:, :1, 0, :].clone() * 5  # aligned with the first query
     g_len = torch.tensor([6])
     q_pos = torch.tensor([[10, 11, 12, 13]])
     seen = snapkv_scores(q, q_pos, g_keys, g_len, r_keys, torch.tensor([[10]]), 0.35, 1)
     unseen = snapkv_scores(q, q_pos, g_keys, g_len, r_keys, torch.tensor([[99]]), 0.35, 1)
-    alone = snapkv_scores(q, q_pos, g_keys, g_len, r_keys[:, :0], torch.zeros(1, 0, dtype=torch.long), 0.35, 1)
+    alone = snapkv_scores(
+        q, q_pos, g_keys, g_len, r_keys[:, :0], torch.zeros(1, 0, dtype=torch.long), 0.35, 1
+    )
     torch.testing.assert_close(unseen, alone)
     assert (seen < alone).all()
 
@@ -79,13 +85,16 @@ def _pool(W=16, H=2):
     return DualCachePool(2, H, 8, 64, 2, 200, WGKVConfig(local_window=W), dtype=torch.float32)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(budget=0, num_q_heads=4), "budget"),
-    (dict(budget=32, num_q_heads=3), "multiple"),
-    (dict(budget=32, num_q_heads=4, window=32), "W_local"),
-    (dict(budget=32, num_q_heads=4, window=16, kernel_size=4), "kernel_size"),
-    (dict(budget=32, num_q_heads=4, window=16, ratio=1.0), "ratio"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(budget=0, num_q_heads=4), "budget"),
+        (dict(budget=32, num_q_heads=3), "multiple"),
+        (dict(budget=32, num_q_heads=4, window=32), "W_local"),
+        (dict(budget=32, num_q_heads=4, window=16, kernel_size=4), "kernel_size"),
+        (dict(budget=32, num_q_heads=4, window=16, ratio=1.0), "ratio"),
+    ],
+)
 def test_bad_arguments_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SnapKVEvictor(_pool(), **kwargs)
@@ -113,7 +122,9 @@ def test_triton_scores_match_the_reference_under_the_interpreter():
     check = os.path.join(os.path.dirname(os.path.abspath(__file__)), "triton_snapkv_interp_check.py")
     seeds = [str(s) for s in range(16)]
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    res = subprocess.run([sys.executable, check, *seeds], env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [sys.executable, check, *seeds], env=env, capture_output=True, text=True, timeout=600
+    )
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     assert res.stdout.split() == [w for s in seeds for w in ("ok", "seed", s)], res.stdout
 
@@ -129,8 +140,16 @@ def test_a_score_kernel_that_cannot_build_falls_back_to_torch_once(monkeypatch, 
     monkeypatch.setattr(tk, "snapkv_scores_triton", broken)
     results = []
     for triton_scores in (True, False):
-        pool = DualCachePool(1, 2, 8, num_pages=64, max_requests=1, max_context_len=200,
-                             config=WGKVConfig(local_window=16), dtype=torch.float32)
+        pool = DualCachePool(
+            1,
+            2,
+            8,
+            num_pages=64,
+            max_requests=1,
+            max_context_len=200,
+            config=WGKVConfig(local_window=16),
+            dtype=torch.float32,
+        )
         ev = SnapKVEvictor(pool, budget=8, num_q_heads=4, window=16, triton_scores=triton_scores)
         torch.manual_seed(0)
         pool.alloc_request(0)
@@ -142,8 +161,12 @@ def test_a_score_kernel_that_cannot_build_falls_back_to_torch_once(monkeypatch, 
             ev.maybe_evict()
         assert ev.triton_scores is False and int(pool.global_len.max()) <= 8
         R = pool.ring_cols
-        kept = [pool.k_pages[pool.page_table[0, 0, h, R:R + 1].long()].reshape(-1, 8)[:int(pool.global_len[0, 0, h])]
-                for h in range(2)]
+        kept = [
+            pool.k_pages[pool.page_table[0, 0, h, R : R + 1].long()].reshape(-1, 8)[
+                : int(pool.global_len[0, 0, h])
+            ]
+            for h in range(2)
+        ]
         results.append(torch.cat(kept))
     assert torch.equal(results[0], results[1]) and results[0].shape[0] == 2 * 8  # the same keys kept
     assert sum("Triton score kernel failed" in r.message for r in caplog.records) == 1

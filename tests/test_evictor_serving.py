@@ -4,8 +4,8 @@ a prompt that admits more than the capacity plan's ``prompt_cap`` is compressed 
 says so; the pool stays intact."""
 
 import pytest
-
 from serving_support import Server, long_prompt
+
 from sglang_wgkv.config import WGKVConfig
 
 pytestmark = pytest.mark.evictor
@@ -22,8 +22,20 @@ KEEP = KV_BUDGET - WGKVConfig(kv_budget=KV_BUDGET).evictor_lead
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("evictor_serving")
     # fresh gates admit every token; --max-total-tokens 2048 (BASE_ARGS): prompt_cap 16 + 512
-    srv = Server(["--wgkv-gates", "fresh", "--wgkv-local-window", str(W_LOCAL), "--kv-budget", str(KV_BUDGET),
-                  "--chunked-prefill-size", str(CHUNK), "--disable-radix-cache"], tmp / "server.log")
+    srv = Server(
+        [
+            "--wgkv-gates",
+            "fresh",
+            "--wgkv-local-window",
+            str(W_LOCAL),
+            "--kv-budget",
+            str(KV_BUDGET),
+            "--chunked-prefill-size",
+            str(CHUNK),
+            "--disable-radix-cache",
+        ],
+        tmp / "server.log",
+    )
     try:
         yield srv.wait_healthy()
     finally:
@@ -70,17 +82,29 @@ def test_a_prefix_restored_from_the_radix_cache_is_compressed_once_by_its_prompt
     prompt's end like any prompt (one trigger), instead of being cut by the decode rule at the step
     boundary ahead of its extend, scored by no query of its own, and then again at its end (two
     triggers: the H200 served set of 2026-12-03 lost 7/8 8K passkeys at budget 512 that way)."""
-    srv = Server(["--wgkv-gates", "fresh", "--wgkv-local-window", str(W_LOCAL), "--kv-budget", str(KV_BUDGET),
-                  "--chunked-prefill-size", str(CHUNK)], tmp_path / "server.log")
+    srv = Server(
+        [
+            "--wgkv-gates",
+            "fresh",
+            "--wgkv-local-window",
+            str(W_LOCAL),
+            "--kv-budget",
+            str(KV_BUDGET),
+            "--chunked-prefill-size",
+            str(CHUNK),
+        ],
+        tmp_path / "server.log",
+    )
     try:
         srv.wait_healthy()
         shared = long_prompt(24)
         params = {"ignore_eos": True}
         srv.generate(shared + " And which one mentions a tree?", max_new_tokens=2, sampling_params=params)
-        out = srv.generate(shared + " Now tell me which item is the green book.", max_new_tokens=2,
-                           sampling_params=params)
+        out = srv.generate(
+            shared + " Now tell me which item is the green book.", max_new_tokens=2, sampling_params=params
+        )
         n, cached = out["meta_info"]["prompt_tokens"], out["meta_info"]["cached_tokens"]
-        assert cached - W_LOCAL > KV_BUDGET                      # a restored prefix past the budget
+        assert cached - W_LOCAL > KV_BUDGET  # a restored prefix past the budget
         u = _usage(out)
         assert u["eviction_triggers"] == 1 and u["early_prompt_compressions"] == 0
         # one cut, to budget - lead, of the whole prompt's global part (plus at most the decode step's token)

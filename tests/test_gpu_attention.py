@@ -5,8 +5,10 @@ import torch
 
 from sglang_wgkv.attention import reference
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device)"),
+]
 
 DEV = "cuda"
 TOL = {torch.float16: (3e-3, 2e-2), torch.bfloat16: (2e-2, 8e-2)}  # (relative norm, max abs)
@@ -15,9 +17,11 @@ TOL = {torch.float16: (3e-3, 2e-2), torch.bfloat16: (2e-2, 8e-2)}  # (relative n
 def _close(out, ref, dtype):
     assert torch.isfinite(out).all(), "non-finite output"
     rel_tol, abs_tol = TOL[dtype]
-    err = (out.float() - ref.float())
+    err = out.float() - ref.float()
     rel = (err.norm() / ref.float().norm().clamp(min=1e-6)).item()
-    assert rel < rel_tol and err.abs().max().item() < abs_tol, f"rel {rel:.2e}, max {err.abs().max().item():.2e}"
+    assert rel < rel_tol and err.abs().max().item() < abs_tol, (
+        f"rel {rel:.2e}, max {err.abs().max().item():.2e}"
+    )
 
 
 def _packed_case(lens_q, lens_k, Hq, Hkv, D, p_admit, dtype, far_prefix=0):
@@ -43,10 +47,10 @@ PREFILL_CASES = [
     # lens_q, lens_k, W, p_admit, far_prefix
     ([700], [700], 64, 0.25, 0),
     ([1, 129, 300, 64], [1, 129, 300, 64], 32, 0.5, 0),
-    ([50, 128, 0], [300, 128, 40], 16, 0.25, 0),        # extend after a cached prefix; empty query
-    ([257], [257], 256, 0.0, 0),                         # only the band
-    ([400], [400], 16, 1.0, 0),                          # everything admitted = dense causal
-    ([96, 33], [200, 33], 48, 0.3, 37),                  # pool layout: global entries at a far position
+    ([50, 128, 0], [300, 128, 40], 16, 0.25, 0),  # extend after a cached prefix; empty query
+    ([257], [257], 256, 0.0, 0),  # only the band
+    ([400], [400], 16, 1.0, 0),  # everything admitted = dense causal
+    ([96, 33], [200, 33], 48, 0.3, 37),  # pool layout: global entries at a far position
 ]
 
 
@@ -83,7 +87,9 @@ def test_triton_prefill_reused_plan_and_configs_and_scale():
     for cfg in (PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 128, 8, 2), PrefillConfig(64, 64, 4, 3)):
         plan = build_vertical_slash_plan(adm, qo, kv, qp, kp, 64, cfg.block_m)
         comp = compact_admitted(k, v, adm, kv)
-        out = vertical_slash_attention(q, k, v, adm, qo, kv, qp, kp, 64, 0.05, plan=plan, compacted=comp, config=cfg)
+        out = vertical_slash_attention(
+            q, k, v, adm, qo, kv, qp, kp, 64, 0.05, plan=plan, compacted=comp, config=cfg
+        )
         _close(out, ref, torch.bfloat16)
 
 
@@ -113,8 +119,10 @@ def test_triton_plan_equals_torch_plan(case):
     lens_q, lens_k, W, p, far = case
     torch.manual_seed(17)
     _, _, _, adm, qo, kv, qp, kp = _packed_case(lens_q, lens_k, 8, 2, 64, p, torch.bfloat16, far)
-    ref, out = (build(adm, qo, kv, qp, kp, W, 128) for build in (build_vertical_slash_plan,
-                                                                 build_vertical_slash_plan_triton))
+    ref, out = (
+        build(adm, qo, kv, qp, kp, W, 128)
+        for build in (build_vertical_slash_plan, build_vertical_slash_plan_triton)
+    )
     rows = ref.q_start < ref.q_end
     assert torch.equal(out.q_start, ref.q_start) and torch.equal(out.q_end, ref.q_end)
     assert torch.equal(out.vertical_len, ref.vertical_len)
@@ -130,8 +138,8 @@ def test_triton_prefill_strided_views_of_fused_qkv():
     T, Hq, Hkv, D = 300, 8, 2, 128
     qkv = torch.randn(T, (Hq + 2 * Hkv) * D, device=DEV, dtype=torch.bfloat16)
     q = qkv[:, : Hq * D].view(T, Hq, D)
-    k = qkv[:, Hq * D: (Hq + Hkv) * D].view(T, Hkv, D)
-    v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
+    k = qkv[:, Hq * D : (Hq + Hkv) * D].view(T, Hkv, D)
+    v = qkv[:, (Hq + Hkv) * D :].view(T, Hkv, D)
     adm = torch.rand(T, Hkv, device=DEV) < 0.3
     ind = torch.tensor([0, T], dtype=torch.int32, device=DEV)
     pos = torch.arange(T, dtype=torch.int32, device=DEV)
@@ -191,8 +199,10 @@ def test_folded_decode_plan_once_run_per_layer_and_cuda_graph():
     B, Hq, Hkv, D, dtype = 2, 32, 8, 128, torch.bfloat16
     S = B * Hkv
     dec = FoldedPagedDecode(Hq, Hkv, D, B, max_pages=4000, device=DEV, q_dtype=dtype)
-    pools = [(torch.randn(4001, 16, D, device=DEV).to(dtype), torch.randn(4001, 16, D, device=DEV).to(dtype))
-             for _ in range(3)]
+    pools = [
+        (torch.randn(4001, 16, D, device=DEV).to(dtype), torch.randn(4001, 16, D, device=DEV).to(dtype))
+        for _ in range(3)
+    ]
     lengths = torch.randint(1, 2000, (S,)).tolist()
     _, _, indptr, indices, last = _folded_pages(B, Hkv, D, dtype, lengths, 4000)
     dec.plan(indptr, indices, last.to(DEV))
@@ -234,8 +244,17 @@ def test_folded_decode_reads_the_dual_cache_pool():
     torch.manual_seed(5)
     L, B, Hkv, G, D, W = 2, 2, 4, 4, 128, 64
     dtype = torch.bfloat16
-    pool = DualCachePool(L, Hkv, D, num_pages=3000, max_requests=4, max_context_len=1200,
-                         config=WGKVConfig(local_window=W), dtype=dtype, device=DEV)
+    pool = DualCachePool(
+        L,
+        Hkv,
+        D,
+        num_pages=3000,
+        max_requests=4,
+        max_context_len=1200,
+        config=WGKVConfig(local_window=W),
+        dtype=dtype,
+        device=DEV,
+    )
     slots, plens = [2, 0], [700, 90]
     for r in slots:
         pool.alloc_request(r)

@@ -8,13 +8,25 @@ from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.memory import DualCachePool
 from sglang_wgkv.memory.extend_step import FAR_POSITION
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device)"),
+]
 
 
 def _pool(L, H, D, W, dtype, dev, triton_decode=None):
-    return DualCachePool(L, H, D, num_pages=6000, max_requests=3, max_context_len=3000,
-                         config=WGKVConfig(local_window=W), dtype=dtype, device=dev, triton_decode=triton_decode)
+    return DualCachePool(
+        L,
+        H,
+        D,
+        num_pages=6000,
+        max_requests=3,
+        max_context_len=3000,
+        config=WGKVConfig(local_window=W),
+        dtype=dtype,
+        device=dev,
+        triton_decode=triton_decode,
+    )
 
 
 def assert_same_pool(a, b):
@@ -37,10 +49,12 @@ def check_prefill_then_decode(n, W, p, dtype, dev, steps=40, L=3, H=4, D=128):
     slot = 1
     other = [torch.randn(37, H, D, device=dev) for _ in range(L)]
     for pool in (torch_pool, triton_pool):
-        pool.alloc_request(0)          # an unrelated request holding pages first
+        pool.alloc_request(0)  # an unrelated request holding pages first
         pool.begin_extend([0], [0], [37])
         for layer in range(L):
-            pool.write_extend(layer, other[layer], other[layer], torch.ones(37, H, dtype=torch.bool, device=dev))
+            pool.write_extend(
+                layer, other[layer], other[layer], torch.ones(37, H, dtype=torch.bool, device=dev)
+            )
         pool.alloc_request(slot)
     torch_pool.begin_extend([slot], [0], [n])
     begin_prefill(triton_pool, slot, n)
@@ -69,8 +83,9 @@ def check_prefill_then_decode(n, W, p, dtype, dev, steps=40, L=3, H=4, D=128):
     triton_pool.check_integrity()
 
 
-@pytest.mark.parametrize("n,W,p", [(1000, 64, 0.25), (700, 256, 0.5), (100, 256, 0.3), (2000, 16, 0.0),
-                                   (513, 32, 1.0)])
+@pytest.mark.parametrize(
+    "n,W,p", [(1000, 64, 0.25), (700, 256, 0.5), (100, 256, 0.3), (2000, 16, 0.0), (513, 32, 1.0)]
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_pool_writes_match_torch(n, W, p, dtype):
     check_prefill_then_decode(n, W, p, dtype, "cuda")
@@ -80,12 +95,27 @@ def _twin_decode_run(seed, dev, L=4, H=8, D=128, W=64, steps=48):
     """Torch-promotion and Triton-promotion pools (CUDA) through one schedule: four requests of
     mixed lengths and admission rates (some inside their ring), batched decode steps."""
     torch.manual_seed(seed)
-    pools = [DualCachePool(L, H, D, num_pages=3000, max_requests=6, max_context_len=1200,
-                           config=WGKVConfig(local_window=W), device=dev, triton_decode=t) for t in (False, True)]
+    pools = [
+        DualCachePool(
+            L,
+            H,
+            D,
+            num_pages=3000,
+            max_requests=6,
+            max_context_len=1200,
+            config=WGKVConfig(local_window=W),
+            device=dev,
+            triton_decode=t,
+        )
+        for t in (False, True)
+    ]
     reqs = {1: (700, 0.5), 3: (40, 0.9), 4: (333, 0.1), 5: (64, 1.0)}
     for r, (n, p) in reqs.items():
-        k, v, admit = torch.randn(L, n, H, D, device=dev), torch.randn(L, n, H, D, device=dev), \
-            torch.rand(L, n, H, device=dev) < p
+        k, v, admit = (
+            torch.randn(L, n, H, D, device=dev),
+            torch.randn(L, n, H, D, device=dev),
+            torch.rand(L, n, H, device=dev) < p,
+        )
         for pool in pools:
             pool.alloc_request(r)
             pool.begin_extend([r], [0], [n])
@@ -128,11 +158,26 @@ def test_triton_decode_promote_graph_replay():
 
     dev, L, H, D, W = "cuda", 3, 8, 128, 64
     torch.manual_seed(3)
-    pools = [DualCachePool(L, H, D, num_pages=2000, max_requests=2, max_context_len=1000,
-                           config=WGKVConfig(local_window=W), device=dev, triton_decode=False) for _ in range(2)]
+    pools = [
+        DualCachePool(
+            L,
+            H,
+            D,
+            num_pages=2000,
+            max_requests=2,
+            max_context_len=1000,
+            config=WGKVConfig(local_window=W),
+            device=dev,
+            triton_decode=False,
+        )
+        for _ in range(2)
+    ]
     n = 300
-    k, v, admit = torch.randn(L, n, H, D, device=dev), torch.randn(L, n, H, D, device=dev), \
-        torch.rand(L, n, H, device=dev) < 0.4
+    k, v, admit = (
+        torch.randn(L, n, H, D, device=dev),
+        torch.randn(L, n, H, D, device=dev),
+        torch.rand(L, n, H, device=dev) < 0.4,
+    )
     for pool in pools:
         pool.alloc_request(1)
         pool.begin_extend([1], [0], [n])
@@ -150,8 +195,16 @@ def test_triton_decode_promote_graph_replay():
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):  # warm-up (Triton compile) on a twin, then capture
-                scratch = DualCachePool(L, H, D, num_pages=64, max_requests=2, max_context_len=1000,
-                                        config=WGKVConfig(local_window=W), device=dev)
+                scratch = DualCachePool(
+                    L,
+                    H,
+                    D,
+                    num_pages=64,
+                    max_requests=2,
+                    max_context_len=1000,
+                    config=WGKVConfig(local_window=W),
+                    device=dev,
+                )
                 decode_promote(scratch, req, pos)
             torch.cuda.current_stream().wait_stream(s)
             graph = torch.cuda.CUDAGraph()
@@ -242,9 +295,21 @@ def test_triton_extend_chunks_match_torch(in_dtype):
     as served)."""
     dev, L, H, D, W = "cuda", 3, 8, 128, 64
     torch.manual_seed(7)
-    pools = [DualCachePool(L, H, D, num_pages=6000, max_requests=4, max_context_len=3000,
-                           config=WGKVConfig(local_window=W), device=dev, triton_decode=t, triton_extend=t)
-             for t in (False, True)]
+    pools = [
+        DualCachePool(
+            L,
+            H,
+            D,
+            num_pages=6000,
+            max_requests=4,
+            max_context_len=3000,
+            config=WGKVConfig(local_window=W),
+            device=dev,
+            triton_decode=t,
+            triton_extend=t,
+        )
+        for t in (False, True)
+    ]
     for pool in pools:
         for r in (0, 2, 3):
             pool.alloc_request(r)
@@ -252,7 +317,10 @@ def test_triton_extend_chunks_match_torch(in_dtype):
     for batch, lens in chunks:
         prefix = [int(pools[0].cached_len[r]) for r in batch]
         N = sum(lens)
-        k, v = torch.randn(L, N, H, D, device=dev).to(in_dtype), torch.randn(L, N, H, D, device=dev).to(in_dtype)
+        k, v = (
+            torch.randn(L, N, H, D, device=dev).to(in_dtype),
+            torch.randn(L, N, H, D, device=dev).to(in_dtype),
+        )
         admit = torch.rand(L, N, H, device=dev) < 0.4
         positions = torch.cat([torch.arange(S, S + n, device=dev) for S, n in zip(prefix, lens)])
         for pool in pools:
@@ -260,7 +328,8 @@ def test_triton_extend_chunks_match_torch(in_dtype):
         for layer in range(L):
             (k0, v0, p0, a0), (k1, v1, p1, a1) = [
                 pool.extend_inputs(layer, k[layer], v[layer], admit[layer], positions, torch.bfloat16)
-                for pool in pools]
+                for pool in pools
+            ]
             read = ~((p0 == FAR_POSITION)[:, None] & ~a0)  # global padding rows are never read
             assert torch.equal(p0, p1) and torch.equal(a0, a1)
             assert torch.equal(k0[read], k1[read]) and torch.equal(v0[read], v1[read])

@@ -28,24 +28,32 @@ import threading
 import pytest
 import requests
 import torch
+from serving_support import (
+    OfflineTruth,
+    Server,
+    embedded_model_dir,
+    long_prompt,
+    save_head_gates,
+    stream_generate,
+)
 
-from serving_support import (OfflineTruth, Server, embedded_model_dir, long_prompt, save_head_gates,
-                             stream_generate)
-
-pytestmark = [pytest.mark.gpu, pytest.mark.serving,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.serving,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device)"),
+]
 
 W_LOCAL = 64
 NEW_TOKENS = 48
-TIE_GAP = 0.3        # a greedy divergence is accepted where the reference's top-2 are this close
+TIE_GAP = 0.3  # a greedy divergence is accepted where the reference's top-2 are this close
 # the kernels path's largest logprob error against float32 may exceed the bf16 reference's by this factor
 # and slack (same tokens, same bf16 weights and GEMMs: only attention, graphs and kernels differ)
 FLOOR_FACTOR, FLOOR_SLACK = 1.5, 0.05
 PROMPTS = [
     "The capital of France is",
-    long_prompt(4),              # ~50 tokens: crosses W_local while decoding
-    long_prompt(25, seed=1),     # ~300 tokens
-    long_prompt(45, seed=3),     # ~560 tokens
+    long_prompt(4),  # ~50 tokens: crosses W_local while decoding
+    long_prompt(25, seed=1),  # ~300 tokens
+    long_prompt(45, seed=3),  # ~560 tokens
 ]
 
 
@@ -59,9 +67,24 @@ SERVER_ARGS = {
 
 def common_args(model_dir: str, gates_dir) -> list[str]:
     """What every server of this comparison shares (gates saved with HEAD_BIAS and W_LOCAL)."""
-    return ["--model-path", model_dir, "--max-total-tokens", "40000", "--mem-fraction-static", "0.3",
-            "--sampling-backend", "pytorch", "--log-level", "info", "--decode-log-interval", "4",
-            "--wgkv-local-window", str(W_LOCAL), "--wgkv-gates", str(gates_dir)]
+    return [
+        "--model-path",
+        model_dir,
+        "--max-total-tokens",
+        "40000",
+        "--mem-fraction-static",
+        "0.3",
+        "--sampling-backend",
+        "pytorch",
+        "--log-level",
+        "info",
+        "--decode-log-interval",
+        "4",
+        "--wgkv-local-window",
+        str(W_LOCAL),
+        "--wgkv-gates",
+        str(gates_dir),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +95,9 @@ def gates_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(gates_dir):
     common = common_args(embedded_model_dir(), gates_dir)
-    started = {name: Server([*common, *args], gates_dir.parent / f"{name}.log") for name, args in SERVER_ARGS.items()}
+    started = {
+        name: Server([*common, *args], gates_dir.parent / f"{name}.log") for name, args in SERVER_ARGS.items()
+    }
     try:
         yield tuple(started[name].wait_healthy() for name in ("kernels", "reference"))
     finally:
@@ -86,10 +111,21 @@ def truth(gates_dir):
 
 
 def _run(server, prompts):
-    outs = server.generate(prompts, max_new_tokens=NEW_TOKENS, return_logprob=True, top_logprobs_num=2,
-                           sampling_params={"ignore_eos": True})
-    return [(o["output_ids"], [lp[0] for lp in o["meta_info"]["output_token_logprobs"]],
-             [[lp[0] for lp in top] for top in o["meta_info"]["output_top_logprobs"]]) for o in outs]
+    outs = server.generate(
+        prompts,
+        max_new_tokens=NEW_TOKENS,
+        return_logprob=True,
+        top_logprobs_num=2,
+        sampling_params={"ignore_eos": True},
+    )
+    return [
+        (
+            o["output_ids"],
+            [lp[0] for lp in o["meta_info"]["output_token_logprobs"]],
+            [[lp[0] for lp in top] for top in o["meta_info"]["output_top_logprobs"]],
+        )
+        for o in outs
+    ]
 
 
 def _agree(got, want, prompt):
@@ -99,7 +135,9 @@ def _agree(got, want, prompt):
     n = next((i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), len(ref_ids))
     if n < len(ref_ids):
         gap = ref_top[n][0] - ref_top[n][1]
-        assert gap < TIE_GAP, f"{prompt[:50]!r}: token {n} differs ({ids[n]} vs {ref_ids[n]}), top-2 gap {gap:.3f}"
+        assert gap < TIE_GAP, (
+            f"{prompt[:50]!r}: token {n} differs ({ids[n]} vs {ref_ids[n]}), top-2 gap {gap:.3f}"
+        )
     return n
 
 
@@ -117,12 +155,16 @@ def within_floor(e_kernels: list[float], e_reference: list[float]) -> bool:
 
 
 def _check_floor(got, ref, truth, prompt):
-    e_k, e_r = path_errors(got, truth.logprobs(prompt, got[0])), path_errors(ref, truth.logprobs(prompt, ref[0]))
+    e_k, e_r = (
+        path_errors(got, truth.logprobs(prompt, got[0])),
+        path_errors(ref, truth.logprobs(prompt, ref[0])),
+    )
     # on failure: both errors token by token
     assert within_floor(e_k, e_r), (
         f"{prompt[:50]!r}: kernels vs float32 up to {max(e_k):.3f}, bf16 reference vs float32 up to "
         f"{max(e_r):.3f} (each along its own {len(e_k)} tokens); per token kernels: "
-        f"{' '.join(f'{e:.2f}' for e in e_k)}; reference: {' '.join(f'{e:.2f}' for e in e_r)}")
+        f"{' '.join(f'{e:.2f}' for e in e_k)}; reference: {' '.join(f'{e:.2f}' for e in e_r)}"
+    )
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["one_by_one", "batched"])
@@ -149,9 +191,17 @@ def test_per_request_tau_under_cuda_graphs(servers):
     """One batch, three thresholds: head 0 admits nothing at tau 0.1, everything at tau 0 or with
     admission off. Decoding 96 tokens past W_local = 64 puts graph-decoded tokens through the ring."""
     kernels = servers[0]
-    params = [{"max_new_tokens": 96, "temperature": 0, "ignore_eos": True, **extra} for extra in
-              ({}, {"custom_params": {"wgkv": {"tau": 0.0}}}, {"custom_params": {"wgkv": {"admission": False}}})]
-    r = requests.post(kernels.url + "/generate", json={"text": ["Hi"] * 3, "sampling_params": params}, timeout=600)
+    params = [
+        {"max_new_tokens": 96, "temperature": 0, "ignore_eos": True, **extra}
+        for extra in (
+            {},
+            {"custom_params": {"wgkv": {"tau": 0.0}}},
+            {"custom_params": {"wgkv": {"admission": False}}},
+        )
+    ]
+    r = requests.post(
+        kernels.url + "/generate", json={"text": ["Hi"] * 3, "sampling_params": params}, timeout=600
+    )
     r.raise_for_status()
     default, tau0, off = (o["meta_info"]["wgkv"][-1] for o in r.json())
     assert default["admitted_fraction"] == pytest.approx(2 / 3, abs=1e-6)
@@ -163,9 +213,13 @@ def test_aborts_under_cuda_graphs_leave_pool_intact(servers):
     kernels = servers[0]
     rids = [f"gpu-abort-{i}" for i in range(6)]
     results = {}
-    threads = [threading.Thread(target=stream_generate, args=(kernels, rid, long_prompt(3 + 5 * i, seed=i), 64,
-                                                              4 if i % 2 == 0 else None, results, 600))
-               for i, rid in enumerate(rids)]
+    threads = [
+        threading.Thread(
+            target=stream_generate,
+            args=(kernels, rid, long_prompt(3 + 5 * i, seed=i), 64, 4 if i % 2 == 0 else None, results, 600),
+        )
+        for i, rid in enumerate(rids)
+    ]
     for t in threads:
         t.start()
     for t in threads:

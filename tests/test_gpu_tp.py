@@ -24,12 +24,14 @@ import numpy as np
 import pytest
 import requests
 import torch
-
 from serving_support import Server, flush_cache, save_head_gates, stream_generate
 from test_gpu_serving import _agree
 
-pytestmark = [pytest.mark.gpu, pytest.mark.serving,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.serving,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nvidia-h200-x2)"),
+]
 
 TP_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 LAYERS, HEADS, HEAD_DIM, VOCAB = 4, 8, 64, 4096
@@ -45,10 +47,20 @@ def tiny_llama(dest):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HEADS * HEAD_DIM, intermediate_size=1024,
-                         num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS,
-                         head_dim=HEAD_DIM, max_position_embeddings=4096, initializer_range=0.1,
-                         tie_word_embeddings=False, eos_token_id=0, bos_token_id=0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HEADS * HEAD_DIM,
+        intermediate_size=1024,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=4096,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        eos_token_id=0,
+        bos_token_id=0,
+    )
     model = LlamaForCausalLM(config)
     with torch.no_grad():  # sharper logits: fewer near-ties between the top-2 tokens
         model.lm_head.weight.mul_(3.0)
@@ -56,9 +68,16 @@ def tiny_llama(dest):
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(dest / "tokenizer.json"))
-    (dest / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096, "eos_token": "t0",
-        "unk_token": "t0"}))
+    (dest / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "model_max_length": 4096,
+                "eos_token": "t0",
+                "unk_token": "t0",
+            }
+        )
+    )
     return dest
 
 
@@ -67,10 +86,29 @@ def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gpu_tp")
     model = tiny_llama(tmp / "model")
     save_head_gates(tmp / "gates", HEAD_BIAS, W_LOCAL, num_layers=LAYERS, head_dim=HEAD_DIM)
-    args = ["--model-path", str(model), "--dtype", "bfloat16", "--max-total-tokens", "40000",
-            "--mem-fraction-static", "0.3", "--sampling-backend", "pytorch", "--log-level", "info",
-            "--wgkv-attention", "kernels", "--cuda-graph-max-bs-decode", "8", "--disable-prefill-cuda-graph",
-            "--wgkv-local-window", str(W_LOCAL), "--wgkv-gates", str(tmp / "gates")]
+    args = [
+        "--model-path",
+        str(model),
+        "--dtype",
+        "bfloat16",
+        "--max-total-tokens",
+        "40000",
+        "--mem-fraction-static",
+        "0.3",
+        "--sampling-backend",
+        "pytorch",
+        "--log-level",
+        "info",
+        "--wgkv-attention",
+        "kernels",
+        "--cuda-graph-max-bs-decode",
+        "8",
+        "--disable-prefill-cuda-graph",
+        "--wgkv-local-window",
+        str(W_LOCAL),
+        "--wgkv-gates",
+        str(tmp / "gates"),
+    ]
     return tmp, args
 
 
@@ -85,13 +123,26 @@ def prompts():
 
 
 def run(server, ids):
-    r = requests.post(server.url + "/generate", timeout=600, json={
-        "input_ids": ids, "return_logprob": True, "top_logprobs_num": 2,
-        "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}})
+    r = requests.post(
+        server.url + "/generate",
+        timeout=600,
+        json={
+            "input_ids": ids,
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+            "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True},
+        },
+    )
     r.raise_for_status()
-    return [(o["output_ids"], [lp[0] for lp in o["meta_info"]["output_token_logprobs"]],
-             [[lp[0] for lp in top] for top in o["meta_info"]["output_top_logprobs"]],
-             [u for u in o["meta_info"]["wgkv"] if u][-1]["admitted_fraction"]) for o in r.json()]
+    return [
+        (
+            o["output_ids"],
+            [lp[0] for lp in o["meta_info"]["output_token_logprobs"]],
+            [[lp[0] for lp in top] for top in o["meta_info"]["output_top_logprobs"]],
+            [u for u in o["meta_info"]["wgkv"] if u][-1]["admitted_fraction"],
+        )
+        for o in r.json()
+    ]
 
 
 def test_tp2_matches_tp1(setup):
@@ -119,18 +170,24 @@ def test_tp2_mixed_run_with_aborts_and_radix_leaves_every_rank_clean(setup):
     try:
         rng = np.random.default_rng(3)
         prefix = rng.integers(1, VOCAB, 200).tolist()
-        texts = [" ".join(f"t{i}" for i in prefix + rng.integers(1, VOCAB, 20 + 30 * k).tolist()) for k in range(8)]
+        texts = [
+            " ".join(f"t{i}" for i in prefix + rng.integers(1, VOCAB, 20 + 30 * k).tolist()) for k in range(8)
+        ]
         results = {}
-        threads = [threading.Thread(target=stream_generate, args=(server, f"tp-{k}", texts[k], 64,
-                                                                  3 if k % 3 == 0 else None, results, 600))
-                   for k in range(8)]
+        threads = [
+            threading.Thread(
+                target=stream_generate,
+                args=(server, f"tp-{k}", texts[k], 64, 3 if k % 3 == 0 else None, results, 600),
+            )
+            for k in range(8)
+        ]
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=600)
         for k in range(8):
             assert results[f"tp-{k}"]["finish_reason"]["type"] == ("abort" if k % 3 == 0 else "length")
-        again = run(server, [prefix + [5, 6, 7]])                           # a radix hit on the shared prefix
+        again = run(server, [prefix + [5, 6, 7]])  # a radix hit on the shared prefix
         assert len(again[0][0]) == NEW_TOKENS
         stats = server.wait_idle_checked()
         assert stats["free_pages"] + stats["radix"]["snapshot_pages"] == stats["total_pages"]

@@ -5,7 +5,6 @@ carries an error of its own. (The float32 logprobs themselves: tests/test_served
 import random
 
 import pytest
-
 from test_gpu_serving import FLOOR_FACTOR, FLOOR_SLACK, path_errors, within_floor
 
 

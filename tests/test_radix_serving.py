@@ -14,8 +14,7 @@ import time
 
 import pytest
 import requests
-
-from serving_support import flush_cache, Server, long_prompt, shipped_gates_at
+from serving_support import Server, flush_cache, long_prompt, shipped_gates_at
 
 pytestmark = [pytest.mark.serving, pytest.mark.radix]
 
@@ -25,13 +24,21 @@ NEW_TOKENS = 6
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("radix")
-    s = Server(["--wgkv-local-window", "32", "--chunked-prefill-size", "64",
-                "--wgkv-gates", str(shipped_gates_at(tmp / "gates", 32))], tmp / "server.log")
+    s = Server(
+        [
+            "--wgkv-local-window",
+            "32",
+            "--chunked-prefill-size",
+            "64",
+            "--wgkv-gates",
+            str(shipped_gates_at(tmp / "gates", 32)),
+        ],
+        tmp / "server.log",
+    )
     try:
         yield s.wait_healthy()
     finally:
         s.stop()
-
 
 
 def _run(server, prompts, cold: bool):
@@ -56,8 +63,10 @@ def _compare(name, server, prompts):
     assert all(c[1] == 0 for c in cold)
     hit = sum(w[1] for w in warm) / sum(w[2] for w in warm)
     t_cold, t_warm = sum(c[3] for c in cold), sum(w[3] for w in warm)
-    print(f"\n{name}: hit rate {hit:.1%} ({sum(w[1] for w in warm)}/{sum(w[2] for w in warm)} prompt tokens), "
-          f"wall {t_cold:.2f} s cold vs {t_warm:.2f} s warm ({NEW_TOKENS} new tokens per request)")
+    print(
+        f"\n{name}: hit rate {hit:.1%} ({sum(w[1] for w in warm)}/{sum(w[2] for w in warm)} prompt tokens), "
+        f"wall {t_cold:.2f} s cold vs {t_warm:.2f} s warm ({NEW_TOKENS} new tokens per request)"
+    )
     stats = server.wait_idle_checked()
     assert stats["free_pages"] + stats["radix"]["snapshot_pages"] == stats["total_pages"]
     return hit, stats
@@ -84,8 +93,12 @@ def test_multi_turn_chat_same_outputs_with_hits(server):
 
 
 def _stream(server, rid, prompt, abort_after, results):
-    body = {"text": prompt, "rid": rid, "stream": True,
-            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "text": prompt,
+        "rid": rid,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+    }
     last, chunks = None, 0
     with requests.post(server.url + "/generate", json=body, stream=True, timeout=900) as r:
         for line in r.iter_lines():
@@ -93,7 +106,7 @@ def _stream(server, rid, prompt, abort_after, results):
                 chunks, last = chunks + 1, line
                 if chunks == abort_after:
                     requests.post(server.url + "/abort_request", json={"rid": rid}, timeout=60)
-    results[rid] = json.loads(last[len(b"data:"):])["meta_info"] if last else None
+    results[rid] = json.loads(last[len(b"data:") :])["meta_info"] if last else None
 
 
 # the 500-request soak (about 3 min on 2 cores); WGKV_RADIX_SOAK=N for a quick run
@@ -103,11 +116,19 @@ N_RANDOM = int(os.environ.get("WGKV_RADIX_SOAK", "500"))
 def test_random_requests_with_aborts_keep_integrity(server):
     rng = random.Random(0)
     prefixes = [long_prompt(n, seed=s) for n, s in ((8, 1), (14, 2), (20, 3))]
-    jobs = [(f"rnd-{i}", rng.choice(prefixes)[: rng.randint(60, 400)] + f" Q{rng.randint(0, 999)}?",
-             rng.choice([None, None, None, 1, 3])) for i in range(N_RANDOM)]
+    jobs = [
+        (
+            f"rnd-{i}",
+            rng.choice(prefixes)[: rng.randint(60, 400)] + f" Q{rng.randint(0, 999)}?",
+            rng.choice([None, None, None, 1, 3]),
+        )
+        for i in range(N_RANDOM)
+    ]
     results = {}
     for start in range(0, N_RANDOM, 6):  # six concurrent streams at a time
-        threads = [threading.Thread(target=_stream, args=(server, *job, results)) for job in jobs[start:start + 6]]
+        threads = [
+            threading.Thread(target=_stream, args=(server, *job, results)) for job in jobs[start : start + 6]
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -116,7 +137,9 @@ def test_random_requests_with_aborts_keep_integrity(server):
     assert sum(m["cached_tokens"] for m in results.values() if m) > 0
     stats = server.wait_idle_checked()  # strict idle check: a leak kills the scheduler
     assert stats["free_pages"] + stats["radix"]["snapshot_pages"] == stats["total_pages"]
-    assert server.generate("The capital of France is", max_new_tokens=4)["meta_info"]["completion_tokens"] == 4
+    assert (
+        server.generate("The capital of France is", max_new_tokens=4)["meta_info"]["completion_tokens"] == 4
+    )
     flush_cache(server)
     stats = server.wait_idle_checked()
     assert stats["radix"]["snapshots"] == 0 and stats["free_pages"] == stats["total_pages"]

@@ -11,12 +11,11 @@ import pytest
 import requests
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from serving_support import Server, embedded_plan, long_prompt
 
 pytestmark = pytest.mark.scale
 
-BUDGET = 832       # --max-total-tokens: dense tokens of KV memory
+BUDGET = 832  # --max-total-tokens: dense tokens of KV memory
 W_LOCAL = 16
 KV_BUDGET = 16
 CHUNK = 128
@@ -32,27 +31,44 @@ def test_bounded_split_arithmetic():
     # P: what the longest prompt admits beyond the budget, at most 1/4 of it
     assert prompt_reserve(10_000, kv_budget=64, local_window=32, context_len=4096) == 2496
     assert prompt_reserve(100_000, kv_budget=64, local_window=32, context_len=4096) == 4096 - 96
-    s = bounded_split(10_000, 2048, kv_budget=64, local_window=32, chunk_tokens=100, context_len=4096,
-                      window_tokens=10)
+    s = bounded_split(
+        10_000, 2048, kv_budget=64, local_window=32, chunk_tokens=100, context_len=4096, window_tokens=10
+    )
     slot = 32 + 64 + 32
     # nothing is set aside for prompts: every slot is a request's, prompts take free slots' pages
     assert s.max_requests == 10_000 // (slot + 10) and s.prompt_cap == 64 + 2496
     assert s.logical_tokens == s.max_requests * 4096 and s.physical_tokens == 10_000 - 10 * s.max_requests
     assert s.prompt.spare_tokens == s.physical_tokens - s.max_requests * slot >= 0
-    assert bounded_split(10_000, 5, kv_budget=64, local_window=32, chunk_tokens=100, context_len=4096).max_requests == 5
-    with_prefix = bounded_split(10_000, 2048, kv_budget=64, local_window=32, chunk_tokens=100, context_len=4096,
-                                window_tokens=10, prefix_cache=True)
+    assert (
+        bounded_split(
+            10_000, 5, kv_budget=64, local_window=32, chunk_tokens=100, context_len=4096
+        ).max_requests
+        == 5
+    )
+    with_prefix = bounded_split(
+        10_000,
+        2048,
+        kv_budget=64,
+        local_window=32,
+        chunk_tokens=100,
+        context_len=4096,
+        window_tokens=10,
+        prefix_cache=True,
+    )
     assert with_prefix.restore_slots >= 1
     # a restored snapshot may hold a prompt's global part (taken before the prompt's end)
     restored = 32 + 64 + 2496 + 16
     assert with_prefix.max_requests * (slot + 10) + with_prefix.restore_slots * restored <= 10_000
 
 
-@pytest.mark.parametrize("budget, chunk, cap", [
-    (600, 256, 64 + 144),   # P = 1/4 of the budget: the longest prompt fits beside nothing else
-    (520, 320, 64 + 48),    # it would not (P = 128): P shrinks to the free slots' room, 3 x 128 + 8
-    (520, 512, None),       # one chunk's excess alone does not fit: no bounded plan
-])
+@pytest.mark.parametrize(
+    "budget, chunk, cap",
+    [
+        (600, 256, 64 + 144),  # P = 1/4 of the budget: the longest prompt fits beside nothing else
+        (520, 320, 64 + 48),  # it would not (P = 128): P shrinks to the free slots' room, 3 x 128 + 8
+        (520, 512, None),  # one chunk's excess alone does not fit: no bounded plan
+    ],
+)
 def test_bounded_split_lets_the_longest_prompt_run(budget, chunk, cap):
     from sglang_wgkv.integration.capacity import bounded_split
 
@@ -66,11 +82,14 @@ def test_prompt_rule_table():
     from sglang_wgkv.integration.capacity import PromptRule
 
     # W_local 256, budget 512 (a slot: 256 + 512 + 32), cap 512 + 1024, chunk 2048, 10 slots, 100 spare
-    rule = PromptRule(local_window=256, slot_tokens=800, cap=1536, chunk_tokens=2048, requests=10, spare_tokens=100)
+    rule = PromptRule(
+        local_window=256, slot_tokens=800, cap=1536, chunk_tokens=2048, requests=10, spare_tokens=100
+    )
     for prompt_len, excess in [
-        (0, 0), (752, 0),         # within the slot: ring + 31 pages of global + the 3 spare pages
-        (768, 16),                # ring + budget exactly: one page past the slot
-        (1024, 272),              # 768 global tokens: 256 past the budget, + 1 page
+        (0, 0),
+        (752, 0),  # within the slot: ring + 31 pages of global + the 3 spare pages
+        (768, 16),  # ring + budget exactly: one page past the slot
+        (1024, 272),  # 768 global tokens: 256 past the budget, + 1 page
         (8192, 1536 + 2048 + 48 - 512 - 32),  # capped: cap + one chunk, never the whole prompt
     ]:
         assert rule.excess_tokens(prompt_len) == excess, prompt_len
@@ -91,10 +110,24 @@ def test_prompt_excess_covers_every_chunk_of_the_pool(w_pages, b_tokens, chunk_p
 
     W, C = PAGE_SIZE * w_pages, data.draw(st.integers(1, PAGE_SIZE * chunk_pages))
     steady = request_bound_tokens(b_tokens, W)
-    rule = PromptRule(local_window=W, slot_tokens=steady + 2 * PAGE_SIZE, cap=steady - W + PAGE_SIZE * p_pages,
-                      chunk_tokens=PAGE_SIZE * -(-C // PAGE_SIZE), requests=1, spare_tokens=0)
-    pool = DualCachePool(1, 1, 4, num_pages=8, max_requests=1, max_context_len=4096,
-                         config=WGKVConfig(local_window=W), dtype=torch.float32)
+    rule = PromptRule(
+        local_window=W,
+        slot_tokens=steady + 2 * PAGE_SIZE,
+        cap=steady - W + PAGE_SIZE * p_pages,
+        chunk_tokens=PAGE_SIZE * -(-C // PAGE_SIZE),
+        requests=1,
+        spare_tokens=0,
+    )
+    pool = DualCachePool(
+        1,
+        1,
+        4,
+        num_pages=8,
+        max_requests=1,
+        max_context_len=4096,
+        config=WGKVConfig(local_window=W),
+        dtype=torch.float32,
+    )
     length = data.draw(st.integers(1, 2000))
     start = data.draw(st.integers(0, length - 1))  # a chunk boundary
     n = min(length - start, C)
@@ -108,8 +141,22 @@ def test_prompt_excess_covers_every_chunk_of_the_pool(w_pages, b_tokens, chunk_p
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("scale_capacity")
     # fresh gates admit every token: the evictor alone bounds each stream
-    srv = Server(["--max-total-tokens", str(BUDGET), "--wgkv-gates", "fresh", "--wgkv-local-window", str(W_LOCAL),
-                  "--kv-budget", str(KV_BUDGET), "--chunked-prefill-size", str(CHUNK), "--disable-radix-cache"], tmp / "server.log")
+    srv = Server(
+        [
+            "--max-total-tokens",
+            str(BUDGET),
+            "--wgkv-gates",
+            "fresh",
+            "--wgkv-local-window",
+            str(W_LOCAL),
+            "--kv-budget",
+            str(KV_BUDGET),
+            "--chunked-prefill-size",
+            str(CHUNK),
+            "--disable-radix-cache",
+        ],
+        tmp / "server.log",
+    )
     try:
         yield srv.wait_healthy()
     finally:
@@ -122,8 +169,9 @@ def _generate(server, prompt):
 
 def test_more_concurrent_requests_than_dense_and_queueing(server):
     info = requests.get(server.url + "/get_server_info", timeout=60).json()
-    expect = embedded_plan(BUDGET, kv_budget=KV_BUDGET, local_window=W_LOCAL, evictor_window=W_LOCAL,
-                           chunk_tokens=CHUNK)
+    expect = embedded_plan(
+        BUDGET, kv_budget=KV_BUDGET, local_window=W_LOCAL, evictor_window=W_LOCAL, chunk_tokens=CHUNK
+    )
     assert expect.mode == "bounded"
     slots = info["internal_states"][0]["effective_max_running_requests_per_dp"]
     assert slots == expect.max_requests == 8 and info["max_total_num_tokens"] == expect.logical_tokens
@@ -132,7 +180,7 @@ def test_more_concurrent_requests_than_dense_and_queueing(server):
     with cf.ThreadPoolExecutor(N_REQUESTS) as ex:
         together = list(ex.map(lambda p: _generate(server, p), prompts))
     prompt_tokens = min(o["meta_info"]["prompt_tokens"] for o in together)
-    dense_fit = BUDGET // prompt_tokens            # a dense pool holds every token of a running request
+    dense_fit = BUDGET // prompt_tokens  # a dense pool holds every token of a running request
     stats = server.wait_idle_checked()
     # capacity: more than twice the requests a dense pool holds; seen: more running at once than it
     # could hold (how many of the slots fill depends on scheduling order); the rest queued
@@ -155,9 +203,22 @@ TIGHT = {"budget": 1800, "w_local": 64, "chunk": 256}
 @pytest.fixture(scope="module")
 def tight_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("scale_capacity_tight")
-    srv = Server(["--max-total-tokens", str(TIGHT["budget"]), "--wgkv-gates", "fresh",
-                  "--wgkv-local-window", str(TIGHT["w_local"]), "--kv-budget", str(KV_BUDGET),
-                  "--chunked-prefill-size", str(TIGHT["chunk"]), "--disable-radix-cache"], tmp / "server.log")
+    srv = Server(
+        [
+            "--max-total-tokens",
+            str(TIGHT["budget"]),
+            "--wgkv-gates",
+            "fresh",
+            "--wgkv-local-window",
+            str(TIGHT["w_local"]),
+            "--kv-budget",
+            str(KV_BUDGET),
+            "--chunked-prefill-size",
+            str(TIGHT["chunk"]),
+            "--disable-radix-cache",
+        ],
+        tmp / "server.log",
+    )
     try:
         yield srv.wait_healthy()
     finally:
@@ -173,8 +234,13 @@ def test_long_prompt_waits_for_room_while_every_other_slot_decodes(tight_server)
     import time
 
     server = tight_server
-    plan = embedded_plan(TIGHT["budget"], kv_budget=KV_BUDGET, local_window=TIGHT["w_local"],
-                         evictor_window=TIGHT["w_local"], chunk_tokens=TIGHT["chunk"])
+    plan = embedded_plan(
+        TIGHT["budget"],
+        kv_budget=KV_BUDGET,
+        local_window=TIGHT["w_local"],
+        evictor_window=TIGHT["w_local"],
+        chunk_tokens=TIGHT["chunk"],
+    )
     assert (plan.max_requests, plan.prompt_cap, plan.prompt.slot_tokens) == (8, 464, 112)
     long = long_prompt(50, seed=9)
     shorts = [long_prompt(1, seed=i) for i in range(7)]  # ~20 tokens, within the ring: no excess
@@ -207,13 +273,17 @@ def test_long_prompt_waits_for_room_while_every_other_slot_decodes(tight_server)
 
 
 def _stream_usage(server, path, body):
-    r = requests.post(server.url + path, timeout=600, stream=True,
-                      json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    r = requests.post(
+        server.url + path,
+        timeout=600,
+        stream=True,
+        json={**body, "stream": True, "stream_options": {"include_usage": True}},
+    )
     r.raise_for_status()
     usage_chunks = []
     for line in r.iter_lines(decode_unicode=True):
         if line.startswith("data: {"):
-            chunk = json.loads(line[len("data: "):])
+            chunk = json.loads(line[len("data: ") :])
             if chunk.get("usage") and not chunk.get("choices"):
                 usage_chunks.append(chunk["usage"])
     assert len(usage_chunks) == 1
@@ -222,14 +292,19 @@ def _stream_usage(server, path, body):
 
 def test_streaming_usage_carries_wgkv(server):
     prompt = long_prompt(12, seed=5)
-    chat = {"model": "default", "messages": [{"role": "user", "content": prompt}], "max_tokens": 4,
-            "temperature": 0}
+    chat = {
+        "model": "default",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
     streamed = _stream_usage(server, "/v1/chat/completions", chat)
     plain = requests.post(server.url + "/v1/chat/completions", json=chat, timeout=600).json()["usage"]
     assert streamed["completion_tokens"] == plain["completion_tokens"]
     assert streamed["wgkv"]["cached_tokens"] == plain["wgkv"]["cached_tokens"] > W_LOCAL
     assert streamed["wgkv"]["admitted_fraction"] == pytest.approx(1.0)
-    comp = _stream_usage(server, "/v1/completions", {"model": "default", "prompt": prompt, "max_tokens": 3,
-                                                     "temperature": 0})
+    comp = _stream_usage(
+        server, "/v1/completions", {"model": "default", "prompt": prompt, "max_tokens": 3, "temperature": 0}
+    )
     assert comp["wgkv"]["mean_kv_tokens_per_head"] > W_LOCAL
     server.wait_idle_checked()

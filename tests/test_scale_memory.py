@@ -27,8 +27,9 @@ def _serving_memory():
 def test_default_server_survives_the_mixed_workload(tmp_path):
     from sglang_wgkv.launch_server import CPU_KV_RAM_FRACTION
 
-    result = _serving_memory().measure(["--sleep-on-idle"], "wgkv_default", tmp_path / "server.log",
-                                       long_prompt_count=1, long_tokens=6000)
+    result = _serving_memory().measure(
+        ["--sleep-on-idle"], "wgkv_default", tmp_path / "server.log", long_prompt_count=1, long_tokens=6000
+    )
     summary = {k: v for k, v in result.items() if k != "rss_timeline"}
     assert result["survived"], json.dumps(summary) + (tmp_path / "server.log").read_text()[-3000:]
     assert all(p.get("ok", True) for p in result["phases"].values()), json.dumps(summary)

@@ -4,20 +4,19 @@ pool is retracted / queued by SGLang's scheduler instead of crashing, with every
 request's output run alone and a clean idle check afterwards.
 """
 
-import concurrent.futures as cf
 import random
 
 import pytest
 import requests
 import torch
-
 from serving_support import Server, embedded_plan, save_head_gates
+
 from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.memory import DualCachePool
 
 pytestmark = pytest.mark.scale
 
-BUDGET = 512       # --max-total-tokens: dense tokens of KV memory
+BUDGET = 512  # --max-total-tokens: dense tokens of KV memory
 FACTOR = 2.0
 W_LOCAL = 16
 
@@ -27,8 +26,11 @@ def test_overcommit_split():
 
     dense = dense_split(2048, 1000)
     s = overcommit_split(2048, 1000, 2.0)
-    assert (s.logical_tokens, s.max_requests, s.physical_tokens) == (2 * dense.logical_tokens,
-                                                                     2 * dense.max_requests, 2048)
+    assert (s.logical_tokens, s.max_requests, s.physical_tokens) == (
+        2 * dense.logical_tokens,
+        2 * dense.max_requests,
+        2048,
+    )
     assert s.max_request_tokens == dense.logical_tokens
     assert overcommit_split(2048, 10, 3.0).max_requests == 10
 
@@ -43,8 +45,11 @@ def test_overcommit_flag():
     assert resolve(["--device", "cuda"])[0].overcommit == DEFAULT_GPU_OVERCOMMIT  # GPU default
     assert resolve(["--device", "cuda", "--kv-budget", "512"])[0].overcommit is None
     assert resolve(["--device", "cuda", "--wgkv-overcommit", "2"])[0].overcommit == 2
-    for bad in (["--wgkv-overcommit", "1"], ["--wgkv-overcommit", "2", "--kv-budget", "64"],
-                ["--disable-wgkv", "--wgkv-overcommit", "2"]):
+    for bad in (
+        ["--wgkv-overcommit", "1"],
+        ["--wgkv-overcommit", "2", "--kv-budget", "64"],
+        ["--disable-wgkv", "--wgkv-overcommit", "2"],
+    ):
         with pytest.raises(ValueError):
             resolve(bad)
 
@@ -55,15 +60,24 @@ def test_extend_bound_covers_any_chunking(seed):
     exceeds :meth:`DualCachePool.extend_bound` of the whole extend (the prefill guard's reserve)."""
     rng = random.Random(seed)
     L, H, D, W = 2, 2, 4, rng.choice([16, 32, 48])
-    pool = DualCachePool(L, H, D, num_pages=2000, max_requests=2, max_context_len=400,
-                         config=WGKVConfig(local_window=W), dtype=torch.float32)
+    pool = DualCachePool(
+        L,
+        H,
+        D,
+        num_pages=2000,
+        max_requests=2,
+        max_context_len=400,
+        config=WGKVConfig(local_window=W),
+        dtype=torch.float32,
+    )
     pool.alloc_request(0)
     prefix = rng.randrange(0, 80)
     if prefix:
         pool.begin_extend([0], [0], [prefix])
         for layer in range(L):
-            pool.write_extend(layer, torch.zeros(prefix, H, D), torch.zeros(prefix, H, D),
-                              torch.rand(prefix, H) < 0.5)
+            pool.write_extend(
+                layer, torch.zeros(prefix, H, D), torch.zeros(prefix, H, D), torch.rand(prefix, H) < 0.5
+            )
     total = rng.randrange(1, 250)
     bound = pool.extend_bound(prefix, total)
     start_free = pool.num_free_pages()
@@ -91,8 +105,16 @@ def test_restore_bound_covers_restore(prefix):
     overcommit prefill guard adds it to a hit's prompt reserve), and exactly that much when every
     stream's last global page is partial."""
     L, H, D, W = 2, 3, 4, 32
-    pool = DualCachePool(L, H, D, num_pages=500, max_requests=3, max_context_len=200,
-                         config=WGKVConfig(local_window=W), dtype=torch.float32)
+    pool = DualCachePool(
+        L,
+        H,
+        D,
+        num_pages=500,
+        max_requests=3,
+        max_context_len=200,
+        config=WGKVConfig(local_window=W),
+        dtype=torch.float32,
+    )
     pool.alloc_request(0)
     pool.begin_extend([0], [0], [prefix])
     admit = torch.zeros(prefix, H, dtype=torch.bool)
@@ -114,8 +136,16 @@ def test_restore_bound_covers_restore(prefix):
 
 
 def test_decode_worst_case_matches_begin_decode():
-    pool = DualCachePool(1, 2, 4, num_pages=100, max_requests=4, max_context_len=200,
-                         config=WGKVConfig(local_window=32), dtype=torch.float32)
+    pool = DualCachePool(
+        1,
+        2,
+        4,
+        num_pages=100,
+        max_requests=4,
+        max_context_len=200,
+        config=WGKVConfig(local_window=32),
+        dtype=torch.float32,
+    )
     # ring page boundary (0, 16) or promoting (>= 32): one page per stream (2 streams)
     assert pool.decode_worst_case([0, 5, 16, 31, 32, 40]) == 2 * 4
 
@@ -124,8 +154,20 @@ def test_decode_worst_case_matches_begin_decode():
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("overcommit")
     gates = save_head_gates(tmp / "gates", [30.0, -30.0, -30.0], W_LOCAL)  # 1 of 3 heads admits
-    srv = Server(["--max-total-tokens", str(BUDGET), "--wgkv-gates", str(gates), "--wgkv-local-window", str(W_LOCAL),
-                  "--wgkv-overcommit", str(FACTOR), "--disable-radix-cache"], tmp / "server.log")
+    srv = Server(
+        [
+            "--max-total-tokens",
+            str(BUDGET),
+            "--wgkv-gates",
+            str(gates),
+            "--wgkv-local-window",
+            str(W_LOCAL),
+            "--wgkv-overcommit",
+            str(FACTOR),
+            "--disable-radix-cache",
+        ],
+        tmp / "server.log",
+    )
     try:
         yield srv.wait_healthy()
     finally:
@@ -143,8 +185,9 @@ def _generate(server, input_ids, out, admission):
     params = {"max_new_tokens": out, "temperature": 0, "ignore_eos": True}
     if not admission:
         params["custom_params"] = {"wgkv": {"admission": False}}
-    r = requests.post(server.url + "/generate", json={"input_ids": input_ids, "sampling_params": params},
-                      timeout=900)
+    r = requests.post(
+        server.url + "/generate", json={"input_ids": input_ids, "sampling_params": params}, timeout=900
+    )
     r.raise_for_status()
     return r.json()
 

@@ -4,10 +4,8 @@ physical-pool guard (a hit's ring copy counted), more requests run than a dense 
 outputs equal the cold (cache-flushed) ones, and the idle check is clean.
 """
 
-
 import pytest
 import requests
-
 from serving_support import Server, flush_cache, save_head_gates
 
 pytestmark = pytest.mark.scale
@@ -20,18 +18,36 @@ PREFIX, SUFFIX, OUT, CHUNK = 120, 24, 6, 64
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("overcommit_radix")
     gates = save_head_gates(tmp / "gates", [30.0, -30.0, -30.0], W_LOCAL)  # 1 of 3 heads admits
-    srv = Server(["--max-total-tokens", "512", "--wgkv-gates", str(gates), "--wgkv-local-window", str(W_LOCAL),
-                  "--wgkv-overcommit", "2", "--chunked-prefill-size", str(CHUNK)], tmp / "server.log")
+    srv = Server(
+        [
+            "--max-total-tokens",
+            "512",
+            "--wgkv-gates",
+            str(gates),
+            "--wgkv-local-window",
+            str(W_LOCAL),
+            "--wgkv-overcommit",
+            "2",
+            "--chunked-prefill-size",
+            str(CHUNK),
+        ],
+        tmp / "server.log",
+    )
     try:
         yield srv.wait_healthy()
     finally:
         srv.stop()
 
 
-
 def _generate(server, input_ids):
-    r = requests.post(server.url + "/generate", timeout=900, json={
-        "input_ids": input_ids, "sampling_params": {"max_new_tokens": OUT, "temperature": 0, "ignore_eos": True}})
+    r = requests.post(
+        server.url + "/generate",
+        timeout=900,
+        json={
+            "input_ids": input_ids,
+            "sampling_params": {"max_new_tokens": OUT, "temperature": 0, "ignore_eos": True},
+        },
+    )
     r.raise_for_status()
     return r.json()
 
@@ -47,8 +63,8 @@ def test_prefix_hits_under_overcommit(server):
         flush_cache(server)
         cold.append(_generate(server, p)["output_ids"])
     flush_cache(server)
-    first = _generate(server, prompts[0])                  # fills the tree with the shared prefix
-    warm = _generate(server, prompts[1:])                  # three hits, batched
+    first = _generate(server, prompts[0])  # fills the tree with the shared prefix
+    warm = _generate(server, prompts[1:])  # three hits, batched
     assert first["output_ids"] == cold[0]
     assert [w["output_ids"] for w in warm] == cold[1:]
     # snapshots sit at chunk boundaries and prompt ends: at least the first one's chunk boundary inside

@@ -10,7 +10,6 @@ import time
 
 import pytest
 import requests
-
 from serving_support import Server, long_prompt, save_head_gates
 
 pytestmark = pytest.mark.scale
@@ -26,11 +25,20 @@ def test_request_admission_parse():
     assert RequestAdmission.parse({"tau": 0.3}).effective_tau(0.1) == 0.3
     assert RequestAdmission.parse({"tau": 0}).effective_tau(0.1) == 0.0
     assert RequestAdmission.parse({"admission": False}).effective_tau(0.1) == ADMISSION_OFF_TAU
-    keys = {RequestAdmission.parse(raw).cache_key() for raw in (None, {"tau": 0.3}, {"tau": 0.0}, {"admission": False})}
+    keys = {
+        RequestAdmission.parse(raw).cache_key()
+        for raw in (None, {"tau": 0.3}, {"tau": 0.0}, {"admission": False})
+    }
     assert len(keys) == 4 and RequestAdmission.parse({}).cache_key() == ""
-    for bad, msg in (({"tau": 1.5}, "in \\[0, 1\\]"), ({"tau": True}, "in \\[0, 1\\]"), ({"tau": "0.3"}, "in \\[0, 1\\]"),
-                     ({"tua": 0.3}, "unknown field"), ({"admission": 0}, "true or false"), ([0.3], "an object"),
-                     ({"tau": 0.3, "admission": False}, "no effect")):
+    for bad, msg in (
+        ({"tau": 1.5}, "in \\[0, 1\\]"),
+        ({"tau": True}, "in \\[0, 1\\]"),
+        ({"tau": "0.3"}, "in \\[0, 1\\]"),
+        ({"tua": 0.3}, "unknown field"),
+        ({"admission": 0}, "true or false"),
+        ([0.3], "an object"),
+        ({"tau": 0.3, "admission": False}, "no effect"),
+    ):
         with pytest.raises(ValueError, match=msg):
             RequestAdmission.parse(bad)
 
@@ -39,8 +47,18 @@ def test_request_admission_parse():
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("scale_serving")
     save_head_gates(tmp / "gates", [-30.0, 30.0, 30.0], W_LOCAL)
-    srv = Server(["--wgkv-local-window", str(W_LOCAL), "--wgkv-gates", str(tmp / "gates"),
-                  "--kv-budget", str(KV_BUDGET), "--enable-metrics"], tmp / "server.log")
+    srv = Server(
+        [
+            "--wgkv-local-window",
+            str(W_LOCAL),
+            "--wgkv-gates",
+            str(tmp / "gates"),
+            "--kv-budget",
+            str(KV_BUDGET),
+            "--enable-metrics",
+        ],
+        tmp / "server.log",
+    )
     try:
         yield srv.wait_healthy()
     finally:
@@ -57,9 +75,17 @@ def _usage(out: dict) -> dict:
 def test_per_request_tau_in_one_batch(server):
     """Three requests of one /generate call run in the same batches with three thresholds."""
     prompt = long_prompt(20)
-    params = [{"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, **extra} for extra in
-              ({}, {"custom_params": {"wgkv": {"tau": 0.0}}}, {"custom_params": {"wgkv": {"admission": False}}})]
-    r = requests.post(server.url + "/generate", json={"text": [prompt] * 3, "sampling_params": params}, timeout=900)
+    params = [
+        {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, **extra}
+        for extra in (
+            {},
+            {"custom_params": {"wgkv": {"tau": 0.0}}},
+            {"custom_params": {"wgkv": {"admission": False}}},
+        )
+    ]
+    r = requests.post(
+        server.url + "/generate", json={"text": [prompt] * 3, "sampling_params": params}, timeout=900
+    )
     r.raise_for_status()
     default, tau0, off = (_usage(o) for o in r.json())
     assert default["tau"] == pytest.approx(0.1) and tau0["tau"] == 0.0 and off["tau"] is None
@@ -73,18 +99,30 @@ def test_per_request_tau_in_one_batch(server):
         assert u["max_global_tokens_per_head"] <= KV_BUDGET + 1
     # head 0 holds nothing globally in the default request, so its mean is 2/3 of the others'
     assert default["mean_global_tokens_per_head"] < 0.75 * tau0["mean_global_tokens_per_head"]
-    assert default["mean_kv_tokens_per_head"] == pytest.approx(default["mean_global_tokens_per_head"] + W_LOCAL)
+    assert default["mean_kv_tokens_per_head"] == pytest.approx(
+        default["mean_global_tokens_per_head"] + W_LOCAL
+    )
     server.wait_idle_checked()
 
 
 @pytest.mark.parametrize("bad", [{"tau": 2}, {"tua": 0.1}, {"admission": "off"}])
 def test_invalid_request_params_are_400(server, bad):
-    r = requests.post(server.url + "/generate", timeout=120, json={
-        "text": "Hi", "sampling_params": {"max_new_tokens": 2, "custom_params": {"wgkv": bad}}})
+    r = requests.post(
+        server.url + "/generate",
+        timeout=120,
+        json={"text": "Hi", "sampling_params": {"max_new_tokens": 2, "custom_params": {"wgkv": bad}}},
+    )
     assert r.status_code == 400 and "custom_params.wgkv" in r.text
-    r = requests.post(server.url + "/v1/chat/completions", timeout=120, json={
-        "model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
-        "custom_params": {"wgkv": bad}})
+    r = requests.post(
+        server.url + "/v1/chat/completions",
+        timeout=120,
+        json={
+            "model": "default",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 2,
+            "custom_params": {"wgkv": bad},
+        },
+    )
     assert r.status_code == 400 and "custom_params.wgkv" in r.text
 
 
@@ -93,15 +131,21 @@ def test_openai_usage_reports_wgkv(server):
     body = {"model": "default", "messages": msg, "max_tokens": 6, "temperature": 0}
     dflt = requests.post(server.url + "/v1/chat/completions", json=body, timeout=900).json()["usage"]
     # same prompt: with prefix caching on, the default request's prefix must not be reused here
-    off = requests.post(server.url + "/v1/chat/completions", timeout=900,
-                        json={**body, "custom_params": {"wgkv": {"admission": False}}}).json()["usage"]
+    off = requests.post(
+        server.url + "/v1/chat/completions",
+        timeout=900,
+        json={**body, "custom_params": {"wgkv": {"admission": False}}},
+    ).json()["usage"]
     assert dflt["completion_tokens"] >= 1
     assert dflt["wgkv"]["admitted_fraction"] == pytest.approx(2 / 3, abs=1e-6)
     assert off["wgkv"]["admitted_fraction"] == pytest.approx(1.0) and not off["wgkv"]["admission"]
     assert off["wgkv"]["mean_kv_tokens_per_head"] > dflt["wgkv"]["mean_kv_tokens_per_head"]
     assert dflt["wgkv"]["eviction_triggers"] >= 1
-    comp = requests.post(server.url + "/v1/completions", timeout=900, json={
-        "model": "default", "prompt": long_prompt(12), "max_tokens": 4, "temperature": 0, "n": 1}).json()
+    comp = requests.post(
+        server.url + "/v1/completions",
+        timeout=900,
+        json={"model": "default", "prompt": long_prompt(12), "max_tokens": 4, "temperature": 0, "n": 1},
+    ).json()
     assert comp["usage"]["wgkv"]["mean_kv_tokens_per_head"] > W_LOCAL
     server.wait_idle_checked()
 
@@ -122,8 +166,10 @@ def test_prometheus_series(server):
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:  # published with SGLang's own stats (the idle one included)
         m = _metrics(server)
-        if m.get("sglang:wgkv_eviction_triggers_total", 0) >= stats["eviction_triggers_total"] and \
-                m.get("sglang:wgkv_active_requests") == 0:
+        if (
+            m.get("sglang:wgkv_eviction_triggers_total", 0) >= stats["eviction_triggers_total"]
+            and m.get("sglang:wgkv_active_requests") == 0
+        ):
             break
         time.sleep(2)
     assert m["sglang:wgkv_eviction_triggers_total"] == stats["eviction_triggers_total"] >= 1

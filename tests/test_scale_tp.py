@@ -7,7 +7,6 @@ servers run one after the other (two cores).
 """
 
 import pytest
-
 from serving_support import Server, long_prompt, save_head_gates
 
 pytestmark = pytest.mark.scale
@@ -35,7 +34,9 @@ def test_select_heads_matches_full_gates():
     for heads in ([0], [1, 2], [2]):
         part = full.select_heads(heads)
         assert part.config.num_kv_heads == len(heads)
-        torch.testing.assert_close(part(1, k_pre[:, heads], k_post[:, heads]), full(1, k_pre, k_post)[:, heads])
+        torch.testing.assert_close(
+            part(1, k_pre[:, heads], k_post[:, heads]), full(1, k_pre, k_post)[:, heads]
+        )
 
 
 def _run(tmp, gates, tp: int) -> tuple[list, list]:
@@ -43,10 +44,19 @@ def _run(tmp, gates, tp: int) -> tuple[list, list]:
     # binds threads to them only with AMX/arm64 kernels; here they are just a label per rank). The
     # venv's CUDA build of torch ships libnccl, which SGLang would then try to use on the CPU: point
     # it at no library so the TP group falls back to torch.distributed over gloo.
-    env = {"SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(r % 2) for r in range(tp)),
-           "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2"} if tp > 1 else None
-    srv = Server(["--wgkv-local-window", str(W_LOCAL), "--wgkv-gates", str(gates), "--tp-size", str(tp)],
-                 tmp / f"server_tp{tp}.log", env=env)
+    env = (
+        {
+            "SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(r % 2) for r in range(tp)),
+            "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2",
+        }
+        if tp > 1
+        else None
+    )
+    srv = Server(
+        ["--wgkv-local-window", str(W_LOCAL), "--wgkv-gates", str(gates), "--tp-size", str(tp)],
+        tmp / f"server_tp{tp}.log",
+        env=env,
+    )
     try:
         srv.wait_healthy()
         outs = srv.generate(PROMPTS, max_new_tokens=12)

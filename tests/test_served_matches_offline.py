@@ -11,17 +11,17 @@ in the offline policy moves the logprobs by 0.01-0.46 on the prompts that cross 
 """
 
 import pytest
-
 from serving_support import OfflineTruth, Server, embedded_model_dir, save_head_gates
 from test_gpu_serving import HEAD_BIAS, NEW_TOKENS, PROMPTS, W_LOCAL, common_args
 
 pytestmark = pytest.mark.serving
-TOLERANCE = 1e-3   # float32 against float32; a bf16 path lies ~0.1 from it (benchmarks/logprob_floor.py)
+TOLERANCE = 1e-3  # float32 against float32; a bf16 path lies ~0.1 from it (benchmarks/logprob_floor.py)
 
 
 def _greedy(server, prompts):
-    outs = server.generate(prompts, max_new_tokens=NEW_TOKENS, return_logprob=True,
-                           sampling_params={"ignore_eos": True})
+    outs = server.generate(
+        prompts, max_new_tokens=NEW_TOKENS, return_logprob=True, sampling_params={"ignore_eos": True}
+    )
     return [(o["output_ids"], [lp[0] for lp in o["meta_info"]["output_token_logprobs"]]) for o in outs]
 
 
@@ -33,12 +33,14 @@ def _max_error(truth, prompt, run) -> float:
 def test_float32_server_equals_offline_harness(tmp_path):
     model_dir = embedded_model_dir()
     gates = save_head_gates(tmp_path / "gates", HEAD_BIAS, W_LOCAL)
-    server = Server([*common_args(model_dir, gates), "--dtype", "float32", "--wgkv-attention", "reference"],
-                    tmp_path / "server.log")
+    server = Server(
+        [*common_args(model_dir, gates), "--dtype", "float32", "--wgkv-attention", "reference"],
+        tmp_path / "server.log",
+    )
     try:
         server.wait_healthy()
         alone = [_greedy(server, [p])[0] for p in PROMPTS]
-        batched = _greedy(server, PROMPTS)   # one concurrent batch of four lengths
+        batched = _greedy(server, PROMPTS)  # one concurrent batch of four lengths
     finally:
         server.stop()
     truth = OfflineTruth(model_dir, gates, W_LOCAL)

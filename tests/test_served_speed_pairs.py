@@ -13,36 +13,70 @@ import served_speed as ss  # noqa: E402
 
 
 def _rec(server_args: str, date: str) -> dict:
-    return {"server_command": shlex.join(["python", "-m", "x", "--port", "1", *shlex.split(server_args)]),
-            "date_utc": date}
+    return {
+        "server_command": shlex.join(["python", "-m", "x", "--port", "1", *shlex.split(server_args)]),
+        "date_utc": date,
+    }
 
 
 def test_one_lease_same_arguments_pass():
     w = ss.WORKLOADS["W4L"]
-    ss.check_comparable({"W4L": {"wgkv": _rec(w.server + " " + w.wgkv, "2026-12-03T22:31:00+00:00"),
-                                 "upstream": _rec(w.server, "2026-12-03T22:46:00+00:00")}})
+    ss.check_comparable(
+        {
+            "W4L": {
+                "wgkv": _rec(w.server + " " + w.wgkv, "2026-12-03T22:31:00+00:00"),
+                "upstream": _rec(w.server, "2026-12-03T22:46:00+00:00"),
+            }
+        }
+    )
 
 
 def test_changed_definition_is_refused():
     old = "--context-length 8192 --cuda-graph-max-bs-decode 64 --max-running-requests 64 --mem-fraction-static 0.19"
     with pytest.raises(ValueError, match="without the workload's arguments"):
-        ss.check_comparable({"W4": {"wgkv": _rec(ss.WORKLOADS["W4"].server, "2026-12-03T22:31:00+00:00"),
-                                    "upstream": _rec(old, "2026-12-03T22:46:00+00:00")}})
+        ss.check_comparable(
+            {
+                "W4": {
+                    "wgkv": _rec(ss.WORKLOADS["W4"].server, "2026-12-03T22:31:00+00:00"),
+                    "upstream": _rec(old, "2026-12-03T22:46:00+00:00"),
+                }
+            }
+        )
 
 
 def test_two_leases_are_refused():
     w = ss.WORKLOADS["W3"]
     with pytest.raises(ValueError, match="not one lease"):
-        ss.check_comparable({"W3": {"wgkv": _rec(w.server, "2026-12-02T07:00:00+00:00"),
-                                    "upstream": _rec(w.server, "2026-12-02T09:00:00+00:00")}})
+        ss.check_comparable(
+            {
+                "W3": {
+                    "wgkv": _rec(w.server, "2026-12-02T07:00:00+00:00"),
+                    "upstream": _rec(w.server, "2026-12-02T09:00:00+00:00"),
+                }
+            }
+        )
 
 
 def _part(path: Path, extra: str, tpot: float, date: str, server: str = "wgkv") -> str:
     w = ss.WORKLOADS["W1"]
     cmd = ss.server_command(server, w, Path("/m"), 1, "flashinfer", wgkv_extra=extra)
-    part = {"server": server, "tp": 1, "environment": {"date_utc": date},
-            "runs": [{"workload": "W1", "server_command": shlex.join(cmd), "bench_command": "b",
-                      "result": {"median_tpot_ms": tpot, "median_ttft_ms": 6000.0, "output_throughput": 1000 / tpot}}]}
+    part = {
+        "server": server,
+        "tp": 1,
+        "environment": {"date_utc": date},
+        "runs": [
+            {
+                "workload": "W1",
+                "server_command": shlex.join(cmd),
+                "bench_command": "b",
+                "result": {
+                    "median_tpot_ms": tpot,
+                    "median_ttft_ms": 6000.0,
+                    "output_throughput": 1000 / tpot,
+                },
+            }
+        ],
+    }
     if extra:
         part["wgkv_extra"] = extra
     path.write_text(__import__("json").dumps(part))
@@ -79,9 +113,14 @@ def test_merge_replaces_the_servers_runs_and_keeps_older_named_runs(tmp_path):
 
     out = tmp_path / "serving"
     out.mkdir()
-    (out / "W1.json").write_text(json.dumps({"runs": {"wgkv": {"old": 1}, "upstream": {"old": 1},
-                                                      "wgkv_2026-12-01_profiled": {"kept": 1}},
-                                             "leases": "an earlier lease"}))
+    (out / "W1.json").write_text(
+        json.dumps(
+            {
+                "runs": {"wgkv": {"old": 1}, "upstream": {"old": 1}, "wgkv_2026-12-01_profiled": {"kept": 1}},
+                "leases": "an earlier lease",
+            }
+        )
+    )
     wg = _part(tmp_path / "a.json", "", 5.8, "2026-12-05T01:00:00+00:00")
     up = _part(tmp_path / "b.json", "", 8.7, "2026-12-05T01:10:00+00:00", server="upstream")
     ss.main(["merge", wg, up, "--out-dir", str(out), "--leases", "one lease of 2026-12-05"])

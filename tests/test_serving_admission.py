@@ -8,7 +8,6 @@ import threading
 import pytest
 import requests
 import torch
-
 from serving_support import Server, long_prompt, save_head_gates
 
 pytestmark = pytest.mark.serving
@@ -23,9 +22,18 @@ def random_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serving_random")
     # no prefix cache: the page counts below are of the running request alone (snapshots of earlier
     # prompts sharing its prefix would be restored and counted too)
-    srv = Server(["--wgkv-local-window", str(W_LOCAL), "--wgkv-random-admission", "0.25", "--disable-radix-cache",
-                  "--wgkv-gates", "fresh"],
-                 tmp / "server.log")
+    srv = Server(
+        [
+            "--wgkv-local-window",
+            str(W_LOCAL),
+            "--wgkv-random-admission",
+            "0.25",
+            "--disable-radix-cache",
+            "--wgkv-gates",
+            "fresh",
+        ],
+        tmp / "server.log",
+    )
     try:
         yield srv.wait_healthy()
     finally:
@@ -49,12 +57,15 @@ def _stats_mid_generation(server, prompt, at_tokens=10, max_new_tokens=40):
     seen = {}
 
     def stream():
-        body = {"text": prompt, "stream": True,
-                "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
+        body = {
+            "text": prompt,
+            "stream": True,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
+        }
         with requests.post(server.url + "/generate", json=body, stream=True, timeout=900) as r:
             for line in r.iter_lines():
                 if line.startswith(b"data:") and line != b"data: [DONE]":
-                    meta = json.loads(line[len(b"data:"):])["meta_info"]
+                    meta = json.loads(line[len(b"data:") :])["meta_info"]
                     if meta["completion_tokens"] == at_tokens:
                         seen["stats"], seen["meta"] = server.wgkv_stats(), meta
 
@@ -82,8 +93,17 @@ def test_cache_sizes_reflect_rejection(random_server):
 def gated_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serving_gated")
     save_head_gates(tmp / "gates", [-30.0, 30.0, 30.0], W_LOCAL)  # KV head 0 never admits, heads 1-2 always
-    srv = Server(["--wgkv-local-window", str(W_LOCAL), "--wgkv-gates", str(tmp / "gates"),
-                  "--kv-budget", str(KV_BUDGET)], tmp / "server.log")
+    srv = Server(
+        [
+            "--wgkv-local-window",
+            str(W_LOCAL),
+            "--wgkv-gates",
+            str(tmp / "gates"),
+            "--kv-budget",
+            str(KV_BUDGET),
+        ],
+        tmp / "server.log",
+    )
     try:
         yield srv.wait_healthy()
     finally:

@@ -10,7 +10,6 @@ import time
 
 import pytest
 import requests
-
 from serving_support import Server, long_prompt, stream_generate
 
 pytestmark = pytest.mark.serving
@@ -38,11 +37,16 @@ def test_openai_chat_and_completions(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
     model = client.models.list().data[0].id
     chat = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
-        temperature=0, max_tokens=16)
+        model=model,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0,
+        max_tokens=16,
+    )
     assert "Paris" in chat.choices[0].message.content
     assert chat.usage.completion_tokens > 0
-    comp = client.completions.create(model=model, prompt="The capital of France is", temperature=0, max_tokens=8)
+    comp = client.completions.create(
+        model=model, prompt="The capital of France is", temperature=0, max_tokens=8
+    )
     assert "Paris" in comp.choices[0].text
 
 
@@ -56,8 +60,9 @@ def test_frontend_program_gen_select_run_batch(server):
         s += "\nQuestion: Is that country in Europe? Answer yes or no.\nAnswer:"
         s += sgl.select("europe", choices=[" yes", " no"])
 
-    states = country_quiz.run_batch([{"city": "Paris"}, {"city": "Berlin"}, {"city": "Tokyo"}],
-                                    backend=sgl.RuntimeEndpoint(server.url))
+    states = country_quiz.run_batch(
+        [{"city": "Paris"}, {"city": "Berlin"}, {"city": "Tokyo"}], backend=sgl.RuntimeEndpoint(server.url)
+    )
     for state in states:
         assert state["country"].strip()
         assert state["europe"] in (" yes", " no")
@@ -84,9 +89,13 @@ def test_concurrent_requests_with_aborts(server):
     rids = [f"conc-{i}" for i in range(10)]
     aborted = set(rids[::3])
     results = {}
-    threads = [threading.Thread(target=stream_generate, args=(server, rid, long_prompt(4 + i, seed=i), 48,
-                                                      3 if rid in aborted else None, results))
-               for i, rid in enumerate(rids)]
+    threads = [
+        threading.Thread(
+            target=stream_generate,
+            args=(server, rid, long_prompt(4 + i, seed=i), 48, 3 if rid in aborted else None, results),
+        )
+        for i, rid in enumerate(rids)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -119,8 +128,9 @@ def test_pool_exhaustion_queues_and_retracts(server):
 def test_prompt_over_context_limit_is_rejected(server):
     info = requests.get(server.url + "/server_info", timeout=60).json()
     prompt = long_prompt(400)  # ~5000 tokens, above max_req_input_len of this small server
-    r = requests.post(server.url + "/generate", timeout=120,
-                      json={"text": prompt, "sampling_params": {"max_new_tokens": 4}})
+    r = requests.post(
+        server.url + "/generate", timeout=120, json={"text": prompt, "sampling_params": {"max_new_tokens": 4}}
+    )
     assert r.status_code == 400, r.text
     assert "exceeds the maximum allowed length" in r.json()["error"]["message"]
     assert info["max_req_input_len"] < 5000
@@ -131,7 +141,10 @@ def test_idle_invariants_after_the_workload(server):
     stats = server.wait_idle_checked()
     assert stats["active_requests"] == 0
     held = stats["radix"]["snapshot_pages"]  # prefix snapshots (radix_ext) keep pages while idle
-    assert stats["free_pages"] + held == stats["total_pages"] and stats["used_bytes"] == held * stats["page_bytes"]
+    assert (
+        stats["free_pages"] + held == stats["total_pages"]
+        and stats["used_bytes"] == held * stats["page_bytes"]
+    )
     assert stats["requests_started"] == stats["requests_released"] > 0
     time.sleep(1)
     assert server.alive(), server.log_tail()

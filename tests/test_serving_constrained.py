@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 import requests
 import torch
+from serving_support import Server
 
 from evals.frontend_programs import PROGRAMS, constraint_violation, run_programs, server_healthy
 from sglang_wgkv.integration import constrained
-from serving_support import Server
 
 pytestmark = pytest.mark.serving
 
@@ -32,16 +32,16 @@ MAX_NEW_TOKENS = 8
 def test_cpu_mask_matches_torch_reference(dtype, vocab, width):
     gen = torch.Generator().manual_seed(vocab + width)
     logits = torch.randn(3, width, generator=gen).to(dtype)
-    mask = torch.randint(-2**31, 2**31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
-    mask[1] = -1                      # a row that allows everything
-    mask[2, 0] = 0                    # ... and one with a fully blocked word
+    mask = torch.randint(-(2**31), 2**31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
+    mask[1] = -1  # a row that allows everything
+    mask[2, 0] = 0  # ... and one with a fully blocked word
     got, want = logits.clone(), logits.clone()
     constrained.apply_bitmask_cpu(got, mask)
     constrained.apply_bitmask_torch(want, mask)
     assert torch.equal(got, want)
     assert not torch.isinf(got[1]).any() and torch.isinf(got[2, :32]).all()
     covered = min(width, mask.shape[1] * 32)
-    assert torch.equal(got[:, covered:], logits[:, covered:])   # past the mask: untouched
+    assert torch.equal(got[:, covered:], logits[:, covered:])  # past the mask: untouched
     assert 0.3 < torch.isinf(got[0, :covered]).float().mean() < 0.7
 
 
@@ -59,7 +59,7 @@ def test_constraint_check():
     eos, stop, length = {"type": "stop", "matched": 2}, {"type": "stop", "matched": "\n"}, {"type": "length"}
     assert constraint_violation(r"[0-9]+", "24", eos) is None
     assert constraint_violation(r"[0-9]+", "24a", eos)
-    assert constraint_violation(r"\"[a-z]*\"", '"abc', eos)          # EOS: must be a whole match
+    assert constraint_violation(r"\"[a-z]*\"", '"abc', eos)  # EOS: must be a whole match
     assert constraint_violation(r"\"[a-z]*\"", '"abc', length) is None  # cut off: a prefix is enough
     assert constraint_violation(r"\"[a-z]*\"", '"ab1', stop)
 
@@ -73,9 +73,9 @@ def test_server_check_needs_an_answer():
 @pytest.fixture(scope="module")
 def xgrammar_backend():
     """SGLang's own xgrammar backend over the embedded model's tokenizer (no server)."""
+    from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend
     from transformers import AutoConfig, AutoTokenizer
 
-    from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend
     from sglang_wgkv.embedded_model import ensure_embedded_model
 
     path = ensure_embedded_model()
@@ -91,10 +91,14 @@ def hooked_xgrammar(monkeypatch):
     from sglang.srt.constrained import xgrammar_backend as xgb
 
     allocate, apply = xgb._allocate_token_bitmask, xgb.XGrammarGrammar.apply_vocab_mask
-    monkeypatch.setattr(xgb, "_allocate_token_bitmask",
-                        lambda *a: constrained.allocate_token_bitmask(allocate, *a))
-    monkeypatch.setattr(xgb.XGrammarGrammar, "apply_vocab_mask",
-                        lambda g, logits, vocab_mask: constrained.apply_grammar_mask(apply, g, logits, vocab_mask))
+    monkeypatch.setattr(
+        xgb, "_allocate_token_bitmask", lambda *a: constrained.allocate_token_bitmask(allocate, *a)
+    )
+    monkeypatch.setattr(
+        xgb.XGrammarGrammar,
+        "apply_vocab_mask",
+        lambda g, logits, vocab_mask: constrained.apply_grammar_mask(apply, g, logits, vocab_mask),
+    )
 
 
 def test_upstream_mask_path_fails_on_cpu(xgrammar_backend):
@@ -162,19 +166,28 @@ def test_frontend_programs_on_the_default_cpu_server(server):
 
 
 def test_json_schema_ebnf_and_a_bad_grammar(server):
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-              "required": ["name", "age"]}
-    out = server.generate("Describe a person as JSON:", max_new_tokens=48,
-                          sampling_params={"json_schema": json.dumps(schema)})
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    out = server.generate(
+        "Describe a person as JSON:", max_new_tokens=48, sampling_params={"json_schema": json.dumps(schema)}
+    )
     if out["meta_info"]["finish_reason"]["type"] == "stop":
         obj = json.loads(out["text"])
         assert isinstance(obj["name"], str) and isinstance(obj["age"], int)
     else:  # cut off: still the schema's first property (xgrammar keeps the schema's order)
         assert re.match(r'\{\s*"name"\s*:\s*"', out["text"]), out["text"]
-    out = server.generate("Is the sky blue?", max_new_tokens=8, sampling_params={"ebnf": 'root ::= "yes" | "no"'})
+    out = server.generate(
+        "Is the sky blue?", max_new_tokens=8, sampling_params={"ebnf": 'root ::= "yes" | "no"'}
+    )
     assert out["text"] in ("yes", "no")
-    bad = requests.post(server.url + "/generate", timeout=120,
-                        json={"text": "x", "sampling_params": {"max_new_tokens": 4, "regex": "("}})
+    bad = requests.post(
+        server.url + "/generate",
+        timeout=120,
+        json={"text": "x", "sampling_params": {"max_new_tokens": 4, "regex": "("}},
+    )
     assert bad.status_code == 400 and "regex" in bad.json()["error"]["message"]
     assert server.generate("The capital of France is", max_new_tokens=4)["text"]
     assert server.alive()

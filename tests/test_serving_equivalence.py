@@ -8,7 +8,6 @@ tokens' logprobs within 1e-3 (float32 summation-order noise; measured ~1e-5).
 """
 
 import pytest
-
 from serving_support import Server, long_prompt, save_head_gates
 
 pytestmark = pytest.mark.serving
@@ -17,8 +16,8 @@ LOGPROB_TOL = 1e-3
 PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea.\n",
-    long_prompt(18),           # ~230 tokens: two chunks
-    long_prompt(45, seed=3),   # ~560 tokens: five chunks
+    long_prompt(18),  # ~230 tokens: two chunks
+    long_prompt(45, seed=3),  # ~560 tokens: five chunks
 ]
 
 
@@ -27,7 +26,9 @@ def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serving_equivalence")
     save_head_gates(tmp / "all_admit", [30.0, 30.0, 30.0], 32)  # sigmoid(30) = 1: every token admitted
     common = ["--chunked-prefill-size", "128"]
-    wgkv = Server([*common, "--wgkv-local-window", "32", "--wgkv-gates", str(tmp / "all_admit")], tmp / "wgkv.log")
+    wgkv = Server(
+        [*common, "--wgkv-local-window", "32", "--wgkv-gates", str(tmp / "all_admit")], tmp / "wgkv.log"
+    )
     dense = Server([*common, "--disable-wgkv"], tmp / "dense.log")
     try:
         yield wgkv.wait_healthy(), dense.wait_healthy()

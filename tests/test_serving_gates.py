@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from serving_support import REPO, free_port
 
 pytestmark = pytest.mark.serving
@@ -25,14 +24,23 @@ def bad_gates(tmp_path_factory):
 
 
 def _launch(args, env=None, module="sglang_wgkv.launch_server", timeout=300):
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
-@pytest.mark.parametrize("name, message", [
-    ("two_layers", r"expected (layers, kv_heads, head_dim) = (30, 3, 64), found (2, 3, 64)"),
-    ("corrupt", "corrupt gate weights"),
-])
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("two_layers", r"expected (layers, kv_heads, head_dim) = (30, 3, 64), found (2, 3, 64)"),
+        ("corrupt", "corrupt gate weights"),
+    ],
+)
 def test_launcher_refuses_bad_gate_file(bad_gates, name, message):
     proc = _launch(["--wgkv-gates", str(bad_gates / name), "--port", str(free_port())], timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -46,9 +54,22 @@ def test_scheduler_refuses_mismatched_gates(bad_gates):
     from sglang_wgkv.integration.settings import ENV_VAR, ServingSettings
 
     settings = ServingSettings(config=WGKVConfig(), gates_path=str(bad_gates / "two_layers"))
-    proc = _launch(["--model-path", str(ensure_embedded_model()), "--device", "cpu", "--attention-backend", "wgkv",
-                    "--max-total-tokens", "2048", "--port", str(free_port())],
-                   env={ENV_VAR: settings.to_env(), "SGLANG_USE_CPU_ENGINE": "1"}, module="sglang.launch_server")
+    proc = _launch(
+        [
+            "--model-path",
+            str(ensure_embedded_model()),
+            "--device",
+            "cpu",
+            "--attention-backend",
+            "wgkv",
+            "--max-total-tokens",
+            "2048",
+            "--port",
+            str(free_port()),
+        ],
+        env={ENV_VAR: settings.to_env(), "SGLANG_USE_CPU_ENGINE": "1"},
+        module="sglang.launch_server",
+    )
     assert proc.returncode != 0
     log = proc.stdout + proc.stderr
     assert "does not match the model" in log and "found (2, 3, 64)" in log, log[-3000:]

@@ -20,7 +20,7 @@ def test_split_capacity_reserves_slack_per_request_slot():
     split = dense_split(4096, max_running_requests=2048)
     assert split.physical_tokens == 4096
     assert split.logical_tokens + SLACK_TOKENS * split.max_requests == 4096
-    assert split.max_requests == 16            # slack limited to a quarter of the budget
+    assert split.max_requests == 16  # slack limited to a quarter of the budget
     assert dense_split(100_000, 8).max_requests == 8
     assert physical_pages(4096, 30, 3) == 4096 * 90 // 16
     with pytest.raises(ValueError, match="at least"):
@@ -32,7 +32,9 @@ def test_capacity_plan_counts_per_slot_state():
     come out of SGLang's KV budget: physical pages + that state = the budget."""
     from sglang_wgkv.integration.capacity import ModelShape, fixed_costs, plan_capacity
 
-    shape = ModelShape(num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64, context_len=8192, dtype_bytes=2)
+    shape = ModelShape(
+        num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64, context_len=8192, dtype_bytes=2
+    )
     costs = fixed_costs(shape, local_window=256, evictor_window=None)
     row_bytes = 90 * (4 * (16 + 496 + 1) + 256 + 4 + 8)  # int32 page table + flags + lengths + counters
     assert costs.slot_tokens == -(-row_bytes // shape.token_bytes) and costs.window_tokens == 0
@@ -60,8 +62,12 @@ def test_runtime_makes_the_one_kernel_choice():
 
 
 def test_settings_round_trip_through_the_environment():
-    s = ServingSettings(config=WGKVConfig(local_window=64, tau=0.3, random_admission=0.25, kv_budget=512),
-                        gates_path="/x/gates", seed=7, attention="reference")
+    s = ServingSettings(
+        config=WGKVConfig(local_window=64, tau=0.3, random_admission=0.25, kv_budget=512),
+        gates_path="/x/gates",
+        seed=7,
+        attention="reference",
+    )
     assert ServingSettings.from_env({ENV_VAR: s.to_env()}) == s
     assert ServingSettings.from_env({}) == ServingSettings()
     with pytest.raises(ValueError, match="malformed"):
@@ -75,22 +81,36 @@ def test_settings_round_trip_through_the_environment():
 def _dual(max_requests=4):
     from sglang_wgkv.memory import DualCachePool
 
-    return DualCachePool(num_layers=2, num_kv_heads=2, head_dim=8, num_pages=64, max_requests=max_requests,
-                         max_context_len=128, config=WGKVConfig(local_window=16), dtype=torch.float32)
+    return DualCachePool(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=8,
+        num_pages=64,
+        max_requests=max_requests,
+        max_context_len=128,
+        config=WGKVConfig(local_window=16),
+        dtype=torch.float32,
+    )
 
 
 def test_req_pool_owns_dual_slot_lifetimes():
     from sglang_wgkv.integration.req_pool import WGKVReqToTokenPool
-
     from sglang_wgkv.integration.runtime import WGKVRuntime
 
     dual = _dual()
     runtime = WGKVRuntime(ServingSettings(config=dual.config), dual=dual)
-    pool = WGKVReqToTokenPool(size=3, max_context_len=128, device="cpu", enable_memory_saver=False,
-                              runtime=runtime)
+    pool = WGKVReqToTokenPool(
+        size=3, max_context_len=128, device="cpu", enable_memory_saver=False, runtime=runtime
+    )
+
     def req(custom_params):
-        return SimpleNamespace(req_pool_idx=None, sampling_params=SimpleNamespace(custom_params=custom_params),
-                               output_ids=[5, 6, 7], customized_info=None, finished=lambda: True)
+        return SimpleNamespace(
+            req_pool_idx=None,
+            sampling_params=SimpleNamespace(custom_params=custom_params),
+            output_ids=[5, 6, 7],
+            customized_info=None,
+            finished=lambda: True,
+        )
 
     a, b = req({"wgkv": {"tau": 0.5}}), req(None)
     pool.alloc([a, b])
@@ -107,12 +127,16 @@ def test_req_pool_owns_dual_slot_lifetimes():
     assert usage[:2] == [None, None] and usage[2]["tau"] == 0.5 and usage[2]["cached_tokens"] == 40
     # layer 0 admitted the 24 tokens that left its 16-token window on both heads; layer 1 was not written
     assert usage[2]["admitted_fraction"] == pytest.approx(0.5)
-    assert usage[2]["mean_kv_tokens_per_head"] == pytest.approx(16 + 12) and usage[2]["eviction_triggers"] == 0
+    assert (
+        usage[2]["mean_kv_tokens_per_head"] == pytest.approx(16 + 12) and usage[2]["eviction_triggers"] == 0
+    )
     pool.clear()
     assert pool.idle_check() == [] and pool.stats()["idle_checks"] == 2
     assert pool.requests_started == pool.requests_released == 2
     with pytest.raises(ValueError, match="request slots"):
-        WGKVReqToTokenPool(size=8, max_context_len=128, device="cpu", enable_memory_saver=False, runtime=runtime)
+        WGKVReqToTokenPool(
+            size=8, max_context_len=128, device="cpu", enable_memory_saver=False, runtime=runtime
+        )
 
 
 class InPlaceRope(torch.nn.Module):
@@ -156,13 +180,16 @@ def test_pre_rope_capture_sees_the_key_before_rotation():
 
 
 def test_sgl_kernel_standin_is_installed_only_on_the_cpu_engine():
-    code = ("import sys; from sglang_wgkv.integration import cpu_compat as c; c.install_if_needed(); "
-            "m = sys.modules.get('sgl_kernel'); print(bool(m and getattr(m, c.STANDIN_MARKER, False)))")
+    code = (
+        "import sys; from sglang_wgkv.integration import cpu_compat as c; c.install_if_needed(); "
+        "m = sys.modules.get('sgl_kernel'); print(bool(m and getattr(m, c.STANDIN_MARKER, False)))"
+    )
 
     def run(cpu: str) -> str:
         env = {**os.environ, "SGLANG_USE_CPU_ENGINE": cpu}
-        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        ).stdout.strip()
 
     from sglang_wgkv.integration.cpu_compat import CPU_BUILD_NAMES, build_standin, real_sgl_kernel_loads
 
@@ -192,6 +219,7 @@ def test_launcher_fills_in_defaults(monkeypatch):
     assert resolve([])[2]["OMP_WAIT_POLICY"] == "ACTIVE"
     # the embedded model is served with the gates trained for it; "fresh" opts out
     from sglang_wgkv.embedded_model import SHIPPED_GATES
+
     assert settings.gates_path == str(SHIPPED_GATES.resolve())
     assert resolve(["--wgkv-gates", "fresh"])[0].gates_path is None
     # CPU tensor parallelism: one OpenMP core set per rank, no CUDA NCCL
@@ -217,15 +245,24 @@ def test_decode_launch_spec(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert DecodeConfig.parse("") == DecodeConfig() and resolve(["--model-path", "/m"])[0].decode_launch == ""
-    cfg = DecodeConfig.parse(" block_n=32, num_warps=8,num_stages=3,pdl=1,fused_merge=false,programs_per_sm=2,"
-                             "maxnreg=128 ")
-    assert cfg == DecodeConfig(block_n=32, num_warps=8, num_stages=3, fused_merge=False, pdl=True, programs_per_sm=2,
-                               maxnreg=128)
+    cfg = DecodeConfig.parse(
+        " block_n=32, num_warps=8,num_stages=3,pdl=1,fused_merge=false,programs_per_sm=2,maxnreg=128 "
+    )
+    assert cfg == DecodeConfig(
+        block_n=32, num_warps=8, num_stages=3, fused_merge=False, pdl=True, programs_per_sm=2, maxnreg=128
+    )
     settings, _, env = resolve(["--model-path", "/m", "--wgkv-decode-launch", "block_n=32,pdl=1"])
     assert ServingSettings.from_env(env) == settings and settings.decode_launch == "block_n=32,pdl=1"
-    for bad, msg in (("block_n=24", "power of two"), ("warps=4", "NAME=VALUE"), ("pdl=yes", "0/1"),
-                     ("num_stages=", "positive integer"), ("programs_per_sm=0", "1-64"), ("num_warps=3", "num_warps"),
-                     ("maxnreg=100", "multiple of 8"), ("maxnreg=256", "24-255")):
+    for bad, msg in (
+        ("block_n=24", "power of two"),
+        ("warps=4", "NAME=VALUE"),
+        ("pdl=yes", "0/1"),
+        ("num_stages=", "positive integer"),
+        ("programs_per_sm=0", "1-64"),
+        ("num_warps=3", "num_warps"),
+        ("maxnreg=100", "multiple of 8"),
+        ("maxnreg=256", "24-255"),
+    ):
         with pytest.raises(ValueError, match=msg):
             resolve(["--model-path", "/m", "--wgkv-decode-launch", bad])
     with pytest.raises(ValueError, match="configure WG-KV"):
@@ -287,9 +324,13 @@ def test_cpu_default_kv_budget_is_a_fraction_of_ram(monkeypatch):
 
     model = str(ensure_embedded_model())
     token_bytes = 2 * 30 * 3 * 64 * 2  # bf16 K and V of the embedded model's 30 layers x 3 KV heads
-    assert cpu_default_kv_tokens(model, [], ram_bytes=24 << 30) == int((24 << 30) * CPU_KV_RAM_FRACTION) // token_bytes
-    assert cpu_default_kv_tokens(model, ["--dtype", "float32"], ram_bytes=24 << 30) == \
-        int((24 << 30) * CPU_KV_RAM_FRACTION) // (2 * token_bytes)
+    assert (
+        cpu_default_kv_tokens(model, [], ram_bytes=24 << 30)
+        == int((24 << 30) * CPU_KV_RAM_FRACTION) // token_bytes
+    )
+    assert cpu_default_kv_tokens(model, ["--dtype", "float32"], ram_bytes=24 << 30) == int(
+        (24 << 30) * CPU_KV_RAM_FRACTION
+    ) // (2 * token_bytes)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     expected = str(cpu_default_kv_tokens(model, []))
     for args in ([], ["--disable-wgkv"]):
@@ -300,20 +341,23 @@ def test_cpu_default_kv_budget_is_a_fraction_of_ram(monkeypatch):
         assert argv.count("--max-total-tokens") == given.count("--max-total-tokens")
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--wgkv-tau", "2"], "tau must be in"),
-    (["--wgkv-local-window", "20"], "multiple of 16"),
-    (["--wgkv-random-admission", "1.5"], "random_admission"),
-    (["--kv-budget", "3"], "kv_budget"),
-    (["--disable-wgkv", "--wgkv-tau", "0.2"], "drop --disable-wgkv"),
-    (["--disable-wgkv", "--kv-budget", "64", "--wgkv-tau", "0.2"], "SnapKV alone"),
-    (["--attention-backend", "triton"], "--disable-wgkv for plain SGLang"),
-    (["--tokenizer-worker-num", "2"], "tokenizer-worker-num 2 is not supported"),
-    (["--disable-wgkv", "--kv-budget", "64", "--tokenizer-worker-num", "4"], "load no plugins"),
-    (["--wgkv-gates", "/nonexistent/gates"], "no such gate checkpoint"),
-    # the shipped gates were trained with W_local = 256: another served window is refused
-    (["--wgkv-local-window", "32"], "trained with W_local = 256 cannot be served with W_local = 32"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--wgkv-tau", "2"], "tau must be in"),
+        (["--wgkv-local-window", "20"], "multiple of 16"),
+        (["--wgkv-random-admission", "1.5"], "random_admission"),
+        (["--kv-budget", "3"], "kv_budget"),
+        (["--disable-wgkv", "--wgkv-tau", "0.2"], "drop --disable-wgkv"),
+        (["--disable-wgkv", "--kv-budget", "64", "--wgkv-tau", "0.2"], "SnapKV alone"),
+        (["--attention-backend", "triton"], "--disable-wgkv for plain SGLang"),
+        (["--tokenizer-worker-num", "2"], "tokenizer-worker-num 2 is not supported"),
+        (["--disable-wgkv", "--kv-budget", "64", "--tokenizer-worker-num", "4"], "load no plugins"),
+        (["--wgkv-gates", "/nonexistent/gates"], "no such gate checkpoint"),
+        # the shipped gates were trained with W_local = 256: another served window is refused
+        (["--wgkv-local-window", "32"], "trained with W_local = 256 cannot be served with W_local = 32"),
+    ],
+)
 def test_launcher_rejects_bad_options(monkeypatch, args, message):
     from sglang_wgkv.launch_server import resolve
 
@@ -336,16 +380,27 @@ def test_server_accepts_official_qwen3_gates_and_checks_the_model(tmp_path):
     state = {}
     for i, lg in enumerate(gates.layers):
         p = f"model.layers.{i}.self_attn.g_predictors."
-        state[p + "pre_key_norm.weight"], state[p + "post_key_norm.weight"] = lg.pre_norm.data, lg.post_norm.data
+        state[p + "pre_key_norm.weight"], state[p + "post_key_norm.weight"] = (
+            lg.pre_norm.data,
+            lg.post_norm.data,
+        )
         state[p + "conv1.weight"] = lg.w1.data.transpose(1, 2).reshape(H * 48, 2 * D, 1)
         state[p + "conv1.bias"], state[p + "conv2.weight"] = lg.b1.data.reshape(-1), lg.w2.data[:, :, None]
         state[p + "conv2.bias"] = lg.b2.data
     torch.save(state, tmp_path / "qwen3_gates.pt")
     model = tmp_path / "qwen3"
     model.mkdir()
-    cfg = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": L,
-           "num_attention_heads": 4, "num_key_value_heads": H, "head_dim": D, "hidden_size": 128,
-           "intermediate_size": 256, "vocab_size": 1000}
+    cfg = {
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "num_hidden_layers": L,
+        "num_attention_heads": 4,
+        "num_key_value_heads": H,
+        "head_dim": D,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "vocab_size": 1000,
+    }
     (model / "config.json").write_text(json.dumps(cfg))
     check_gates(str(tmp_path / "qwen3_gates.pt"), str(model), 256)
     settings = ServingSettings(config=WGKVConfig(), gates_path=str(tmp_path / "qwen3_gates.pt"))
@@ -353,7 +408,9 @@ def test_server_accepts_official_qwen3_gates_and_checks_the_model(tmp_path):
     assert served.config.hidden == 48 and tuple(served.layers[1].w1.shape) == (1, 2 * D, 48)
     torch.testing.assert_close(served.layers[1].w2, gates.layers[1].w2.data[1:])
     (model / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": 4}))
-    with pytest.raises(ValueError, match=r"expected \(layers, kv_heads, head_dim\) = \(2, 4, 32\), found \(2, 2, 32\)"):
+    with pytest.raises(
+        ValueError, match=r"expected \(layers, kv_heads, head_dim\) = \(2, 4, 32\), found \(2, 2, 32\)"
+    ):
         check_gates(str(tmp_path / "qwen3_gates.pt"), str(model), 256)
 
 
@@ -366,8 +423,14 @@ def test_server_process_waits_stops_the_group_and_reports_an_exit(tmp_path):
     port = free_port()
     # the "launcher" spawns a child that holds the port, as SGLang's launcher spawns the scheduler
     child = f"import subprocess, sys; subprocess.run([sys.executable, '-m', 'http.server', '{port}'])"
-    srv = ServerProcess([sys.executable, "-c", child], tmp_path / "ok.log", port=port, env=dict(os.environ),
-                        cwd=tmp_path, stop_timeout_s=10)
+    srv = ServerProcess(
+        [sys.executable, "-c", child],
+        tmp_path / "ok.log",
+        port=port,
+        env=dict(os.environ),
+        cwd=tmp_path,
+        stop_timeout_s=10,
+    )
     try:
         assert srv.wait_healthy(60, path="/", probe_timeout_s=5) > 0 and srv.alive()
     finally:
@@ -376,8 +439,13 @@ def test_server_process_waits_stops_the_group_and_reports_an_exit(tmp_path):
     with pytest.raises(Exception):  # the spawned child went with the group
         __import__("requests").get(srv.url + "/", timeout=2)
 
-    bad = ServerProcess([sys.executable, "-c", "print('no model here'); raise SystemExit(3)"], tmp_path / "bad.log",
-                        port=free_port(), env=dict(os.environ), cwd=tmp_path)
+    bad = ServerProcess(
+        [sys.executable, "-c", "print('no model here'); raise SystemExit(3)"],
+        tmp_path / "bad.log",
+        port=free_port(),
+        env=dict(os.environ),
+        cwd=tmp_path,
+    )
     with pytest.raises(RuntimeError, match=r"exited with 3:\n(.|\n)*no model here"):
         bad.wait_healthy(60)
     bad.stop()

@@ -3,7 +3,6 @@ fit its shared memory, checked on CPU (tests/sm90_compile.py). Slow-ish: a few s
 
 import pytest
 import torch
-
 from sm90_compile import SM90_MAX_SHARED, compile_sm90, device_checks_off, launches, split_kernel_launch
 
 
@@ -14,7 +13,9 @@ def test_decode_split_kernel_compiles_for_sm90(pdl):
     dependent launch: with it the PTX waits on the grid dependency (griddepcontrol.wait)."""
     from sglang_wgkv.attention.triton_decode import DecodeConfig
 
-    compiled = compile_sm90(*split_kernel_launch(DecodeConfig(pdl=pdl), batch=2, pos=300, splits=16, observe=True))
+    compiled = compile_sm90(
+        *split_kernel_launch(DecodeConfig(pdl=pdl), batch=2, pos=300, splits=16, observe=True)
+    )
     assert compiled.metadata.shared <= SM90_MAX_SHARED
     assert ("griddepcontrol.wait" in compiled.asm["ptx"]) == pdl
     assert compiled.metadata.launch_pdl == pdl
@@ -43,7 +44,7 @@ def test_prefill_gate_compiles_for_sm90_within_shared_memory(dtype):
     gate = PrefillGate(gates)
     k = torch.zeros(T, H, D, dtype=dtype)
     tau = torch.full((T,), 0.1)
-    (kernel, bound, options), = launches(lambda: gate.admit(0, k, k.clone(), tau))
+    ((kernel, bound, options),) = launches(lambda: gate.admit(0, k, k.clone(), tau))
     compiled = compile_sm90(kernel, bound, options)
     assert compiled.metadata.shared <= SM90_MAX_SHARED
 
@@ -63,7 +64,9 @@ def _prefill_launches(dtype, shape):
     pos = torch.cat([torch.arange(n) for n in lens])
     admitted = torch.zeros(N, Hkv, dtype=torch.bool)
     with device_checks_off():
-        return launches(lambda: vertical_slash_attention(q, k, k.clone(), admitted, indptr, indptr, pos, pos, 64))
+        return launches(
+            lambda: vertical_slash_attention(q, k, k.clone(), admitted, indptr, indptr, pos, pos, 64)
+        )
 
 
 def _snapkv_launches(dtype, shape):
@@ -73,9 +76,17 @@ def _snapkv_launches(dtype, shape):
     G = Hq // Hkv
     q = torch.zeros(S, Wq, G, D, dtype=dtype)
     with device_checks_off():
-        return launches(lambda: snapkv_scores_triton(
-            q, torch.arange(Wq).repeat(S, 1), torch.zeros(S, Ng, D, dtype=dtype), torch.full((S,), Ng),
-            torch.zeros(S, Nr, D, dtype=dtype), torch.arange(Nr).repeat(S, 1), 0.088))
+        return launches(
+            lambda: snapkv_scores_triton(
+                q,
+                torch.arange(Wq).repeat(S, 1),
+                torch.zeros(S, Ng, D, dtype=dtype),
+                torch.full((S,), Ng),
+                torch.zeros(S, Nr, D, dtype=dtype),
+                torch.arange(Nr).repeat(S, 1),
+                0.088,
+            )
+        )
 
 
 def _decode_gate_launches(dtype, shape):
@@ -99,8 +110,17 @@ def _pool_launches(dtype, shape):
     from sglang_wgkv.memory import DualCachePool, triton_pool
 
     _, H, D = shape
-    pool = DualCachePool(2, H, D, num_pages=64, max_requests=4, max_context_len=1024,
-                         config=WGKVConfig(local_window=256), dtype=dtype, triton_decode=False)
+    pool = DualCachePool(
+        2,
+        H,
+        D,
+        num_pages=64,
+        max_requests=4,
+        max_context_len=1024,
+        config=WGKVConfig(local_window=256),
+        dtype=dtype,
+        triton_decode=False,
+    )
     for r in range(3):
         pool.alloc_request(r)
     req, pos = torch.tensor([0, 2, 1]), torch.tensor([300, 256, 700])
@@ -117,9 +137,11 @@ def _pool_launches(dtype, shape):
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("launcher", [_prefill_launches, _snapkv_launches, _decode_gate_launches,
-                                      _pool_launches],
-                         ids=["prefill_attention", "snapkv_scores", "decode_gate", "pool_decode_step"])
+@pytest.mark.parametrize(
+    "launcher",
+    [_prefill_launches, _snapkv_launches, _decode_gate_launches, _pool_launches],
+    ids=["prefill_attention", "snapkv_scores", "decode_gate", "pool_decode_step"],
+)
 def test_served_kernels_compile_for_sm90(launcher, shape):
     """Every launch the served prefill (plan, compaction, vertical-slash attention), the evictor's
     scores and the decode gate make, at Llama-3.1-8B's and SmolLM2's shapes in bf16, compiles for
@@ -161,8 +183,17 @@ def test_extend_write_kernels_compile_for_sm90():
     from sglang_wgkv.memory import DualCachePool
 
     L, H, D = 1, 8, 128
-    pool = DualCachePool(L, H, D, num_pages=400, max_requests=2, max_context_len=2048,
-                         config=WGKVConfig(local_window=256), triton_decode=True, triton_extend=True)
+    pool = DualCachePool(
+        L,
+        H,
+        D,
+        num_pages=400,
+        max_requests=2,
+        max_context_len=2048,
+        config=WGKVConfig(local_window=256),
+        triton_decode=True,
+        triton_extend=True,
+    )
     pool.alloc_request(1)
     k = torch.randn(300, H, D, dtype=torch.bfloat16)
     pool.begin_extend([1], [0], [300])

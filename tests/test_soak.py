@@ -10,7 +10,6 @@ import json
 import os
 
 import pytest
-
 from serving_support import Server, save_head_gates
 from soak_workload import MIX, Soak, SoakConfig
 
@@ -25,8 +24,18 @@ def server(tmp_path_factory):
     # get promoted, pressure batches (4 x ~490 tokens) outgrow the 1536 logical tokens and retract
     tmp = tmp_path_factory.mktemp("soak")
     save_head_gates(tmp / "gates", [-30.0, 30.0, 30.0], 32)  # admission on: KV head 0 keeps no token
-    srv = Server(["--wgkv-local-window", "32", "--chunked-prefill-size", "128", "--enable-metrics",
-                  "--wgkv-gates", str(tmp / "gates")], tmp / "server.log")
+    srv = Server(
+        [
+            "--wgkv-local-window",
+            "32",
+            "--chunked-prefill-size",
+            "128",
+            "--enable-metrics",
+            "--wgkv-gates",
+            str(tmp / "gates"),
+        ],
+        tmp / "server.log",
+    )
     try:
         yield srv.wait_healthy()
     finally:
@@ -38,8 +47,10 @@ def test_cpu_soak(server):
     summary = Soak(server.url, config, str(server.log_path)).run()
     out = os.environ.get("WGKV_SOAK_OUT")
     if out:
-        summary["command"] = (f"WGKV_SOAK_REQUESTS={N_JOBS} WGKV_SOAK_OUT={out} "
-                              "python -m pytest -q -s -m soak tests/test_soak.py")
+        summary["command"] = (
+            f"WGKV_SOAK_REQUESTS={N_JOBS} WGKV_SOAK_OUT={out} "
+            "python -m pytest -q -s -m soak tests/test_soak.py"
+        )
         with open(out, "w") as f:
             json.dump(summary, f, indent=1)
     print(json.dumps({k: v for k, v in summary.items() if k not in ("checkpoints", "final_stats")}, indent=1))

@@ -24,18 +24,34 @@ def tiny_lm(kind: str = "llama", seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=1024)
+    common = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
     if kind == "llama":
         return LlamaForCausalLM(LlamaConfig(**common)).eval()
     return Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common)).eval()
 
 
-def tiny_gates(bb: Backbone, seed: int = 0, init_bias: float = 0.0, window: int = 8, lam: float = 0.0) -> WriteGates:
+def tiny_gates(
+    bb: Backbone, seed: int = 0, init_bias: float = 0.0, window: int = 8, lam: float = 0.0
+) -> WriteGates:
     torch.manual_seed(seed)
     s = bb.shape
-    g = WriteGates(GateConfig(num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
-                              local_window=window, lam=lam))
+    g = WriteGates(
+        GateConfig(
+            num_layers=s.num_layers,
+            num_kv_heads=s.num_kv_heads,
+            head_dim=s.head_dim,
+            local_window=window,
+            lam=lam,
+        )
+    )
     for layer in g.layers:
         torch.nn.init.constant_(layer.b2, init_bias)
     return g
@@ -84,10 +100,12 @@ def test_soft_flex_matches_sdpa_with_gradients():
 def _split_vs_reference(backend, T, D, W, device="cpu", grads=True):
     torch.manual_seed(0)
     B, Hq, Hkv = 2, 6, 2
-    leaves = [torch.randn(B, Hq, T, D, device=device, requires_grad=grads),
-              torch.randn(B, Hkv, T, D, device=device, requires_grad=grads),
-              torch.randn(B, Hkv, T, D, device=device, requires_grad=grads),
-              torch.randn(B, Hkv, T, device=device, requires_grad=grads)]
+    leaves = [
+        torch.randn(B, Hq, T, D, device=device, requires_grad=grads),
+        torch.randn(B, Hkv, T, D, device=device, requires_grad=grads),
+        torch.randn(B, Hkv, T, D, device=device, requires_grad=grads),
+        torch.randn(B, Hkv, T, device=device, requires_grad=grads),
+    ]
     q, k, v, logit = leaves
     weight = torch.randn(B, Hq, T, D, device=device)
     out = SoftGatedAttention([], W, backend=backend).attend(q, k, v, torch.sigmoid(logit), 0.3)
@@ -95,8 +113,10 @@ def _split_vs_reference(backend, T, D, W, device="cpu", grads=True):
     tol = 1e-5 if device == "cpu" else 2e-4  # fused GPU kernels sum in another order
     torch.testing.assert_close(out, out_ref, atol=tol, rtol=tol)
     if grads:
-        for a, b in zip(torch.autograd.grad((out * weight).sum(), leaves),
-                        torch.autograd.grad((out_ref * weight).sum(), leaves)):
+        for a, b in zip(
+            torch.autograd.grad((out * weight).sum(), leaves),
+            torch.autograd.grad((out_ref * weight).sum(), leaves),
+        ):
             torch.testing.assert_close(a, b, atol=10 * tol, rtol=10 * tol)
 
 
@@ -146,8 +166,17 @@ def test_hard_gated_attention_matches_core_vertical_slash():
     kept = torch.rand(1, Hkv, T) < 0.3
     out = masked_attention(q, k, v, visibility_mask(kept, W), D**-0.5)
     pos = torch.arange(T)
-    ref = vertical_slash_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), kept[0].t(),
-                                   torch.tensor([0, T]), torch.tensor([0, T]), pos, pos, W)
+    ref = vertical_slash_attention(
+        q[0].transpose(0, 1),
+        k[0].transpose(0, 1),
+        v[0].transpose(0, 1),
+        kept[0].t(),
+        torch.tensor([0, T]),
+        torch.tensor([0, T]),
+        pos,
+        pos,
+        W,
+    )
     torch.testing.assert_close(out[0].transpose(0, 1), ref, atol=1e-5, rtol=1e-5)
 
 
@@ -193,7 +222,9 @@ def test_gguf_import_roundtrip(tmp_path):
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"] if hasattr(cfg, "rope_parameters") else cfg.rope_theta)
+    w.add_rope_freq_base(
+        cfg.rope_parameters["rope_theta"] if hasattr(cfg, "rope_parameters") else cfg.rope_theta
+    )
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_bos_token_id(1)
@@ -202,9 +233,17 @@ def test_gguf_import_roundtrip(tmp_path):
     def permute(t, n_head):  # what llama.cpp's converter does to q/k rows
         return t.reshape(n_head, 2, t.shape[0] // n_head // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
 
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    names = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
     sd = {k: v.numpy().astype(np.float32) for k, v in lm.state_dict().items()}
     w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])

@@ -3,13 +3,13 @@ policy at equal memory, and the accuracy summary (tiny random models, CPU)."""
 
 import pytest
 import torch
+from test_training_backbone import tiny_gates, tiny_lm
 
 from evals.harness import matched_baselines, two_pass
 from evals.policies import EqualBudget, cache_count
 from evals.query_stats import QueryStats, as_pairs, calibrate, future_offsets, key_scores
 from evals.summary import accuracy_rows
 from sglang_wgkv.training.backbone import Backbone, _rotate_half, apply_rope, dense_attention
-from test_training_backbone import tiny_gates, tiny_lm
 
 pytestmark = pytest.mark.training
 
@@ -56,14 +56,20 @@ def test_key_score_equals_rotated_dot_products(bb):
     center = torch.randn(s.num_heads, s.head_dim, generator=gen)
     mean_abs = as_pairs(center).abs() + torch.rand(s.num_heads, F, generator=gen)
     inv_freq = bb.decoder.rotary_emb.inv_freq.float()
-    stats = QueryStats(as_pairs(center)[None].expand(s.num_layers, -1, -1), mean_abs[None].expand(s.num_layers, -1, -1),
-                       inv_freq, tokens=1)
+    stats = QueryStats(
+        as_pairs(center)[None].expand(s.num_layers, -1, -1),
+        mean_abs[None].expand(s.num_layers, -1, -1),
+        inv_freq,
+        tokens=1,
+    )
     k_pre = torch.randn(Hkv, T, s.head_dim, generator=gen)
     got = key_scores(stats, 1, k_pre, P, max_offset=8)
     k_rot = _rope(bb, k_pre, torch.arange(T))
     offsets = future_offsets(8)
     assert offsets.tolist() == [0, 1, 2, 4, 8]
-    q_rot = torch.stack([_rope(bb, center[:, None], torch.tensor([P + int(d)]))[:, 0] for d in offsets])  # [O, Hq, D]
+    q_rot = torch.stack(
+        [_rope(bb, center[:, None], torch.tensor([P + int(d)]))[:, 0] for d in offsets]
+    )  # [O, Hq, D]
     want = torch.empty(Hkv, T)
     for h in range(Hkv):
         per_q = []
@@ -96,7 +102,10 @@ def test_equal_budget_keeps_the_same_count_per_head_and_the_best_scored_keys(bb)
         assert int(chosen.sum()) == 14 - W
         assert score[h][chosen].min() >= score[h][~chosen].max()
     # a budget beyond the prompt keeps everything; one at the window keeps only the ring
-    assert cache_count(EqualBudget(500, W, stats).visibility(0, q, k_pre, k_pre, P), P).tolist() == [P] * s.num_kv_heads
+    assert (
+        cache_count(EqualBudget(500, W, stats).visibility(0, q, k_pre, k_pre, P), P).tolist()
+        == [P] * s.num_kv_heads
+    )
     assert not EqualBudget(W, W, stats).visibility(0, q, k_pre, k_pre, P).kept[:, : P - W].any()
 
 
@@ -115,12 +124,16 @@ def test_accuracy_rows_pool_lengths_and_repeat_full():
     def s(ev, method, lam, n, kv, **m):
         return {"eval": ev, "length": None, "method": method, "lam": lam, "n": n, "kv_fraction": kv, **m}
 
-    summary = [s("nll", "full", None, 2, 1.0, nll_cont=1.5), s("passkey", "full", None, 4, 1.0, accuracy=1.0),
-               s("niah_multikey", "full", None, 4, 1.0, accuracy=0.5),
-               s("nll", "wgkv", 0.1, 2, 0.3, nll_cont=1.6), s("passkey", "wgkv", 0.1, 4, 0.2, accuracy=0.75),
-               s("niah_multikey", "wgkv", 0.1, 4, 0.4, accuracy=0.5),
-               s("passkey", "equal_budget", 0.1, 4, 0.2, accuracy=0.25),
-               {**s("passkey", "wgkv", 0.1, 4, 0.2, accuracy=0.0), "length": 2048}]
+    summary = [
+        s("nll", "full", None, 2, 1.0, nll_cont=1.5),
+        s("passkey", "full", None, 4, 1.0, accuracy=1.0),
+        s("niah_multikey", "full", None, 4, 1.0, accuracy=0.5),
+        s("nll", "wgkv", 0.1, 2, 0.3, nll_cont=1.6),
+        s("passkey", "wgkv", 0.1, 4, 0.2, accuracy=0.75),
+        s("niah_multikey", "wgkv", 0.1, 4, 0.4, accuracy=0.5),
+        s("passkey", "equal_budget", 0.1, 4, 0.2, accuracy=0.25),
+        {**s("passkey", "wgkv", 0.1, 4, 0.2, accuracy=0.0), "length": 2048},
+    ]
     rows = accuracy_rows({"summary": summary})
     assert [r["method"] for r in rows] == ["wgkv", "equal_budget"]
     wg, eq = rows
@@ -134,8 +147,19 @@ def test_merge_pools_shards_and_refuses_overlap():
     from evals.summary import merge
 
     def part(index, correct):
-        rows = [{"eval": "passkey", "length": 64, "index": index, "method": m, "lam": lam, "kv_fraction": kv,
-                 "correct": c, "answer_nll": 0.1} for m, lam, kv, c in (("full", None, 1.0, True), ("wgkv", 0.1, 0.3, correct))]
+        rows = [
+            {
+                "eval": "passkey",
+                "length": 64,
+                "index": index,
+                "method": m,
+                "lam": lam,
+                "kv_fraction": kv,
+                "correct": c,
+                "answer_nll": 0.1,
+            }
+            for m, lam, kv, c in (("full", None, 1.0, True), ("wgkv", 0.1, 0.3, correct))
+        ]
         return {"rows": rows, "complete": True, "elapsed_s": 1.0, "config": {"command": f"shard {index}"}}
 
     merged = merge([part(0, True), part(4, False)])

@@ -4,14 +4,22 @@ import json
 
 import pytest
 import torch
+from test_training_backbone import tiny_gates, tiny_lm
+from test_training_trainer import CharTokenizer
 
 from evals.harness import matched_baselines, policy_forward, two_pass
-from evals.policies import FullCache, RandomAdmission, SnapKV, StreamingLLM, Visibility, WGKVAdmission, cache_count
+from evals.policies import (
+    FullCache,
+    RandomAdmission,
+    SnapKV,
+    StreamingLLM,
+    Visibility,
+    WGKVAdmission,
+    cache_count,
+)
 from evals.ruler import TASKS, generate
 from evals.run import evaluate, summarize
 from sglang_wgkv.training.backbone import Backbone, dense_attention
-from test_training_backbone import tiny_gates, tiny_lm
-from test_training_trainer import CharTokenizer
 
 pytestmark = pytest.mark.training
 
@@ -25,8 +33,11 @@ def bb():
 
 def qkv(T=40, Hq=4, Hkv=2, D=16, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(Hq, T, D, generator=g), torch.randn(Hkv, T, D, generator=g),
-            torch.randn(Hkv, T, D, generator=g))
+    return (
+        torch.randn(Hq, T, D, generator=g),
+        torch.randn(Hkv, T, D, generator=g),
+        torch.randn(Hkv, T, D, generator=g),
+    )
 
 
 def test_cache_count_matches_each_budget():
@@ -67,7 +78,10 @@ def test_full_policy_is_dense_and_wgkv_counts(bb):
 
 def test_two_pass_aligns_records(bb):
     ids = torch.randint(0, 97, (48,))
-    gate_sets = [tiny_gates(bb, seed=s, init_bias=b, window=W, lam=lam) for s, b, lam in ((0, 0.0, 0.1), (1, -1.0, 0.2))]
+    gate_sets = [
+        tiny_gates(bb, seed=s, init_bias=b, window=W, lam=lam)
+        for s, b, lam in ((0, 0.0, 0.1), (1, -1.0, 0.2))
+    ]
     recs, hidden = two_pass(bb, ids, 40, gate_sets, tau=0.5, local_window=W)
     assert [r["method"] for r in recs] == ["full", "wgkv", "wgkv"] + ["streaming", "random", "snapkv"] * 2
     assert hidden.shape[0] == len(recs)
@@ -88,13 +102,16 @@ def test_ruler_samples_fit_and_end_with_answer():
     key = bytes(pk["answer"]).decode()
     assert key.isdigit() and len(key) == 5
     assert bytes(b + 0 for b in pk["prompt"]).decode(errors="ignore").count(key) == 2
-    assert generate(tok, [[5] * 3000], lengths=(600,), samples=2) == generate(tok, [[5] * 3000], lengths=(600,),
-                                                                              samples=2)
+    assert generate(tok, [[5] * 3000], lengths=(600,), samples=2) == generate(
+        tok, [[5] * 3000], lengths=(600,), samples=2
+    )
 
 
 def test_evaluate_end_to_end(bb, tmp_path):
     gate_sets = [tiny_gates(bb, seed=0, init_bias=0.0, window=W)]
-    samples = [{"task": "passkey", "length": 64, "index": 0, "prompt": list(range(1, 58)), "answer": [7, 8, 9]}]
+    samples = [
+        {"task": "passkey", "length": 64, "index": 0, "prompt": list(range(1, 58)), "answer": [7, 8, 9]}
+    ]
 
     class Rows:
         bins = (64,)
@@ -102,8 +119,19 @@ def test_evaluate_end_to_end(bb, tmp_path):
         def rows(self, split, L):
             return torch.randint(0, 97, (2, L)).numpy()
 
-    res = evaluate(bb, gate_sets, tau=0.5, local_window=W, corpus=Rows(), nll_lengths=[64], nll_rows=1, cont=16,
-                   ruler=samples, time_budget_s=None, log=lambda *_: None)
+    res = evaluate(
+        bb,
+        gate_sets,
+        tau=0.5,
+        local_window=W,
+        corpus=Rows(),
+        nll_lengths=[64],
+        nll_rows=1,
+        cont=16,
+        ruler=samples,
+        time_budget_s=None,
+        log=lambda *_: None,
+    )
     assert res["complete"]
     methods = {(r["eval"], r["method"]) for r in res["rows"]}
     assert ("nll", "snapkv") in methods and ("passkey", "wgkv") in methods

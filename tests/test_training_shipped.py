@@ -19,7 +19,13 @@ def test_shipped_gates_fit_smollm2(name, lam):
     gates = load_gates(GATES / name)
     gates.check_model(num_layers=30, num_kv_heads=3, head_dim=64)
     c = gates.config
-    assert (c.tau, c.local_window, c.lam, c.model_id, c.hidden) == (0.1, 256, lam, "SmolLM2-135M-Instruct", 256)
+    assert (c.tau, c.local_window, c.lam, c.model_id, c.hidden) == (
+        0.1,
+        256,
+        lam,
+        "SmolLM2-135M-Instruct",
+        256,
+    )
     training = json.loads((GATES / name / "gates.json").read_text())["training"]
     # issue 16: at least 2,000 steps, and the command that trained them
     assert training["step"] >= 2000 and training["command"].startswith("python -m sglang_wgkv.training train")

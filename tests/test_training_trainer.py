@@ -6,12 +6,12 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_training_backbone import tiny_lm
 
 from sglang_wgkv.gate import load_gates
 from sglang_wgkv.training.backbone import Backbone
 from sglang_wgkv.training.corpus import Corpus, CorpusSpec, build_corpus
 from sglang_wgkv.training.trainer import GateTrainer, TrainConfig, lam_dir, lr_lambda
-from test_training_backbone import tiny_lm
 
 pytestmark = pytest.mark.training
 
@@ -41,8 +41,15 @@ def text_dir(tmp_path):
 
 
 def build(text_dir, out, **kw):
-    spec = CorpusSpec(bins=(64, 128), train_rows=(20, 10), heldout_rows=(4, 2), heldout_percent=20,
-                      prefix="Summarize:\n", sources=(f"txt:{text_dir}/*.txt",), **kw)
+    spec = CorpusSpec(
+        bins=(64, 128),
+        train_rows=(20, 10),
+        heldout_rows=(4, 2),
+        heldout_percent=20,
+        prefix="Summarize:\n",
+        sources=(f"txt:{text_dir}/*.txt",),
+        **kw,
+    )
     return build_corpus(CharTokenizer(), spec, out, progress=False)
 
 
@@ -75,9 +82,22 @@ def test_lr_schedule_warmup_then_cosine():
 
 def make_trainer(text_dir, tmp_path, **kw):
     build(text_dir, tmp_path / "c")
-    cfg = TrainConfig(model="tiny", corpus=str(tmp_path / "c"), out_dir=str(tmp_path / "run"), lams=(0.0, 1.0),
-                      seq_len=128, local_window=16, lr=2e-2, val_every=3, val_rows=2, ckpt_every=3, log_every=1,
-                      dtype="fp32", device="cpu", **kw)
+    cfg = TrainConfig(
+        model="tiny",
+        corpus=str(tmp_path / "c"),
+        out_dir=str(tmp_path / "run"),
+        lams=(0.0, 1.0),
+        seq_len=128,
+        local_window=16,
+        lr=2e-2,
+        val_every=3,
+        val_rows=2,
+        ckpt_every=3,
+        log_every=1,
+        dtype="fp32",
+        device="cpu",
+        **kw,
+    )
     return GateTrainer(cfg, backbone=Backbone(tiny_lm()))
 
 
@@ -110,8 +130,17 @@ def test_trainer_steps_checkpoints_and_resumes(text_dir, tmp_path):
 def test_resume_refuses_other_lams(text_dir, tmp_path):
     make_trainer(text_dir, tmp_path, steps=3).fit(progress=False)
     build(text_dir, tmp_path / "c")
-    cfg = TrainConfig(model="tiny", corpus=str(tmp_path / "c"), out_dir=str(tmp_path / "run"), lams=(0.5,),
-                      seq_len=128, local_window=16, steps=3, dtype="fp32", device="cpu")
+    cfg = TrainConfig(
+        model="tiny",
+        corpus=str(tmp_path / "c"),
+        out_dir=str(tmp_path / "run"),
+        lams=(0.5,),
+        seq_len=128,
+        local_window=16,
+        steps=3,
+        dtype="fp32",
+        device="cpu",
+    )
     with pytest.raises(ValueError, match="lams"):
         GateTrainer(cfg, backbone=Backbone(tiny_lm())).resume()
 

@@ -11,7 +11,10 @@ import sys
 import pytest
 import torch
 
-CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter is the CPU CI stand-in; the GPU runs the compiled kernel (gpu marker)")
+CPU_ONLY = pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="the Triton interpreter is the CPU CI stand-in; the GPU runs the compiled kernel (gpu marker)",
+)
 pytestmark = [pytest.mark.core, CPU_ONLY]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -19,10 +22,15 @@ CHECK = os.path.join(HERE, "triton_compact_interp_check.py")
 PLAN_CHECK = os.path.join(HERE, "triton_plan_interp_check.py")
 
 
-@pytest.mark.parametrize("check,seed", [(CHECK, s) for s in range(8)] + [(PLAN_CHECK, s) for s in range(12)],
-                         ids=[f"compact-{s}" for s in range(8)] + [f"plan-{s}" for s in range(12)])
+@pytest.mark.parametrize(
+    "check,seed",
+    [(CHECK, s) for s in range(8)] + [(PLAN_CHECK, s) for s in range(12)],
+    ids=[f"compact-{s}" for s in range(8)] + [f"plan-{s}" for s in range(12)],
+)
 def test_triton_helper_matches_torch_under_interpreter(check, seed):
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    res = subprocess.run([sys.executable, check, str(seed)], env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, check, str(seed)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     assert res.stdout.startswith(f"ok seed {seed}"), res.stdout

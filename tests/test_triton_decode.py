@@ -9,12 +9,14 @@ import sys
 
 import pytest
 import torch
-
 from interp_decode_check import CASES, PoolCase, close
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device)")
-CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter is the CPU CI stand-in; on a GPU host the compiled kernels are tested (gpu marker), and Triton 3.6's interpreter fails there under the device's NumPy (only 0-dimensional arrays can be converted to Python scalars)")
+CPU_ONLY = pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="the Triton interpreter is the CPU CI stand-in; on a GPU host the compiled kernels are tested (gpu marker), and Triton 3.6's interpreter fails there under the device's NumPy (only 0-dimensional arrays can be converted to Python scalars)",
+)
 
 
 # -- CPU: Triton interpreter (one process per case: TRITON_INTERPRET=1 must precede the import) -----
@@ -23,8 +25,13 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton inte
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_interpreted_decode_matches_reference(name):
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")  # CPU even on a GPU host
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "interp_decode_check.py"), name], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "interp_decode_check.py"), name],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     c = CASES[name]
     assert len(rows) == c["steps"] * 2 * len(c["launches"]) * 2 * 2, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -32,7 +39,9 @@ def test_interpreted_decode_matches_reference(name):
     assert proc.returncode == 0 and not bad, bad or proc.stderr[-3000:]
     # Both merges ran, with and without the fused ring write; every batch had an empty stream, and
     # some stream used fewer splits than launched.
-    assert {(r["fused"], r["write_new"]) for r in rows} == {(a, b) for a in (True, False) for b in (True, False)}
+    assert {(r["fused"], r["write_new"]) for r in rows} == {
+        (a, b) for a in (True, False) for b in (True, False)
+    }
     assert all(r["empty_streams"] == c["Hkv"] for r in rows) and any(r["partial_streams"] for r in rows)
     # The comparisons covered ring-only and ring + global streams, and a 1-token stream when asked.
     lens = [n for r in rows for per_req in r["kv_len"] for n in per_req]
@@ -43,7 +52,12 @@ def test_interpreted_decode_matches_reference(name):
 
 @pytest.mark.core
 def test_choose_num_splits_and_validation():
-    from sglang_wgkv.attention.triton_decode import MAX_SPLIT_COUNT, FoldedDecodeWorkspace, choose_num_splits, folded_decode
+    from sglang_wgkv.attention.triton_decode import (
+        MAX_SPLIT_COUNT,
+        FoldedDecodeWorkspace,
+        choose_num_splits,
+        folded_decode,
+    )
 
     # Batch 1 x 8 heads at long context: several programs per SM; large batches: few splits.
     assert choose_num_splits(1, 8, 131072) >= 32
@@ -59,11 +73,22 @@ def test_choose_num_splits_and_validation():
     case = PoolCase(64, 8, 2, torch.float16, 32, [40, 5], 0, 0.5, "cpu", num_layers=1)
     next(case.step())
     p = case.pool
-    args = (case.query(), p.k_pages, p.v_pages, p.page_table, p.global_len, case.plan.req, case.plan.ring_tokens, 0)
+    args = (
+        case.query(),
+        p.k_pages,
+        p.v_pages,
+        p.page_table,
+        p.global_len,
+        case.plan.req,
+        case.plan.ring_tokens,
+        0,
+    )
     with pytest.raises(ValueError, match="workspace"):
         folded_decode(*args, num_splits=5, workspace=ws)
     with pytest.raises(ValueError, match="workspace"):  # the case has 2 KV heads
-        folded_decode(*args, num_splits=4, workspace=FoldedDecodeWorkspace(2, 8, 64, 4, "cpu", num_kv_heads=1))
+        folded_decode(
+            *args, num_splits=4, workspace=FoldedDecodeWorkspace(2, 8, 64, 4, "cpu", num_kv_heads=1)
+        )
     with pytest.raises(ValueError, match="layer"):
         folded_decode(*args[:-1], 1)
     with pytest.raises(ValueError, match="dtype"):
@@ -78,9 +103,9 @@ GPU_CASES = [
     # D, Hq, Hkv, dtype, W, prefill lengths, late joiners, admit prob
     (128, 32, 8, torch.bfloat16, 256, [6000, 300, 2500, 40], 1, 0.5),
     (64, 9, 3, torch.float16, 64, [3000, 10, 900], 1, 0.9),
-    (128, 8, 8, torch.float16, 128, [1500, 129], 0, 0.25),     # group 1
-    (64, 16, 8, torch.bfloat16, 64, [2000, 700], 0, 0.5),      # group 2
-    (128, 32, 4, torch.bfloat16, 256, [4000, 17], 1, 0.1),     # group 8
+    (128, 8, 8, torch.float16, 128, [1500, 129], 0, 0.25),  # group 1
+    (64, 16, 8, torch.bfloat16, 64, [2000, 700], 0, 0.5),  # group 2
+    (128, 32, 4, torch.bfloat16, 256, [4000, 17], 1, 0.1),  # group 8
 ]
 
 
@@ -93,17 +118,31 @@ def test_gpu_decode_matches_reference(case_args, fused):
 
     D, Hq, Hkv, dtype, W, plens, late, p = case_args
     case = PoolCase(D, Hq, Hkv, dtype, W, plens, late, p, "cuda", num_layers=2, seed=D + Hq)
-    launches = [(None, DecodeConfig(fused_merge=fused)), (1, DecodeConfig(fused_merge=fused)),
-                (7, DecodeConfig(32, 4, 2, fused)), (64, DecodeConfig(64, 8, 3, fused)),
-                (128, DecodeConfig(16, 4, 2, fused)), (16, DecodeConfig(128, 8, 2, fused))]
+    launches = [
+        (None, DecodeConfig(fused_merge=fused)),
+        (1, DecodeConfig(fused_merge=fused)),
+        (7, DecodeConfig(32, 4, 2, fused)),
+        (64, DecodeConfig(64, 8, 3, fused)),
+        (128, DecodeConfig(16, 4, 2, fused)),
+        (16, DecodeConfig(128, 8, 2, fused)),
+    ]
     for _ in range(3):
         for layer in case.step():
             q = case.query()
             ref = case.reference(q, layer)
             for splits, cfg in launches:
-                out = folded_decode(q, case.pool.k_pages, case.pool.v_pages, case.pool.page_table,
-                                    case.pool.global_len, case.plan.req, case.plan.ring_tokens, layer,
-                                    num_splits=splits, config=cfg)
+                out = folded_decode(
+                    q,
+                    case.pool.k_pages,
+                    case.pool.v_pages,
+                    case.pool.page_table,
+                    case.pool.global_len,
+                    case.plan.req,
+                    case.plan.ring_tokens,
+                    layer,
+                    num_splits=splits,
+                    config=cfg,
+                )
                 ok, rel, mx = close(out, ref, dtype)
                 assert ok, f"layer {layer} splits {splits} {cfg}: rel {rel:.2e} max {mx:.2e}"
 
@@ -131,9 +170,18 @@ def test_gpu_decode_batch16_long_streams(fused):
         q = case.query()
         ref = case.reference(q, layer)
         for splits in (choose_num_splits(16, 8, 12288), 1, 3, 32, 128):
-            out = folded_decode(q, case.pool.k_pages, case.pool.v_pages, case.pool.page_table, case.pool.global_len,
-                                case.plan.req, case.plan.ring_tokens, layer, num_splits=splits,
-                                config=DecodeConfig(fused_merge=fused))
+            out = folded_decode(
+                q,
+                case.pool.k_pages,
+                case.pool.v_pages,
+                case.pool.page_table,
+                case.pool.global_len,
+                case.plan.req,
+                case.plan.ring_tokens,
+                layer,
+                num_splits=splits,
+                config=DecodeConfig(fused_merge=fused),
+            )
             ok, rel, mx = close(out, ref, torch.bfloat16)
             assert ok, f"splits {splits}: rel {rel:.2e} max {mx:.2e}"
 
@@ -147,7 +195,9 @@ def test_gpu_fused_merge_back_to_back_launches():
     partials), and matches the reference."""
     from sglang_wgkv.attention.triton_decode import FoldedDecodeWorkspace, folded_decode
 
-    case = PoolCase(128, 32, 8, torch.bfloat16, 256, [6000, 3000, 800, 40], 1, 0.6, "cuda", num_layers=1, seed=11)
+    case = PoolCase(
+        128, 32, 8, torch.bfloat16, 256, [6000, 3000, 800, 40], 1, 0.6, "cuda", num_layers=1, seed=11
+    )
     p, B = case.pool, len(case.slots)
     ws = FoldedDecodeWorkspace(B, 32, 128, 128, "cuda", num_kv_heads=8)
     for layer in case.step():
@@ -155,8 +205,19 @@ def test_gpu_fused_merge_back_to_back_launches():
         for splits in (128, 37, 5):
             outs = torch.full((40, B, 32, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
             for i in range(len(outs)):
-                folded_decode(qs[i % 2], p.k_pages, p.v_pages, p.page_table, p.global_len, case.plan.req,
-                              case.plan.ring_tokens, layer, num_splits=splits, workspace=ws, out=outs[i])
+                folded_decode(
+                    qs[i % 2],
+                    p.k_pages,
+                    p.v_pages,
+                    p.page_table,
+                    p.global_len,
+                    case.plan.req,
+                    case.plan.ring_tokens,
+                    layer,
+                    num_splits=splits,
+                    workspace=ws,
+                    out=outs[i],
+                )
             for j, q in enumerate(qs):
                 ok, rel, mx = close(outs[j], case.reference(q, layer), torch.bfloat16)
                 assert ok, f"splits {splits} query {j}: rel {rel:.2e} max {mx:.2e}"
@@ -173,25 +234,54 @@ def test_gpu_pdl_launch_reads_what_the_kernel_before_wrote():
     in one CUDA graph: every output equals the launch without PDL bit for bit."""
     from sglang_wgkv.attention.triton_decode import DecodeConfig, FoldedDecodeWorkspace, folded_decode
 
-    case = PoolCase(128, 32, 8, torch.bfloat16, 256, [6000, 3000, 800, 40], 1, 0.6, "cuda", num_layers=1, seed=13)
+    case = PoolCase(
+        128, 32, 8, torch.bfloat16, 256, [6000, 3000, 800, 40], 1, 0.6, "cuda", num_layers=1, seed=13
+    )
     p, B = case.pool, len(case.slots)
     ws = FoldedDecodeWorkspace(B, 32, 128, 64, "cuda", num_kv_heads=8)
     pdl = DecodeConfig(pdl=True)
     for layer in case.step():
         qs = [case.query() for _ in range(4)]
-        want = [folded_decode(q, p.k_pages, p.v_pages, p.page_table, p.global_len, case.plan.req,
-                              case.plan.ring_tokens, layer, num_splits=64, workspace=ws) for q in qs]
+        want = [
+            folded_decode(
+                q,
+                p.k_pages,
+                p.v_pages,
+                p.page_table,
+                p.global_len,
+                case.plan.req,
+                case.plan.ring_tokens,
+                layer,
+                num_splits=64,
+                workspace=ws,
+            )
+            for q in qs
+        ]
         q_buf = torch.empty_like(qs[0])
         outs = torch.full((40, B, 32, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
 
         def run():
             for i in range(len(outs)):
                 q_buf.copy_(qs[i % 4])
-                folded_decode(q_buf, p.k_pages, p.v_pages, p.page_table, p.global_len, case.plan.req,
-                              case.plan.ring_tokens, layer, num_splits=64, workspace=ws, out=outs[i], config=pdl)
+                folded_decode(
+                    q_buf,
+                    p.k_pages,
+                    p.v_pages,
+                    p.page_table,
+                    p.global_len,
+                    case.plan.req,
+                    case.plan.ring_tokens,
+                    layer,
+                    num_splits=64,
+                    workspace=ws,
+                    out=outs[i],
+                    config=pdl,
+                )
 
         run()
-        assert all(torch.equal(o, want[i % 4]) for i, o in enumerate(outs)), "eager: a PDL launch read a stale query"
+        assert all(torch.equal(o, want[i % 4]) for i, o in enumerate(outs)), (
+            "eager: a PDL launch read a stale query"
+        )
         outs.fill_(float("nan"))
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -200,7 +290,9 @@ def test_gpu_pdl_launch_reads_what_the_kernel_before_wrote():
         outs.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert all(torch.equal(o, want[i % 4]) for i, o in enumerate(outs)), "graph: a PDL launch read a stale query"
+        assert all(torch.equal(o, want[i % 4]) for i, o in enumerate(outs)), (
+            "graph: a PDL launch read a stale query"
+        )
     assert not ws.splits_done.any()
 
 
@@ -212,11 +304,17 @@ def test_gpu_decode_cuda_graph_replay_after_pool_changes(dtype, fused):
     """Capture one decode (all layers) with static buffers, decode more steps (more global tokens,
     new pages, a ring page crossing), replay, compare each layer with the reference; a second replay
     repeats the first bit for bit (the fused merge's counters start from zero on every replay)."""
-    from sglang_wgkv.attention.triton_decode import (DecodeConfig, FoldedDecodeWorkspace, choose_num_splits,
-                                                     folded_decode)
+    from sglang_wgkv.attention.triton_decode import (
+        DecodeConfig,
+        FoldedDecodeWorkspace,
+        choose_num_splits,
+        folded_decode,
+    )
 
     D, Hq, Hkv, L = 128, 32, 8, 2
-    case = PoolCase(D, Hq, Hkv, dtype, 64, [3000, 700, 20], 1, 0.8, "cuda", num_layers=L, max_context=3200, seed=7)
+    case = PoolCase(
+        D, Hq, Hkv, dtype, 64, [3000, 700, 20], 1, 0.8, "cuda", num_layers=L, max_context=3200, seed=7
+    )
     p, B = case.pool, len(case.slots)
     splits = choose_num_splits(B, Hkv, p.max_context_len, "cuda")
     ws = FoldedDecodeWorkspace(B, Hq, D, splits, "cuda", num_kv_heads=Hkv)
@@ -228,8 +326,20 @@ def test_gpu_decode_cuda_graph_replay_after_pool_changes(dtype, fused):
 
     def decode_all_layers():
         for layer in range(L):
-            folded_decode(q[layer], p.k_pages, p.v_pages, p.page_table, p.global_len, req, ring, layer,
-                          num_splits=splits, workspace=ws, out=out[layer], config=cfg)
+            folded_decode(
+                q[layer],
+                p.k_pages,
+                p.v_pages,
+                p.page_table,
+                p.global_len,
+                req,
+                ring,
+                layer,
+                num_splits=splits,
+                workspace=ws,
+                out=out[layer],
+                config=cfg,
+            )
 
     for _ in case.step():
         pass

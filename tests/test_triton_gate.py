@@ -10,32 +10,40 @@ import sys
 
 import pytest
 import torch
-
 from interp_gate_check import CASES, check
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device)")
-CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter is the CPU CI stand-in; "
-                              "on a GPU host the compiled kernel is tested (gpu marker)")
+CPU_ONLY = pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="the Triton interpreter is the CPU CI stand-in; "
+    "on a GPU host the compiled kernel is tested (gpu marker)",
+)
 
 
 @pytest.mark.core
 @CPU_ONLY
 def test_interpreted_gate_matches_torch():
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "interp_gate_check.py")], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "interp_gate_check.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == 2 * len(CASES), proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.returncode == 0 and all(r["ok"] and r["counts_reset"] for r in rows), rows
     # Decisions went both ways in every case (a gate stuck at admit-all or reject-all would pass).
     for i in range(0, len(rows), 2):
-        assert 0 < rows[i]["admitted"] + rows[i + 1]["admitted"] < 2 * rows[i]["of"], rows[i:i + 2]
+        assert 0 < rows[i]["admitted"] + rows[i + 1]["admitted"] < 2 * rows[i]["of"], rows[i : i + 2]
 
 
 @pytest.mark.core
 def test_validation():
     from interp_gate_check import make_gates
+
     from sglang_wgkv.gate.triton_gate import MAX_SPLIT_COUNT, DecodeGate
 
     fused = DecodeGate(make_gates(64, 2, 128, 0, "cpu"), max_rows=4)
@@ -56,11 +64,12 @@ def test_validation():
 @pytest.mark.core
 def test_num_splits():
     from interp_gate_check import make_gates
+
     from sglang_wgkv.gate.triton_gate import MAX_SPLIT_COUNT, DecodeGate
 
     fused = DecodeGate(make_gates(128, 2, 512, 0, "cpu"), max_rows=4)
-    assert fused.num_splits(8, 132) == 512 // 32             # batch 1 x 8 heads: I = 512 in slices of 32
-    assert fused.num_splits(1024, 132) == 1                   # large batches: one program per (row, head)
+    assert fused.num_splits(8, 132) == 512 // 32  # batch 1 x 8 heads: I = 512 in slices of 32
+    assert fused.num_splits(1024, 132) == 1  # large batches: one program per (row, head)
     assert 1 <= fused.num_splits(1, 10_000) <= MAX_SPLIT_COUNT
 
 
@@ -85,13 +94,16 @@ def test_gpu_gate_graph_replay():
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("T,H,D,inner,dtype,layout", [
-    (8192, 8, 128, 512, torch.bfloat16, "fused"),   # the Llama-3.1-8B shape of the profiled prefill chunk
-    (8192, 8, 128, 512, torch.bfloat16, "contig"),
-    (1000, 8, 128, 192, torch.bfloat16, "heads"),   # Qwen3's I = 1.5 * D; T not a multiple of the block
-    (777, 3, 64, 96, torch.float16, "fused"),
-    (333, 8, 128, 512, torch.float32, "fused"),
-])
+@pytest.mark.parametrize(
+    "T,H,D,inner,dtype,layout",
+    [
+        (8192, 8, 128, 512, torch.bfloat16, "fused"),  # the Llama-3.1-8B shape of the profiled prefill chunk
+        (8192, 8, 128, 512, torch.bfloat16, "contig"),
+        (1000, 8, 128, 192, torch.bfloat16, "heads"),  # Qwen3's I = 1.5 * D; T not a multiple of the block
+        (777, 3, 64, 96, torch.float16, "fused"),
+        (333, 8, 128, 512, torch.float32, "fused"),
+    ],
+)
 def test_gpu_prefill_gate_matches_torch(T, H, D, inner, dtype, layout):
     from triton_prefill_gate_interp_check import check
 

@@ -7,10 +7,12 @@ import subprocess
 import sys
 
 import pytest
-
 import torch
 
-CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter is the CPU CI stand-in; on a GPU host the compiled kernels are tested (gpu marker), and Triton 3.6's interpreter fails there under the device's NumPy (only 0-dimensional arrays can be converted to Python scalars)")
+CPU_ONLY = pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="the Triton interpreter is the CPU CI stand-in; on a GPU host the compiled kernels are tested (gpu marker), and Triton 3.6's interpreter fails there under the device's NumPy (only 0-dimensional arrays can be converted to Python scalars)",
+)
 pytestmark = [pytest.mark.core, CPU_ONLY]
 
 CHECK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "triton_pool_interp_check.py")

@@ -11,7 +11,10 @@ import sys
 import pytest
 import torch
 
-CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter is the CPU CI stand-in; the GPU runs the compiled kernel (gpu marker)")
+CPU_ONLY = pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="the Triton interpreter is the CPU CI stand-in; the GPU runs the compiled kernel (gpu marker)",
+)
 pytestmark = pytest.mark.core
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -34,6 +37,7 @@ def test_prefill_gate_matches_torch_under_interpreter():
 
 def test_validation():
     from triton_prefill_gate_interp_check import make_gates
+
     from sglang_wgkv.gate.triton_prefill_gate import PrefillGate
 
     fused = PrefillGate(make_gates(2, 64, 96, 0, "cpu"))
@@ -77,6 +81,7 @@ def test_start_up_check_falls_back_where_the_kernel_cannot_run(caplog):
     """Without a GPU (and without the interpreter) the launch fails: the check answers None and says
     so in the log, so a server would prefill with the torch gate instead of failing at a request."""
     from triton_prefill_gate_interp_check import make_gates
+
     from sglang_wgkv.gate.triton_prefill_gate import checked_prefill_gate
 
     with caplog.at_level("WARNING"):
@@ -101,9 +106,14 @@ print(json.dumps({"kept": type(kept).__name__, "wrong": wrong is None}))
 
 @CPU_ONLY
 def test_start_up_check_accepts_the_kernel_and_refuses_a_wrong_one():
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join(
-        [HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, "-c", START_UP_CHECK], env=env, capture_output=True, text=True,
-                         timeout=300, cwd=HERE)
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="1",
+        CUDA_VISIBLE_DEVICES="",
+        PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]),
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", START_UP_CHECK], env=env, capture_output=True, text=True, timeout=300, cwd=HERE
+    )
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     assert rows == [{"kept": "PrefillGate", "wrong": True}], res.stdout[-2000:] + res.stderr[-3000:]

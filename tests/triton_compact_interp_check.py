@@ -44,7 +44,7 @@ def check(seed: int) -> None:
     for b, (lo, hi) in enumerate(zip(kv_indptr[:-1].tolist(), kv_indptr[1:].tolist())):
         for h in range(H):
             rows = k[lo:hi, h][admitted[lo:hi, h]]
-            if not torch.equal(out[0][h, lo:lo + rows.shape[0]], rows):
+            if not torch.equal(out[0][h, lo : lo + rows.shape[0]], rows):
                 raise SystemExit(f"seed {seed}: sequence {b} head {h} not compacted in order")
 
 

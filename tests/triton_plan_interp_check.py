@@ -42,8 +42,15 @@ def case(seed: int):
     it = torch.int64 if seed % 4 == 1 else torch.int32
     Nk = kv[-1]
     admitted = torch.rand(Nk, H, generator=gen) < [0.0, 0.3, 1.0][seed % 3]
-    return (admitted, torch.tensor(qo, dtype=it), torch.tensor(kv, dtype=it), torch.tensor(q_pos, dtype=dt),
-            torch.tensor(k_pos, dtype=dt), W, [16, 64, 128][seed % 3])
+    return (
+        admitted,
+        torch.tensor(qo, dtype=it),
+        torch.tensor(kv, dtype=it),
+        torch.tensor(q_pos, dtype=dt),
+        torch.tensor(k_pos, dtype=dt),
+        W,
+        [16, 64, 128][seed % 3],
+    )
 
 
 def check(seed: int) -> None:

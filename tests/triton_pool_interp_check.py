@@ -17,8 +17,10 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sglang_wgkv.config import WGKVConfig  # noqa: E402
-from sglang_wgkv.memory import DualCachePool  # noqa: E402
-from sglang_wgkv.memory import triton_pool  # noqa: E402
+from sglang_wgkv.memory import (
+    DualCachePool,  # noqa: E402
+    triton_pool,  # noqa: E402
+)
 from sglang_wgkv.memory.extend_step import FAR_POSITION as FAR  # noqa: E402
 from sglang_wgkv.memory.page_allocator import PoolExhausted  # noqa: E402
 
@@ -34,16 +36,27 @@ def bf16(x):
 
 def make_pool(num_pages, triton):
     """A pool on the torch ops (False) or on every Triton pool launch (True: promotion and extend)."""
-    return DualCachePool(L, H, D, num_pages=num_pages, max_requests=R, max_context_len=CTX,
-                         config=WGKVConfig(local_window=W), dtype=torch.bfloat16, triton_decode=triton,
-                         triton_extend=triton)
+    return DualCachePool(
+        L,
+        H,
+        D,
+        num_pages=num_pages,
+        max_requests=R,
+        max_context_len=CTX,
+        config=WGKVConfig(local_window=W),
+        dtype=torch.bfloat16,
+        triton_decode=triton,
+        triton_extend=triton,
+    )
 
 
 def assert_same(a, b, where, plans=None):
     """Equal pool state (page contents on every page but the dump page) and decode plans."""
+
     def check(ok, what):
         if not ok:
             raise AssertionError(f"{where}: {what} differs")
+
     for name in ("page_table", "global_len", "ring_flag", "left_ring", "promoted"):
         check(torch.equal(getattr(a, name), getattr(b, name)), name)
     check(torch.equal(a.k_pages[:-1], b.k_pages[:-1]), "k_pages")
@@ -117,18 +130,29 @@ def scenario(seed):
                 break
             positions = torch.cat([torch.arange(S, S + n) for S, n in zip(prefix, lens)])
             for layer in range(L):
-                got = [pool.extend_inputs(layer, k[layer], v[layer], admit[layer], positions, torch.bfloat16)
-                       for pool in pools]
+                got = [
+                    pool.extend_inputs(layer, k[layer], v[layer], admit[layer], positions, torch.bfloat16)
+                    for pool in pools
+                ]
                 (k0, v0, p0, a0), (k1, v1, p1, a1) = got
                 # a global row past its head's length (padding to the longest head) is never read: it
                 # may point at the dump page, whose contents the two pools need not share
                 read = ~((p0 == FAR)[:, None] & ~a0)
-                for name, x, y, rows in (("keys", k0, k1, read), ("values", v0, v1, read), ("k_pos", p0, p1, None),
-                                         ("admitted", a0, a1, None)):
-                    same = x.dtype == y.dtype and x.shape == y.shape and (
-                        torch.equal(x, y) if rows is None else torch.equal(x[rows], y[rows]))
+                for name, x, y, rows in (
+                    ("keys", k0, k1, read),
+                    ("values", v0, v1, read),
+                    ("k_pos", p0, p1, None),
+                    ("admitted", a0, a1, None),
+                ):
+                    same = (
+                        x.dtype == y.dtype
+                        and x.shape == y.shape
+                        and (torch.equal(x, y) if rows is None else torch.equal(x[rows], y[rows]))
+                    )
                     if not same:
-                        raise AssertionError(f"seed {seed} step {step} layer {layer}: extend_inputs {name} differs")
+                        raise AssertionError(
+                            f"seed {seed} step {step} layer {layer}: extend_inputs {name} differs"
+                        )
                 for pool in pools:
                     pool.write_extend(layer, k[layer], v[layer], admit[layer])
             chunked_any = True
@@ -189,7 +213,9 @@ def main():
         triton_pool.PROMOTE_SCAN_BLOCK = int(sys.argv[2])
     direct(seed)
     min_free, num_pages, promoted_any, chunked_any = scenario(seed)
-    print(f"ok seed {seed}: min free pages {min_free}/{num_pages}, promoted {promoted_any}, chunked {chunked_any}")
+    print(
+        f"ok seed {seed}: min free pages {min_free}/{num_pages}, promoted {promoted_any}, chunked {chunked_any}"
+    )
 
 
 if __name__ == "__main__":

@@ -46,8 +46,9 @@ CASES = [
 
 def make_gates(H: int, D: int, inner: int, seed: int, device) -> WriteGates:
     """Two layers of gates with every parameter perturbed, logits spread around 0."""
-    return interp_gate_check.make_gates(D, H, inner, seed, device, b1_scale=0.3, w2_scale=2.0, b2_scale=0.3,
-                                        b2_shift=-0.5)
+    return interp_gate_check.make_gates(
+        D, H, inner, seed, device, b1_scale=0.3, w2_scale=2.0, b2_scale=0.3, b2_shift=-0.5
+    )
 
 
 def make_keys(T: int, H: int, D: int, dtype, layout: str, gen, device):
@@ -55,11 +56,13 @@ def make_keys(T: int, H: int, D: int, dtype, layout: str, gen, device):
     scale = torch.rand(T, 1, generator=gen) * 4 + 0.1
     if layout == "fused":
         qkv = (torch.randn(T, 3 * H * D, generator=gen) * scale).to(device, dtype)
-        return qkv[:, 2 * H * D:].view(T, H, D), qkv[:, H * D:2 * H * D].view(T, H, D)
+        return qkv[:, 2 * H * D :].view(T, H, D), qkv[:, H * D : 2 * H * D].view(T, H, D)
     if layout == "heads":
         both = (torch.randn(T, H * 2 * D, generator=gen) * scale).to(device, dtype).view(T, H, 2, D)
         return both[:, :, 0], both[:, :, 1]
-    return tuple((torch.randn(T, H * D, generator=gen) * scale).to(device, dtype).view(T, H, D) for _ in range(2))
+    return tuple(
+        (torch.randn(T, H * D, generator=gen) * scale).to(device, dtype).view(T, H, D) for _ in range(2)
+    )
 
 
 def check(T, H, D, inner, dtype, layout, device, seed=0) -> list[dict]:
@@ -75,10 +78,25 @@ def check(T, H, D, inner, dtype, layout, device, seed=0) -> list[dict]:
         written = not bool(torch.isnan(g).any())
         g_err = (g - ref).abs().max().item() if T else 0.0
         flags = admission_errors(fused, gates.layers[layer], layer, k_pre, k_post, ref, gen, device)
-        rows.append(dict(case=[T, H, D, inner, str(dtype), layout], layer=layer, seed=seed,
-                         ok=(written and g_err <= G_TOL and g.shape == (T, H) and g.data_ptr() == out.data_ptr()
-                             and not any(flags.values())),
-                         written=written, g_err=g_err, below_half=int((ref < 0.5).sum()), of=ref.numel(), **flags))
+        rows.append(
+            dict(
+                case=[T, H, D, inner, str(dtype), layout],
+                layer=layer,
+                seed=seed,
+                ok=(
+                    written
+                    and g_err <= G_TOL
+                    and g.shape == (T, H)
+                    and g.data_ptr() == out.data_ptr()
+                    and not any(flags.values())
+                ),
+                written=written,
+                g_err=g_err,
+                below_half=int((ref < 0.5).sum()),
+                of=ref.numel(),
+                **flags,
+            )
+        )
     return rows
 
 
@@ -100,10 +118,12 @@ def admission_errors(fused, gate_layer, layer, k_pre, k_post, ref, gen, device) 
     decided = (ref - tau).abs() > G_TOL
     got_r = fused.admit(layer, k_pre, k_post, tau[:, 0], uniform=uniform, random_p=0.3)
     want_r = reference_decode_gate(gate_layer, k_pre, k_post, tau, uniform=uniform, random_p=0.3)
-    return {"threshold_flag_errors": int(((got != want) & decided).sum()),
-            "random_flag_errors": int((got_r != want_r).sum()),
-            "g_out_errors": int((g_side != fused(layer, k_pre, k_post)).sum()),
-            "wrong_flag_dtype": int(got.dtype != torch.bool or got_r.shape != (T, H))}
+    return {
+        "threshold_flag_errors": int(((got != want) & decided).sum()),
+        "random_flag_errors": int((got_r != want_r).sum()),
+        "g_out_errors": int((g_side != fused(layer, k_pre, k_post)).sum()),
+        "wrong_flag_dtype": int(got.dtype != torch.bool or got_r.shape != (T, H)),
+    }
 
 
 def main() -> int:

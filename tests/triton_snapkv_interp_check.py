@@ -45,8 +45,18 @@ def check(seed: int) -> None:
     kernel = [5, 13, 1][seed % 3]
     want = snapkv_scores(q, q_pos, g_keys, g_len, r_keys, r_pos, scale, kernel)
     # query blocks of the default size (64 rows: 1-4 blocks here) or of 4 queries (2-6 blocks)
-    got = snapkv_scores_triton(q, q_pos, g_keys, g_len, r_keys, r_pos, scale, kernel, block_n=16,
-                               block_q=4 if seed % 4 >= 2 else None)
+    got = snapkv_scores_triton(
+        q,
+        q_pos,
+        g_keys,
+        g_len,
+        r_keys,
+        r_pos,
+        scale,
+        kernel,
+        block_n=16,
+        block_q=4 if seed % 4 >= 2 else None,
+    )
     if got.shape != want.shape:
         raise SystemExit(f"seed {seed}: shape {tuple(got.shape)} != {tuple(want.shape)}")
     fin = torch.isfinite(want)

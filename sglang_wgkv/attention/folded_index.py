@@ -14,8 +14,12 @@ q ``[B, Hq, D]`` is passed unchanged as ``[S, group, D]``.
 import torch
 
 
-def build_folded_indices(rows: torch.Tensor, num_pages: torch.Tensor, last_page_len: torch.Tensor,
-                         out_indices: torch.Tensor | None = None):
+def build_folded_indices(
+    rows: torch.Tensor,
+    num_pages: torch.Tensor,
+    last_page_len: torch.Tensor,
+    out_indices: torch.Tensor | None = None,
+):
     """Compact page-table rows into FlashInfer's paged layout without a host sync.
 
     Parameters

@@ -26,8 +26,15 @@ def _expand_gqa(x: torch.Tensor, group: int, dim: int) -> torch.Tensor:
     return x if group == 1 else x.repeat_interleave(group, dim=dim)
 
 
-def soft_gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                         local_window: int, eps: float = 1e-6, sm_scale: float | None = None) -> torch.Tensor:
+def soft_gated_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    local_window: int,
+    eps: float = 1e-6,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
     """Write-gated attention with the log-space gate bias (differentiable).
 
     Parameters
@@ -54,8 +61,9 @@ def soft_gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
 
 
-def vertical_slash_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, admitted: torch.Tensor,
-                        local_window: int) -> torch.Tensor:
+def vertical_slash_mask(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, admitted: torch.Tensor, local_window: int
+) -> torch.Tensor:
     """Mask ``[Hkv, Nq, Nk]`` for one sequence: q_pos ``[Nq]``, k_pos ``[Nk]``, admitted ``[Nk, Hkv]``."""
     dist = q_pos[:, None] - k_pos[None, :]
     band = (dist >= 0) & (dist < local_window)
@@ -63,10 +71,18 @@ def vertical_slash_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, admitted: torc
     return band[None] | vertical
 
 
-def vertical_slash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, admitted: torch.Tensor,
-                             qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, q_pos: torch.Tensor,
-                             k_pos: torch.Tensor, local_window: int,
-                             sm_scale: float | None = None) -> torch.Tensor:
+def vertical_slash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    admitted: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    local_window: int,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
     """Hard vertical-slash attention over a packed variable-length batch.
 
     Parameters
@@ -101,7 +117,9 @@ def vertical_slash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         for q0 in range(qs, qe, rows):
             q1 = min(qe, q0 + rows)
             nq = q1 - q0
-            mask = vertical_slash_mask(q_pos[q0:q1], k_pos[ks:ke], admitted[ks:ke], local_window)  # [Hkv, nq, nk]
+            mask = vertical_slash_mask(
+                q_pos[q0:q1], k_pos[ks:ke], admitted[ks:ke], local_window
+            )  # [Hkv, nq, nk]
             qb = q[q0:q1].float().view(nq, Hkv, group, D).permute(1, 2, 0, 3).reshape(Hkv, group * nq, D)
             scores = torch.bmm(qb, kb.transpose(1, 2)).view(Hkv, group, nq, nk)
             # softmax over the visible keys, in place (one score block of temporaries); a query that
@@ -110,13 +128,14 @@ def vertical_slash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
             peak = scores.amax(-1, keepdim=True)
             scores.sub_(peak.nan_to_num_(0.0, posinf=0.0, neginf=0.0)).exp_()
             scores.div_(scores.sum(-1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny))
-            o = torch.bmm(scores.view(Hkv, group * nq, nk), vb)                  # [Hkv, group * nq, D]
+            o = torch.bmm(scores.view(Hkv, group * nq, nk), vb)  # [Hkv, group * nq, D]
             out[q0:q1] = o.view(Hkv, group, nq, D).permute(2, 0, 1, 3).reshape(nq, Hq, D).to(q.dtype)
     return out
 
 
-def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           sm_scale: float | None = None) -> torch.Tensor:
+def dense_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float | None = None
+) -> torch.Tensor:
     """Plain causal GQA attention for one sequence: q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` -> ``[T, Hq, D]``."""
     group = q.shape[1] // k.shape[1]
     qt = q.transpose(0, 1).unsqueeze(0)
@@ -127,8 +146,9 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out[0].transpose(0, 1)
 
 
-def padded_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-                            sm_scale: float | None = None) -> torch.Tensor:
+def padded_decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, sm_scale: float | None = None
+) -> torch.Tensor:
     """Decode over padded per-(request, KV head) sequences.
 
     q : ``[B, Hq, D]``; k, v : ``[B, Hkv, L, D]`` (entries past ``lengths`` are ignored);
@@ -147,9 +167,15 @@ def padded_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
     return out.reshape(B, Hq, D).to(q.dtype)
 
 
-def paged_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-                           kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                           kv_last_page_len: torch.Tensor, sm_scale: float | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
     """Decode over the folded-head paged layout (FlashInfer's ``BatchDecodeWithPagedKVCache`` with
     ``num_kv_heads = 1`` and the GQA group as query heads).
 

@@ -84,34 +84,44 @@ class DecodeConfig:
         if self.block_n < PAGE_SIZE or self.block_n & (self.block_n - 1):
             raise ValueError(f"block_n must be a power of two >= {PAGE_SIZE}, got {self.block_n}")
         if self.num_warps not in (1, 2, 4, 8, 16) or not 1 <= self.num_stages <= 8:
-            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16 and num_stages 1-8, got {self.num_warps}, "
-                             f"{self.num_stages}")
+            raise ValueError(
+                f"num_warps must be 1, 2, 4, 8 or 16 and num_stages 1-8, got {self.num_warps}, "
+                f"{self.num_stages}"
+            )
         if not 1 <= self.programs_per_sm <= 64:
             raise ValueError(f"programs_per_sm must be 1-64, got {self.programs_per_sm}")
         if self.maxnreg and not (24 <= self.maxnreg <= 255 and self.maxnreg % 8 == 0):
-            raise ValueError(f"maxnreg must be 0 (the compiler's choice) or a multiple of 8 in 24-255, "
-                             f"got {self.maxnreg}")
+            raise ValueError(
+                f"maxnreg must be 0 (the compiler's choice) or a multiple of 8 in 24-255, got {self.maxnreg}"
+            )
 
     def launch_options(self, device_type: str) -> dict:
         """The split kernel's launch options on ``device_type``: warps and stages; on CUDA also PDL and
         the register cap where asked (the interpreter has neither)."""
         cuda = device_type == "cuda"
-        return {"num_warps": self.num_warps, "num_stages": self.num_stages,
-                **({"launch_pdl": True} if cuda and self.pdl else {}),
-                **({"maxnreg": self.maxnreg} if cuda and self.maxnreg else {})}
+        return {
+            "num_warps": self.num_warps,
+            "num_stages": self.num_stages,
+            **({"launch_pdl": True} if cuda and self.pdl else {}),
+            **({"maxnreg": self.maxnreg} if cuda and self.maxnreg else {}),
+        }
 
     @classmethod
     def parse(cls, spec: str) -> "DecodeConfig":
         """``"block_n=32,pdl=1"`` -> DecodeConfig (unnamed fields keep their defaults; ``""``: all).
         ValueError naming the field on an unknown name or a bad value."""
         kwargs: dict = {}
-        ints, flags = ("block_n", "num_warps", "num_stages", "programs_per_sm", "maxnreg"), ("fused_merge", "pdl")
+        ints, flags = (
+            ("block_n", "num_warps", "num_stages", "programs_per_sm", "maxnreg"),
+            ("fused_merge", "pdl"),
+        )
         for item in filter(None, (x.strip() for x in spec.split(","))):
             name, eq, value = item.partition("=")
             name, value = name.strip(), value.strip()
             if not eq or name not in ints + flags:
-                raise ValueError(f"decode launch {item!r}: expected NAME=VALUE with NAME one of "
-                                 f"{', '.join(ints + flags)}")
+                raise ValueError(
+                    f"decode launch {item!r}: expected NAME=VALUE with NAME one of {', '.join(ints + flags)}"
+                )
             if name in ints:
                 if not value.isdigit():
                     raise ValueError(f"decode launch {name} must be a positive integer, got {value!r}")
@@ -134,21 +144,37 @@ class FoldedDecodeWorkspace:
     ``num_kv_heads`` defaults to ``num_q_heads``, which fits any GQA grouping of those heads.
     """
 
-    def __init__(self, max_batch: int, num_q_heads: int, head_dim: int, max_splits: int, device,
-                 dtype: torch.dtype = torch.float32, *, num_kv_heads: int | None = None):
+    def __init__(
+        self,
+        max_batch: int,
+        num_q_heads: int,
+        head_dim: int,
+        max_splits: int,
+        device,
+        dtype: torch.dtype = torch.float32,
+        *,
+        num_kv_heads: int | None = None,
+    ):
         if not 1 <= max_splits <= MAX_SPLIT_COUNT:
             raise ValueError(f"max_splits must be in [1, {MAX_SPLIT_COUNT}], got {max_splits}")
         num_kv_heads = num_q_heads if num_kv_heads is None else num_kv_heads
         if not 1 <= num_kv_heads <= num_q_heads or num_q_heads % num_kv_heads:
             raise ValueError(f"num_kv_heads must divide num_q_heads {num_q_heads}, got {num_kv_heads}")
-        self.max_batch, self.num_q_heads, self.head_dim, self.max_splits = max_batch, num_q_heads, head_dim, max_splits
+        self.max_batch, self.num_q_heads, self.head_dim, self.max_splits = (
+            max_batch,
+            num_q_heads,
+            head_dim,
+            max_splits,
+        )
         self.num_kv_heads = num_kv_heads
         self.part_out = torch.empty(max_batch, num_q_heads, max_splits, head_dim, dtype=dtype, device=device)
         self.part_lse = torch.empty(max_batch, num_q_heads, max_splits, dtype=torch.float32, device=device)
         self.splits_done = torch.zeros(max_batch, num_kv_heads, dtype=torch.int32, device=device)
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_kv_len: int, device=None, programs_per_sm: int = 4) -> int:
+def choose_num_splits(
+    batch: int, num_kv_heads: int, max_kv_len: int, device=None, programs_per_sm: int = 4
+) -> int:
     """Splits per (request, KV head): about ``programs_per_sm`` programs per SM, chunks of at least
     256 tokens.
 
@@ -180,60 +206,170 @@ def _stream_chunk(Req, RingTokens, GlobalLen, b, h, stride_gr, stride_gh, num_sp
 
 
 @triton.jit
-def _merge_rows(Out, PartO, PartLse, b, heads, head_ok, used,
-                stride_outb, stride_outh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_S: tl.constexpr):
+def _merge_rows(
+    Out,
+    PartO,
+    PartLse,
+    b,
+    heads,
+    head_ok,
+    used,
+    stride_outb,
+    stride_outh,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     """``out[b, heads]`` (``heads`` ``[ROWS]``, rows with ``head_ok``): the partials of splits
     ``0 .. used - 1`` weighed by ``exp2(lse - max)`` over their sum; zeros where ``used == 0``."""
     # .cg (L2, not L1): in the fused merge other SMs wrote these lines during this launch, and an
     # earlier launch may have left them in this SM's L1; they are read once either way.
     b64 = b.to(tl.int64)
-    lse_row = PartLse + b64 * stride_lb + heads[:, None] * stride_lh                    # [ROWS, 1]
-    o_row = PartO + b64 * stride_ob + heads[:, None, None] * stride_oh                 # [ROWS, 1, 1]
+    lse_row = PartLse + b64 * stride_lb + heads[:, None] * stride_lh  # [ROWS, 1]
+    o_row = PartO + b64 * stride_ob + heads[:, None, None] * stride_oh  # [ROWS, 1, 1]
     all_s = tl.arange(0, SPLITS_PAD)[None, :]
-    lse = tl.load(lse_row + all_s, mask=head_ok[:, None] & (all_s < used), other=float("-inf"), cache_modifier=".cg")
+    lse = tl.load(
+        lse_row + all_s, mask=head_ok[:, None] & (all_s < used), other=float("-inf"), cache_modifier=".cg"
+    )
     m = tl.where(head_ok & (used > 0), tl.max(lse, 1), 0.0)
     denom = tl.sum(tl.math.exp2(lse - m[:, None]), 1)
     offs_d = tl.arange(0, HEAD_DIM)[None, None, :]
     offs_s = tl.arange(0, BLOCK_S)[None, :]
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
     for s0 in range(0, used, BLOCK_S):
-        s = s0 + offs_s                                                                 # [1, BLOCK_S]
+        s = s0 + offs_s  # [1, BLOCK_S]
         ok = head_ok[:, None] & (s < used)
-        w = tl.math.exp2(tl.load(lse_row + s, mask=ok, other=float("-inf"), cache_modifier=".cg") - m[:, None])
-        part = tl.load(o_row + s[:, :, None] * stride_os + offs_d, mask=ok[:, :, None], other=0.0,
-                       cache_modifier=".cg")
+        w = tl.math.exp2(
+            tl.load(lse_row + s, mask=ok, other=float("-inf"), cache_modifier=".cg") - m[:, None]
+        )
+        part = tl.load(
+            o_row + s[:, :, None] * stride_os + offs_d, mask=ok[:, :, None], other=0.0, cache_modifier=".cg"
+        )
         acc += tl.sum(w[:, :, None] * part, 1)
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
-    tl.store(Out + b64 * stride_outb + heads[:, None] * stride_outh + tl.arange(0, HEAD_DIM)[None, :],
-             out.to(Out.dtype.element_ty), mask=head_ok[:, None])
+    tl.store(
+        Out + b64 * stride_outb + heads[:, None] * stride_outh + tl.arange(0, HEAD_DIM)[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=head_ok[:, None],
+    )
 
 
 @triton.jit
-def _merge_group(Out, PartO, PartLse, b, h, used,
-                 stride_outb, stride_outh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                 GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                 BLOCK_S: tl.constexpr):
+def _merge_group(
+    Out,
+    PartO,
+    PartLse,
+    b,
+    h,
+    used,
+    stride_outb,
+    stride_outh,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,
+    MERGE_ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     """The GROUP query heads of KV head h, ``MERGE_ROWS`` at a time (see :data:`_MERGE_ROWS`)."""
     rows = tl.arange(0, MERGE_ROWS)
     for g0 in tl.static_range(0, GROUP, MERGE_ROWS):
-        _merge_rows(Out, PartO, PartLse, b, h * GROUP + g0 + rows, g0 + rows < GROUP, used,
-                    stride_outb, stride_outh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                    MERGE_ROWS, HEAD_DIM, SPLITS_PAD, BLOCK_S)
+        _merge_rows(
+            Out,
+            PartO,
+            PartLse,
+            b,
+            h * GROUP + g0 + rows,
+            g0 + rows < GROUP,
+            used,
+            stride_outb,
+            stride_outh,
+            stride_ob,
+            stride_oh,
+            stride_os,
+            stride_lb,
+            stride_lh,
+            MERGE_ROWS,
+            HEAD_DIM,
+            SPLITS_PAD,
+            BLOCK_S,
+        )
 
 
 @triton.jit
 def _split_kernel(
-    Q, K, V, PageTable, GlobalLen, Req, RingTokens, PartO, PartLse, Out, SplitsDone, KNew, VNew, Pos, ObsQ, ObsPos,
-    stride_qb, stride_qh, stride_kp, stride_kt, stride_vp, stride_vt, stride_nb, stride_nh, stride_vnb, stride_vnh,
-    window, stride_xr, stride_xw, stride_xh, stride_yr, obs_window,
-    stride_pr, stride_ph, stride_pc, stride_gr, stride_gh,
-    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh, stride_db,
-    qk_scale, num_kv_heads, num_splits,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, UPCAST: tl.constexpr, WRITE_NEW: tl.constexpr, OBSERVE: tl.constexpr,
-    OBSERVE_POS: tl.constexpr, FUSED: tl.constexpr, MERGE_ROWS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+    Q,
+    K,
+    V,
+    PageTable,
+    GlobalLen,
+    Req,
+    RingTokens,
+    PartO,
+    PartLse,
+    Out,
+    SplitsDone,
+    KNew,
+    VNew,
+    Pos,
+    ObsQ,
+    ObsPos,
+    stride_qb,
+    stride_qh,
+    stride_kp,
+    stride_kt,
+    stride_vp,
+    stride_vt,
+    stride_nb,
+    stride_nh,
+    stride_vnb,
+    stride_vnh,
+    window,
+    stride_xr,
+    stride_xw,
+    stride_xh,
+    stride_yr,
+    obs_window,
+    stride_pr,
+    stride_ph,
+    stride_pc,
+    stride_gr,
+    stride_gh,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    stride_outb,
+    stride_outh,
+    stride_db,
+    qk_scale,
+    num_kv_heads,
+    num_splits,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    WRITE_NEW: tl.constexpr,
+    OBSERVE: tl.constexpr,
+    OBSERVE_POS: tl.constexpr,
+    FUSED: tl.constexpr,
+    MERGE_ROWS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     if PDL:  # launched early (programmatic dependent launch): every earlier kernel's writes visible from here
         tl.extra.cuda.gdc_wait()
@@ -249,9 +385,14 @@ def _split_kernel(
             oheads = h * GROUP + tl.arange(0, GROUP_PAD)
             od = tl.arange(0, HEAD_DIM)
             ok = (tl.arange(0, GROUP_PAD) < GROUP)[:, None]
-            oq = tl.load(Q + b.to(tl.int64) * stride_qb + oheads[:, None] * stride_qh + od[None, :], mask=ok, other=0.0)
-            tl.store(ObsQ + r * stride_xr + oslot * stride_xw + oheads[:, None] * stride_xh + od[None, :],
-                     oq.to(ObsQ.dtype.element_ty), mask=ok)
+            oq = tl.load(
+                Q + b.to(tl.int64) * stride_qb + oheads[:, None] * stride_qh + od[None, :], mask=ok, other=0.0
+            )
+            tl.store(
+                ObsQ + r * stride_xr + oslot * stride_xw + oheads[:, None] * stride_xh + od[None, :],
+                oq.to(ObsQ.dtype.element_ty),
+                mask=ok,
+            )
             if OBSERVE_POS:
                 if h == 0:
                     tl.store(ObsPos + r * stride_yr + oslot, p.to(ObsPos.dtype.element_ty))
@@ -261,16 +402,36 @@ def _split_kernel(
     if start >= end:
         if FUSED:
             if (used == 0) & (split == 0):  # no split will count: write the empty stream's zeros here
-                _merge_group(Out, PartO, PartLse, b, h, used,
-                             stride_outb, stride_outh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                             GROUP, MERGE_ROWS, HEAD_DIM, SPLITS_PAD, BLOCK_S)
+                _merge_group(
+                    Out,
+                    PartO,
+                    PartLse,
+                    b,
+                    h,
+                    used,
+                    stride_outb,
+                    stride_outh,
+                    stride_ob,
+                    stride_oh,
+                    stride_os,
+                    stride_lb,
+                    stride_lh,
+                    GROUP,
+                    MERGE_ROWS,
+                    HEAD_DIM,
+                    SPLITS_PAD,
+                    BLOCK_S,
+                )
         return
     rows = tl.arange(0, GROUP_PAD)
     row_ok = rows < GROUP
     qhead = h * GROUP + rows
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + b.to(tl.int64) * stride_qb + qhead[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
+    q = tl.load(
+        Q + b.to(tl.int64) * stride_qb + qhead[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
     pt_row = PageTable + r * stride_pr + h * stride_ph
     offs_n = tl.arange(0, BLOCK_N)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -281,18 +442,24 @@ def _split_kernel(
     new_tok = (tl.load(Pos + b) % window).to(tl.int32) if WRITE_NEW else -1
     holds_new = (new_tok >= start) & (new_tok < end)
     if WRITE_NEW:
-        kn = tl.load(KNew + b.to(tl.int64) * stride_nb + h * stride_nh + offs_d, mask=holds_new,
-                     other=0.0).to(K.dtype.element_ty)
-        vn = tl.load(VNew + b.to(tl.int64) * stride_vnb + h * stride_vnh + offs_d, mask=holds_new,
-                     other=0.0).to(V.dtype.element_ty)
+        kn = tl.load(
+            KNew + b.to(tl.int64) * stride_nb + h * stride_nh + offs_d, mask=holds_new, other=0.0
+        ).to(K.dtype.element_ty)
+        vn = tl.load(
+            VNew + b.to(tl.int64) * stride_vnb + h * stride_vnh + offs_d, mask=holds_new, other=0.0
+        ).to(V.dtype.element_ty)
         new_page = tl.load(pt_row + (new_tok // PAGE) * stride_pc, mask=holds_new, other=0).to(tl.int64)
     for s in range(start, end, BLOCK_N):
         tok = s + offs_n
         ok = (tok < end) & (tok != new_tok)
         page = tl.load(pt_row + (tok // PAGE) * stride_pc, mask=ok, other=0).to(tl.int64)
         slot = (tok % PAGE)[:, None]
-        k = tl.load(K + page[:, None] * stride_kp + slot * stride_kt + offs_d[None, :], mask=ok[:, None], other=0.0)
-        v = tl.load(V + page[:, None] * stride_vp + slot * stride_vt + offs_d[None, :], mask=ok[:, None], other=0.0)
+        k = tl.load(
+            K + page[:, None] * stride_kp + slot * stride_kt + offs_d[None, :], mask=ok[:, None], other=0.0
+        )
+        v = tl.load(
+            V + page[:, None] * stride_vp + slot * stride_vt + offs_d[None, :], mask=ok[:, None], other=0.0
+        )
         qk = _dot(q, tl.trans(k), UPCAST) * qk_scale
         qk = tl.where(ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -316,9 +483,13 @@ def _split_kernel(
             m_i = m_new
             tl.store(K + new_page * stride_kp + (new_tok % PAGE) * stride_kt + offs_d, kn)
             tl.store(V + new_page * stride_vp + (new_tok % PAGE) * stride_vt + offs_d, vn)
-    o_ptr = PartO + b.to(tl.int64) * stride_ob + qhead[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+    o_ptr = (
+        PartO + b.to(tl.int64) * stride_ob + qhead[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+    )
     tl.store(o_ptr, acc / l_i[:, None], mask=row_ok[:, None])
-    tl.store(PartLse + b.to(tl.int64) * stride_lb + qhead * stride_lh + split, m_i + tl.math.log2(l_i), mask=row_ok)
+    tl.store(
+        PartLse + b.to(tl.int64) * stride_lb + qhead * stride_lh + split, m_i + tl.math.log2(l_i), mask=row_ok
+    )
     if FUSED:
         # The scalar atomic runs on one thread: the barrier orders every thread's partial stores before
         # it, and its release (at GPU scope) publishes them with the count. The acquire half makes the
@@ -329,29 +500,80 @@ def _split_kernel(
         if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu") == used - 1:
             tl.store(done_ptr, 0)  # every split of this launch has counted: zero for the next launch
             tl.debug_barrier()
-            _merge_group(Out, PartO, PartLse, b, h, used,
-                         stride_outb, stride_outh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                         GROUP, MERGE_ROWS, HEAD_DIM, SPLITS_PAD, BLOCK_S)
+            _merge_group(
+                Out,
+                PartO,
+                PartLse,
+                b,
+                h,
+                used,
+                stride_outb,
+                stride_outh,
+                stride_ob,
+                stride_oh,
+                stride_os,
+                stride_lb,
+                stride_lh,
+                GROUP,
+                MERGE_ROWS,
+                HEAD_DIM,
+                SPLITS_PAD,
+                BLOCK_S,
+            )
 
 
 @triton.jit
 def _merge_kernel(
-    Out, GlobalLen, Req, RingTokens, PartO, PartLse,
-    stride_outb, stride_outh, stride_gr, stride_gh,
-    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-    num_q_heads, num_splits,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    Out,
+    GlobalLen,
+    Req,
+    RingTokens,
+    PartO,
+    PartLse,
+    stride_outb,
+    stride_outh,
+    stride_gr,
+    stride_gh,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    num_q_heads,
+    num_splits,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // num_q_heads
     qh = pid % num_q_heads
-    _, n, chunk = _stream_chunk(Req, RingTokens, GlobalLen, b, qh // GROUP, stride_gr, stride_gh, num_splits,
-                                BLOCK_N)
+    _, n, chunk = _stream_chunk(
+        Req, RingTokens, GlobalLen, b, qh // GROUP, stride_gr, stride_gh, num_splits, BLOCK_N
+    )
     head = qh + tl.arange(0, 1)
-    _merge_rows(Out, PartO, PartLse, b, head, head < num_q_heads, tl.cdiv(n, tl.maximum(chunk, 1)),
-                stride_outb, stride_outh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                1, HEAD_DIM, SPLITS_PAD, BLOCK_S)
+    _merge_rows(
+        Out,
+        PartO,
+        PartLse,
+        b,
+        head,
+        head < num_q_heads,
+        tl.cdiv(n, tl.maximum(chunk, 1)),
+        stride_outb,
+        stride_outh,
+        stride_ob,
+        stride_oh,
+        stride_os,
+        stride_lb,
+        stride_lh,
+        1,
+        HEAD_DIM,
+        SPLITS_PAD,
+        BLOCK_S,
+    )
 
 
 def _check_inputs(q, k_pages, v_pages, page_table, global_len, req, ring_tokens, layer):
@@ -361,32 +583,57 @@ def _check_inputs(q, k_pages, v_pages, page_table, global_len, req, ring_tokens,
     if D not in (64, 128, 256):
         raise ValueError(f"head_dim must be 64, 128 or 256, got {D}")
     if k_pages.shape != v_pages.shape or k_pages.dim() != 3 or k_pages.shape[1:] != (PAGE_SIZE, D):
-        raise ValueError(f"k_pages/v_pages must be [P, {PAGE_SIZE}, {D}], got {tuple(k_pages.shape)}, "
-                         f"{tuple(v_pages.shape)}")
+        raise ValueError(
+            f"k_pages/v_pages must be [P, {PAGE_SIZE}, {D}], got {tuple(k_pages.shape)}, "
+            f"{tuple(v_pages.shape)}"
+        )
     if q.dtype not in (torch.float16, torch.bfloat16) or k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
-        raise ValueError(f"q/k_pages/v_pages must share dtype float16 or bfloat16, got {q.dtype}, "
-                         f"{k_pages.dtype}, {v_pages.dtype}")
+        raise ValueError(
+            f"q/k_pages/v_pages must share dtype float16 or bfloat16, got {q.dtype}, "
+            f"{k_pages.dtype}, {v_pages.dtype}"
+        )
     if page_table.dim() != 4 or page_table.dtype != torch.int32:
-        raise ValueError(f"page_table must be int32 [R, L, H, C], got {page_table.dtype} {tuple(page_table.shape)}")
+        raise ValueError(
+            f"page_table must be int32 [R, L, H, C], got {page_table.dtype} {tuple(page_table.shape)}"
+        )
     R, L, H, _ = page_table.shape
     if global_len.shape != (R, L, H) or global_len.dtype != torch.int32:
-        raise ValueError(f"global_len must be int32 [{R}, {L}, {H}], got {global_len.dtype} {tuple(global_len.shape)}")
+        raise ValueError(
+            f"global_len must be int32 [{R}, {L}, {H}], got {global_len.dtype} {tuple(global_len.shape)}"
+        )
     if Hq % H:
         raise ValueError(f"query heads {Hq} not a multiple of KV heads {H}")
     if not 0 <= layer < L:
         raise ValueError(f"layer {layer} out of range [0, {L})")
     if req.shape != (B,) or ring_tokens.shape != (B,):
-        raise ValueError(f"req and ring_tokens must be [{B}], got {tuple(req.shape)}, {tuple(ring_tokens.shape)}")
+        raise ValueError(
+            f"req and ring_tokens must be [{B}], got {tuple(req.shape)}, {tuple(ring_tokens.shape)}"
+        )
     for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in head_dim, got strides {t.stride()}")
 
 
-def folded_decode(q, k_pages, v_pages, page_table, global_len, req, ring_tokens, layer: int,
-                  sm_scale: float | None = None, num_splits: int | None = None,
-                  workspace: FoldedDecodeWorkspace | None = None, out=None,
-                  config: DecodeConfig | None = None, new_k=None, new_v=None, pos=None,
-                  window: int | None = None, observe=None) -> torch.Tensor:
+def folded_decode(
+    q,
+    k_pages,
+    v_pages,
+    page_table,
+    global_len,
+    req,
+    ring_tokens,
+    layer: int,
+    sm_scale: float | None = None,
+    num_splits: int | None = None,
+    workspace: FoldedDecodeWorkspace | None = None,
+    out=None,
+    config: DecodeConfig | None = None,
+    new_k=None,
+    new_v=None,
+    pos=None,
+    window: int | None = None,
+    observe=None,
+) -> torch.Tensor:
     """Decode attention of one layer over the dual-cache pool.
 
     Parameters
@@ -426,12 +673,28 @@ def folded_decode(q, k_pages, v_pages, page_table, global_len, req, ring_tokens,
     if workspace is None:
         workspace = FoldedDecodeWorkspace(B, Hq, D, num_splits, q.device, num_kv_heads=H)
     ws = workspace
-    if (not 1 <= num_splits <= ws.max_splits or B > ws.max_batch or (ws.num_q_heads, ws.head_dim) != (Hq, D)
-            or H > ws.num_kv_heads):
-        raise ValueError(f"workspace [{ws.max_batch}, {ws.num_q_heads} (KV {ws.num_kv_heads}), {ws.max_splits}, "
-                         f"{ws.head_dim}] does not fit B={B}, Hq={Hq}, H={H}, D={D}, num_splits={num_splits}")
-    tensors = (q, k_pages, v_pages, page_table, global_len, req, ring_tokens, ws.part_out, ws.part_lse,
-               ws.splits_done)
+    if (
+        not 1 <= num_splits <= ws.max_splits
+        or B > ws.max_batch
+        or (ws.num_q_heads, ws.head_dim) != (Hq, D)
+        or H > ws.num_kv_heads
+    ):
+        raise ValueError(
+            f"workspace [{ws.max_batch}, {ws.num_q_heads} (KV {ws.num_kv_heads}), {ws.max_splits}, "
+            f"{ws.head_dim}] does not fit B={B}, Hq={Hq}, H={H}, D={D}, num_splits={num_splits}"
+        )
+    tensors = (
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        global_len,
+        req,
+        ring_tokens,
+        ws.part_out,
+        ws.part_lse,
+        ws.splits_done,
+    )
     if any(t.device != q.device for t in tensors):
         raise ValueError("all inputs and the workspace must be on one device")
     if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -439,28 +702,49 @@ def folded_decode(q, k_pages, v_pages, page_table, global_len, req, ring_tokens,
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be {q.dtype} [{B}, {Hq}, {D}] contiguous in D, got {out.dtype} {tuple(out.shape)}")
+        raise ValueError(
+            f"out must be {q.dtype} [{B}, {Hq}, {D}] contiguous in D, got {out.dtype} {tuple(out.shape)}"
+        )
     write_new = new_k is not None
     if (new_v is not None, pos is not None, window is not None) != (write_new,) * 3:
         raise ValueError("new_k, new_v, pos and window go together")
     if write_new:
-        if new_k.shape != (B, H, D) or new_v.shape != new_k.shape or new_k.stride(2) != 1 or new_v.stride(2) != 1:
-            raise ValueError(f"new_k/new_v must be [{B}, {H}, {D}], contiguous in D; got "
-                             f"{tuple(new_k.shape)} {new_k.stride()}, {tuple(new_v.shape)} {new_v.stride()}")
+        if (
+            new_k.shape != (B, H, D)
+            or new_v.shape != new_k.shape
+            or new_k.stride(2) != 1
+            or new_v.stride(2) != 1
+        ):
+            raise ValueError(
+                f"new_k/new_v must be [{B}, {H}, {D}], contiguous in D; got "
+                f"{tuple(new_k.shape)} {new_k.stride()}, {tuple(new_v.shape)} {new_v.stride()}"
+            )
         if new_k.dtype not in (torch.float16, torch.bfloat16) or new_v.dtype != new_k.dtype:
-            raise ValueError(f"new_k/new_v must share dtype float16 or bfloat16, got {new_k.dtype}, {new_v.dtype}")
+            raise ValueError(
+                f"new_k/new_v must share dtype float16 or bfloat16, got {new_k.dtype}, {new_v.dtype}"
+            )
         if pos.shape != (B,) or window < 1 or any(t.device != q.device for t in (new_k, new_v, pos)):
-            raise ValueError(f"pos must be [{B}] on q's device and window >= 1, got {tuple(pos.shape)}, {window}")
+            raise ValueError(
+                f"pos must be [{B}] on q's device and window >= 1, got {tuple(pos.shape)}, {window}"
+            )
     obs_q, obs_pos = observe if observe is not None else (None, None)
     if observe is not None:
         if not write_new:
             raise ValueError("observe needs the ring write's pos (new_k, new_v, pos, window)")
         if obs_q.dim() != 4 or obs_q.shape[2:] != (Hq, D) or obs_q.stride(3) != 1 or obs_q.device != q.device:
-            raise ValueError(f"obs_q must be [R, W_obs, {Hq}, {D}] on q's device, contiguous in D; got "
-                             f"{tuple(obs_q.shape)} {obs_q.stride()}")
-        if obs_pos is not None and (obs_pos.shape != obs_q.shape[:2] or obs_pos.dtype != torch.int64
-                                    or obs_pos.stride(1) != 1 or obs_pos.device != q.device):
-            raise ValueError(f"obs_pos must be int64 {tuple(obs_q.shape[:2])}, got {obs_pos.dtype} {tuple(obs_pos.shape)}")
+            raise ValueError(
+                f"obs_q must be [R, W_obs, {Hq}, {D}] on q's device, contiguous in D; got "
+                f"{tuple(obs_q.shape)} {obs_q.stride()}"
+            )
+        if obs_pos is not None and (
+            obs_pos.shape != obs_q.shape[:2]
+            or obs_pos.dtype != torch.int64
+            or obs_pos.stride(1) != 1
+            or obs_pos.device != q.device
+        ):
+            raise ValueError(
+                f"obs_pos must be int64 {tuple(obs_q.shape[:2])}, got {obs_pos.dtype} {tuple(obs_pos.shape)}"
+            )
     if B == 0:
         return out
     group = Hq // H
@@ -471,32 +755,98 @@ def folded_decode(q, k_pages, v_pages, page_table, global_len, req, ring_tokens,
     splits_pad = triton.next_power_of_2(num_splits)
     options = cfg.launch_options(q.device.type)
     nk, nv, npos = (new_k, new_v, pos) if write_new else (q, q, req)  # placeholders: never read
-    xq = obs_q if obs_q is not None else q.unsqueeze(0)                  # placeholders: never written
+    xq = obs_q if obs_q is not None else q.unsqueeze(0)  # placeholders: never written
     xp = obs_pos if obs_pos is not None else req.view(1, -1)
     _split_kernel[(B * H, num_splits)](
-        q, k_pages, v_pages, pt, gl, req, ring_tokens, po, pl, out, done, nk, nv, npos, xq, xp,
-        q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), v_pages.stride(0), v_pages.stride(1),
-        nk.stride(0), nk.stride(1), nv.stride(0), nv.stride(1), window or 1,
-        xq.stride(0), xq.stride(1), xq.stride(2), xp.stride(0), xq.shape[1],
-        pt.stride(0), pt.stride(1), pt.stride(2), gl.stride(0), gl.stride(1),
-        po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), out.stride(0), out.stride(1),
+        q,
+        k_pages,
+        v_pages,
+        pt,
+        gl,
+        req,
+        ring_tokens,
+        po,
+        pl,
+        out,
+        done,
+        nk,
+        nv,
+        npos,
+        xq,
+        xp,
+        q.stride(0),
+        q.stride(1),
+        k_pages.stride(0),
+        k_pages.stride(1),
+        v_pages.stride(0),
+        v_pages.stride(1),
+        nk.stride(0),
+        nk.stride(1),
+        nv.stride(0),
+        nv.stride(1),
+        window or 1,
+        xq.stride(0),
+        xq.stride(1),
+        xq.stride(2),
+        xp.stride(0),
+        xq.shape[1],
+        pt.stride(0),
+        pt.stride(1),
+        pt.stride(2),
+        gl.stride(0),
+        gl.stride(1),
+        po.stride(0),
+        po.stride(1),
+        po.stride(2),
+        pl.stride(0),
+        pl.stride(1),
+        out.stride(0),
+        out.stride(1),
         done.stride(0),
-        scale * _LOG2E, H, num_splits,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK_N=cfg.block_n,
-        PAGE=PAGE_SIZE, UPCAST=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
-        WRITE_NEW=write_new, OBSERVE=obs_q is not None, OBSERVE_POS=obs_pos is not None, FUSED=cfg.fused_merge,
-        MERGE_ROWS=_MERGE_ROWS, SPLITS_PAD=splits_pad,
+        scale * _LOG2E,
+        H,
+        num_splits,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=D,
+        BLOCK_N=cfg.block_n,
+        PAGE=PAGE_SIZE,
+        UPCAST=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+        WRITE_NEW=write_new,
+        OBSERVE=obs_q is not None,
+        OBSERVE_POS=obs_pos is not None,
+        FUSED=cfg.fused_merge,
+        MERGE_ROWS=_MERGE_ROWS,
+        SPLITS_PAD=splits_pad,
         BLOCK_S=min(splits_pad, _MERGE_TILE // (_MERGE_ROWS * D)),
-        PDL="launch_pdl" in options, **options,
+        PDL="launch_pdl" in options,
+        **options,
     )
     if cfg.fused_merge:
         return out
     _merge_kernel[(B * Hq,)](
-        out, gl, req, ring_tokens, po, pl,
-        out.stride(0), out.stride(1), gl.stride(0), gl.stride(1),
-        po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
-        Hq, num_splits,
-        GROUP=group, HEAD_DIM=D, BLOCK_N=cfg.block_n, SPLITS_PAD=splits_pad, BLOCK_S=min(splits_pad, 16),
+        out,
+        gl,
+        req,
+        ring_tokens,
+        po,
+        pl,
+        out.stride(0),
+        out.stride(1),
+        gl.stride(0),
+        gl.stride(1),
+        po.stride(0),
+        po.stride(1),
+        po.stride(2),
+        pl.stride(0),
+        pl.stride(1),
+        Hq,
+        num_splits,
+        GROUP=group,
+        HEAD_DIM=D,
+        BLOCK_N=cfg.block_n,
+        SPLITS_PAD=splits_pad,
+        BLOCK_S=min(splits_pad, 16),
         num_warps=4,
     )
     return out

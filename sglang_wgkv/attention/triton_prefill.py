@@ -51,13 +51,36 @@ def _update(q, k, v, m_i, l_i, acc, visible, qk_scale, MASKED: tl.constexpr):
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
 
+
 @triton.jit
 def _vertical_slash_fwd(
-    q_desc, k_desc, v_desc, kc_desc, vc_desc, O, Adm, QPos, KPos,
-    BQStart, BQEnd, BKVStart, BBandStart, BBandEnd, BVertical,
-    stride_on, stride_oh, stride_an, compact_rows,
-    qk_scale, window, num_blocks, num_kv_heads,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    q_desc,
+    k_desc,
+    v_desc,
+    kc_desc,
+    vc_desc,
+    O,
+    Adm,
+    QPos,
+    KPos,
+    BQStart,
+    BQEnd,
+    BKVStart,
+    BBandStart,
+    BBandEnd,
+    BVertical,
+    stride_on,
+    stride_oh,
+    stride_an,
+    compact_rows,
+    qk_scale,
+    window,
+    num_blocks,
+    num_kv_heads,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     head = tl.program_id(0)
     blk = num_blocks - 1 - tl.program_id(1)
@@ -107,14 +130,34 @@ def _vertical_slash_fwd(
         m_i, l_i, acc = _update(q, k, v, m_i, l_i, acc, visible, qk_scale, True)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(O + offs_m[:, None].to(tl.int64) * stride_on + head * stride_oh + offs_d[None, :],
-             out.to(O.dtype.element_ty), mask=m_valid[:, None])
+    tl.store(
+        O + offs_m[:, None].to(tl.int64) * stride_on + head * stride_oh + offs_d[None, :],
+        out.to(O.dtype.element_ty),
+        mask=m_valid[:, None],
+    )
 
 
 @triton.jit
-def _compact_fwd(K, V, Adm, Dest, KC, VC, num_keys,
-                 stride_kn, stride_kh, stride_vn, stride_vh, stride_an, stride_ah, stride_dn, stride_dh, stride_ch,
-                 HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+def _compact_fwd(
+    K,
+    V,
+    Adm,
+    Dest,
+    KC,
+    VC,
+    num_keys,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_an,
+    stride_ah,
+    stride_dn,
+    stride_dh,
+    stride_ch,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Rows ``BLOCK * pid(0) ..`` of KV head pid(1): each admitted row copied to its compacted row."""
     head = tl.program_id(1)
     n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -131,9 +174,14 @@ def _compact_fwd(K, V, Adm, Dest, KC, VC, num_keys,
     tl.store(VC + out, v, mask=rows)
 
 
-def compact_admitted_triton(k: torch.Tensor, v: torch.Tensor, admitted: torch.Tensor, kv_indptr: torch.Tensor,
-                            out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                            block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+def compact_admitted_triton(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    admitted: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    block: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`~sglang_wgkv.attention.vertical_slash_plan.compact_admitted` with one Triton copy: only
     admitted rows are read and written (the torch version scatters every row, the rejected ones to a
     scratch row, through a two-index ``index_put``). Same contract and result; k/v rows may be strided
@@ -143,13 +191,34 @@ def compact_admitted_triton(k: torch.Tensor, v: torch.Tensor, admitted: torch.Te
         out = (k.new_zeros(H, Nk + 1, D), v.new_zeros(H, Nk + 1, D))
     if Nk == 0:
         return out
-    if k.stride(2) != 1 or v.stride(2) != 1 or any(o.shape != (H, Nk + 1, D) or not o.is_contiguous() for o in out):
+    if (
+        k.stride(2) != 1
+        or v.stride(2) != 1
+        or any(o.shape != (H, Nk + 1, D) or not o.is_contiguous() for o in out)
+    ):
         raise ValueError("k/v need contiguous head rows and out two contiguous [Hkv, Nk + 1, D] buffers")
     dest = admitted_rank(admitted, kv_indptr)
     adm = admitted.view(torch.uint8)
     _compact_fwd[(triton.cdiv(Nk, block), H)](
-        k, v, adm, dest, out[0], out[1], Nk, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        adm.stride(0), adm.stride(1), dest.stride(0), dest.stride(1), out[0].stride(0), HEAD_DIM=D, BLOCK=block)
+        k,
+        v,
+        adm,
+        dest,
+        out[0],
+        out[1],
+        Nk,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        adm.stride(0),
+        adm.stride(1),
+        dest.stride(0),
+        dest.stride(1),
+        out[0].stride(0),
+        HEAD_DIM=D,
+        BLOCK=block,
+    )
     return out
 
 
@@ -168,9 +237,28 @@ def _count_le(KPos, lo, hi, x, n_iter):
 
 
 @triton.jit
-def _plan_kernel(QO, KV, QPos, KPos, Excl, QStart, QEnd, KVStart, BandStart, BandEnd, Vertical,
-                 num_seqs, num_q, stride_en, stride_eh, window, block_m, num_heads, n_iter,
-                 BLOCK_H: tl.constexpr):
+def _plan_kernel(
+    QO,
+    KV,
+    QPos,
+    KPos,
+    Excl,
+    QStart,
+    QEnd,
+    KVStart,
+    BandStart,
+    BandEnd,
+    Vertical,
+    num_seqs,
+    num_q,
+    stride_en,
+    stride_eh,
+    window,
+    block_m,
+    num_heads,
+    n_iter,
+    BLOCK_H: tl.constexpr,
+):
     """One query block: its sequence (a walk over the sequences' block counts), rows, band and the
     admitted count per KV head; the same values as the torch ``build_vertical_slash_plan``."""
     blk = tl.program_id(0).to(tl.int64)
@@ -205,14 +293,21 @@ def _plan_kernel(QO, KV, QPos, KPos, Excl, QStart, QEnd, KVStart, BandStart, Ban
     tl.store(BandEnd + blk, band_end.to(tl.int32))
     hs = tl.arange(0, BLOCK_H)
     live = hs < num_heads
-    vert = tl.load(Excl + band_start * stride_en + hs * stride_eh, mask=live, other=0) \
-        - tl.load(Excl + lo * stride_en + hs * stride_eh, mask=live, other=0)
+    vert = tl.load(Excl + band_start * stride_en + hs * stride_eh, mask=live, other=0) - tl.load(
+        Excl + lo * stride_en + hs * stride_eh, mask=live, other=0
+    )
     tl.store(Vertical + blk * num_heads + hs, tl.where(valid, vert, 0).to(tl.int32), mask=live)
 
 
-def build_vertical_slash_plan_triton(admitted: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
-                                     q_pos: torch.Tensor, k_pos: torch.Tensor, local_window: int,
-                                     block_m: int) -> VerticalSlashPlan:
+def build_vertical_slash_plan_triton(
+    admitted: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    local_window: int,
+    block_m: int,
+) -> VerticalSlashPlan:
     """:func:`~sglang_wgkv.attention.vertical_slash_plan.build_vertical_slash_plan` as the admitted-count
     scan plus one Triton launch (one program per query block; binary searches over its sequence's key
     positions) instead of some twenty small torch launches (0.73-0.79 ms per call on the H200 at 32K
@@ -223,20 +318,44 @@ def build_vertical_slash_plan_triton(admitted: torch.Tensor, qo_indptr: torch.Te
     H = admitted.shape[1]
     NB = -(-Nq // block_m) + B
     i32 = torch.int32
-    q_start, q_end, kv_start, band_start, band_end = (torch.empty(NB, dtype=i32, device=dev) for _ in range(5))
+    q_start, q_end, kv_start, band_start, band_end = (
+        torch.empty(NB, dtype=i32, device=dev) for _ in range(5)
+    )
     vertical = torch.empty(NB, H, dtype=i32, device=dev)
     excl = _exclusive_count(admitted)
     if NB:
-        _plan_kernel[(NB,)](qo_indptr, kv_indptr, q_pos, k_pos, excl, q_start, q_end, kv_start, band_start,
-                            band_end, vertical, B, Nq, excl.stride(0), excl.stride(1), local_window, block_m, H,
-                            max(1, (Nk + 1).bit_length()), BLOCK_H=triton.next_power_of_2(max(H, 1)), num_warps=1)
+        _plan_kernel[(NB,)](
+            qo_indptr,
+            kv_indptr,
+            q_pos,
+            k_pos,
+            excl,
+            q_start,
+            q_end,
+            kv_start,
+            band_start,
+            band_end,
+            vertical,
+            B,
+            Nq,
+            excl.stride(0),
+            excl.stride(1),
+            local_window,
+            block_m,
+            H,
+            max(1, (Nk + 1).bit_length()),
+            BLOCK_H=triton.next_power_of_2(max(H, 1)),
+            num_warps=1,
+        )
     return VerticalSlashPlan(block_m, q_start, q_end, kv_start, band_start, band_end, vertical)
 
 
 def _check_inputs(q, k, v, admitted, qo_indptr, kv_indptr, q_pos, k_pos, local_window):
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
-        raise ValueError(f"q [Nq, Hq, D], k/v [Nk, Hkv, D] expected, got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"q [Nq, Hq, D], k/v [Nk, Hkv, D] expected, got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
     Nq, Hq, D = q.shape
     Nk, Hkv, Dk = k.shape
     if Dk != D or D not in (64, 128):
@@ -248,10 +367,14 @@ def _check_inputs(q, k, v, admitted, qo_indptr, kv_indptr, q_pos, k_pos, local_w
     if admitted.shape != (Nk, Hkv) or admitted.dtype != torch.bool:
         raise ValueError(f"admitted must be bool [{Nk}, {Hkv}], got {admitted.dtype} {tuple(admitted.shape)}")
     if q_pos.shape != (Nq,) or k_pos.shape != (Nk,):
-        raise ValueError(f"q_pos [{Nq}] and k_pos [{Nk}] expected, got {tuple(q_pos.shape)}, {tuple(k_pos.shape)}")
+        raise ValueError(
+            f"q_pos [{Nq}] and k_pos [{Nk}] expected, got {tuple(q_pos.shape)}, {tuple(k_pos.shape)}"
+        )
     if qo_indptr.shape != kv_indptr.shape or qo_indptr.dim() != 1 or qo_indptr.numel() < 2:
-        raise ValueError(f"qo_indptr and kv_indptr must both be [B + 1], got {tuple(qo_indptr.shape)}, "
-                         f"{tuple(kv_indptr.shape)}")
+        raise ValueError(
+            f"qo_indptr and kv_indptr must both be [B + 1], got {tuple(qo_indptr.shape)}, "
+            f"{tuple(kv_indptr.shape)}"
+        )
     if local_window <= 0:
         raise ValueError(f"local_window must be positive, got {local_window}")
     tensors = (q, k, v, admitted, qo_indptr, kv_indptr, q_pos, k_pos)
@@ -261,16 +384,28 @@ def _check_inputs(q, k, v, admitted, qo_indptr, kv_indptr, q_pos, k_pos, local_w
         raise ValueError("inputs must be on a CUDA device (or run under TRITON_INTERPRET=1)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(2) != 1 or t.stride(1) != D or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
-            raise ValueError(f"{name} must have contiguous heads (stride(1) == D, stride(2) == 1), "
-                             f"16-byte aligned rows and base; got strides {t.stride()}")
+            raise ValueError(
+                f"{name} must have contiguous heads (stride(1) == D, stride(2) == 1), "
+                f"16-byte aligned rows and base; got strides {t.stride()}"
+            )
 
 
-def vertical_slash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, admitted: torch.Tensor,
-                             qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, q_pos: torch.Tensor,
-                             k_pos: torch.Tensor, local_window: int, sm_scale: float | None = None, *,
-                             plan: VerticalSlashPlan | None = None,
-                             compacted: tuple[torch.Tensor, torch.Tensor] | None = None,
-                             config: PrefillConfig | None = None) -> torch.Tensor:
+def vertical_slash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    admitted: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    local_window: int,
+    sm_scale: float | None = None,
+    *,
+    plan: VerticalSlashPlan | None = None,
+    compacted: tuple[torch.Tensor, torch.Tensor] | None = None,
+    config: PrefillConfig | None = None,
+) -> torch.Tensor:
     """Hard vertical-slash attention over a packed variable-length batch, on the GPU.
 
     Parameters are those of the reference (q ``[Nq, Hq, D]``, k/v ``[Nk, Hkv, D]``, admitted
@@ -293,8 +428,9 @@ def vertical_slash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if plan is None:
         # The one-launch plan: 0.24-0.35 ms against the torch plan's 1.0-1.2 ms on the H200 at 32K and
         # 128K keys (kernels/kernel_prefill_triton_plan.json), equal to it there and in the interpreter.
-        plan = build_vertical_slash_plan_triton(admitted, qo_indptr, kv_indptr, q_pos, k_pos, local_window,
-                                                cfg.block_m)
+        plan = build_vertical_slash_plan_triton(
+            admitted, qo_indptr, kv_indptr, q_pos, k_pos, local_window, cfg.block_m
+        )
     elif plan.block_m != cfg.block_m:
         raise ValueError(f"plan.block_m {plan.block_m} != config.block_m {cfg.block_m}")
     if compacted is None:
@@ -316,11 +452,34 @@ def vertical_slash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     vc_desc = TensorDescriptor(vc, [vc.shape[0] * vc.shape[1], D], [vc.stride(1), 1], [bn, D])
     grid = (Hq, num_blocks)
     _vertical_slash_fwd[grid](
-        q_desc, k_desc, v_desc, kc_desc, vc_desc, out, adm, q_pos, k_pos,
-        plan.q_start, plan.q_end, plan.kv_start, plan.band_start, plan.band_end, plan.vertical_len,
-        out.stride(0), out.stride(1), adm.stride(0), kc.shape[1],
-        scale * 1.4426950408889634, local_window, num_blocks, Hkv,
-        GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        q_desc,
+        k_desc,
+        v_desc,
+        kc_desc,
+        vc_desc,
+        out,
+        adm,
+        q_pos,
+        k_pos,
+        plan.q_start,
+        plan.q_end,
+        plan.kv_start,
+        plan.band_start,
+        plan.band_end,
+        plan.vertical_len,
+        out.stride(0),
+        out.stride(1),
+        adm.stride(0),
+        kc.shape[1],
+        scale * 1.4426950408889634,
+        local_window,
+        num_blocks,
+        Hkv,
+        GROUP=Hq // Hkv,
+        HEAD_DIM=D,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out

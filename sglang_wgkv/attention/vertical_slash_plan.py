@@ -26,16 +26,21 @@ class VerticalSlashPlan:
     """Work lists for one forward (shared by the layers whose admission masks are the same)."""
 
     block_m: int
-    q_start: torch.Tensor       # [NB] int32 first packed query row of block i (== q_end: no work)
-    q_end: torch.Tensor         # [NB] int32
-    kv_start: torch.Tensor      # [NB] int32 first packed key row of the block's sequence
-    band_start: torch.Tensor    # [NB] int32 packed key rows [band_start, band_end) need the mask
-    band_end: torch.Tensor      # [NB] int32
+    q_start: torch.Tensor  # [NB] int32 first packed query row of block i (== q_end: no work)
+    q_end: torch.Tensor  # [NB] int32
+    kv_start: torch.Tensor  # [NB] int32 first packed key row of the block's sequence
+    band_start: torch.Tensor  # [NB] int32 packed key rows [band_start, band_end) need the mask
+    band_end: torch.Tensor  # [NB] int32
     vertical_len: torch.Tensor  # [NB, Hkv] int32 admitted keys fully visible to the block
 
 
-def compact_admitted(k: torch.Tensor, v: torch.Tensor, admitted: torch.Tensor, kv_indptr: torch.Tensor,
-                     out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def compact_admitted(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    admitted: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Admitted rows of each KV head moved to the front of their sequence's range, in position order.
 
     Parameters
@@ -87,9 +92,15 @@ def _exclusive_count(admitted: torch.Tensor) -> torch.Tensor:
     return excl.t()
 
 
-def build_vertical_slash_plan(admitted: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
-                              q_pos: torch.Tensor, k_pos: torch.Tensor, local_window: int,
-                              block_m: int) -> VerticalSlashPlan:
+def build_vertical_slash_plan(
+    admitted: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    local_window: int,
+    block_m: int,
+) -> VerticalSlashPlan:
     """Per query block: its rows, the band key range and the admitted count per KV head.
 
     Positions must not decrease within each sequence (keys and queries), as in
@@ -126,5 +137,12 @@ def build_vertical_slash_plan(admitted: torch.Tensor, qo_indptr: torch.Tensor, k
     vertical = excl[band_start] - excl[lo]
     vertical = torch.where(valid[:, None], vertical, 0)
     i32 = torch.int32
-    return VerticalSlashPlan(block_m, q_start.to(i32), q_end.to(i32), lo.to(i32), band_start.to(i32),
-                             band_end.to(i32), vertical.to(i32).contiguous())
+    return VerticalSlashPlan(
+        block_m,
+        q_start.to(i32),
+        q_end.to(i32),
+        lo.to(i32),
+        band_start.to(i32),
+        band_end.to(i32),
+        vertical.to(i32).contiguous(),
+    )

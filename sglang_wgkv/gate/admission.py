@@ -12,8 +12,10 @@ def check_gate_output(g: torch.Tensor, layer_id: int | None = None) -> None:
     bad = ~((g >= 0) & (g <= 1))  # NaN compares False
     if bool(bad.any()):
         where = f" in layer {layer_id}" if layer_id is not None else ""
-        raise GateOutputError(f"write gate produced {int(bad.sum())} NaN/out-of-range values{where}; "
-                              "the gate checkpoint or the model's keys are broken")
+        raise GateOutputError(
+            f"write gate produced {int(bad.sum())} NaN/out-of-range values{where}; "
+            "the gate checkpoint or the model's keys are broken"
+        )
 
 
 class DeferredGateCheck:
@@ -54,12 +56,18 @@ class DeferredGateCheck:
         bad = self.host.tolist()
         if any(bad):
             layer = next(i for i, c in enumerate(bad) if c)
-            raise GateOutputError(f"write gate produced {sum(bad)} NaN/out-of-range values (first in layer "
-                                  f"{layer}); the gate checkpoint or the model's keys are broken")
+            raise GateOutputError(
+                f"write gate produced {sum(bad)} NaN/out-of-range values (first in layer "
+                f"{layer}); the gate checkpoint or the model's keys are broken"
+            )
 
 
-def admission_flags(g: torch.Tensor, tau: float, random_admission: float | None = None,
-                    generator: torch.Generator | None = None) -> torch.Tensor:
+def admission_flags(
+    g: torch.Tensor,
+    tau: float,
+    random_admission: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """``g >= tau`` (bool, same shape), or Bernoulli(``random_admission``) flags for profiling runs
     (the paper's protocol: the gate is still computed, its decision replaced)."""
     if random_admission is None:

@@ -64,12 +64,16 @@ class GateConfig:
                 raise ValueError(f"gate config: expand must be an integer, got {expand!r}")
             hidden = expand * d["head_dim"]
             if d.setdefault("hidden", hidden) != hidden:
-                raise ValueError(f"gate config: hidden {d['hidden']} contradicts expand {expand} x "
-                                 f"head_dim {d['head_dim']}")
+                raise ValueError(
+                    f"gate config: hidden {d['hidden']} contradicts expand {expand} x "
+                    f"head_dim {d['head_dim']}"
+                )
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
-def save_gates(gates, path: str | Path, dtype: torch.dtype = torch.float32, training: dict | None = None) -> Path:
+def save_gates(
+    gates, path: str | Path, dtype: torch.dtype = torch.float32, training: dict | None = None
+) -> Path:
     """Write ``gates`` (a WriteGates) to directory ``path``; returns the directory.
 
     ``dtype`` is the storage type (float16 halves shipped files); loading always returns float32.
@@ -80,8 +84,11 @@ def save_gates(gates, path: str | Path, dtype: torch.dtype = torch.float32, trai
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {f"layers.{i}.{n}": p.detach().to(dtype).cpu().contiguous()
-               for i, layer in enumerate(gates.layers) for n, p in layer.named_parameters()}
+    tensors = {
+        f"layers.{i}.{n}": p.detach().to(dtype).cpu().contiguous()
+        for i, layer in enumerate(gates.layers)
+        for n, p in layer.named_parameters()
+    }
     save_file(tensors, str(path / WEIGHTS_FILE))
     meta = asdict(gates.config) | ({"training": training} if training else {})
     (path / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
@@ -99,7 +106,9 @@ def load_gates(path: str | Path, device="cpu"):
     if path.is_file() and path.suffix in (".pt", ".pth", ".bin"):
         return load_official_pt(path, device=device)
     if not (path / WEIGHTS_FILE).is_file() or not (path / CONFIG_FILE).is_file():
-        raise ValueError(f"{path}: not a gate checkpoint (need {WEIGHTS_FILE} and {CONFIG_FILE}, or a .pt file)")
+        raise ValueError(
+            f"{path}: not a gate checkpoint (need {WEIGHTS_FILE} and {CONFIG_FILE}, or a .pt file)"
+        )
     try:
         config = GateConfig.from_dict(json.loads((path / CONFIG_FILE).read_text()))
     except (json.JSONDecodeError, TypeError) as e:
@@ -121,12 +130,14 @@ def _load_state(gates, tensors: dict, source: str) -> None:
     extra = sorted(set(tensors) - set(expected))
     missing = sorted(set(expected) - set(tensors))
     if extra or missing:
-        raise ValueError(f"{source}: gate tensors do not match the config: missing {missing[:4]}, "
-                         f"unexpected {extra[:4]}")
+        raise ValueError(
+            f"{source}: gate tensors do not match the config: missing {missing[:4]}, unexpected {extra[:4]}"
+        )
     for name, ref in expected.items():
         if tuple(tensors[name].shape) != tuple(ref.shape):
-            raise ValueError(f"{source}: {name} has shape {tuple(tensors[name].shape)}, "
-                             f"expected {tuple(ref.shape)}")
+            raise ValueError(
+                f"{source}: {name} has shape {tuple(tensors[name].shape)}, expected {tuple(ref.shape)}"
+            )
         if not torch.isfinite(tensors[name]).all():
             raise ValueError(f"{source}: {name} holds non-finite values")
     gates.load_state_dict({k: v.float() for k, v in tensors.items()})
@@ -137,13 +148,20 @@ def check_served_window(path: str | Path, config: GateConfig, local_window: int)
     be served with another (the gate learned which tokens to keep once they leave *that* window).
     The authors' ``.pt`` files record no window, so they are not checked."""
     if Path(path).is_dir() and config.local_window != local_window:
-        raise ValueError(f"{path}: gates trained with W_local = {config.local_window} cannot be served with "
-                         f"W_local = {local_window} (--wgkv-local-window {local_window}); serve them with "
-                         f"--wgkv-local-window {config.local_window} or use gates trained for {local_window}")
+        raise ValueError(
+            f"{path}: gates trained with W_local = {config.local_window} cannot be served with "
+            f"W_local = {local_window} (--wgkv-local-window {local_window}); serve them with "
+            f"--wgkv-local-window {config.local_window} or use gates trained for {local_window}"
+        )
 
 
-def load_official_pt(path: str | Path, device="cpu", tau: float = DEFAULT_TAU, local_window: int = DEFAULT_LOCAL_WINDOW,
-                     model_id: str = ""):
+def load_official_pt(
+    path: str | Path,
+    device="cpu",
+    tau: float = DEFAULT_TAU,
+    local_window: int = DEFAULT_LOCAL_WINDOW,
+    model_id: str = "",
+):
     """Load the authors' released gate file (grouped 1x1 convs per layer) into WriteGates.
 
     Layer i holds ``pre_key_norm.weight [D]``, ``post_key_norm.weight [D]``,
@@ -170,8 +188,15 @@ def load_official_pt(path: str | Path, device="cpu", tau: float = DEFAULT_TAU, l
     p0 = _OFFICIAL_PREFIX.format(i=0)
     head_dim = state[p0 + "pre_key_norm.weight"].shape[0]
     num_heads, inner = state[p0 + "conv2.weight"].shape[:2]
-    config = GateConfig(num_layers=num_layers, num_kv_heads=num_heads, head_dim=head_dim,
-                        hidden=int(inner), tau=tau, local_window=local_window, model_id=model_id)
+    config = GateConfig(
+        num_layers=num_layers,
+        num_kv_heads=num_heads,
+        head_dim=head_dim,
+        hidden=int(inner),
+        tau=tau,
+        local_window=local_window,
+        model_id=model_id,
+    )
     tensors = {}
     for i in range(num_layers):
         p = _OFFICIAL_PREFIX.format(i=i)
@@ -181,11 +206,22 @@ def load_official_pt(path: str | Path, device="cpu", tau: float = DEFAULT_TAU, l
             pre, post = state[p + "pre_key_norm.weight"], state[p + "post_key_norm.weight"]
         except KeyError as e:
             raise ValueError(f"{path}: layer {i} lacks {e.args[0]}") from e
-        want = {"conv1.weight": (num_heads * inner, 2 * head_dim, 1), "conv1.bias": (num_heads * inner,),
-                "conv2.weight": (num_heads, inner, 1), "conv2.bias": (num_heads,)}
-        for name, t in (("conv1.weight", c1w), ("conv1.bias", c1b), ("conv2.weight", c2w), ("conv2.bias", c2b)):
+        want = {
+            "conv1.weight": (num_heads * inner, 2 * head_dim, 1),
+            "conv1.bias": (num_heads * inner,),
+            "conv2.weight": (num_heads, inner, 1),
+            "conv2.bias": (num_heads,),
+        }
+        for name, t in (
+            ("conv1.weight", c1w),
+            ("conv1.bias", c1b),
+            ("conv2.weight", c2w),
+            ("conv2.bias", c2b),
+        ):
             if tuple(t.shape) != want[name]:
-                raise ValueError(f"{path}: layer {i} {name} has shape {tuple(t.shape)}, expected {want[name]}")
+                raise ValueError(
+                    f"{path}: layer {i} {name} has shape {tuple(t.shape)}, expected {want[name]}"
+                )
         tensors[f"layers.{i}.pre_norm"] = pre
         tensors[f"layers.{i}.post_norm"] = post
         tensors[f"layers.{i}.w1"] = c1w[..., 0].reshape(num_heads, inner, 2 * head_dim).transpose(1, 2)

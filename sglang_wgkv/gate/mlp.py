@@ -23,8 +23,9 @@ class LayerGate(nn.Module):
     ``w2 [H, I]``, ``b2 [H]``.
     """
 
-    def __init__(self, num_kv_heads: int, head_dim: int, hidden: int, eps: float = 1e-6,
-                 init_bias: float = 3.0):
+    def __init__(
+        self, num_kv_heads: int, head_dim: int, hidden: int, eps: float = 1e-6, init_bias: float = 3.0
+    ):
         super().__init__()
         inner = hidden
         self.num_kv_heads, self.head_dim, self.eps = num_kv_heads, head_dim, eps
@@ -54,8 +55,9 @@ class LayerGate(nn.Module):
         return out
 
     def _logits(self, k_pre: torch.Tensor, k_post: torch.Tensor) -> torch.Tensor:
-        x = torch.cat([_rms_norm(k_pre, self.pre_norm, self.eps),
-                       _rms_norm(k_post, self.post_norm, self.eps)], dim=-1)
+        x = torch.cat(
+            [_rms_norm(k_pre, self.pre_norm, self.eps), _rms_norm(k_post, self.post_norm, self.eps)], dim=-1
+        )
         hidden = torch.einsum("thc,hci->thi", x, self.w1.float()) + self.b1.float()
         hidden = F.gelu(hidden, approximate="none")
         return torch.einsum("thi,hi->th", hidden, self.w2.float()) + self.b2.float()

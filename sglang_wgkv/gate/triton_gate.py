@@ -29,11 +29,38 @@ MAX_SPLIT_COUNT = 32
 
 
 @triton.jit
-def _decode_gate_kernel(KPre, KPost, PreNorm, PostNorm, W1, B1, W2, B2, Tau, Uniform, Partial, Count, Admit, G,
-                        H, stride_pb, stride_ph, stride_qb, stride_qh, stride_ub, random_p, eps,
-                        num_splits, slice_width,
-                        HEAD_DIM: tl.constexpr, INNER: tl.constexpr, BLOCK_I: tl.constexpr,
-                        RANDOM: tl.constexpr, WRITE_G: tl.constexpr, MAX_S: tl.constexpr):
+def _decode_gate_kernel(
+    KPre,
+    KPost,
+    PreNorm,
+    PostNorm,
+    W1,
+    B1,
+    W2,
+    B2,
+    Tau,
+    Uniform,
+    Partial,
+    Count,
+    Admit,
+    G,
+    H,
+    stride_pb,
+    stride_ph,
+    stride_qb,
+    stride_qh,
+    stride_ub,
+    random_p,
+    eps,
+    num_splits,
+    slice_width,
+    HEAD_DIM: tl.constexpr,
+    INNER: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    RANDOM: tl.constexpr,
+    WRITE_G: tl.constexpr,
+    MAX_S: tl.constexpr,
+):
     bh = tl.program_id(0)
     s = tl.program_id(1)
     b = bh // H
@@ -73,8 +100,13 @@ def _decode_gate_kernel(KPre, KPost, PreNorm, PostNorm, W1, B1, W2, B2, Tau, Uni
 def float32_weights(gates) -> list[tuple[torch.Tensor, ...]]:
     """Per layer, ``(pre_norm, post_norm, w1, b1, w2, b2)`` of ``gates`` as float32 contiguous tensors
     (views where they already are): what the Triton gates read."""
-    return [tuple(getattr(layer, name).detach().float().contiguous()
-                  for name in ("pre_norm", "post_norm", "w1", "b1", "w2", "b2")) for layer in gates.layers]
+    return [
+        tuple(
+            getattr(layer, name).detach().float().contiguous()
+            for name in ("pre_norm", "post_norm", "w1", "b1", "w2", "b2")
+        )
+        for layer in gates.layers
+    ]
 
 
 class DecodeGate:
@@ -100,9 +132,17 @@ class DecodeGate:
         want = -(-2 * sms // max(1, rows))
         return int(max(1, min(want, MAX_SPLIT_COUNT, -(-self.inner // 32))))
 
-    def __call__(self, layer: int, k_pre: torch.Tensor, k_post: torch.Tensor, tau: torch.Tensor,
-                 uniform: torch.Tensor | None = None, random_p: float | None = None,
-                 num_splits: int = 1, g_out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        layer: int,
+        k_pre: torch.Tensor,
+        k_post: torch.Tensor,
+        tau: torch.Tensor,
+        uniform: torch.Tensor | None = None,
+        random_p: float | None = None,
+        num_splits: int = 1,
+        g_out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Admission flags ``[B, H]`` (bool) of one layer's new keys.
 
         k_pre, k_post : ``[B, H, D]`` (last dim contiguous; any row / head strides);
@@ -112,8 +152,10 @@ class DecodeGate:
         """
         B, H, D = k_post.shape
         if k_pre.shape != (B, H, D) or H != self.num_kv_heads or D != self.head_dim:
-            raise ValueError(f"k_pre/k_post [B, {self.num_kv_heads}, {self.head_dim}] expected, got "
-                             f"{tuple(k_pre.shape)}, {tuple(k_post.shape)}")
+            raise ValueError(
+                f"k_pre/k_post [B, {self.num_kv_heads}, {self.head_dim}] expected, got "
+                f"{tuple(k_pre.shape)}, {tuple(k_post.shape)}"
+            )
         if k_pre.stride(2) != 1 or k_post.stride(2) != 1:
             raise ValueError("k_pre and k_post need a contiguous last dim")
         tau = tau.reshape(-1)
@@ -125,8 +167,12 @@ class DecodeGate:
             raise ValueError(f"uniform must be [B, H] with head stride 1, got {tuple(uniform.shape)}")
         if B * H > self.count.numel():
             raise ValueError(f"{B * H} (row, head) pairs, the arrival counts hold {self.count.numel()}")
-        if g_out is not None and (g_out.shape != (B, H) or g_out.dtype != torch.float32 or not g_out.is_contiguous()):
-            raise ValueError(f"g_out must be a contiguous float32 [B, H], got {g_out.dtype} {tuple(g_out.shape)}")
+        if g_out is not None and (
+            g_out.shape != (B, H) or g_out.dtype != torch.float32 or not g_out.is_contiguous()
+        ):
+            raise ValueError(
+                f"g_out must be a contiguous float32 [B, H], got {g_out.dtype} {tuple(g_out.shape)}"
+            )
         if not 1 <= num_splits <= MAX_SPLIT_COUNT:
             raise ValueError(f"num_splits must be in [1, {MAX_SPLIT_COUNT}], got {num_splits}")
         admit = torch.empty(B, H, dtype=torch.uint8, device=k_post.device)
@@ -140,14 +186,38 @@ class DecodeGate:
         pre_norm, post_norm, w1, b1, w2, b2 = self.layers[layer]
         u = uniform if uniform is not None else tau
         _decode_gate_kernel[(B * H, num_splits)](
-            k_pre, k_post, pre_norm, post_norm, w1, b1, w2, b2, tau, u, partial, self.count, admit,
+            k_pre,
+            k_post,
+            pre_norm,
+            post_norm,
+            w1,
+            b1,
+            w2,
+            b2,
+            tau,
+            u,
+            partial,
+            self.count,
+            admit,
             g_out if g_out is not None else partial,
-            H, k_pre.stride(0), k_pre.stride(1), k_post.stride(0), k_post.stride(1),
-            u.stride(0) if uniform is not None else 0, float(random_p or 0.0), float(self.eps),
-            num_splits, slice_width,
-            HEAD_DIM=D, INNER=self.inner, BLOCK_I=block_i, RANDOM=uniform is not None, WRITE_G=g_out is not None,
+            H,
+            k_pre.stride(0),
+            k_pre.stride(1),
+            k_post.stride(0),
+            k_post.stride(1),
+            u.stride(0) if uniform is not None else 0,
+            float(random_p or 0.0),
+            float(self.eps),
+            num_splits,
+            slice_width,
+            HEAD_DIM=D,
+            INNER=self.inner,
+            BLOCK_I=block_i,
+            RANDOM=uniform is not None,
+            WRITE_G=g_out is not None,
             MAX_S=MAX_SPLIT_COUNT,
-            num_warps=4)
+            num_warps=4,
+        )
         return admit.view(torch.bool)
 
 
@@ -158,4 +228,3 @@ def reference_decode_gate(gate_layer, k_pre, k_post, tau, uniform=None, random_p
     if random_p is None:
         return g >= tau
     return (uniform < random_p) | torch.isneginf(tau)
-

@@ -53,20 +53,46 @@ logger = logging.getLogger(__name__)
 
 
 @triton.jit
-def _prefill_gate_kernel(KPre, KPost, PreNorm, PostNorm, W1, B1, W2, B2, G, Tau, Uniform, Admit,
-                         T, H, stride_pt, stride_ph, stride_qt, stride_qh, stride_ut, random_p, eps,
-                         HEAD_DIM: tl.constexpr, INNER: tl.constexpr,
-                         BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr, WRITE_G: tl.constexpr,
-                         ADMIT: tl.constexpr):
+def _prefill_gate_kernel(
+    KPre,
+    KPost,
+    PreNorm,
+    PostNorm,
+    W1,
+    B1,
+    W2,
+    B2,
+    G,
+    Tau,
+    Uniform,
+    Admit,
+    T,
+    H,
+    stride_pt,
+    stride_ph,
+    stride_qt,
+    stride_qh,
+    stride_ut,
+    random_p,
+    eps,
+    HEAD_DIM: tl.constexpr,
+    INNER: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    WRITE_G: tl.constexpr,
+    ADMIT: tl.constexpr,
+):
     h = tl.program_id(1)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     live_t = t < T
     t = t.to(tl.int64)
     d = tl.arange(0, HEAD_DIM)
-    pre = tl.load(KPre + t[:, None] * stride_pt + h * stride_ph + d[None, :], mask=live_t[:, None],
-                  other=0.0).to(tl.float32)
-    post = tl.load(KPost + t[:, None] * stride_qt + h * stride_qh + d[None, :], mask=live_t[:, None],
-                   other=0.0).to(tl.float32)
+    pre = tl.load(
+        KPre + t[:, None] * stride_pt + h * stride_ph + d[None, :], mask=live_t[:, None], other=0.0
+    ).to(tl.float32)
+    post = tl.load(
+        KPost + t[:, None] * stride_qt + h * stride_qh + d[None, :], mask=live_t[:, None], other=0.0
+    ).to(tl.float32)
     # Rows past T are zeros: rsqrt(eps) * 0 stays 0, and their gate values are never stored.
     pre = pre * tl.rsqrt(tl.sum(pre * pre, 1) / HEAD_DIM + eps)[:, None] * tl.load(PreNorm + d)[None, :]
     post = post * tl.rsqrt(tl.sum(post * post, 1) / HEAD_DIM + eps)[:, None] * tl.load(PostNorm + d)[None, :]
@@ -89,7 +115,9 @@ def _prefill_gate_kernel(KPre, KPost, PreNorm, PostNorm, W1, B1, W2, B2, G, Tau,
     if ADMIT != _NO_ADMIT:  # the decode step's flags (as DecodeGate decides them)
         tau = tl.load(Tau + t, mask=live_t, other=0.0)
         if ADMIT == _RANDOM:
-            admit = (tl.load(Uniform + t * stride_ut + h, mask=live_t, other=1.0) < random_p) | (tau == float("-inf"))
+            admit = (tl.load(Uniform + t * stride_ut + h, mask=live_t, other=1.0) < random_p) | (
+                tau == float("-inf")
+            )
         else:
             admit = g >= tau
         tl.store(Admit + t * H + h, admit.to(tl.uint8), mask=live_t)
@@ -120,8 +148,9 @@ class PrefillGate:
         if D < 16 or D & (D - 1):
             raise ValueError(f"the prefill gate needs a power-of-two head_dim >= 16, got {D}")
 
-    def __call__(self, layer: int, k_pre: torch.Tensor, k_post: torch.Tensor,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self, layer: int, k_pre: torch.Tensor, k_post: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Gate values ``[T, H]`` float32 in [0, 1] of one layer's ``T`` new keys.
 
         layer : index into the gates' layers;
@@ -137,9 +166,16 @@ class PrefillGate:
             self._launch(layer, k_pre, k_post, out, None, None, None, 0.0)
         return out
 
-    def admit(self, layer: int, k_pre: torch.Tensor, k_post: torch.Tensor, tau: torch.Tensor,
-              uniform: torch.Tensor | None = None, random_p: float | None = None,
-              g_out: torch.Tensor | None = None) -> torch.Tensor:
+    def admit(
+        self,
+        layer: int,
+        k_pre: torch.Tensor,
+        k_post: torch.Tensor,
+        tau: torch.Tensor,
+        uniform: torch.Tensor | None = None,
+        random_p: float | None = None,
+        g_out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Admission flags ``[T, H]`` (bool) of one layer's new keys, decided as
         :class:`~sglang_wgkv.gate.triton_gate.DecodeGate` decides them, in the same one launch as
         the gate values (the decode step's gate at large batches: :data:`DECODE_MIN_ROWS`).
@@ -155,10 +191,16 @@ class PrefillGate:
             raise ValueError(f"tau must be float32 [T] on {self.device}, got {tau.dtype} {tuple(tau.shape)}")
         if (random_p is None) != (uniform is None):
             raise ValueError("uniform draws and random_p go together")
-        if uniform is not None and (uniform.shape != (T, H) or uniform.stride(1) != 1 or uniform.dtype != torch.float32
-                                    or uniform.device != self.device):
-            raise ValueError(f"uniform must be float32 [T, H] with head stride 1, got {uniform.dtype} "
-                             f"{tuple(uniform.shape)}")
+        if uniform is not None and (
+            uniform.shape != (T, H)
+            or uniform.stride(1) != 1
+            or uniform.dtype != torch.float32
+            or uniform.device != self.device
+        ):
+            raise ValueError(
+                f"uniform must be float32 [T, H] with head stride 1, got {uniform.dtype} "
+                f"{tuple(uniform.shape)}"
+            )
         g_out = self._g_out(g_out, T, H, "g_out")
         flags = torch.empty(T, H, dtype=torch.uint8, device=self.device)
         if T:
@@ -166,10 +208,16 @@ class PrefillGate:
         return flags.view(torch.bool)
 
     def _g_out(self, out, T, H, name):
-        if out is not None and (out.shape != (T, H) or out.dtype != torch.float32 or not out.is_contiguous()
-                                or out.device != self.device):
-            raise ValueError(f"{name} must be a contiguous float32 [T, H] on {self.device}, got "
-                             f"{out.dtype} {tuple(out.shape)} on {out.device}")
+        if out is not None and (
+            out.shape != (T, H)
+            or out.dtype != torch.float32
+            or not out.is_contiguous()
+            or out.device != self.device
+        ):
+            raise ValueError(
+                f"{name} must be a contiguous float32 [T, H] on {self.device}, got "
+                f"{out.dtype} {tuple(out.shape)} on {out.device}"
+            )
         return out
 
     def _launch(self, layer, k_pre, k_post, g, flags, tau, uniform, random_p):
@@ -178,19 +226,44 @@ class PrefillGate:
         admit = (_NO_ADMIT if flags is None else _RANDOM if uniform is not None else _THRESHOLD).value
         any_f32 = g if g is not None else tau  # placeholders where a pointer is not read
         _prefill_gate_kernel[(triton.cdiv(T, BLOCK_T), H)](
-            k_pre, k_post, pre_norm, post_norm, w1, b1, w2, b2,
-            any_f32, tau if tau is not None else any_f32, uniform if uniform is not None else any_f32,
+            k_pre,
+            k_post,
+            pre_norm,
+            post_norm,
+            w1,
+            b1,
+            w2,
+            b2,
+            any_f32,
+            tau if tau is not None else any_f32,
+            uniform if uniform is not None else any_f32,
             flags if flags is not None else any_f32,
-            T, H, k_pre.stride(0), k_pre.stride(1), k_post.stride(0), k_post.stride(1),
-            uniform.stride(0) if uniform is not None else 0, random_p, float(self.eps),
-            HEAD_DIM=D, INNER=self.inner, BLOCK_T=BLOCK_T, BLOCK_I=BLOCK_I, WRITE_G=g is not None,
-            ADMIT=admit, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+            T,
+            H,
+            k_pre.stride(0),
+            k_pre.stride(1),
+            k_post.stride(0),
+            k_post.stride(1),
+            uniform.stride(0) if uniform is not None else 0,
+            random_p,
+            float(self.eps),
+            HEAD_DIM=D,
+            INNER=self.inner,
+            BLOCK_T=BLOCK_T,
+            BLOCK_I=BLOCK_I,
+            WRITE_G=g is not None,
+            ADMIT=admit,
+            num_warps=NUM_WARPS,
+            num_stages=NUM_STAGES,
+        )
 
     def _check(self, layer, k_pre, k_post) -> tuple[int, int]:
         T, H, D = k_post.shape
         if k_pre.shape != (T, H, D) or H != self.num_kv_heads or D != self.head_dim:
-            raise ValueError(f"k_pre/k_post [T, {self.num_kv_heads}, {self.head_dim}] expected, got "
-                             f"{tuple(k_pre.shape)}, {tuple(k_post.shape)}")
+            raise ValueError(
+                f"k_pre/k_post [T, {self.num_kv_heads}, {self.head_dim}] expected, got "
+                f"{tuple(k_pre.shape)}, {tuple(k_post.shape)}"
+            )
         if k_pre.dtype not in _INPUT_DTYPES or k_post.dtype not in _INPUT_DTYPES:
             raise ValueError(f"k_pre/k_post must be bf16, fp16 or fp32, got {k_pre.dtype}, {k_post.dtype}")
         if k_pre.stride(2) != 1 or k_post.stride(2) != 1:
@@ -202,8 +275,9 @@ class PrefillGate:
         return T, H
 
 
-def checked_prefill_gate(gates, weights: list[tuple] | None = None, rows: int = 300,
-                         dtype: torch.dtype = torch.float32) -> PrefillGate | None:
+def checked_prefill_gate(
+    gates, weights: list[tuple] | None = None, rows: int = 300, dtype: torch.dtype = torch.float32
+) -> PrefillGate | None:
     """A :class:`PrefillGate` of ``gates`` after one check on their device against the torch gate
     (every layer, ``rows`` random keys of ``dtype``, the served keys' dtype, so the launch the prefill
     will make is the one compiled here); None, with a warning in the log, when it does not
@@ -215,16 +289,26 @@ def checked_prefill_gate(gates, weights: list[tuple] | None = None, rows: int = 
         gen = torch.Generator(device=gate.device).manual_seed(0)
         worst = 0.0
         for layer in range(len(gates.layers)):
-            k_pre, k_post = (torch.randn(rows, c.num_kv_heads, c.head_dim, generator=gen, device=gate.device).to(dtype)
-                             for _ in range(2))
+            k_pre, k_post = (
+                torch.randn(rows, c.num_kv_heads, c.head_dim, generator=gen, device=gate.device).to(dtype)
+                for _ in range(2)
+            )
             worst = max(worst, float((gate(layer, k_pre, k_post) - gates(layer, k_pre, k_post)).abs().max()))
     except Exception as exc:  # a compile or launch failure must not take the server down
-        logger.warning("wgkv: the Triton prefill gate failed its start-up check (%s: %s); the prefill uses "
-                       "the torch gate", type(exc).__name__, str(exc)[:500])
+        logger.warning(
+            "wgkv: the Triton prefill gate failed its start-up check (%s: %s); the prefill uses "
+            "the torch gate",
+            type(exc).__name__,
+            str(exc)[:500],
+        )
         return None
     if not worst <= CHECK_TOLERANCE:  # NaN fails too
-        logger.warning("wgkv: the Triton prefill gate differs from the torch gate by %.3g (> %g) at start-up; "
-                       "the prefill uses the torch gate", worst, CHECK_TOLERANCE)
+        logger.warning(
+            "wgkv: the Triton prefill gate differs from the torch gate by %.3g (> %g) at start-up; "
+            "the prefill uses the torch gate",
+            worst,
+            CHECK_TOLERANCE,
+        )
         return None
     logger.info("wgkv: Triton prefill gate (start-up check: max |g - g_torch| = %.2g)", worst)
     return gate

@@ -57,8 +57,8 @@ import numpy as np
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
-from sglang_wgkv.attention.folded_index import build_folded_indices
 from sglang_wgkv.attention import reference
+from sglang_wgkv.attention.folded_index import build_folded_indices
 from sglang_wgkv.gate import GateConfig, WriteGates, load_gates
 from sglang_wgkv.gate.admission import DeferredGateCheck, admission_flags
 from sglang_wgkv.gate.checkpoint import check_served_window
@@ -114,13 +114,21 @@ def record_batch_slots(result, cls, batch, model_runner, *args, **kwargs):
         # copy without our attributes (seen on the CPU engine).
         backend.batch_prompt_ends = None
         if batch.forward_mode.is_extend():
-            backend.batch_prompt_ends = (slots, [req.extend_range.end >= len(req.full_untruncated_fill_ids)
-                                                 for req in batch.reqs])
+            backend.batch_prompt_ends = (
+                slots,
+                [req.extend_range.end >= len(req.full_untruncated_fill_ids) for req in batch.reqs],
+            )
     return None
 
 
-def build_gates(settings: ServingSettings, num_layers: int, num_kv_heads: int, head_dim: int,
-                device, heads: list[int] | None = None) -> WriteGates:
+def build_gates(
+    settings: ServingSettings,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    device,
+    heads: list[int] | None = None,
+) -> WriteGates:
     """The checkpoint at ``settings.gates_path`` or fresh (admit-all) gates; checked against the model
     (``num_kv_heads``: all of its KV heads) and the served W_local, then cut to ``heads`` (a
     tensor-parallel rank's) if given.
@@ -131,8 +139,15 @@ def build_gates(settings: ServingSettings, num_layers: int, num_kv_heads: int, h
     if settings.gates_path is None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(settings.seed)
-            gates = WriteGates(GateConfig(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                          tau=config.tau, local_window=config.local_window))
+            gates = WriteGates(
+                GateConfig(
+                    num_layers=num_layers,
+                    num_kv_heads=num_kv_heads,
+                    head_dim=head_dim,
+                    tau=config.tau,
+                    local_window=config.local_window,
+                )
+            )
     else:
         gates = load_gates(settings.gates_path)
         check_served_window(settings.gates_path, gates.config, config.local_window)
@@ -152,7 +167,9 @@ class WGKVAttnBackend(AttentionBackend):
         super().__init__()
         pool = model_runner.token_to_kv_pool
         if not isinstance(pool, WGKVTokenToKVPool):
-            raise ValueError(f"--attention-backend {BACKEND_NAME} needs its KV pool, got {type(pool).__name__}")
+            raise ValueError(
+                f"--attention-backend {BACKEND_NAME} needs its KV pool, got {type(pool).__name__}"
+            )
         from sglang.srt.runtime_context import get_parallel
 
         par = get_parallel()
@@ -162,14 +179,19 @@ class WGKVAttnBackend(AttentionBackend):
         self.settings = runtime.settings
         self.device = self.dual.device
         self.kv_heads = runtime.kv_heads
-        self.gates = build_gates(self.settings, self.dual.num_layers,
-                                 model_runner.model_config.get_total_num_kv_heads(),
-                                 self.dual.head_dim, self.device, heads=self.kv_heads)
+        self.gates = build_gates(
+            self.settings,
+            self.dual.num_layers,
+            model_runner.model_config.get_total_num_kv_heads(),
+            self.dual.head_dim,
+            self.device,
+            heads=self.kv_heads,
+        )
         self.capture = PreRopeKeyCapture.install(model_runner.model)
         self.generator = None
         if self.config.random_admission is not None:
             self.generator = torch.Generator(device=self.device).manual_seed(self.settings.seed)
-        self._extend = None   # (slots, prefix_lens, extend_lens) of the current extend forward
+        self._extend = None  # (slots, prefix_lens, extend_lens) of the current extend forward
         self._indptrs = None  # (qo_indptr [B + 1], kv_indptr [L, B + 1]) on the device, per extend forward
         self._gate_check = DeferredGateCheck(self.dual.num_layers, self.device)  # prefill gate values
         self.use_kernels = runtime.use_kernels  # the runtime's one torch/Triton choice
@@ -185,14 +207,19 @@ class WGKVAttnBackend(AttentionBackend):
 
             self._prefill = vertical_slash_attention
             self.decode_launch = DecodeConfig.parse(self.settings.decode_launch)
-            self.decode_gate = DecodeGate(self.gates, max_rows=model_runner.req_to_token_pool.size * len(self.kv_heads))
-            self.prefill_gate = checked_prefill_gate(self.gates, self.decode_gate.layers,
-                                                     dtype=model_runner.model_config.dtype)
+            self.decode_gate = DecodeGate(
+                self.gates, max_rows=model_runner.req_to_token_pool.size * len(self.kv_heads)
+            )
+            self.prefill_gate = checked_prefill_gate(
+                self.gates, self.decode_gate.layers, dtype=model_runner.model_config.dtype
+            )
             # decode steps of at least this many (row, KV head) pairs take the prefill gate's launch
             self._tensor_core_gate_rows = DECODE_MIN_ROWS
             self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         # forward_decode (kernels): the gate beside the attention, on CUDA
-        self._gate_stream = torch.cuda.Stream(self.device) if self.use_kernels and self.device.type == "cuda" else None
+        self._gate_stream = (
+            torch.cuda.Stream(self.device) if self.use_kernels and self.device.type == "cuda" else None
+        )
         self.evictor = runtime.evictor
         self.req_pool = model_runner.req_to_token_pool  # per-slot tau (request_control)
         self.num_q_heads = model_runner.model_config.get_num_attention_heads(par.attn_tp_size)
@@ -224,16 +251,29 @@ class WGKVAttnBackend(AttentionBackend):
         if mode.is_decode():
             self._extend = None
             host = (forward_batch.seq_lens_cpu - 1).tolist()
-            plan = self.dual.begin_decode(host_slots, host,
-                                          req_slots_dev=slots, seq_lens_dev=forward_batch.seq_lens - 1)
-            self._rows = _DecodeRows(plan.req, plan.pos, plan.ring_tokens, self.req_pool.slot_tau[slots][:, None],
-                                     self._draw_uniform(len(host)))
+            plan = self.dual.begin_decode(
+                host_slots, host, req_slots_dev=slots, seq_lens_dev=forward_batch.seq_lens - 1
+            )
+            self._rows = _DecodeRows(
+                plan.req,
+                plan.pos,
+                plan.ring_tokens,
+                self.req_pool.slot_tau[slots][:, None],
+                self._draw_uniform(len(host)),
+            )
             if self.use_kernels:
                 from sglang_wgkv.attention.triton_decode import choose_num_splits
 
-                self._rows.num_splits = choose_num_splits(len(host), self.dual.num_kv_heads, max(host) + 1,
-                                                          self.device, self.decode_launch.programs_per_sm)
-                self._rows.gate_splits = self.decode_gate.num_splits(len(host) * self.dual.num_kv_heads, self._sms)
+                self._rows.num_splits = choose_num_splits(
+                    len(host),
+                    self.dual.num_kv_heads,
+                    max(host) + 1,
+                    self.device,
+                    self.decode_launch.programs_per_sm,
+                )
+                self._rows.gate_splits = self.decode_gate.num_splits(
+                    len(host) * self.dual.num_kv_heads, self._sms
+                )
         elif mode.is_extend() and not mode.is_mixed():
             prefix, extend = forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
             self._extend = (host_slots, list(prefix), list(extend))
@@ -243,8 +283,9 @@ class WGKVAttnBackend(AttentionBackend):
             declared = self.batch_prompt_ends
             if self.evictor is not None and declared is not None and declared[0] == self._extend[0]:
                 self.evictor.mark_extend(*declared)
-            self._row_tau = torch.repeat_interleave(self.req_pool.slot_tau[slots], forward_batch.extend_seq_lens,
-                                                    output_size=sum(extend))[:, None]
+            self._row_tau = torch.repeat_interleave(
+                self.req_pool.slot_tau[slots], forward_batch.extend_seq_lens, output_size=sum(extend)
+            )[:, None]
         else:
             raise NotImplementedError(f"the {BACKEND_NAME} backend does not run forward mode {mode.name}")
 
@@ -254,9 +295,16 @@ class WGKVAttnBackend(AttentionBackend):
         its new tokens) and copied once, so no layer waits for the host."""
         W, L = self.dual.window, self.dual.num_layers
         qo = np.concatenate([[0], np.cumsum(plan.extend_lens)])
-        keys = np.array([[n + sum(context_rows(S, gc[layer], W))
-                          for gc, S, n in zip(plan.context_gcols, plan.prefix_lens, plan.extend_lens)]
-                         for layer in range(L)], dtype=np.int64).reshape(L, -1)
+        keys = np.array(
+            [
+                [
+                    n + sum(context_rows(S, gc[layer], W))
+                    for gc, S, n in zip(plan.context_gcols, plan.prefix_lens, plan.extend_lens)
+                ]
+                for layer in range(L)
+            ],
+            dtype=np.int64,
+        ).reshape(L, -1)
         kv = np.concatenate([np.zeros((L, 1), np.int64), np.cumsum(keys, 1)], 1)
         return to_device(self.device, qo), to_device(self.device, kv)
 
@@ -273,17 +321,25 @@ class WGKVAttnBackend(AttentionBackend):
     # -- CUDA graphs (decode) -------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         if not self.use_kernels:
-            raise ValueError(f"the {BACKEND_NAME} reference attention syncs with the host every layer and cannot "
-                             "run under CUDA graphs: pass --wgkv-attention kernels (CUDA, fp16/bf16) or "
-                             "--disable-decode-cuda-graph")
+            raise ValueError(
+                f"the {BACKEND_NAME} reference attention syncs with the host every layer and cannot "
+                "run under CUDA graphs: pass --wgkv-attention kernels (CUDA, fp16/bf16) or "
+                "--disable-decode-cuda-graph"
+            )
         if self.dual.active[SCRATCH_SLOT]:
             raise RuntimeError(f"request slot {SCRATCH_SLOT} (CUDA-graph padding) is held by a request")
         i64 = dict(dtype=torch.int64, device=self.device)
         self._graph = _DecodeRows(
-            req=torch.full((max_bs,), SCRATCH_SLOT, **i64), pos=torch.zeros(max_bs, **i64),
-            ring=torch.ones(max_bs, **i64), tau=torch.zeros(max_bs, 1, dtype=torch.float32, device=self.device),
-            uniform=(torch.zeros(max_bs, self.dual.num_layers, self.dual.num_kv_heads, device=self.device)
-                     if self.config.random_admission is not None else None))
+            req=torch.full((max_bs,), SCRATCH_SLOT, **i64),
+            pos=torch.zeros(max_bs, **i64),
+            ring=torch.ones(max_bs, **i64),
+            tau=torch.zeros(max_bs, 1, dtype=torch.float32, device=self.device),
+            uniform=(
+                torch.zeros(max_bs, self.dual.num_layers, self.dual.num_kv_heads, device=self.device)
+                if self.config.random_admission is not None
+                else None
+            ),
+        )
 
     def get_cuda_graph_seq_len_fill_value(self):
         return 1
@@ -301,13 +357,18 @@ class WGKVAttnBackend(AttentionBackend):
         if raw:
             slots = self.batch_slots
             if slots is None or len(slots) != raw:
-                raise RuntimeError(f"CUDA-graph replay of {raw} requests, but the last ForwardBatch built "
-                                   f"recorded request slots {slots}")
+                raise RuntimeError(
+                    f"CUDA-graph replay of {raw} requests, but the last ForwardBatch built "
+                    f"recorded request slots {slots}"
+                )
             if self.evictor is not None:
                 self.evictor.maybe_evict()
-            plan = self.dual.begin_decode(slots, (forward_batch.seq_lens_cpu[:raw] - 1).tolist(),
-                                          req_slots_dev=forward_batch.req_pool_indices[:raw],
-                                          seq_lens_dev=forward_batch.seq_lens[:raw] - 1)
+            plan = self.dual.begin_decode(
+                slots,
+                (forward_batch.seq_lens_cpu[:raw] - 1).tolist(),
+                req_slots_dev=forward_batch.req_pool_indices[:raw],
+                seq_lens_dev=forward_batch.seq_lens[:raw] - 1,
+            )
             g.req[:raw].copy_(plan.req)
             g.pos[:raw].copy_(plan.pos)
             g.ring[:raw].copy_(plan.ring_tokens)
@@ -320,20 +381,40 @@ class WGKVAttnBackend(AttentionBackend):
         if g.uniform is not None:
             uniform = self._draw_uniform(bs, out=g.uniform[:bs]) if raw else g.uniform[:bs].zero_()
         if bs not in self._graph_launch:
-            splits = choose_num_splits(bs, self.dual.num_kv_heads, self.dual.max_context_len, self.device,
-                                       self.decode_launch.programs_per_sm)
-            self._graph_launch[bs] = (splits, FoldedDecodeWorkspace(bs, self.num_q_heads, self.dual.head_dim,
-                                                                    splits, self.device,
-                                                                    num_kv_heads=self.dual.num_kv_heads),
-                                      self.decode_gate.num_splits(bs * self.dual.num_kv_heads, self._sms))
+            splits = choose_num_splits(
+                bs,
+                self.dual.num_kv_heads,
+                self.dual.max_context_len,
+                self.device,
+                self.decode_launch.programs_per_sm,
+            )
+            self._graph_launch[bs] = (
+                splits,
+                FoldedDecodeWorkspace(
+                    bs,
+                    self.num_q_heads,
+                    self.dual.head_dim,
+                    splits,
+                    self.device,
+                    num_kv_heads=self.dual.num_kv_heads,
+                ),
+                self.decode_gate.num_splits(bs * self.dual.num_kv_heads, self._sms),
+            )
         splits, workspace, gate_splits = self._graph_launch[bs]
         self._extend = None
-        self._rows = _DecodeRows(g.req[:bs], g.pos[:bs], g.ring[:bs], g.tau[:bs], uniform, splits, workspace,
-                                 gate_splits)
+        self._rows = _DecodeRows(
+            g.req[:bs], g.pos[:bs], g.ring[:bs], g.tau[:bs], uniform, splits, workspace, gate_splits
+        )
 
     # -- per layer ------------------------------------------------------------------------------
-    def _admit(self, layer: RadixAttention, k: torch.Tensor, tau: torch.Tensor, check: bool,
-               uniform: torch.Tensor | None = None) -> torch.Tensor:
+    def _admit(
+        self,
+        layer: RadixAttention,
+        k: torch.Tensor,
+        tau: torch.Tensor,
+        check: bool,
+        uniform: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         k_pre = self.capture.take(k)
         gate = self.prefill_gate if self.prefill_gate is not None else self.gates
         g = gate(layer.layer_id, k_pre, k)
@@ -355,26 +436,53 @@ class WGKVAttnBackend(AttentionBackend):
         if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
             raise NotImplementedError(f"the {BACKEND_NAME} backend does not run sliding-window layers")
 
-    def forward_extend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
-                       save_kv_cache: bool = True, **kwargs):
+    def forward_extend(
+        self,
+        q,
+        k,
+        v,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **kwargs,
+    ):
         self._check_layer(layer, save_kv_cache)
         Hq, H, D, Dv = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim
         q3, k3, v3 = q.view(-1, Hq, D), k.view(-1, H, D), v.view(-1, H, Dv)
         admit = self._admit(layer, k3, self._row_tau, check=True)
         if self.evictor is not None:
             self.evictor.observe_extend(layer.layer_id, q3)
-        keys, values, k_pos, admitted = self.dual.extend_inputs(layer.layer_id, k3, v3, admit, forward_batch.positions,
-                                                               q.dtype)
+        keys, values, k_pos, admitted = self.dual.extend_inputs(
+            layer.layer_id, k3, v3, admit, forward_batch.positions, q.dtype
+        )
         qo_indptr, kv_indptr = self._indptrs
-        out = self._prefill(q3, keys, values, admitted, qo_indptr, kv_indptr[layer.layer_id], forward_batch.positions,
-                            k_pos, self.config.local_window, sm_scale=layer.scaling)
+        out = self._prefill(
+            q3,
+            keys,
+            values,
+            admitted,
+            qo_indptr,
+            kv_indptr[layer.layer_id],
+            forward_batch.positions,
+            k_pos,
+            self.config.local_window,
+            sm_scale=layer.scaling,
+        )
         self.dual.write_extend(layer.layer_id, k3, v3, admit)
         if layer.layer_id == self.dual.num_layers - 1:
             self._gate_check.end_forward()
         return out.reshape(-1, Hq * Dv)
 
-    def forward_decode(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
-                       save_kv_cache: bool = True, **kwargs):
+    def forward_decode(
+        self,
+        q,
+        k,
+        v,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **kwargs,
+    ):
         self._check_layer(layer, save_kv_cache)
         Hq, H, D, Dv = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim
         k3, v3 = k.view(-1, H, D), v.view(-1, H, Dv)
@@ -387,8 +495,9 @@ class WGKVAttnBackend(AttentionBackend):
             self.dual.write_decode(layer.layer_id, k3, v3, admit)
             pages, num_pages, last_len, _ = self.dual.decode_page_rows(layer.layer_id)
             indptr, indices, last = build_folded_indices(pages, num_pages, last_len)
-            out = reference.paged_decode_attention(q3, self.dual.k_pages, self.dual.v_pages, indptr, indices,
-                                                   last, sm_scale=layer.scaling)
+            out = reference.paged_decode_attention(
+                q3, self.dual.k_pages, self.dual.v_pages, indptr, indices, last, sm_scale=layer.scaling
+            )
             return out.reshape(-1, Hq * Dv)
         from sglang_wgkv.attention.triton_decode import folded_decode
 
@@ -413,18 +522,37 @@ class WGKVAttnBackend(AttentionBackend):
         side = self._gate_stream
         main = torch.cuda.current_stream(self.device) if side is not None else None
         fork = main.record_event() if side is not None else None
-        out = folded_decode(q3.to(self.dual.dtype), self.dual.k_pages, self.dual.v_pages, self.dual.page_table,
-                            self.dual.global_len, rows.req, rows.ring, layer.layer_id, sm_scale=layer.scaling,
-                            num_splits=rows.num_splits, workspace=rows.workspace, config=self.decode_launch,
-                            new_k=k3, new_v=v3, pos=rows.pos, window=self.dual.window, observe=observe)
+        out = folded_decode(
+            q3.to(self.dual.dtype),
+            self.dual.k_pages,
+            self.dual.v_pages,
+            self.dual.page_table,
+            self.dual.global_len,
+            rows.req,
+            rows.ring,
+            layer.layer_id,
+            sm_scale=layer.scaling,
+            num_splits=rows.num_splits,
+            workspace=rows.workspace,
+            config=self.decode_launch,
+            new_k=k3,
+            new_v=v3,
+            pos=rows.pos,
+            window=self.dual.window,
+            observe=observe,
+        )
         if side is not None:
             side.wait_event(fork)
         random_p = self.config.random_admission if uniform is not None else None
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            if self.prefill_gate is not None and k3.shape[0] * H >= self._tensor_core_gate_rows:  # tensor cores
+            if (
+                self.prefill_gate is not None and k3.shape[0] * H >= self._tensor_core_gate_rows
+            ):  # tensor cores
                 admit = self.prefill_gate.admit(layer.layer_id, k_pre, k3, rows.tau, uniform, random_p)
             else:
-                admit = self.decode_gate(layer.layer_id, k_pre, k3, rows.tau, uniform, random_p, rows.gate_splits)
+                admit = self.decode_gate(
+                    layer.layer_id, k_pre, k3, rows.tau, uniform, random_p, rows.gate_splits
+                )
             self.dual.write_decode_flags(layer.layer_id, rows.req, rows.pos, admit)
         if side is not None:
             main.wait_stream(side)

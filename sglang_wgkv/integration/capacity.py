@@ -191,8 +191,14 @@ def fixed_costs(shape: ModelShape, local_window: int, evictor_window: int | None
     slot_bytes = streams * (4 * cols + local_window + 4 + 8)
     window = 0
     if evictor_window:
-        window = -(-shape.num_layers * evictor_window * shape.num_q_heads * shape.head_dim * shape.dtype_bytes
-                   // shape.token_bytes)
+        window = -(
+            -shape.num_layers
+            * evictor_window
+            * shape.num_q_heads
+            * shape.head_dim
+            * shape.dtype_bytes
+            // shape.token_bytes
+        )
     return FixedCosts(slot_tokens=-(-slot_bytes // shape.token_bytes), window_tokens=window)
 
 
@@ -204,8 +210,12 @@ def restore_reserve(budget_tokens: int, max_requests: int, local_window: int) ->
     return slots, slots * ring
 
 
-def dense_split(budget_tokens: int, max_running_requests: int, prefix_cache_window: int | None = None,
-                slot_tokens: int = 0) -> CapacityPlan:
+def dense_split(
+    budget_tokens: int,
+    max_running_requests: int,
+    prefix_cache_window: int | None = None,
+    slot_tokens: int = 0,
+) -> CapacityPlan:
     """The dense-equivalent split of ``budget_tokens``; ``prefix_cache_window`` (W_local) when the
     radix cache is on; ``slot_tokens`` of fixed state per request slot, taken from both pools (the
     dual pool's pages and, so that the capacity rule holds, the logical pool).
@@ -224,9 +234,11 @@ def dense_split(budget_tokens: int, max_running_requests: int, prefix_cache_wind
     fixed = slot_tokens * requests
     logical = budget_tokens - fixed - SLACK_TOKENS * requests - reserve
     if logical < (budget_tokens - fixed) // 2:
-        raise ValueError(f"WG-KV needs a larger KV budget than {budget_tokens} tokens for {requests} request "
-                         f"slots (W_local = {prefix_cache_window}, {slot_tokens} tokens of state per slot); "
-                         f"raise --max-total-tokens or pass --disable-radix-cache")
+        raise ValueError(
+            f"WG-KV needs a larger KV budget than {budget_tokens} tokens for {requests} request "
+            f"slots (W_local = {prefix_cache_window}, {slot_tokens} tokens of state per slot); "
+            f"raise --max-total-tokens or pass --disable-radix-cache"
+        )
     return CapacityPlan(logical, requests, budget_tokens - fixed, slots, fixed_tokens=fixed)
 
 
@@ -244,9 +256,17 @@ def prompt_reserve(budget_tokens: int, *, kv_budget: int, local_window: int, con
     return PAGE_SIZE * min(-(-want // PAGE_SIZE), room)
 
 
-def bounded_split(budget_tokens: int, max_running_requests: int, *, kv_budget: int, local_window: int,
-                  chunk_tokens: int, context_len: int, window_tokens: int = 0,
-                  prefix_cache: bool = False) -> CapacityPlan | None:
+def bounded_split(
+    budget_tokens: int,
+    max_running_requests: int,
+    *,
+    kv_budget: int,
+    local_window: int,
+    chunk_tokens: int,
+    context_len: int,
+    window_tokens: int = 0,
+    prefix_cache: bool = False,
+) -> CapacityPlan | None:
     """The bounded split (module docstring) of SGLang's KV budget, or None when the budget cannot hold
     the longest prompt beside nothing else. ``window_tokens``: fixed state per request slot (evictor
     window, page-table row), also carved from the budget; ``physical_tokens`` is what is left for the
@@ -256,8 +276,9 @@ def bounded_split(budget_tokens: int, max_running_requests: int, *, kv_budget: i
     steady = request_bound_tokens(kv_budget, local_window)
     slot = steady + 2 * PAGE_SIZE
     per_request = slot + window_tokens
-    prompt = prompt_reserve(budget_tokens, kv_budget=kv_budget, local_window=local_window,
-                            context_len=context_len)
+    prompt = prompt_reserve(
+        budget_tokens, kv_budget=kv_budget, local_window=local_window, context_len=context_len
+    )
 
     def fit(reserve: int) -> int:
         return min(max_running_requests, (budget_tokens - reserve) // per_request)
@@ -274,8 +295,14 @@ def bounded_split(budget_tokens: int, max_running_requests: int, *, kv_budget: i
     physical = budget_tokens - requests * window_tokens
 
     def rule(p: int) -> PromptRule:
-        return PromptRule(local_window=local_window, slot_tokens=slot, cap=steady - local_window + p,
-                          chunk_tokens=chunk, requests=requests, spare_tokens=physical - requests * slot)
+        return PromptRule(
+            local_window=local_window,
+            slot_tokens=slot,
+            cap=steady - local_window + p,
+            chunk_tokens=chunk,
+            requests=requests,
+            spare_tokens=physical - requests * slot,
+        )
 
     # the longest prompt must fit beside nothing else (its excess within room(1)), or it would wait
     # forever: P shrinks, in whole pages; None when even P = 0 (one chunk's excess) does not fit
@@ -284,13 +311,24 @@ def bounded_split(budget_tokens: int, max_running_requests: int, *, kv_budget: i
         prompt = min(prompt, PAGE_SIZE * ((room - chunk - PAGE_SIZE) // PAGE_SIZE))
         if prompt < 0 or rule(prompt).excess_tokens(context_len) > room:
             return None
-    return CapacityPlan(logical_tokens=requests * context_len, max_requests=requests, physical_tokens=physical,
-                        restore_slots=slots, mode="bounded", fixed_tokens=requests * window_tokens,
-                        prompt=rule(prompt))
+    return CapacityPlan(
+        logical_tokens=requests * context_len,
+        max_requests=requests,
+        physical_tokens=physical,
+        restore_slots=slots,
+        mode="bounded",
+        fixed_tokens=requests * window_tokens,
+        prompt=rule(prompt),
+    )
 
 
-def overcommit_split(budget_tokens: int, max_running_requests: int, factor: float,
-                     slot_tokens: int = 0, prefix_cache: bool = False) -> CapacityPlan:
+def overcommit_split(
+    budget_tokens: int,
+    max_running_requests: int,
+    factor: float,
+    slot_tokens: int = 0,
+    prefix_cache: bool = False,
+) -> CapacityPlan:
     """``factor`` times the dense-equivalent logical pool and request slots (slots at most
     ``max_running_requests``); the physical pool keeps the budget less the slots' fixed state.
     With ``prefix_cache`` every request may be a restored one: the scheduler's prefill guard counts
@@ -298,9 +336,15 @@ def overcommit_split(budget_tokens: int, max_running_requests: int, factor: floa
     dense = dense_split(budget_tokens, max_running_requests, slot_tokens=slot_tokens)
     requests = min(max_running_requests, math.ceil(factor * dense.max_requests))
     fixed = slot_tokens * requests
-    return CapacityPlan(logical_tokens=int(factor * dense.logical_tokens), max_requests=requests,
-                        physical_tokens=budget_tokens - fixed, restore_slots=requests if prefix_cache else 0,
-                        max_request_tokens=dense.logical_tokens, mode="overcommit", fixed_tokens=fixed)
+    return CapacityPlan(
+        logical_tokens=int(factor * dense.logical_tokens),
+        max_requests=requests,
+        physical_tokens=budget_tokens - fixed,
+        restore_slots=requests if prefix_cache else 0,
+        max_request_tokens=dense.logical_tokens,
+        mode="overcommit",
+        fixed_tokens=fixed,
+    )
 
 
 def physical_pages(physical_tokens: int, num_layers: int, num_kv_heads: int) -> int:
@@ -308,10 +352,18 @@ def physical_pages(physical_tokens: int, num_layers: int, num_kv_heads: int) -> 
     return physical_tokens * num_layers * num_kv_heads // PAGE_SIZE
 
 
-def plan_capacity(budget_tokens: int, max_running_requests: int, *, shape: ModelShape, local_window: int,
-                  kv_budget: int | None = None, evictor_window: int | None = None,
-                  overcommit: float | None = None, chunk_tokens: int | None = None,
-                  prefix_cache: bool = False) -> CapacityPlan:
+def plan_capacity(
+    budget_tokens: int,
+    max_running_requests: int,
+    *,
+    shape: ModelShape,
+    local_window: int,
+    kv_budget: int | None = None,
+    evictor_window: int | None = None,
+    overcommit: float | None = None,
+    chunk_tokens: int | None = None,
+    prefix_cache: bool = False,
+) -> CapacityPlan:
     """The one capacity rule of a WG-KV server (module docstring).
 
     budget_tokens, max_running_requests : what SGLang derived from its memory budget (dense tokens)
@@ -325,18 +377,34 @@ def plan_capacity(budget_tokens: int, max_running_requests: int, *, shape: Model
     """
     costs = fixed_costs(shape, local_window, evictor_window if kv_budget is not None else None)
     if overcommit is not None:
-        return overcommit_split(budget_tokens, max_running_requests, overcommit, slot_tokens=costs.per_slot,
-                                prefix_cache=prefix_cache)
+        return overcommit_split(
+            budget_tokens,
+            max_running_requests,
+            overcommit,
+            slot_tokens=costs.per_slot,
+            prefix_cache=prefix_cache,
+        )
     if kv_budget is not None and chunk_tokens is not None and chunk_tokens > 0:
-        plan = bounded_split(budget_tokens, max_running_requests, kv_budget=kv_budget,
-                             local_window=local_window, chunk_tokens=chunk_tokens,
-                             context_len=shape.context_len, window_tokens=costs.per_slot,
-                             prefix_cache=prefix_cache)
+        plan = bounded_split(
+            budget_tokens,
+            max_running_requests,
+            kv_budget=kv_budget,
+            local_window=local_window,
+            chunk_tokens=chunk_tokens,
+            context_len=shape.context_len,
+            window_tokens=costs.per_slot,
+            prefix_cache=prefix_cache,
+        )
         if plan is not None:
             return plan
     if costs.window_tokens:
         # the windows' share of the budget is capped: past it, fewer request slots
-        max_running_requests = min(max_running_requests,
-                                   max(1, int(budget_tokens * MAX_WINDOW_FRACTION) // costs.window_tokens))
-    return dense_split(budget_tokens, max_running_requests, local_window if prefix_cache else None,
-                       slot_tokens=costs.per_slot)
+        max_running_requests = min(
+            max_running_requests, max(1, int(budget_tokens * MAX_WINDOW_FRACTION) // costs.window_tokens)
+        )
+    return dense_split(
+        budget_tokens,
+        max_running_requests,
+        local_window if prefix_cache else None,
+        slot_tokens=costs.per_slot,
+    )

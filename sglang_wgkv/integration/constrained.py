@@ -116,8 +116,10 @@ def create_grammar_backend(original, server_args, tokenizer, vocab_size, *args, 
     error = probe_mask_path(backend, vocab_size, device)
     if error is None:
         return backend
-    reason = (f"constrained decoding is not available on device {device.type} with --grammar-backend "
-              f"{server_args.grammar_backend} ({error})")
+    reason = (
+        f"constrained decoding is not available on device {device.type} with --grammar-backend "
+        f"{server_args.grammar_backend} ({error})"
+    )
     logger.error("%s; constrained requests will be rejected with 400", reason)
     return UnservableGrammarBackend(reason)
 

@@ -48,13 +48,18 @@ def prepare_server_args(server_args, *args, **kwargs):
     between scheduling and the forward, so the overlap scheduler is off with it), turn off prefill
     CUDA graphs (extend gathers context on the host) and decode CUDA graphs where the backend cannot
     run under them (:meth:`ServingSettings.decode_graph_blocker`: CPU, reference attention)."""
-    chosen = {server_args.attention_backend, server_args.prefill_attention_backend,
-              server_args.decode_attention_backend} - {None}
+    chosen = {
+        server_args.attention_backend,
+        server_args.prefill_attention_backend,
+        server_args.decode_attention_backend,
+    } - {None}
     if BACKEND_NAME not in chosen:
         return None
     if chosen != {BACKEND_NAME}:
-        raise ValueError(f"--attention-backend {BACKEND_NAME} cannot be mixed with other prefill/decode "
-                         f"backends (got {sorted(chosen)}): its KV cache lives in its own pool")
+        raise ValueError(
+            f"--attention-backend {BACKEND_NAME} cannot be mixed with other prefill/decode "
+            f"backends (got {sorted(chosen)}): its KV cache lives in its own pool"
+        )
     server_args.attention_backend = BACKEND_NAME
     unsupported = {
         "--speculative-algorithm": server_args.speculative_algorithm is not None,
@@ -64,10 +69,10 @@ def prepare_server_args(server_args, *args, **kwargs):
         "--enable-hierarchical-cache": server_args.enable_hierarchical_cache,
         "--pp-size > 1": server_args.pp_size > 1,
         "--dp-size > 1": server_args.dp_size > 1,
-        "--page-size > 1 (SGLang's pages are logical here; the dual pool pages itself)":
-            server_args.page_size not in (None, 1),
-        "--kv-cache-dtype other than auto/bf16/fp16/fp32":
-            server_args.kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32"),
+        "--page-size > 1 (SGLang's pages are logical here; the dual pool pages itself)": server_args.page_size
+        not in (None, 1),
+        "--kv-cache-dtype other than auto/bf16/fp16/fp32": server_args.kv_cache_dtype
+        not in ("auto", "bfloat16", "float16", "float32"),
     }
     bad = [flag for flag, on in unsupported.items() if on]
     if bad:
@@ -77,8 +82,10 @@ def prepare_server_args(server_args, *args, **kwargs):
         from radix_ext.factory import RADIX_BACKEND
 
         if server_args.radix_cache_backend not in (None, RADIX_BACKEND):
-            raise ValueError(f"--attention-backend {BACKEND_NAME} needs --radix-cache-backend {RADIX_BACKEND} "
-                             f"or --disable-radix-cache, got {server_args.radix_cache_backend!r}")
+            raise ValueError(
+                f"--attention-backend {BACKEND_NAME} needs --radix-cache-backend {RADIX_BACKEND} "
+                f"or --disable-radix-cache, got {server_args.radix_cache_backend!r}"
+            )
         server_args.radix_cache_backend = RADIX_BACKEND
         server_args.disable_overlap_schedule = True
     server_args.disable_prefill_cuda_graph = True
@@ -99,8 +106,13 @@ def reserve_gpu_memory(original, server_args, gpu_mem):
     if chosen_by_sglang and gpu_mem and wgkv_selected(server_args):
         before = server_args.mem_fraction_static
         server_args.mem_fraction_static = math.floor((before - GPU_RESERVE_MIB / gpu_mem) * 1000) / 1000
-        logger.info("wgkv: --mem-fraction-static %.3g (SGLang's choice %.3g less %d MiB for the backend's "
-                    "memory outside the pool)", server_args.mem_fraction_static, before, GPU_RESERVE_MIB)
+        logger.info(
+            "wgkv: --mem-fraction-static %.3g (SGLang's choice %.3g less %d MiB for the backend's "
+            "memory outside the pool)",
+            server_args.mem_fraction_static,
+            before,
+            GPU_RESERVE_MIB,
+        )
     return result
 
 
@@ -114,8 +126,9 @@ def split_pool_sizes(sizes, configurator, *args, **kwargs):
     from sglang_wgkv.integration.runtime import WGKVRuntime, install_runtime, load_settings
 
     plan = install_runtime(WGKVRuntime.plan_for(load_settings(), sizes, configurator)).plan
-    return msgspec.structs.replace(sizes, max_total_num_tokens=plan.logical_tokens,
-                                   max_running_requests=plan.max_requests)
+    return msgspec.structs.replace(
+        sizes, max_total_num_tokens=plan.logical_tokens, max_running_requests=plan.max_requests
+    )
 
 
 def build_req_pool(original, configurator, *, max_num_reqs: int, extra_max_context_len: int):
@@ -136,25 +149,36 @@ def build_req_pool(original, configurator, *, max_num_reqs: int, extra_max_conte
         enable_memory_saver=get_exec().features.enable_memory_saver,
         runtime=runtime,
     )
-    runtime.build_pools(configurator, max_requests=pool.req_to_token.shape[0], max_context_len=pool.max_context_len)
+    runtime.build_pools(
+        configurator, max_requests=pool.req_to_token.shape[0], max_context_len=pool.max_context_len
+    )
     return pool
 
 
 def build_kv_pool(original, configurator, *, sizes, is_dsa_model, is_dsv4_model, req_to_token_pool):
     """AROUND ``_build_token_to_kv_pool``: SGLang's MHA pool interface over the runtime's dual pool."""
     if not wgkv_selected(configurator.server_args):
-        return original(configurator, sizes=sizes, is_dsa_model=is_dsa_model, is_dsv4_model=is_dsv4_model,
-                        req_to_token_pool=req_to_token_pool)
+        return original(
+            configurator,
+            sizes=sizes,
+            is_dsa_model=is_dsa_model,
+            is_dsv4_model=is_dsv4_model,
+            req_to_token_pool=req_to_token_pool,
+        )
     from sglang_wgkv.integration.kv_pool import WGKVTokenToKVPool
     from sglang_wgkv.integration.req_pool import WGKVReqToTokenPool
     from sglang_wgkv.integration.runtime import get_runtime
 
     if is_dsa_model or is_dsv4_model:
-        raise ValueError(f"--attention-backend {BACKEND_NAME} supports plain multi-head/GQA attention "
-                         f"models (Llama, Qwen3), not {configurator.model_config.hf_config.architectures}")
+        raise ValueError(
+            f"--attention-backend {BACKEND_NAME} supports plain multi-head/GQA attention "
+            f"models (Llama, Qwen3), not {configurator.model_config.hf_config.architectures}"
+        )
     if not isinstance(req_to_token_pool, WGKVReqToTokenPool):
-        raise ValueError(f"--attention-backend {BACKEND_NAME} needs its request pool, "
-                         f"got {type(req_to_token_pool).__name__}")
+        raise ValueError(
+            f"--attention-backend {BACKEND_NAME} needs its request pool, "
+            f"got {type(req_to_token_pool).__name__}"
+        )
     runtime = get_runtime()
     plan = runtime.plan
     if (plan.logical_tokens, plan.max_requests) != (sizes.max_total_num_tokens, sizes.max_running_requests):
@@ -177,8 +201,12 @@ def check_idle_pool(result, checker, *args, **kwargs):
         return None
     problems = pool.idle_check()
     if problems:
-        raise_error_or_warn(checker, envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE.get(),
-                            "count_req_pool_leak_warnings", "wgkv: " + "; ".join(problems))
+        raise_error_or_warn(
+            checker,
+            envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE.get(),
+            "count_req_pool_leak_warnings",
+            "wgkv: " + "; ".join(problems),
+        )
     return None
 
 

@@ -27,7 +27,7 @@ class PreRopeKeyCapture:
         self._handles = []
 
     @classmethod
-    def install(cls, model: nn.Module) -> "PreRopeKeyCapture":
+    def install(cls, model: nn.Module) -> PreRopeKeyCapture:
         """Hook every ``rotary_emb`` owned by a module that also owns an ``attn`` (RadixAttention).
 
         Raises ValueError if the model has no such attention module (unsupported architecture).
@@ -56,7 +56,9 @@ class PreRopeKeyCapture:
         if key is None:
             raise RuntimeError("no pre-RoPE key captured before this attention call")
         if key.numel() != k_post.numel():
-            raise RuntimeError(f"captured pre-RoPE key has {key.numel()} elements, attention got {k_post.numel()}")
+            raise RuntimeError(
+                f"captured pre-RoPE key has {key.numel()} elements, attention got {k_post.numel()}"
+            )
         return key.view_as(k_post)
 
     def remove(self) -> None:

@@ -43,14 +43,18 @@ class WGKVTokenToKVPool(MHATokenToKVPool):
         # One page of placeholders per layer keeps SGLang's pointer/stride bookkeeping valid.
         shape_k = (self.page_size, self.head_num, self.head_dim)
         shape_v = (self.page_size, self.head_num, self.v_head_dim)
-        self.k_buffer = [torch.zeros(shape_k, dtype=self.store_dtype, device=self.device)
-                         for _ in range(self.layer_num)]
-        self.v_buffer = [torch.zeros(shape_v, dtype=self.store_dtype, device=self.device)
-                         for _ in range(self.layer_num)]
+        self.k_buffer = [
+            torch.zeros(shape_k, dtype=self.store_dtype, device=self.device) for _ in range(self.layer_num)
+        ]
+        self.v_buffer = [
+            torch.zeros(shape_v, dtype=self.store_dtype, device=self.device) for _ in range(self.layer_num)
+        ]
 
     def get_kv_size_bytes(self):
-        return (self.dual.k_pages.numel() * self.dual.k_pages.element_size(),
-                self.dual.v_pages.numel() * self.dual.v_pages.element_size())
+        return (
+            self.dual.k_pages.numel() * self.dual.k_pages.element_size(),
+            self.dual.v_pages.numel() * self.dual.v_pages.element_size(),
+        )
 
     def _token_slot_access(self, *args, **kwargs):
         raise RuntimeError(

@@ -44,19 +44,32 @@ class WGKVMetrics:
 
         self.pool = pool
         self.labels = labels
-        self.gauges = {key: Gauge(name=f"sglang:wgkv_{key}", documentation=doc, labelnames=labels.keys(),
-                                  multiprocess_mode="mostrecent") for key, doc in GAUGES.items()}
-        self.counters = {key: Counter(name=f"sglang:wgkv_{key}", documentation=doc, labelnames=labels.keys())
-                         for key, doc in COUNTERS.items()}
+        self.gauges = {
+            key: Gauge(
+                name=f"sglang:wgkv_{key}",
+                documentation=doc,
+                labelnames=labels.keys(),
+                multiprocess_mode="mostrecent",
+            )
+            for key, doc in GAUGES.items()
+        }
+        self.counters = {
+            key: Counter(name=f"sglang:wgkv_{key}", documentation=doc, labelnames=labels.keys())
+            for key, doc in COUNTERS.items()
+        }
         self._counted = dict.fromkeys(COUNTERS, 0)
 
     def log(self) -> None:
         stats = self.pool.stats()
         fraction = stats["admitted_fraction"]
-        values = {"admitted_fraction": math.nan if fraction is None else fraction,
-                  "pages_used": stats["used_pages"], "pages_free": stats["free_pages"],
-                  "ring_tokens": stats["ring_tokens"], "global_tokens": stats["global_tokens"],
-                  "active_requests": stats["active_requests"]}
+        values = {
+            "admitted_fraction": math.nan if fraction is None else fraction,
+            "pages_used": stats["used_pages"],
+            "pages_free": stats["free_pages"],
+            "ring_tokens": stats["ring_tokens"],
+            "global_tokens": stats["global_tokens"],
+            "active_requests": stats["active_requests"],
+        }
         for key, value in values.items():
             self.gauges[key].labels(**self.labels).set(value)
         for key in COUNTERS:

@@ -59,7 +59,9 @@ def _guarded(kv):
 
 def _guarded_pool(token_to_kv_pool_allocator):
     """The :class:`WGKVTokenToKVPool` behind an allocator when overcommit is on, else None."""
-    return _guarded(token_to_kv_pool_allocator.get_kvcache() if token_to_kv_pool_allocator is not None else None)
+    return _guarded(
+        token_to_kv_pool_allocator.get_kvcache() if token_to_kv_pool_allocator is not None else None
+    )
 
 
 def check_decode_mem(result, batch, selected_indices=None):

@@ -26,9 +26,14 @@ def load_plugin() -> None:
     from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
 
     from radix_ext import factory as radix_factory
-
-    from sglang_wgkv.integration import (hooks, metrics, overcommit, prefill_guard, request_control,
-                                         request_validation)
+    from sglang_wgkv.integration import (
+        hooks,
+        metrics,
+        overcommit,
+        prefill_guard,
+        request_control,
+        request_validation,
+    )
     from sglang_wgkv.integration.backend import record_batch_slots
 
     register_attention_backend(BACKEND_NAME)(create_wgkv_backend)
@@ -37,43 +42,96 @@ def load_plugin() -> None:
         add_attention_backend_choices([BACKEND_NAME])
     for target, fn, kind in (
         ("sglang.srt.server_args.ServerArgs.__post_init__", hooks.prepare_server_args, HookType.BEFORE),
-        ("sglang.srt.server_args.ServerArgs._handle_gpu_memory_settings", hooks.reserve_gpu_memory, HookType.AROUND),
+        (
+            "sglang.srt.server_args.ServerArgs._handle_gpu_memory_settings",
+            hooks.reserve_gpu_memory,
+            HookType.AROUND,
+        ),
         (f"{hooks.CONFIGURATOR}._derive_pool_sizes", hooks.split_pool_sizes, HookType.AFTER),
         (f"{hooks.CONFIGURATOR}._build_default_req_pool", hooks.build_req_pool, HookType.AROUND),
         (f"{hooks.CONFIGURATOR}._build_token_to_kv_pool", hooks.build_kv_pool, HookType.AROUND),
         (f"{hooks.INVARIANT_CHECKER}._check_req_pool", hooks.check_idle_pool, HookType.AFTER),
-        ("sglang.srt.managers.scheduler.Scheduler.get_internal_state", hooks.add_internal_state,
-         HookType.AFTER),
+        (
+            "sglang.srt.managers.scheduler.Scheduler.get_internal_state",
+            hooks.add_internal_state,
+            HookType.AFTER,
+        ),
         ("sglang.srt.utils.common.support_triton", hooks.support_triton, HookType.AROUND),
-        ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", record_batch_slots, HookType.AFTER),
-        ("sglang.srt.managers.scheduler.Scheduler.init_model_worker", overcommit.cap_request_length, HookType.AFTER),
-        ("sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem", overcommit.check_decode_mem,
-         HookType.AFTER),
-        ("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", prefill_guard.add_one_req, HookType.AROUND),
-        ("sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req", prefill_guard.add_chunked_req,
-         HookType.AROUND),
-        ("sglang.srt.sampling.sampling_params.SamplingParams.verify", request_control.validate_sampling_params,
-         HookType.AFTER),
-        ("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
-         request_validation.check_request, HookType.BEFORE),
-        ("sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._build_chat_response",
-         request_control.add_openai_usage, HookType.AFTER),
-        ("sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion._build_completion_response",
-         request_control.add_openai_usage, HookType.AFTER),
-        ("sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._generate_chat_stream",
-         request_control.stream_openai_usage, HookType.AROUND),
-        ("sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion._generate_completion_stream",
-         request_control.stream_openai_usage, HookType.AROUND),
-        ("sglang.srt.managers.schedule_batch.Req.__init__", request_control.isolate_prefix_cache, HookType.AFTER),
+        (
+            "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
+            record_batch_slots,
+            HookType.AFTER,
+        ),
+        (
+            "sglang.srt.managers.scheduler.Scheduler.init_model_worker",
+            overcommit.cap_request_length,
+            HookType.AFTER,
+        ),
+        (
+            "sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem",
+            overcommit.check_decode_mem,
+            HookType.AFTER,
+        ),
+        (
+            "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
+            prefill_guard.add_one_req,
+            HookType.AROUND,
+        ),
+        (
+            "sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req",
+            prefill_guard.add_chunked_req,
+            HookType.AROUND,
+        ),
+        (
+            "sglang.srt.sampling.sampling_params.SamplingParams.verify",
+            request_control.validate_sampling_params,
+            HookType.AFTER,
+        ),
+        (
+            "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+            request_validation.check_request,
+            HookType.BEFORE,
+        ),
+        (
+            "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._build_chat_response",
+            request_control.add_openai_usage,
+            HookType.AFTER,
+        ),
+        (
+            "sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion._build_completion_response",
+            request_control.add_openai_usage,
+            HookType.AFTER,
+        ),
+        (
+            "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._generate_chat_stream",
+            request_control.stream_openai_usage,
+            HookType.AROUND,
+        ),
+        (
+            "sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion._generate_completion_stream",
+            request_control.stream_openai_usage,
+            HookType.AROUND,
+        ),
+        (
+            "sglang.srt.managers.schedule_batch.Req.__init__",
+            request_control.isolate_prefix_cache,
+            HookType.AFTER,
+        ),
         ("sglang.srt.managers.scheduler.Scheduler.init_metrics_reporter", metrics.install, HookType.AFTER),
-        ("sglang.srt.observability.metrics_collector.SchedulerMetricsCollector.log_stats", metrics.log_stats,
-         HookType.AFTER),
+        (
+            "sglang.srt.observability.metrics_collector.SchedulerMetricsCollector.log_stats",
+            metrics.log_stats,
+            HookType.AFTER,
+        ),
     ):
         HookRegistry.register(target, fn, kind)
     if multiprocessing.parent_process() is None:
         # the HTTP app lives in the launcher only: the scheduler processes need not import it
-        HookRegistry.register("sglang.srt.entrypoints.http_server._setup_and_run_http_server",
-                              request_validation.install_generate_checks, HookType.BEFORE)
+        HookRegistry.register(
+            "sglang.srt.entrypoints.http_server._setup_and_run_http_server",
+            request_validation.install_generate_checks,
+            HookType.BEFORE,
+        )
     register_constrained_decoding()
 
 

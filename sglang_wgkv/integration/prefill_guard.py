@@ -61,6 +61,7 @@ def add_chunked_req(original, adder, req):
     if plan is not None and plan.mode == "overcommit":
         return overcommit.add_chunked_req(original, adder, req)
     if plan is not None and plan.prompt is not None:
-        adder.wgkv_prompt_excess = (getattr(adder, "wgkv_prompt_excess", 0)
-                                    + plan.prompt.excess_tokens(len(req.full_untruncated_fill_ids)))
+        adder.wgkv_prompt_excess = getattr(adder, "wgkv_prompt_excess", 0) + plan.prompt.excess_tokens(
+            len(req.full_untruncated_fill_ids)
+        )
     return original(adder, req)

@@ -95,7 +95,9 @@ class WGKVReqToTokenPool(ReqToTokenPool):
     def free(self, req):
         slot = req.req_pool_idx
         runtime = self.runtime
-        usage = request_usage(self.dual, slot, self.slot_admission[slot], runtime.evictor, runtime.reduce_usage)
+        usage = request_usage(
+            self.dual, slot, self.slot_admission[slot], runtime.evictor, runtime.reduce_usage
+        )
         self.eviction_triggers_released += usage["eviction_triggers"]
         self.evicted_tokens_released += usage["evicted_tokens"]
         if req.finished():  # not on retraction: the request starts over in a new slot
@@ -127,7 +129,9 @@ class WGKVReqToTokenPool(ReqToTokenPool):
         free, total = self.dual.num_free_pages(), self.dual.allocator.num_pages
         held = self.dual.num_ref_holder_pages()  # prefix snapshots
         if free + held != total:
-            problems.append(f"dual-cache pool leaks pages: free={free}, held by snapshots={held}, total={total}")
+            problems.append(
+                f"dual-cache pool leaks pages: free={free}, held by snapshots={held}, total={total}"
+            )
         try:
             if self.runtime.prefix_cache is not None:
                 self.runtime.prefix_cache.check_integrity()
@@ -153,12 +157,16 @@ class WGKVReqToTokenPool(ReqToTokenPool):
         config = self.dual.config
         return {
             **self.dual.stats(),
-            "local_window": config.local_window, "tau": config.tau,
-            "random_admission": config.random_admission, "kv_budget": config.kv_budget,
+            "local_window": config.local_window,
+            "tau": config.tau,
+            "random_admission": config.random_admission,
+            "kv_budget": config.kv_budget,
             "page_bytes": self.dual.page_bytes,
             "capacity_mode": self.runtime.plan.mode if self.runtime.plan is not None else None,
-            "requests_started": self.requests_started, "requests_released": self.requests_released,
-            "idle_checks": self.idle_checks, "peak_active_requests": self.peak_active,
+            "requests_started": self.requests_started,
+            "requests_released": self.requests_released,
+            "idle_checks": self.idle_checks,
+            "peak_active_requests": self.peak_active,
             "idle_checked_released": self._checked_stamp[1] if self._checked_stamp else None,
             **({"radix": self.runtime.prefix_cache.stats()} if self.runtime.prefix_cache is not None else {}),
             **self.eviction_totals(),

@@ -37,16 +37,18 @@ class RequestAdmission:
     admission: bool = True
 
     @classmethod
-    def parse(cls, raw) -> "RequestAdmission":
+    def parse(cls, raw) -> RequestAdmission:
         """From the ``custom_params["wgkv"]`` value; ValueError with the offending field."""
         if raw is None:
             return cls()
         if not isinstance(raw, dict):
-            raise ValueError(f"custom_params.{PARAM_KEY} must be an object like {{\"tau\": 0.3}}, got {raw!r}")
+            raise ValueError(f'custom_params.{PARAM_KEY} must be an object like {{"tau": 0.3}}, got {raw!r}')
         unknown = set(raw) - {"tau", "admission"}
         if unknown:
-            raise ValueError(f"custom_params.{PARAM_KEY}: unknown field(s) {sorted(unknown)}; "
-                             "allowed: tau (number in [0, 1]), admission (bool)")
+            raise ValueError(
+                f"custom_params.{PARAM_KEY}: unknown field(s) {sorted(unknown)}; "
+                "allowed: tau (number in [0, 1]), admission (bool)"
+            )
         tau, admission = raw.get("tau"), raw.get("admission", True)
         if not isinstance(admission, bool):
             raise ValueError(f"custom_params.{PARAM_KEY}.admission must be true or false, got {admission!r}")
@@ -59,7 +61,7 @@ class RequestAdmission:
         return cls(tau=tau, admission=admission)
 
     @classmethod
-    def of_request(cls, req) -> "RequestAdmission":
+    def of_request(cls, req) -> RequestAdmission:
         params = getattr(req.sampling_params, "custom_params", None)
         return cls.parse(params.get(PARAM_KEY) if isinstance(params, dict) else None)
 
@@ -112,7 +114,11 @@ def request_usage(dual, slot: int, admission: RequestAdmission, evictor=None, re
     triggers = evicted = early = 0
     if evictor is not None:
         ev = evictor.request_stats(slot)
-        triggers, evicted, early = ev["eviction_triggers"], ev["evicted_tokens"], ev["early_prompt_compressions"]
+        triggers, evicted, early = (
+            ev["eviction_triggers"],
+            ev["evicted_tokens"],
+            ev["early_prompt_compressions"],
+        )
     kept = int(glen.sum())
     sums = [kept, evicted, max(cached - dual.window, 0) * streams, streams]
     maxes = [triggers, int(glen.max()), early]
@@ -218,7 +224,7 @@ async def stream_openai_usage(original, serving, *args, **kwargs):
     tap = _UsageTap(serving.tokenizer_manager)
     async for chunk in original(_ServingView(serving, tap), *args, **kwargs):
         if tap.usages and chunk.startswith("data: {") and '"usage"' in chunk:
-            body = json.loads(chunk[len("data: "):])
+            body = json.loads(chunk[len("data: ") :])
             if body.get("choices") == [] and isinstance(body.get("usage"), dict):
                 body["usage"][USAGE_KEY] = merge_usage([tap.usages[i] for i in sorted(tap.usages)])
                 chunk = f"data: {json.dumps(body, separators=(',', ':'))}\n\n"

@@ -48,11 +48,12 @@ import orjson
 
 # SamplingParams fields that SGLang sets itself (normalize); a client setting them would skip or
 # corrupt that processing (``is_normalized`` skips ``__post_init__``).
-_INTERNAL_FIELDS = frozenset({"stop_strs", "stop_regex_strs", "stop_str_max_len", "stop_regex_max_len",
-                              "is_normalized"})
+_INTERNAL_FIELDS = frozenset(
+    {"stop_strs", "stop_regex_strs", "stop_str_max_len", "stop_regex_max_len", "is_normalized"}
+)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _field_types(cls) -> dict[str, object]:
     """The annotated type of each client-settable field of a ``SamplingParams`` (sub)class."""
     hints = typing.get_type_hints(cls)
@@ -125,7 +126,7 @@ def rejection(chunk: bytes) -> tuple[int, dict] | None:
     if not chunk.startswith(b"data: {"):
         return None
     try:
-        event = orjson.loads(chunk[len(b"data: "):])
+        event = orjson.loads(chunk[len(b"data: ") :])
     except orjson.JSONDecodeError:
         return None
     error = event.get("error")
@@ -136,14 +137,21 @@ def rejection(chunk: bytes) -> tuple[int, dict] | None:
     finish = meta.get("finish_reason") if isinstance(meta, dict) else None
     code = finish.get("status_code") if isinstance(finish, dict) and finish.get("type") == "abort" else None
     if isinstance(code, int) and 400 <= code < 600:
-        return code, {"error": {"message": finish.get("message", ""), "type": finish.get("err_type"), "code": code}}
+        return code, {
+            "error": {"message": finish.get("message", ""), "type": finish.get("err_type"), "code": code}
+        }
     return None
 
 
 async def _send_json(send, status: int, payload: dict) -> None:
     body = orjson.dumps(payload)
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
@@ -187,7 +195,11 @@ class GenerateBodyChecks:
         self.fields = fields
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] != GENERATE_PATH or scope["method"] not in ("POST", "PUT"):
+        if (
+            scope["type"] != "http"
+            or scope["path"] != GENERATE_PATH
+            or scope["method"] not in ("POST", "PUT")
+        ):
             return await self.app(scope, receive, send)
         chunks, message = [], {"more_body": True}
         while message.get("more_body", False):
@@ -199,9 +211,17 @@ class GenerateBodyChecks:
         obj = json_object(body) or {}
         unknown = sorted(set(obj) - self.fields)
         if unknown:
-            return await _send_json(send, 400, {"error": {"message": (
-                f"unknown field(s) {unknown} in the {GENERATE_PATH} request body"), "type": "invalid_request_error",
-                "code": 400}})
+            return await _send_json(
+                send,
+                400,
+                {
+                    "error": {
+                        "message": (f"unknown field(s) {unknown} in the {GENERATE_PATH} request body"),
+                        "type": "invalid_request_error",
+                        "code": 400,
+                    }
+                },
+            )
         replayed = False
 
         async def replay():

@@ -26,7 +26,8 @@ made here once and given to the dual pool (Triton promotion) and the backend (Tr
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -64,9 +65,15 @@ class WGKVRuntime:
     use_kernels : see :meth:`choose_kernels`; given explicitly with an existing pool.
     """
 
-    def __init__(self, settings: ServingSettings, plan: CapacityPlan | None = None, *,
-                 dual: DualCachePool | None = None, evictor: SnapKVEvictor | None = None,
-                 use_kernels: bool = False):
+    def __init__(
+        self,
+        settings: ServingSettings,
+        plan: CapacityPlan | None = None,
+        *,
+        dual: DualCachePool | None = None,
+        evictor: SnapKVEvictor | None = None,
+        use_kernels: bool = False,
+    ):
         self.settings = settings
         self.plan = plan
         self._dual = dual
@@ -79,31 +86,54 @@ class WGKVRuntime:
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
-    def plan_for(cls, settings: ServingSettings, sizes, configurator) -> "WGKVRuntime":
+    def plan_for(cls, settings: ServingSettings, sizes, configurator) -> WGKVRuntime:
         """The runtime of a scheduler process whose KV budget SGLang's KV-cache ``configurator``
         derived as ``sizes`` (its pools are built later, :meth:`build_pools`)."""
         from sglang.srt.runtime_context import get_parallel
 
         attn_tp = get_parallel().attn_tp_size
-        config, server_args, model_config = settings.config, configurator.server_args, configurator.model_config
-        shape = ModelShape(num_layers=configurator.layer_info.num_effective_layers,
-                           num_q_heads=model_config.get_num_attention_heads(attn_tp),
-                           num_kv_heads=model_config.get_num_kv_heads(attn_tp), head_dim=model_config.head_dim,
-                           context_len=model_config.context_len,
-                           dtype_bytes=torch.empty(0, dtype=configurator.kv_cache_dtype).element_size())
-        plan = plan_capacity(sizes.max_total_num_tokens, sizes.max_running_requests, shape=shape,
-                             local_window=config.local_window, kv_budget=config.kv_budget,
-                             evictor_window=config.evictor_window, overcommit=settings.overcommit,
-                             chunk_tokens=server_args.chunked_prefill_size,
-                             prefix_cache=not server_args.disable_radix_cache)
-        logger.info("wgkv: %s capacity plan: KV budget %d tokens -> %d logical tokens, %d request slots, "
-                    "%d physical tokens (%d for per-slot state), %d prefix-restore slots%s", plan.mode,
-                    sizes.max_total_num_tokens, plan.logical_tokens, plan.max_requests, plan.physical_tokens,
-                    plan.fixed_tokens, plan.restore_slots,
-                    f", requests of at most {plan.max_request_tokens} tokens" if plan.max_request_tokens else "")
+        config, server_args, model_config = (
+            settings.config,
+            configurator.server_args,
+            configurator.model_config,
+        )
+        shape = ModelShape(
+            num_layers=configurator.layer_info.num_effective_layers,
+            num_q_heads=model_config.get_num_attention_heads(attn_tp),
+            num_kv_heads=model_config.get_num_kv_heads(attn_tp),
+            head_dim=model_config.head_dim,
+            context_len=model_config.context_len,
+            dtype_bytes=torch.empty(0, dtype=configurator.kv_cache_dtype).element_size(),
+        )
+        plan = plan_capacity(
+            sizes.max_total_num_tokens,
+            sizes.max_running_requests,
+            shape=shape,
+            local_window=config.local_window,
+            kv_budget=config.kv_budget,
+            evictor_window=config.evictor_window,
+            overcommit=settings.overcommit,
+            chunk_tokens=server_args.chunked_prefill_size,
+            prefix_cache=not server_args.disable_radix_cache,
+        )
+        logger.info(
+            "wgkv: %s capacity plan: KV budget %d tokens -> %d logical tokens, %d request slots, "
+            "%d physical tokens (%d for per-slot state), %d prefix-restore slots%s",
+            plan.mode,
+            sizes.max_total_num_tokens,
+            plan.logical_tokens,
+            plan.max_requests,
+            plan.physical_tokens,
+            plan.fixed_tokens,
+            plan.restore_slots,
+            f", requests of at most {plan.max_request_tokens} tokens" if plan.max_request_tokens else "",
+        )
         if plan.prompt_cap is not None:
-            logger.info("wgkv: a prompt being prefilled keeps up to %d global tokens per head until its end is "
-                        "scored; a prompt that admits more is compressed early (logged)", plan.prompt_cap)
+            logger.info(
+                "wgkv: a prompt being prefilled keeps up to %d global tokens per head until its end is "
+                "scored; a prompt that admits more is compressed early (logged)",
+                plan.prompt_cap,
+            )
         return cls(settings, plan)
 
     @staticmethod
@@ -123,37 +153,60 @@ class WGKVRuntime:
         if self._dual is not None:
             raise RuntimeError("wgkv: the dual pool of this process is already built")
         mc = configurator.model_config
-        if (configurator.use_mla_backend or configurator.is_hybrid_swa or configurator.mambaish_config
-                or mc.head_dim != mc.v_head_dim):
-            raise ValueError(f"--attention-backend {BACKEND_NAME} supports plain multi-head/GQA attention "
-                             f"models (Llama, Qwen3), not {mc.hf_config.architectures}")
+        if (
+            configurator.use_mla_backend
+            or configurator.is_hybrid_swa
+            or configurator.mambaish_config
+            or mc.head_dim != mc.v_head_dim
+        ):
+            raise ValueError(
+                f"--attention-backend {BACKEND_NAME} supports plain multi-head/GQA attention "
+                f"models (Llama, Qwen3), not {mc.hf_config.architectures}"
+            )
         par = get_parallel()
         num_layers = configurator.layer_info.num_effective_layers
         num_kv_heads = mc.get_num_kv_heads(par.attn_tp_size)
         total_kv_heads = mc.get_total_num_kv_heads()
         self.kv_heads = rank_kv_heads(total_kv_heads, par.attn_tp_size, par.attn_tp_rank)
         if len(self.kv_heads) != num_kv_heads:
-            raise ValueError(f"rank {par.attn_tp_rank} holds KV heads {self.kv_heads}, its pool {num_kv_heads}")
+            raise ValueError(
+                f"rank {par.attn_tp_rank} holds KV heads {self.kv_heads}, its pool {num_kv_heads}"
+            )
         self.use_kernels = self.choose_kernels(self.settings, configurator.device, mc.dtype)
         self._dual = DualCachePool(
-            num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=mc.head_dim,
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=mc.head_dim,
             num_pages=physical_pages(self.plan.physical_tokens, num_layers, num_kv_heads),
-            max_requests=max_requests, max_context_len=max_context_len, config=self.settings.config,
-            dtype=configurator.kv_cache_dtype, device=configurator.device, triton_decode=self.use_kernels,
-            triton_extend=self.use_kernels and self.settings.extend_kernels, reclaimer=self._reclaim)
+            max_requests=max_requests,
+            max_context_len=max_context_len,
+            config=self.settings.config,
+            dtype=configurator.kv_cache_dtype,
+            device=configurator.device,
+            triton_decode=self.use_kernels,
+            triton_extend=self.use_kernels and self.settings.extend_kernels,
+            reclaimer=self._reclaim,
+        )
         config = self.settings.config
         if config.kv_budget is not None:
             from sglang_wgkv.memory import SnapKVEvictor
 
-            self._evictor = SnapKVEvictor(pool=self._dual, budget=config.kv_budget,
-                                          num_q_heads=mc.get_num_attention_heads(par.attn_tp_size),
-                                          window=config.evictor_window, prompt_cap=self.plan.prompt_cap,
-                                          lead=config.evictor_lead)
+            self._evictor = SnapKVEvictor(
+                pool=self._dual,
+                budget=config.kv_budget,
+                num_q_heads=mc.get_num_attention_heads(par.attn_tp_size),
+                window=config.evictor_window,
+                prompt_cap=self.plan.prompt_cap,
+                lead=config.evictor_lead,
+            )
         if par.attn_tp_size > 1:
             from sglang_wgkv.integration.req_pool import tp_usage_reducer
 
-            earlier = (rank_kv_heads(total_kv_heads, par.attn_tp_size, par.attn_tp_rank - 1)
-                       if par.attn_tp_rank else [])
+            earlier = (
+                rank_kv_heads(total_kv_heads, par.attn_tp_size, par.attn_tp_rank - 1)
+                if par.attn_tp_rank
+                else []
+            )
             self.reduce_usage = tp_usage_reducer(counts_heads=self.kv_heads != earlier)
         return self._dual
 
@@ -203,8 +256,10 @@ class _SetOnce:
 
     def get(self) -> WGKVRuntime:
         if self._runtime is None:
-            raise RuntimeError(f"no WG-KV runtime in this process: it is built with SGLang's KV pools "
-                               f"under --attention-backend {BACKEND_NAME}")
+            raise RuntimeError(
+                f"no WG-KV runtime in this process: it is built with SGLang's KV pools "
+                f"under --attention-backend {BACKEND_NAME}"
+            )
         return self._runtime
 
     def installed(self) -> bool:

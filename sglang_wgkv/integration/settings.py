@@ -71,7 +71,9 @@ class ServingSettings:
         if self.overcommit is not None and not self.overcommit > 1:
             raise ValueError(f"overcommit must be > 1, got {self.overcommit}")
         if self.overcommit is not None and self.config.kv_budget is not None:
-            raise ValueError("overcommit and kv_budget exclude each other (kv_budget has its own bounded split)")
+            raise ValueError(
+                "overcommit and kv_budget exclude each other (kv_budget has its own bounded split)"
+            )
         if self.decode_launch:
             from sglang_wgkv.attention.triton_decode import DecodeConfig
 
@@ -91,21 +93,34 @@ class ServingSettings:
         return None
 
     def to_env(self) -> str:
-        return json.dumps({"config": asdict(self.config), "gates_path": self.gates_path, "seed": self.seed,
-                           "attention": self.attention, "overcommit": self.overcommit,
-                           "decode_launch": self.decode_launch, "extend_kernels": self.extend_kernels})
+        return json.dumps(
+            {
+                "config": asdict(self.config),
+                "gates_path": self.gates_path,
+                "seed": self.seed,
+                "attention": self.attention,
+                "overcommit": self.overcommit,
+                "decode_launch": self.decode_launch,
+                "extend_kernels": self.extend_kernels,
+            }
+        )
 
     @classmethod
-    def from_env(cls, environ=None) -> "ServingSettings":
+    def from_env(cls, environ=None) -> ServingSettings:
         """Settings from :data:`ENV_VAR` (defaults when unset); ValueError on a malformed value."""
         raw = (environ if environ is not None else os.environ).get(ENV_VAR)
         if not raw:
             return cls()
         try:
             data = json.loads(raw)
-            return cls(config=WGKVConfig(**data["config"]), gates_path=data.get("gates_path"),
-                       seed=int(data.get("seed", 0)), attention=data.get("attention", "auto"),
-                       overcommit=data.get("overcommit"), decode_launch=data.get("decode_launch", ""),
-                       extend_kernels=bool(data.get("extend_kernels", False)))
+            return cls(
+                config=WGKVConfig(**data["config"]),
+                gates_path=data.get("gates_path"),
+                seed=int(data.get("seed", 0)),
+                attention=data.get("attention", "auto"),
+                overcommit=data.get("overcommit"),
+                decode_launch=data.get("decode_launch", ""),
+                extend_kernels=bool(data.get("extend_kernels", False)),
+            )
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"malformed {ENV_VAR}={raw!r}: {e}") from e

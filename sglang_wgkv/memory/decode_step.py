@@ -17,13 +17,11 @@ from sglang_wgkv.config import PAGE_SIZE
 
 @dataclass
 class DecodePlan:
-    req: torch.Tensor          # [B] request slots
-    pos: torch.Tensor          # [B] position of the token being decoded
+    req: torch.Tensor  # [B] request slots
+    pos: torch.Tensor  # [B] position of the token being decoded
     ring_tokens: torch.Tensor  # [B] tokens in the ring after this step's write
-    ring_page: torch.Tensor    # [B, L, H] page of the ring slot the new token takes
-    ring_off: torch.Tensor     # [B, 1] offset of that slot in its page
-
-
+    ring_page: torch.Tensor  # [B, L, H] page of the ring slot the new token takes
+    ring_off: torch.Tensor  # [B, 1] offset of that slot in its page
 
 
 class DecodeStep:
@@ -37,8 +35,13 @@ class DecodeStep:
         steps = ((seq_lens < W) & (seq_lens % PAGE_SIZE == 0)) | (seq_lens >= W)
         return self.num_layers * self.num_kv_heads * int(steps.sum())
 
-    def begin_decode(self, req_slots, seq_lens, req_slots_dev: torch.Tensor | None = None,
-                     seq_lens_dev: torch.Tensor | None = None) -> DecodePlan:
+    def begin_decode(
+        self,
+        req_slots,
+        seq_lens,
+        req_slots_dev: torch.Tensor | None = None,
+        seq_lens_dev: torch.Tensor | None = None,
+    ) -> DecodePlan:
         """Prepare a decode step: token ``b`` is written at position ``seq_lens[b]`` (= cached length).
 
         Allocates ring pages crossing a page boundary (host-known), reserves one page per stream for
@@ -56,7 +59,9 @@ class DecodeStep:
         if not self.active[req_slots].all():
             raise ValueError(f"request slots {req_slots[~self.active[req_slots]].tolist()} are not allocated")
         if not np.array_equal(self.cached_len[req_slots], seq_lens):
-            raise ValueError(f"seq_lens {seq_lens.tolist()} != cached lengths {self.cached_len[req_slots].tolist()}")
+            raise ValueError(
+                f"seq_lens {seq_lens.tolist()} != cached lengths {self.cached_len[req_slots].tolist()}"
+            )
         if (seq_lens >= self.max_context_len).any():
             raise ValueError(f"decode beyond max_context_len {self.max_context_len}")
         new_ring = (seq_lens < W) & (seq_lens % PAGE_SIZE == 0)
@@ -64,31 +69,57 @@ class DecodeStep:
         ring_total = LH * int(new_ring.sum())
         self.allocator.ensure(self.decode_worst_case(seq_lens))
         if ring_total:
-            pages = self.allocator.alloc(ring_total).to(torch.int32).view(-1, self.num_layers, self.num_kv_heads)
+            pages = (
+                self.allocator.alloc(ring_total).to(torch.int32).view(-1, self.num_layers, self.num_kv_heads)
+            )
             rows = torch.as_tensor(req_slots[new_ring], device=self.device)
             cols = torch.as_tensor(seq_lens[new_ring] // PAGE_SIZE, device=self.device)
-            self.page_table[rows[:, None, None], self._layers[None, :, None], self._heads[None, None, :],
-                            cols[:, None, None]] = pages
-        req = req_slots_dev.long() if req_slots_dev is not None else torch.as_tensor(req_slots, device=self.device)
-        pos = seq_lens_dev.long() if seq_lens_dev is not None else torch.as_tensor(seq_lens, device=self.device)
+            self.page_table[
+                rows[:, None, None],
+                self._layers[None, :, None],
+                self._heads[None, None, :],
+                cols[:, None, None],
+            ] = pages
+        req = (
+            req_slots_dev.long()
+            if req_slots_dev is not None
+            else torch.as_tensor(req_slots, device=self.device)
+        )
+        pos = (
+            seq_lens_dev.long() if seq_lens_dev is not None else torch.as_tensor(seq_lens, device=self.device)
+        )
         self.cached_len[req_slots] = seq_lens + 1
         if self.triton_decode:
             from sglang_wgkv.memory.triton_pool import decode_promote
 
             B, i64 = len(req_slots), torch.int64
             req, pos = req.contiguous(), pos.contiguous()
-            plan = (torch.empty(B, self.num_layers, self.num_kv_heads, dtype=i64, device=self.device),
-                    torch.empty(B, 1, dtype=i64, device=self.device), torch.empty(B, dtype=i64, device=self.device))
+            plan = (
+                torch.empty(B, self.num_layers, self.num_kv_heads, dtype=i64, device=self.device),
+                torch.empty(B, 1, dtype=i64, device=self.device),
+                torch.empty(B, dtype=i64, device=self.device),
+            )
             decode_promote(self, req, pos, plan_out=plan, lower_floor=promoting > 0)
-            self._decode = DecodePlan(req=req, pos=pos, ring_tokens=plan[2], ring_page=plan[0], ring_off=plan[1])
+            self._decode = DecodePlan(
+                req=req, pos=pos, ring_tokens=plan[2], ring_page=plan[0], ring_off=plan[1]
+            )
         else:
             if promoting:
                 self._promote(req, pos)
             slot = pos % W
-            ring_page = self.page_table[req[:, None, None], self._layers[None, :, None], self._heads[None, None, :],
-                                        (slot // PAGE_SIZE)[:, None, None]].long()
-            self._decode = DecodePlan(req=req, pos=pos, ring_tokens=torch.clamp(pos + 1, max=W),
-                                       ring_page=ring_page, ring_off=(slot % PAGE_SIZE)[:, None])
+            ring_page = self.page_table[
+                req[:, None, None],
+                self._layers[None, :, None],
+                self._heads[None, None, :],
+                (slot // PAGE_SIZE)[:, None, None],
+            ].long()
+            self._decode = DecodePlan(
+                req=req,
+                pos=pos,
+                ring_tokens=torch.clamp(pos + 1, max=W),
+                ring_page=ring_page,
+                ring_off=(slot % PAGE_SIZE)[:, None],
+            )
         self._extend = None
         return self._decode
 
@@ -98,7 +129,7 @@ class DecodeStep:
         r4 = req[:, None, None]
         L, H = self._layers[None, :, None], self._heads[None, None, :]
         slot = (pos % W)[:, None, None]
-        flag = self.ring_flag[r4, L, H, slot] & (pos >= W)[:, None, None]            # [B, L, H]
+        flag = self.ring_flag[r4, L, H, slot] & (pos >= W)[:, None, None]  # [B, L, H]
         glen = self.global_len[req].long()
         self._append_pages(req, None, glen, flag.to(torch.int64), 1)
         dest_col = torch.where(flag, self.ring_cols + glen // PAGE_SIZE, self.dump_col)
@@ -120,8 +151,15 @@ class DecodeStep:
         self.v_pages[page, p.ring_off] = v.to(self.dtype)
         self.ring_flag[p.req[:, None], layer, self._heads[None, :], (p.pos % self.window)[:, None]] = admit
 
-    def write_decode_rows(self, layer: int, req: torch.Tensor, pos: torch.Tensor, k: torch.Tensor,
-                          v: torch.Tensor, admit: torch.Tensor | None) -> None:
+    def write_decode_rows(
+        self,
+        layer: int,
+        req: torch.Tensor,
+        pos: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        admit: torch.Tensor | None,
+    ) -> None:
         """:meth:`write_decode` with the step's rows given explicitly (``req``, ``pos`` ``[B]`` int64
         device tensors, e.g. static CUDA-graph buffers), so that a captured graph can replay it. k, v
         ``[B, H, D]`` with equal strides and a contiguous last dim; admit ``[B, H]`` bool, or None to
@@ -141,7 +179,9 @@ class DecodeStep:
         if admit is not None:
             self.write_decode_flags(layer, req, pos, admit)
 
-    def write_decode_flags(self, layer: int, req: torch.Tensor, pos: torch.Tensor, admit: torch.Tensor) -> None:
+    def write_decode_flags(
+        self, layer: int, req: torch.Tensor, pos: torch.Tensor, admit: torch.Tensor
+    ) -> None:
         """The admission flags ``[B, H]`` of the step's new tokens (the other half of
         :meth:`write_decode_rows` with ``admit=None``)."""
         if self.triton_decode:
@@ -159,7 +199,7 @@ class DecodeStep:
         ``kv_len [B, H]`` (tokens). No host sync.
         """
         p = self._decode
-        glen = self.global_len[p.req, layer].long()                        # [B, H]
+        glen = self.global_len[p.req, layer].long()  # [B, H]
         ring = p.ring_tokens[:, None]
         ring_pages = (ring + PAGE_SIZE - 1) // PAGE_SIZE
         gpages = (glen + PAGE_SIZE - 1) // PAGE_SIZE
@@ -167,4 +207,3 @@ class DecodeStep:
         last = torch.where(gpages > 0, glen - (gpages - 1) * PAGE_SIZE, ring - (ring_pages - 1) * PAGE_SIZE)
         rows = self.page_table[p.req, layer, :, : self.dump_col]
         return rows, num_pages, last, ring + glen
-

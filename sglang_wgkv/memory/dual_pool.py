@@ -75,10 +75,21 @@ class DualCachePool(ExtendStep, DecodeStep):
         snapshots) before a step's reserve gives up; it must not allocate.
     """
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
-                 max_requests: int, max_context_len: int, config: WGKVConfig = WGKVConfig(),
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                 triton_decode: bool | None = None, triton_extend: bool = False, reclaimer=None):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_pages: int,
+        max_requests: int,
+        max_context_len: int,
+        config: WGKVConfig = WGKVConfig(),
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        triton_decode: bool | None = None,
+        triton_extend: bool = False,
+        reclaimer=None,
+    ):
         self.config = config
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.max_requests, self.max_context_len = max_requests, max_context_len
@@ -96,8 +107,9 @@ class DualCachePool(ExtendStep, DecodeStep):
         self.k_pages = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_pages = torch.zeros(shape, dtype=dtype, device=self.device)
         streams = (max_requests, num_layers, num_kv_heads)
-        self.page_table = torch.full((*streams, self.dump_col + 1), self.dump_page, dtype=torch.int32,
-                                     device=self.device)
+        self.page_table = torch.full(
+            (*streams, self.dump_col + 1), self.dump_page, dtype=torch.int32, device=self.device
+        )
         self.global_len = torch.zeros(streams, dtype=torch.int32, device=self.device)
         self.ring_flag = torch.zeros((*streams, self.window), dtype=torch.bool, device=self.device)
         self.cached_len = np.zeros(max_requests, dtype=np.int64)
@@ -163,9 +175,11 @@ class DualCachePool(ExtendStep, DecodeStep):
         self.v_pages[copies] = self.v_pages[src]
         rows = self.page_table[r].clone()
         rows[:, :, :ring_used] = copies.to(rows.dtype)
-        glob = rows[:, :, self.ring_cols:self.dump_col]
+        glob = rows[:, :, self.ring_cols : self.dump_col]
         self.allocator.incref(glob[glob != self.dump_page])
-        return PrefixSnapshot(S, rows[:, :, : self.dump_col], self.global_len[r].clone(), self.ring_flag[r].clone())
+        return PrefixSnapshot(
+            S, rows[:, :, : self.dump_col], self.global_len[r].clone(), self.ring_flag[r].clone()
+        )
 
     def restore_snapshot(self, r: int, snap: PrefixSnapshot) -> None:
         """Make the freshly allocated, empty slot ``r`` continue from ``snap``: the ring and the
@@ -175,7 +189,7 @@ class DualCachePool(ExtendStep, DecodeStep):
         L, H, R = self.num_layers, self.num_kv_heads, self.ring_cols
         ring_used = -(-min(snap.length, self.window) // PAGE_SIZE)
         glen = snap.global_len.long()
-        partial = (glen % PAGE_SIZE) != 0                                   # [L, H]
+        partial = (glen % PAGE_SIZE) != 0  # [L, H]
         n_partial = int(partial.sum())
         self.allocator.ensure(L * H * ring_used + n_partial)
         rows = snap.rows.clone()
@@ -183,7 +197,7 @@ class DualCachePool(ExtendStep, DecodeStep):
         self.k_pages[ring] = self.k_pages[snap.rows[:, :, :ring_used].long()]
         self.v_pages[ring] = self.v_pages[snap.rows[:, :, :ring_used].long()]
         rows[:, :, :ring_used] = ring.to(rows.dtype)
-        last_col = R + (glen - 1).clamp(min=0) // PAGE_SIZE                 # [L, H]
+        last_col = R + (glen - 1).clamp(min=0) // PAGE_SIZE  # [L, H]
         if n_partial:
             fresh = self.allocator.alloc(n_partial)
             li, hi = torch.nonzero(partial, as_tuple=True)
@@ -205,8 +219,15 @@ class DualCachePool(ExtendStep, DecodeStep):
         return self.allocator.free(snap.pages(self.dump_page))
 
     # -- eviction (memory/evictor.py) ------------------------------------------------------------
-    def compact_global(self, r: torch.Tensor, l: torch.Tensor, h: torch.Tensor, keep: torch.Tensor,
-                       gpages: torch.Tensor | None = None, g_keys: torch.Tensor | None = None) -> torch.Tensor:
+    def compact_global(
+        self,
+        r: torch.Tensor,
+        l: torch.Tensor,
+        h: torch.Tensor,
+        keep: torch.Tensor,
+        gpages: torch.Tensor | None = None,
+        g_keys: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Keep only the global entries ``keep`` of the streams ``(r[s], l[s], h[s])``, in order, at the
         front of their global pages; returns the page ids the streams no longer use (release them
         with :meth:`release_pages` once every chunk is compacted).
@@ -220,32 +241,37 @@ class DualCachePool(ExtendStep, DecodeStep):
         R, D = self.ring_cols, self.head_dim
         S, Ng = keep.shape
         if gpages is None:
-            gpages = self.page_table[r, l, h, R:R + Ng // PAGE_SIZE].long()
+            gpages = self.page_table[r, l, h, R : R + Ng // PAGE_SIZE].long()
         if g_keys is None:
             g_keys = self.k_pages[gpages.reshape(-1)].reshape(S, Ng, D)  # 1-D: whole-page gather
         glen = self.global_len[r, l, h].long()
         valid = torch.arange(Ng, device=self.device)[None, :] < glen[:, None]
         keep = keep & valid
         new_len = keep.sum(1)
-        dest = torch.cumsum(keep.long(), 1) - 1                                  # [S, Ng]
+        dest = torch.cumsum(keep.long(), 1) - 1  # [S, Ng]
         old_cols = (glen + PAGE_SIZE - 1) // PAGE_SIZE
         new_cols = (new_len + PAGE_SIZE - 1) // PAGE_SIZE
         col = torch.arange(gpages.shape[1], device=self.device)
-        first_changed = torch.argmax((valid & ~keep).long(), 1) // PAGE_SIZE   # first dropped entry's page
+        first_changed = torch.argmax((valid & ~keep).long(), 1) // PAGE_SIZE  # first dropped entry's page
         trailing = (col >= new_cols[:, None]) & (col < old_cols[:, None])
-        shared = (self.allocator.ref[gpages] > 1) & (col >= first_changed[:, None]) & (col < new_cols[:, None])
+        shared = (
+            (self.allocator.ref[gpages] > 1) & (col >= first_changed[:, None]) & (col < new_cols[:, None])
+        )
         out_pages = gpages.clone()
         n_shared = int(shared.sum())
         if n_shared:
-            self.allocator.free(gpages[shared])     # drop our reference: the other owner keeps them
+            self.allocator.free(gpages[shared])  # drop our reference: the other owner keeps them
             out_pages[shared] = self.allocator.alloc(n_shared)
         g_vals = self.v_pages[gpages.reshape(-1)].reshape(S, -1, D)
-        dest_page = torch.where(keep, out_pages.gather(1, torch.clamp(dest, min=0) // PAGE_SIZE), self.dump_page)
+        dest_page = torch.where(
+            keep, out_pages.gather(1, torch.clamp(dest, min=0) // PAGE_SIZE), self.dump_page
+        )
         dest_off = torch.clamp(dest, min=0) % PAGE_SIZE
         self.k_pages[dest_page, dest_off] = g_keys
         self.v_pages[dest_page, dest_off] = g_vals
         self.page_table[r[:, None], l[:, None], h[:, None], R + col[None, :]] = torch.where(
-            col[None, :] < new_cols[:, None], out_pages, self.dump_page).to(torch.int32)
+            col[None, :] < new_cols[:, None], out_pages, self.dump_page
+        ).to(torch.int32)
         self.global_len[r, l, h] = new_len.to(torch.int32)
         return gpages[trailing]
 
@@ -265,7 +291,12 @@ class DualCachePool(ExtendStep, DecodeStep):
         pages = self.allocator.alloc_where(need).to(torch.int32)
         col = torch.where(need, self.ring_cols + old[..., None] + j, self.dump_col)
         if layer is None:
-            idx = (req[:, None, None, None], self._layers[None, :, None, None], self._heads[None, None, :, None], col)
+            idx = (
+                req[:, None, None, None],
+                self._layers[None, :, None, None],
+                self._heads[None, None, :, None],
+                col,
+            )
         else:
             idx = (req[:, None, None], layer, self._heads[None, :, None], col)
         self.page_table[idx] = torch.where(need, pages, self.dump_page)
@@ -280,8 +311,11 @@ class DualCachePool(ExtendStep, DecodeStep):
         max, and ``mean_kv_tokens_per_head`` = ring + global tokens averaged over layers and heads."""
         glen = self.global_len[r].double()
         ring = min(int(self.cached_len[r]), self.window)
-        return {"mean_global_tokens_per_head": float(glen.mean()), "max_global_tokens_per_head": int(glen.max()),
-                "mean_kv_tokens_per_head": float(glen.mean()) + ring}
+        return {
+            "mean_global_tokens_per_head": float(glen.mean()),
+            "max_global_tokens_per_head": int(glen.max()),
+            "mean_kv_tokens_per_head": float(glen.mean()) + ring,
+        }
 
     def num_free_pages(self) -> int:
         return self.allocator.sync_free()
@@ -300,7 +334,9 @@ class DualCachePool(ExtendStep, DecodeStep):
         used = self.allocator.num_pages - free
         return {
             "active_requests": int(act.numel()),
-            "free_pages": free, "used_pages": used, "total_pages": self.allocator.num_pages,
+            "free_pages": free,
+            "used_pages": used,
+            "total_pages": self.allocator.num_pages,
             "used_bytes": used * self.page_bytes,
             "global_tokens_per_layer_head": glen.sum(0).tolist() if act.numel() else [],
             "global_tokens": int(glen.sum()),
@@ -308,7 +344,9 @@ class DualCachePool(ExtendStep, DecodeStep):
             "tokens_left_ring": int(left),
             "tokens_promoted": int(self.promoted.sum().item()),
             "admitted_fraction": (self.promoted.sum().item() / left) if left else None,
-            "admitted_fraction_per_layer_head": (self.promoted.double() / self.left_ring.clamp(min=1)).tolist(),
+            "admitted_fraction_per_layer_head": (
+                self.promoted.double() / self.left_ring.clamp(min=1)
+            ).tolist(),
         }
 
     def _row_chunks(self):
@@ -318,7 +356,7 @@ class DualCachePool(ExtendStep, DecodeStep):
         per_slot = self.num_layers * self.num_kv_heads * (self.dump_col + 1)
         step = max(1, INTEGRITY_CHUNK_ENTRIES // per_slot)
         for first in range(0, self.max_requests, step):
-            yield first, self.page_table[first:first + step, ..., : self.dump_col]
+            yield first, self.page_table[first : first + step, ..., : self.dump_col]
 
     def check_integrity(self) -> None:
         """Raise PoolIntegrityError on a leaked, doubly owned or misplaced page, or a bad length.
@@ -337,17 +375,18 @@ class DualCachePool(ExtendStep, DecodeStep):
         col = torch.arange(self.dump_col, device=self.device)
         for first, rows in self._row_chunks():
             last = first + rows.shape[0]
-            ring_pages = (torch.clamp(n[first:last], max=W) + PAGE_SIZE - 1) // PAGE_SIZE         # [S]
-            gpages = (self.global_len[first:last].long() + PAGE_SIZE - 1) // PAGE_SIZE           # [S, L, H]
+            ring_pages = (torch.clamp(n[first:last], max=W) + PAGE_SIZE - 1) // PAGE_SIZE  # [S]
+            gpages = (self.global_len[first:last].long() + PAGE_SIZE - 1) // PAGE_SIZE  # [S, L, H]
             expect = (col < ring_pages[:, None, None, None]) | ((col >= R) & (col < R + gpages[..., None]))
             has = rows != self.dump_page
             if not torch.equal(expect, has):
                 bad = torch.nonzero(expect != has)[0].tolist()
                 bad[0] += first
-                raise PoolIntegrityError(f"page table row (slot, layer, head, col) {bad} disagrees with lengths")
+                raise PoolIntegrityError(
+                    f"page table row (slot, layer, head, col) {bad} disagrees with lengths"
+                )
         if bool((self.global_len.long() > torch.clamp(n - W, min=0)[:, None, None]).any()):
             raise PoolIntegrityError("a global cache is longer than the tokens that left its ring")
         inactive = torch.as_tensor(~self.active, device=self.device)
         if bool((self.global_len[inactive] != 0).any()):
             raise PoolIntegrityError("a free request slot has a global length")
-

@@ -38,22 +38,20 @@ def to_device(device: torch.device, parts, dtype=np.int64) -> torch.Tensor:
 class ExtendPlan:
     """Host-built index lists for one extend forward, shared by all layers (device tensors)."""
 
-    req: torch.Tensor          # [B] request slots
-    prefix_lens: list          # host copy of S per request
-    req_slots: list            # host copy of the request slots
-    extend_lens: list          # host copy of n per request
-    cand_b: torch.Tensor       # [C] batch index of each token leaving the ring (position order per b)
+    req: torch.Tensor  # [B] request slots
+    prefix_lens: list  # host copy of S per request
+    req_slots: list  # host copy of the request slots
+    extend_lens: list  # host copy of n per request
+    cand_b: torch.Tensor  # [C] batch index of each token leaving the ring (position order per b)
     cand_from_ring: torch.Tensor  # [C] bool: source is the old ring (else the new tokens)
-    cand_slot: torch.Tensor    # [C] ring slot (ring source)
-    cand_src: torch.Tensor     # [C] packed token index (new-token source)
+    cand_slot: torch.Tensor  # [C] ring slot (ring source)
+    cand_src: torch.Tensor  # [C] packed token index (new-token source)
     cand_seg_start: torch.Tensor  # [C] index of the first candidate of the same request
-    max_new_pages: int         # upper bound of new global pages per stream
-    rw_b: torch.Tensor         # [M] batch index of each new token that lands in the ring
-    rw_slot: torch.Tensor      # [M] its ring slot
-    rw_src: torch.Tensor       # [M] its packed token index
-    context_gcols: list        # [B][L] host: global page columns gather_context reads (0 without a prefix)
-
-
+    max_new_pages: int  # upper bound of new global pages per stream
+    rw_b: torch.Tensor  # [M] batch index of each new token that lands in the ring
+    rw_slot: torch.Tensor  # [M] its ring slot
+    rw_src: torch.Tensor  # [M] its packed token index
+    context_gcols: list  # [B][L] host: global page columns gather_context reads (0 without a prefix)
 
 
 class ExtendStep:
@@ -67,8 +65,11 @@ class ExtendStep:
         Allocates the ring pages every layer needs and reserves the worst-case global growth;
         raises PoolExhausted (nothing modified) when the pool cannot cover it.
         """
-        req_slots, prefix_lens, extend_lens = list(map(int, req_slots)), list(map(int, prefix_lens)), \
-            list(map(int, extend_lens))
+        req_slots, prefix_lens, extend_lens = (
+            list(map(int, req_slots)),
+            list(map(int, prefix_lens)),
+            list(map(int, extend_lens)),
+        )
         W, LH = self.window, self.num_layers * self.num_kv_heads
         ring_new, worst, max_new_pages = [], 0, 1
         for r, S, n in zip(req_slots, prefix_lens, extend_lens):
@@ -77,7 +78,9 @@ class ExtendStep:
             if self.cached_len[r] != S:
                 raise ValueError(f"request slot {r}: prefix {S} != cached length {self.cached_len[r]}")
             if S + n > self.max_context_len:
-                raise ValueError(f"request slot {r}: {S + n} tokens exceed max_context_len {self.max_context_len}")
+                raise ValueError(
+                    f"request slot {r}: {S + n} tokens exceed max_context_len {self.max_context_len}"
+                )
             c0, c1 = -(-min(S, W) // PAGE_SIZE), -(-min(S + n, W) // PAGE_SIZE)
             ring_new.append((c0, c1))
             leaving = max(0, S + n - W) - max(0, S - W)
@@ -92,7 +95,9 @@ class ExtendStep:
             for r, (c0, c1) in zip(req_slots, ring_new):
                 k = LH * (c1 - c0)
                 if k:
-                    self.page_table[r, :, :, c0:c1] = pages[off:off + k].view(self.num_layers, self.num_kv_heads, -1)
+                    self.page_table[r, :, :, c0:c1] = pages[off : off + k].view(
+                        self.num_layers, self.num_kv_heads, -1
+                    )
                     off += k
         cand_b, cand_ring, cand_slot, cand_src, cand_start = [], [], [], [], []
         rw_b, rw_slot, rw_src = [], [], []
@@ -115,14 +120,21 @@ class ExtendStep:
             offset += n
             self.cached_len[req_slots[b]] = S + n
         plan = ExtendPlan(
-            req=to_device(self.device, np.asarray(req_slots)), prefix_lens=prefix_lens,
-            req_slots=req_slots, extend_lens=extend_lens,
-            cand_b=to_device(self.device, cand_b), cand_from_ring=to_device(self.device, cand_ring, np.bool_),
-            cand_slot=to_device(self.device, cand_slot), cand_src=to_device(self.device, cand_src),
-            cand_seg_start=to_device(self.device, cand_start), max_new_pages=max_new_pages,
-            rw_b=to_device(self.device, rw_b), rw_slot=to_device(self.device, rw_slot),
+            req=to_device(self.device, np.asarray(req_slots)),
+            prefix_lens=prefix_lens,
+            req_slots=req_slots,
+            extend_lens=extend_lens,
+            cand_b=to_device(self.device, cand_b),
+            cand_from_ring=to_device(self.device, cand_ring, np.bool_),
+            cand_slot=to_device(self.device, cand_slot),
+            cand_src=to_device(self.device, cand_src),
+            cand_seg_start=to_device(self.device, cand_start),
+            max_new_pages=max_new_pages,
+            rw_b=to_device(self.device, rw_b),
+            rw_slot=to_device(self.device, rw_slot),
             rw_src=to_device(self.device, rw_src),
-            context_gcols=self._context_gcols(req_slots, prefix_lens))
+            context_gcols=self._context_gcols(req_slots, prefix_lens),
+        )
         self._extend, self._decode = plan, None
         return plan
 
@@ -151,31 +163,39 @@ class ExtendStep:
         H = self.num_kv_heads
         heads = self._heads[None, :]
         if p.cand_b.numel():
-            rc = p.req[p.cand_b][:, None]                                  # [C, 1]
+            rc = p.req[p.cand_b][:, None]  # [C, 1]
             slot = p.cand_slot[:, None]
             ring_col = slot // PAGE_SIZE
-            flag = torch.where(p.cand_from_ring[:, None], self.ring_flag[rc, layer, heads, slot],
-                               admit[p.cand_src])                           # [C, H]
+            flag = torch.where(
+                p.cand_from_ring[:, None], self.ring_flag[rc, layer, heads, slot], admit[p.cand_src]
+            )  # [C, H]
             fi = flag.to(torch.int64)
             # scan along the contiguous axis: a dim-0 scan of [C, H] runs one GPU thread per column
             excl = (torch.cumsum(fi.t().contiguous(), 1) - fi.t()).t()
             rank = excl - excl[p.cand_seg_start]
             B = p.req.numel()
             cnt = torch.zeros(B, H, dtype=torch.int64, device=self.device).index_add_(0, p.cand_b, fi)
-            glen = self.global_len[p.req, layer].to(torch.int64)             # [B, H]
+            glen = self.global_len[p.req, layer].to(torch.int64)  # [B, H]
             self._append_pages(p.req, layer, glen, cnt, p.max_new_pages)
             dest = glen[p.cand_b] + rank
-            dest_page = torch.where(flag, self.page_table[rc, layer, heads, self.ring_cols + dest // PAGE_SIZE].long(),
-                                    self.dump_page)
+            dest_page = torch.where(
+                flag,
+                self.page_table[rc, layer, heads, self.ring_cols + dest // PAGE_SIZE].long(),
+                self.dump_page,
+            )
             src_page = self.page_table[rc, layer, heads, ring_col].long()
             if self.triton_extend:  # one launch (the ring is read here, before the ring write below)
                 from sglang_wgkv.memory.triton_extend import extend_move
 
-                extend_move(self, k, v, flag, dest_page, dest, p.cand_from_ring, src_page, p.cand_slot, p.cand_src)
+                extend_move(
+                    self, k, v, flag, dest_page, dest, p.cand_from_ring, src_page, p.cand_slot, p.cand_src
+                )
             else:
                 from_ring = p.cand_from_ring[:, None, None]
                 for pages, new in ((self.k_pages, k), (self.v_pages, v)):
-                    src = torch.where(from_ring, pages[src_page, slot % PAGE_SIZE], new[p.cand_src].to(pages.dtype))
+                    src = torch.where(
+                        from_ring, pages[src_page, slot % PAGE_SIZE], new[p.cand_src].to(pages.dtype)
+                    )
                     pages[dest_page, dest % PAGE_SIZE] = src
             self.global_len[p.req, layer] += cnt.to(torch.int32)
             self.left_ring[layer] += p.cand_b.numel()
@@ -192,8 +212,15 @@ class ExtendStep:
             self.v_pages[page, slot % PAGE_SIZE] = v[p.rw_src].to(self.dtype)
             self.ring_flag[rr, layer, heads, slot] = admit[p.rw_src]
 
-    def extend_inputs(self, layer: int, k: torch.Tensor, v: torch.Tensor, admit: torch.Tensor,
-                      positions: torch.Tensor, dtype: torch.dtype):
+    def extend_inputs(
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        admit: torch.Tensor,
+        positions: torch.Tensor,
+        dtype: torch.dtype,
+    ):
         """One layer's attention inputs for the current extend: per request of the plan, its cached
         context (:meth:`gather_context` with ``context_gcols``: no host sync) then its new rows,
         concatenated over the batch. k, v ``[N, H, D]``, admit ``[N, H]``, positions ``[N]``: the
@@ -225,10 +252,14 @@ class ExtendStep:
             if S:  # cached context first: global entries (admitted) and the ring
                 ck, cv, cpos, cadm = self.gather_context(layer, r, S, g_rows // PAGE_SIZE)
                 keys.append(ck), values.append(cv), k_pos.append(cpos), admitted.append(cadm)
-            keys.append(k[start:start + n]), values.append(v[start:start + n])
-            k_pos.append(positions[start:start + n]), admitted.append(admit[start:start + n])
-        return (torch.cat(keys).to(dtype), torch.cat(values).to(dtype), torch.cat(k_pos).to(positions.dtype),
-                torch.cat(admitted))
+            keys.append(k[start : start + n]), values.append(v[start : start + n])
+            k_pos.append(positions[start : start + n]), admitted.append(admit[start : start + n])
+        return (
+            torch.cat(keys).to(dtype),
+            torch.cat(values).to(dtype),
+            torch.cat(k_pos).to(positions.dtype),
+            torch.cat(admitted),
+        )
 
     def gather_context(self, layer: int, r: int, prefix_len: int, gcols: int | None = None):
         """The cached context of slot ``r`` in ``layer`` before an extend after ``prefix_len`` tokens.
@@ -243,19 +274,18 @@ class ExtendStep:
         glen = self.global_len[r, layer].long()
         if gcols is None:
             gcols = -(-int(glen.max()) // PAGE_SIZE) if H else 0
-        pages = self.page_table[r, layer, :, self.ring_cols:self.ring_cols + gcols].long()    # [H, gc]
+        pages = self.page_table[r, layer, :, self.ring_cols : self.ring_cols + gcols].long()  # [H, gc]
         gk = self.k_pages[pages].reshape(H, gcols * PAGE_SIZE, self.head_dim).transpose(0, 1)
         gv = self.v_pages[pages].reshape(H, gcols * PAGE_SIZE, self.head_dim).transpose(0, 1)
-        g_adm = (torch.arange(gcols * PAGE_SIZE, device=self.device)[:, None] < glen[None, :])
+        g_adm = torch.arange(gcols * PAGE_SIZE, device=self.device)[:, None] < glen[None, :]
         pos = torch.arange(max(0, prefix_len - W), prefix_len, device=self.device)
         slot = pos % W
-        rpage = self.page_table[r, layer, :, (slot // PAGE_SIZE)].long().t()                  # [n, H]
+        rpage = self.page_table[r, layer, :, (slot // PAGE_SIZE)].long().t()  # [n, H]
         rk = self.k_pages[rpage, (slot % PAGE_SIZE)[:, None]]
         rv = self.v_pages[rpage, (slot % PAGE_SIZE)[:, None]]
         r_adm = self.ring_flag[r, layer][:, slot].t()
         k_pos = torch.cat([torch.full((gcols * PAGE_SIZE,), FAR_POSITION, device=self.device), pos])
         return torch.cat([gk, rk]), torch.cat([gv, rv]), k_pos, torch.cat([g_adm, r_adm])
-
 
     def restore_bound(self, prefix_len: int) -> int:
         """Pages :meth:`restore_snapshot` allocates for a snapshot of ``prefix_len`` tokens: the copied
@@ -272,4 +302,3 @@ class ExtendStep:
         ring = -(-min(S + n, W) // PAGE_SIZE) - -(-min(S, W) // PAGE_SIZE)
         leaving = max(0, S + n - W) - max(0, S - W)
         return self.num_layers * self.num_kv_heads * (ring + -(-leaving // PAGE_SIZE) + 2)
-

@@ -80,7 +80,9 @@ class PageAllocator:
 
     def incref(self, pages: torch.Tensor) -> None:
         """Add one reference to each page in ``pages`` (dump page entries ignored)."""
-        self.ref.index_add_(0, pages.reshape(-1).long(), torch.ones_like(pages.reshape(-1), dtype=torch.int32))
+        self.ref.index_add_(
+            0, pages.reshape(-1).long(), torch.ones_like(pages.reshape(-1), dtype=torch.int32)
+        )
         self.ref.narrow(0, self.dump_page, 1).zero_()  # not `ref[i] = 0`: a host scalar copy syncs
 
     def free(self, pages: torch.Tensor) -> int:
@@ -97,7 +99,7 @@ class PageAllocator:
         released = uniq[self.ref[uniq] == 0]
         n = released.numel()
         top = int(self.num_free.item())
-        self.free_stack[top:top + n] = released
+        self.free_stack[top : top + n] = released
         self.num_free += n
         self.free_floor = top + n
         return n

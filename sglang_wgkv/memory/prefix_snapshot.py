@@ -18,10 +18,10 @@ import torch
 
 @dataclass
 class PrefixSnapshot:
-    length: int                # S, tokens covered
-    rows: torch.Tensor         # [L, H, ring_cols + global_cols] page ids (dump past the used prefix)
-    global_len: torch.Tensor   # [L, H]
-    ring_flag: torch.Tensor    # [L, H, W]
+    length: int  # S, tokens covered
+    rows: torch.Tensor  # [L, H, ring_cols + global_cols] page ids (dump past the used prefix)
+    global_len: torch.Tensor  # [L, H]
+    ring_flag: torch.Tensor  # [L, H, W]
 
     def pages(self, dump_page: int) -> torch.Tensor:
         return self.rows[self.rows != dump_page]

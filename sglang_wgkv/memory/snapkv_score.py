@@ -7,9 +7,16 @@ import torch
 import torch.nn.functional as F
 
 
-def snapkv_scores(q: torch.Tensor, q_pos: torch.Tensor, g_keys: torch.Tensor, g_len: torch.Tensor,
-                  r_keys: torch.Tensor, r_pos: torch.Tensor, sm_scale: float,
-                  kernel_size: int = 5) -> torch.Tensor:
+def snapkv_scores(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    g_keys: torch.Tensor,
+    g_len: torch.Tensor,
+    r_keys: torch.Tensor,
+    r_pos: torch.Tensor,
+    sm_scale: float,
+    kernel_size: int = 5,
+) -> torch.Tensor:
     """Score the global entries of ``S`` streams (one KV head each) against their query windows.
 
     Parameters
@@ -29,17 +36,17 @@ def snapkv_scores(q: torch.Tensor, q_pos: torch.Tensor, g_keys: torch.Tensor, g_
     Returns ``[S, Ng]`` float32, ``-inf`` at padding.
     """
     S, Ng = g_keys.shape[:2]
-    valid = torch.arange(Ng, device=g_keys.device)[None, :] < g_len[:, None]          # [S, Ng]
-    keys = torch.cat([g_keys, r_keys], 1).float()                                     # [S, Ng+Nr, D]
-    logits = torch.einsum("swgd,snd->swgn", q.float(), keys) * sm_scale               # [S, Wq, G, N]
+    valid = torch.arange(Ng, device=g_keys.device)[None, :] < g_len[:, None]  # [S, Ng]
+    keys = torch.cat([g_keys, r_keys], 1).float()  # [S, Ng+Nr, D]
+    logits = torch.einsum("swgd,snd->swgn", q.float(), keys) * sm_scale  # [S, Wq, G, N]
     ring_vis = (r_pos[:, None, :] >= 0) & (r_pos[:, None, :] <= q_pos[:, :, None])  # [S, Wq, Nr]
     vis = torch.cat([valid[:, None, :].expand(-1, q.shape[1], -1), ring_vis], -1)
     vis = vis & (q_pos >= 0)[:, :, None]
     # in place: the logits are the largest tensor of an eviction, keep at most two of them alive
     logits.masked_fill_(~vis[:, :, None, :], float("-inf"))
-    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)    # an empty slot sees no key: all zero
+    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # an empty slot sees no key: all zero
     del logits
-    return pool_raw_scores(probs[..., :Ng].amax(2).sum(1), g_len, kernel_size)        # raw [S, Ng]
+    return pool_raw_scores(probs[..., :Ng].amax(2).sum(1), g_len, kernel_size)  # raw [S, Ng]
 
 
 def pool_raw_scores(raw: torch.Tensor, g_len: torch.Tensor, kernel_size: int) -> torch.Tensor:

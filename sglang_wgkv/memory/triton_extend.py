@@ -20,10 +20,30 @@ import triton.language as tl
 
 from sglang_wgkv.config import PAGE_SIZE
 
+
 @triton.jit
-def _extend_move_kernel(K, V, KPages, VPages, Flag, DestPage, Dest, FromRing, SrcPage, Slot, Src, n_cand,
-                        stride_kn, stride_kh, stride_vn, stride_vh,
-                        H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_C: tl.constexpr):
+def _extend_move_kernel(
+    K,
+    V,
+    KPages,
+    VPages,
+    Flag,
+    DestPage,
+    Dest,
+    FromRing,
+    SrcPage,
+    Slot,
+    Src,
+    n_cand,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     """Candidates ``c`` of one block, head ``h``: an admitted one's key and value go to global slot
     ``(DestPage[c, h], Dest[c, h] % PAGE)``, read from its ring slot (``FromRing[c]``: page
     ``SrcPage[c, h]``, offset ``Slot[c] % PAGE``) or from the chunk's row ``Src[c]``."""
@@ -34,10 +54,14 @@ def _extend_move_kernel(K, V, KPages, VPages, Flag, DestPage, Dest, FromRing, Sr
     flag = tl.load(Flag + c * H + h, mask=live, other=0) != 0
     ring = flag & (tl.load(FromRing + c, mask=flag, other=0) != 0)
     new = flag & ~ring
-    dst = tl.load(DestPage + c * H + h, mask=flag, other=0) * PAGE \
+    dst = (
+        tl.load(DestPage + c * H + h, mask=flag, other=0) * PAGE
         + tl.load(Dest + c * H + h, mask=flag, other=0) % PAGE
+    )
     dst = dst[:, None] * HEAD_DIM + d
-    ring_row = tl.load(SrcPage + c * H + h, mask=ring, other=0) * PAGE + tl.load(Slot + c, mask=ring, other=0) % PAGE
+    ring_row = (
+        tl.load(SrcPage + c * H + h, mask=ring, other=0) * PAGE + tl.load(Slot + c, mask=ring, other=0) % PAGE
+    )
     ring_row = ring_row[:, None] * HEAD_DIM + d
     row = tl.load(Src + c, mask=new, other=0)
     _move_rows(KPages, K + row[:, None] * stride_kn + h * stride_kh + d, ring_row, dst, flag, ring, new)
@@ -52,10 +76,35 @@ def _move_rows(Pages, new_ptr, ring_row, dst, flag, ring, new):
 
 
 @triton.jit
-def _extend_ring_kernel(K, V, KPages, VPages, PageTable, RingFlag, Admit, Req, RwB, RwSlot, RwSrc, layer, n_rows,
-                        stride_kn, stride_kh, stride_vn, stride_vh, stride_pr, stride_pl, stride_ph,
-                        stride_fr, stride_fl, stride_fh, stride_an,
-                        HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_C: tl.constexpr):
+def _extend_ring_kernel(
+    K,
+    V,
+    KPages,
+    VPages,
+    PageTable,
+    RingFlag,
+    Admit,
+    Req,
+    RwB,
+    RwSlot,
+    RwSrc,
+    layer,
+    n_rows,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_pr,
+    stride_pl,
+    stride_ph,
+    stride_fr,
+    stride_fl,
+    stride_fh,
+    stride_an,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     """Ring rows ``i`` of one block, head ``h``: the chunk's row ``RwSrc[i]`` into ring slot
     ``RwSlot[i]`` of request ``Req[RwB[i]]``, its key, value and admission flag."""
     h = tl.program_id(1)
@@ -65,7 +114,9 @@ def _extend_ring_kernel(K, V, KPages, VPages, PageTable, RingFlag, Admit, Req, R
     r = tl.load(Req + tl.load(RwB + i, mask=live, other=0), mask=live, other=0).to(tl.int64)
     slot = tl.load(RwSlot + i, mask=live, other=0).to(tl.int64)
     src = tl.load(RwSrc + i, mask=live, other=0).to(tl.int64)
-    page = tl.load(PageTable + r * stride_pr + layer * stride_pl + h * stride_ph + slot // PAGE, mask=live, other=0)
+    page = tl.load(
+        PageTable + r * stride_pr + layer * stride_pl + h * stride_ph + slot // PAGE, mask=live, other=0
+    )
     dst = (page.to(tl.int64) * PAGE + slot % PAGE)[:, None] * HEAD_DIM + d
     k = tl.load(K + src[:, None] * stride_kn + h * stride_kh + d, mask=live[:, None])
     tl.store(KPages + dst, k.to(KPages.dtype.element_ty), mask=live[:, None])
@@ -76,12 +127,51 @@ def _extend_ring_kernel(K, V, KPages, VPages, PageTable, RingFlag, Admit, Req, R
 
 
 @triton.jit
-def _extend_context_kernel(KPages, VPages, PageTable, GlobalLen, RingFlag, K, V, Admit, Positions,
-                           OutK, OutV, OutPos, OutAdm, r, layer, prefix, window, ring_cols, g_rows, ring_n, n_new,
-                           start, out0, stride_pr, stride_pl, stride_ph, stride_gr, stride_gl, stride_fr, stride_fl,
-                           stride_fh, stride_kn, stride_kh, stride_vn, stride_vh, stride_an, stride_on, stride_oh,
-                           stride_dn, FAR: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                           BLOCK_R: tl.constexpr):
+def _extend_context_kernel(
+    KPages,
+    VPages,
+    PageTable,
+    GlobalLen,
+    RingFlag,
+    K,
+    V,
+    Admit,
+    Positions,
+    OutK,
+    OutV,
+    OutPos,
+    OutAdm,
+    r,
+    layer,
+    prefix,
+    window,
+    ring_cols,
+    g_rows,
+    ring_n,
+    n_new,
+    start,
+    out0,
+    stride_pr,
+    stride_pl,
+    stride_ph,
+    stride_gr,
+    stride_gl,
+    stride_fr,
+    stride_fl,
+    stride_fh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_an,
+    stride_on,
+    stride_oh,
+    stride_dn,
+    FAR: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
     """Rows ``i`` of one block of request ``r``'s attention inputs, head ``h``, at output row ``out0 + i``:
     ``i < g_rows`` its global entries (page column ``ring_cols + i // PAGE``; admitted iff
     ``i < global_len``, position ``FAR``), then ``ring_n`` ring entries in position order (positions
@@ -93,14 +183,14 @@ def _extend_context_kernel(KPages, VPages, PageTable, GlobalLen, RingFlag, K, V,
     is_r = live & (i >= g_rows) & (i < g_rows + ring_n)
     is_n = live & (i >= g_rows + ring_n)
     ctx = is_g | is_r
-    pos = prefix - ring_n + (i - g_rows)                       # ring rows
+    pos = prefix - ring_n + (i - g_rows)  # ring rows
     slot = tl.where(is_r, pos, 0) % window
     col = tl.where(is_g, ring_cols + i // PAGE, slot // PAGE)
     off = tl.where(is_g, i % PAGE, slot % PAGE)
     page = tl.load(PageTable + r * stride_pr + layer * stride_pl + h * stride_ph + col, mask=ctx, other=0)
     d = tl.arange(0, HEAD_DIM)[None, :]
     crow = (page.to(tl.int64) * PAGE + off)[:, None] * HEAD_DIM + d
-    t = start + i - g_rows - ring_n                            # chunk rows
+    t = start + i - g_rows - ring_n  # chunk rows
     orow = (out0 + i)[:, None] * stride_on + h * stride_oh + d
     ck = tl.load(KPages + crow, mask=ctx[:, None]).to(OutK.dtype.element_ty)
     nk = tl.load(K + t[:, None] * stride_kn + h * stride_kh + d, mask=is_n[:, None]).to(OutK.dtype.element_ty)
@@ -123,9 +213,16 @@ EXTEND_BLOCK = 64  # candidates / ring rows per program of the extend kernels
 
 
 def _check_rows(pool, k, v):
-    if k.shape[1:] != (pool.num_kv_heads, pool.head_dim) or v.shape != k.shape or k.stride(2) != 1 or v.stride(2) != 1:
-        raise ValueError(f"k/v [N, {pool.num_kv_heads}, {pool.head_dim}] with a contiguous last dim expected, got "
-                         f"{tuple(k.shape)} {k.stride()}, {tuple(v.shape)} {v.stride()}")
+    if (
+        k.shape[1:] != (pool.num_kv_heads, pool.head_dim)
+        or v.shape != k.shape
+        or k.stride(2) != 1
+        or v.stride(2) != 1
+    ):
+        raise ValueError(
+            f"k/v [N, {pool.num_kv_heads}, {pool.head_dim}] with a contiguous last dim expected, got "
+            f"{tuple(k.shape)} {k.stride()}, {tuple(v.shape)} {v.stride()}"
+        )
 
 
 def extend_move(pool, k, v, flag, dest_page, dest, from_ring, src_page, slot, src) -> None:
@@ -141,12 +238,32 @@ def extend_move(pool, k, v, flag, dest_page, dest, from_ring, src_page, slot, sr
     ring8 = from_ring.contiguous().view(torch.uint8)
     dest_page, dest, src_page = dest_page.contiguous(), dest.contiguous(), src_page.contiguous()
     _extend_move_kernel[(triton.cdiv(C, EXTEND_BLOCK), H)](
-        k, v, pool.k_pages, pool.v_pages, flag8, dest_page, dest, ring8, src_page, slot.contiguous(),
-        src.contiguous(), C, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        H=H, HEAD_DIM=pool.head_dim, PAGE=PAGE_SIZE, BLOCK_C=EXTEND_BLOCK)
+        k,
+        v,
+        pool.k_pages,
+        pool.v_pages,
+        flag8,
+        dest_page,
+        dest,
+        ring8,
+        src_page,
+        slot.contiguous(),
+        src.contiguous(),
+        C,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        H=H,
+        HEAD_DIM=pool.head_dim,
+        PAGE=PAGE_SIZE,
+        BLOCK_C=EXTEND_BLOCK,
+    )
 
 
-def extend_context(pool, layer: int, segments, k, v, admit, positions, out_k, out_v, out_pos, out_adm) -> None:
+def extend_context(
+    pool, layer: int, segments, k, v, admit, positions, out_k, out_v, out_pos, out_adm
+) -> None:
     """The attention inputs of one layer's extend into ``out_*`` (one launch per request):
     ``segments`` = ``[(slot, prefix, global rows, ring rows, new rows, first chunk row, first output row)]``
     (host ints; the context's rows as :func:`~sglang_wgkv.memory.extend_step.context_rows` counts them); k, v ``[N, H, D]``, admit ``[N, H]`` bool, positions ``[N]`` the chunk's rows."""
@@ -157,8 +274,12 @@ def extend_context(pool, layer: int, segments, k, v, admit, positions, out_k, ou
     pt, gl, rf = pool.page_table, pool.global_len, pool.ring_flag.view(torch.uint8)
     adm = admit.contiguous().view(torch.uint8)
     positions = positions.contiguous()  # read at row t
-    if (out_k.stride(2) != 1 or out_v.stride() != out_k.stride() or out_pos.stride(0) != 1
-            or not out_adm.is_contiguous()):
+    if (
+        out_k.stride(2) != 1
+        or out_v.stride() != out_k.stride()
+        or out_pos.stride(0) != 1
+        or not out_adm.is_contiguous()
+    ):
         raise ValueError("the extend inputs' buffers must be contiguous (as extend_inputs allocates them)")
     oadm = out_adm.view(torch.uint8)
     for r, prefix, g_rows, ring_n, n, start, out0 in segments:
@@ -166,12 +287,50 @@ def extend_context(pool, layer: int, segments, k, v, admit, positions, out_k, ou
         if not rows:
             continue
         _extend_context_kernel[(triton.cdiv(rows, EXTEND_BLOCK), H)](
-            pool.k_pages, pool.v_pages, pt, gl, rf, k, v, adm, positions, out_k, out_v, out_pos, oadm,
-            r, layer, prefix, W, pool.ring_cols, g_rows, ring_n, n, start, out0,
-            pt.stride(0), pt.stride(1), pt.stride(2), gl.stride(0), gl.stride(1), rf.stride(0), rf.stride(1),
-            rf.stride(2), k.stride(0), k.stride(1), v.stride(0), v.stride(1), adm.stride(0),
-            out_k.stride(0), out_k.stride(1), oadm.stride(0),
-            FAR=FAR_POSITION, HEAD_DIM=D, PAGE=PAGE_SIZE, BLOCK_R=EXTEND_BLOCK)
+            pool.k_pages,
+            pool.v_pages,
+            pt,
+            gl,
+            rf,
+            k,
+            v,
+            adm,
+            positions,
+            out_k,
+            out_v,
+            out_pos,
+            oadm,
+            r,
+            layer,
+            prefix,
+            W,
+            pool.ring_cols,
+            g_rows,
+            ring_n,
+            n,
+            start,
+            out0,
+            pt.stride(0),
+            pt.stride(1),
+            pt.stride(2),
+            gl.stride(0),
+            gl.stride(1),
+            rf.stride(0),
+            rf.stride(1),
+            rf.stride(2),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            adm.stride(0),
+            out_k.stride(0),
+            out_k.stride(1),
+            oadm.stride(0),
+            FAR=FAR_POSITION,
+            HEAD_DIM=D,
+            PAGE=PAGE_SIZE,
+            BLOCK_R=EXTEND_BLOCK,
+        )
 
 
 def extend_ring_write(pool, layer: int, k, v, admit, req, rw_b, rw_slot, rw_src) -> None:
@@ -185,7 +344,31 @@ def extend_ring_write(pool, layer: int, k, v, admit, req, rw_b, rw_slot, rw_src)
     pt, rf = pool.page_table, pool.ring_flag.view(torch.uint8)
     adm = admit.contiguous().view(torch.uint8)
     _extend_ring_kernel[(triton.cdiv(n, EXTEND_BLOCK), H)](
-        k, v, pool.k_pages, pool.v_pages, pt, rf, adm, req, rw_b, rw_slot, rw_src, layer, n,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), pt.stride(0), pt.stride(1), pt.stride(2),
-        rf.stride(0), rf.stride(1), rf.stride(2), adm.stride(0),
-        HEAD_DIM=pool.head_dim, PAGE=PAGE_SIZE, BLOCK_C=EXTEND_BLOCK)
+        k,
+        v,
+        pool.k_pages,
+        pool.v_pages,
+        pt,
+        rf,
+        adm,
+        req,
+        rw_b,
+        rw_slot,
+        rw_src,
+        layer,
+        n,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        pt.stride(0),
+        pt.stride(1),
+        pt.stride(2),
+        rf.stride(0),
+        rf.stride(1),
+        rf.stride(2),
+        adm.stride(0),
+        HEAD_DIM=pool.head_dim,
+        PAGE=PAGE_SIZE,
+        BLOCK_C=EXTEND_BLOCK,
+    )

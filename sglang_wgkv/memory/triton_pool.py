@@ -21,20 +21,41 @@ import triton.language as tl
 
 from sglang_wgkv.config import PAGE_SIZE
 
-PROMOTE_SCAN_BLOCK = 1024  # promotion items per block (a power of two): one program below it, a grid of blocks above
+PROMOTE_SCAN_BLOCK = (
+    1024  # promotion items per block (a power of two): one program below it, a grid of blocks above
+)
 
 
 @triton.jit
-def _prefill_write_kernel(K, V, KPages, VPages, PageRow, Admit, Rank, GlobalLen,
-                          n_tokens, leaving, window, ring_cols, stride_kn, stride_kh, stride_an, stride_ph,
-                          HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
+def _prefill_write_kernel(
+    K,
+    V,
+    KPages,
+    VPages,
+    PageRow,
+    Admit,
+    Rank,
+    GlobalLen,
+    n_tokens,
+    leaving,
+    window,
+    ring_cols,
+    stride_kn,
+    stride_kh,
+    stride_an,
+    stride_ph,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     h = tl.program_id(1)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, HEAD_DIM)
     valid = t < n_tokens
     in_ring = t >= leaving
     flag = tl.load(Admit + t.to(tl.int64) * stride_an + h, mask=valid & ~in_ring, other=0) != 0
-    g = tl.load(GlobalLen + h) + tl.load(Rank + t.to(tl.int64) * stride_an + h, mask=valid & ~in_ring, other=0)
+    g = tl.load(GlobalLen + h) + tl.load(
+        Rank + t.to(tl.int64) * stride_an + h, mask=valid & ~in_ring, other=0
+    )
     slot = t % window
     col = tl.where(in_ring, slot // 16, ring_cols + g // 16)
     off = tl.where(in_ring, slot % 16, g % 16)
@@ -49,10 +70,31 @@ def _prefill_write_kernel(K, V, KPages, VPages, PageRow, Admit, Rank, GlobalLen,
 
 
 @triton.jit
-def _decode_write_kernel(K, V, KPages, VPages, PageTable, RingFlag, Admit, Req, Pos,
-                         layer, window, stride_kb, stride_kh, stride_pr, stride_pl, stride_ph,
-                         stride_fr, stride_fl, stride_fh, stride_ab,
-                         HEAD_DIM: tl.constexpr, WRITE_KV: tl.constexpr, WRITE_FLAG: tl.constexpr):
+def _decode_write_kernel(
+    K,
+    V,
+    KPages,
+    VPages,
+    PageTable,
+    RingFlag,
+    Admit,
+    Req,
+    Pos,
+    layer,
+    window,
+    stride_kb,
+    stride_kh,
+    stride_pr,
+    stride_pl,
+    stride_ph,
+    stride_fr,
+    stride_fl,
+    stride_fh,
+    stride_ab,
+    HEAD_DIM: tl.constexpr,
+    WRITE_KV: tl.constexpr,
+    WRITE_FLAG: tl.constexpr,
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
@@ -94,8 +136,10 @@ def prefill_write(pool, r: int, layer: int, k: torch.Tensor, v: torch.Tensor, ad
     n, H, D = k.shape
     W = pool.window
     if v.shape != k.shape or admit.shape != (n, H) or H != pool.num_kv_heads or D != pool.head_dim:
-        raise ValueError(f"k/v [n, {pool.num_kv_heads}, {pool.head_dim}] and admit [n, H] expected, got "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}, {tuple(admit.shape)}")
+        raise ValueError(
+            f"k/v [n, {pool.num_kv_heads}, {pool.head_dim}] and admit [n, H] expected, got "
+            f"{tuple(k.shape)}, {tuple(v.shape)}, {tuple(admit.shape)}"
+        )
     if pool.cached_len[r] != n:
         raise ValueError(f"slot {r}: begin_prefill was for {pool.cached_len[r]} tokens, not {n}")
     if k.stride(2) != 1 or v.stride() != k.stride():
@@ -103,17 +147,17 @@ def prefill_write(pool, r: int, layer: int, k: torch.Tensor, v: torch.Tensor, ad
     dev = pool.device
     leaving = max(0, n - W)
     flags = admit[:leaving]
-    cnt = flags.sum(0)                                                 # [H] int64
+    cnt = flags.sum(0)  # [H] int64
     # Exclusive scan along the contiguous dim (torch scans an [n, 8] outer dim one thread per column).
     ft = flags.t().contiguous()
     rank = (torch.cumsum(ft, 1, dtype=torch.int32) - ft.to(torch.int32)).t()
-    glen = pool.global_len[r, layer].long()                            # [H]
+    glen = pool.global_len[r, layer].long()  # [H]
     old = (glen + PAGE_SIZE - 1) // PAGE_SIZE
     new = (glen + cnt + PAGE_SIZE - 1) // PAGE_SIZE - old
     pool.allocator.ensure(int(new.sum()))
     max_new_pages = (-(-leaving // PAGE_SIZE) + 1) if leaving else 1
     j = torch.arange(max_new_pages, device=dev)
-    need = (j < new[:, None])[None]                                    # [1, H, M], as _append_pages
+    need = (j < new[:, None])[None]  # [1, H, M], as _append_pages
     pages = pool.allocator.alloc_where(need).to(torch.int32)[0]
     col = torch.where(need[0], pool.ring_cols + old[:, None] + j, pool.dump_col)
     heads = torch.arange(H, device=dev)
@@ -124,10 +168,26 @@ def prefill_write(pool, r: int, layer: int, k: torch.Tensor, v: torch.Tensor, ad
     block_t = 64
     grid = (triton.cdiv(n, block_t), H)
     row = pool.page_table[r, layer]
-    _prefill_write_kernel[grid](k, v, pool.k_pages, pool.v_pages, row, adm_u8, rank_full,
-                                pool.global_len[r, layer], n, leaving, W, pool.ring_cols,
-                                k.stride(0), k.stride(1), adm_u8.stride(0), row.stride(0),
-                                HEAD_DIM=D, BLOCK_T=block_t)
+    _prefill_write_kernel[grid](
+        k,
+        v,
+        pool.k_pages,
+        pool.v_pages,
+        row,
+        adm_u8,
+        rank_full,
+        pool.global_len[r, layer],
+        n,
+        leaving,
+        W,
+        pool.ring_cols,
+        k.stride(0),
+        k.stride(1),
+        adm_u8.stride(0),
+        row.stride(0),
+        HEAD_DIM=D,
+        BLOCK_T=block_t,
+    )
     t = torch.arange(leaving, n, device=dev)
     pool.ring_flag[r, layer, heads[None, :], (t % W)[:, None]] = admit[leaving:]
     pool.global_len[r, layer] += cnt.to(torch.int32)
@@ -135,8 +195,15 @@ def prefill_write(pool, r: int, layer: int, k: torch.Tensor, v: torch.Tensor, ad
     pool.promoted[layer] += cnt
 
 
-def decode_write(pool, layer: int, req: torch.Tensor, pos: torch.Tensor, k: torch.Tensor | None,
-                 v: torch.Tensor | None, admit: torch.Tensor | None) -> None:
+def decode_write(
+    pool,
+    layer: int,
+    req: torch.Tensor,
+    pos: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    admit: torch.Tensor | None,
+) -> None:
     """The new token of each request into its ring slot ``pos % W`` of ``layer`` (after the step's
     promotion). req, pos ``[B]`` int64 device tensors; k, v ``[B, H, D]``; admit ``[B, H]`` bool.
     ``admit=None`` writes only the keys and values, ``k=v=None`` only the flags (the two halves may
@@ -158,12 +225,32 @@ def decode_write(pool, layer: int, req: torch.Tensor, pos: torch.Tensor, k: torc
     pt, rf = pool.page_table, pool.ring_flag
     adm = admit.contiguous().view(torch.uint8) if admit is not None else rf.view(torch.uint8)
     kk, vv = (k, v) if k is not None else (pool.k_pages, pool.v_pages)
-    _decode_write_kernel[(B, H)](kk, vv, pool.k_pages, pool.v_pages, pt, rf.view(torch.uint8),
-                                 adm, req, pos, layer, pool.window,
-                                 kk.stride(0) if k is not None else 0, kk.stride(1) if k is not None else 0,
-                                 pt.stride(0), pt.stride(1), pt.stride(2),
-                                 rf.stride(0), rf.stride(1), rf.stride(2), adm.stride(0),
-                                 HEAD_DIM=D, WRITE_KV=k is not None, WRITE_FLAG=admit is not None, num_warps=1)
+    _decode_write_kernel[(B, H)](
+        kk,
+        vv,
+        pool.k_pages,
+        pool.v_pages,
+        pt,
+        rf.view(torch.uint8),
+        adm,
+        req,
+        pos,
+        layer,
+        pool.window,
+        kk.stride(0) if k is not None else 0,
+        kk.stride(1) if k is not None else 0,
+        pt.stride(0),
+        pt.stride(1),
+        pt.stride(2),
+        rf.stride(0),
+        rf.stride(1),
+        rf.stride(2),
+        adm.stride(0),
+        HEAD_DIM=D,
+        WRITE_KV=k is not None,
+        WRITE_FLAG=admit is not None,
+        num_warps=1,
+    )
 
 
 @triton.jit
@@ -184,12 +271,31 @@ def _promote_items(Req, Pos, RingFlag, GlobalLen, start, n_items, LH, window, BL
 
 
 @triton.jit
-def _promote_block(Req, Pos, RingFlag, GlobalLen, PageTable, FreeStack, Ref, LeftRing, Promoted,
-                   start, n_items, num_free, taken, LH, window, ring_cols, cols, BLOCK: tl.constexpr):
+def _promote_block(
+    Req,
+    Pos,
+    RingFlag,
+    GlobalLen,
+    PageTable,
+    FreeStack,
+    Ref,
+    LeftRing,
+    Promoted,
+    start,
+    n_items,
+    num_free,
+    taken,
+    LH,
+    window,
+    ring_cols,
+    cols,
+    BLOCK: tl.constexpr,
+):
     """Promote one block's items; its new pages are free-stack entries ``taken ..`` from the top (the
     items before the block took ``taken``). Returns the pages it took."""
-    valid, lh, row, leaving, flag, g, need = _promote_items(Req, Pos, RingFlag, GlobalLen, start, n_items, LH,
-                                                            window, BLOCK)
+    valid, lh, row, leaving, flag, g, need = _promote_items(
+        Req, Pos, RingFlag, GlobalLen, start, n_items, LH, window, BLOCK
+    )
     rank = taken + tl.cumsum(need.to(tl.int64), 0) - 1
     page = tl.load(FreeStack + (num_free - 1 - rank), mask=need, other=0)
     tl.store(PageTable + row * cols + ring_cols + g // 16, page.to(tl.int32), mask=need)
@@ -201,12 +307,46 @@ def _promote_block(Req, Pos, RingFlag, GlobalLen, PageTable, FreeStack, Ref, Lef
 
 
 @triton.jit
-def _promote_alloc_kernel(Req, Pos, RingFlag, GlobalLen, PageTable, FreeStack, NumFree, Ref, LeftRing, Promoted,
-                          n_items, LH, window, ring_cols, cols, BLOCK: tl.constexpr):
+def _promote_alloc_kernel(
+    Req,
+    Pos,
+    RingFlag,
+    GlobalLen,
+    PageTable,
+    FreeStack,
+    NumFree,
+    Ref,
+    LeftRing,
+    Promoted,
+    n_items,
+    LH,
+    window,
+    ring_cols,
+    cols,
+    BLOCK: tl.constexpr,
+):
     # One program, every item in one block (n_items <= BLOCK): the allocation order of alloc_where.
     num_free = tl.load(NumFree)
-    taken = _promote_block(Req, Pos, RingFlag, GlobalLen, PageTable, FreeStack, Ref, LeftRing, Promoted,
-                           0, n_items, num_free, num_free * 0, LH, window, ring_cols, cols, BLOCK)
+    taken = _promote_block(
+        Req,
+        Pos,
+        RingFlag,
+        GlobalLen,
+        PageTable,
+        FreeStack,
+        Ref,
+        LeftRing,
+        Promoted,
+        0,
+        n_items,
+        num_free,
+        num_free * 0,
+        LH,
+        window,
+        ring_cols,
+        cols,
+        BLOCK,
+    )
     tl.store(NumFree, num_free - taken)
 
 
@@ -222,14 +362,49 @@ def _promote_count_kernel(Req, Pos, RingFlag, GlobalLen, Counts, n_items, LH, wi
 
 
 @triton.jit
-def _promote_alloc_blocks_kernel(Req, Pos, RingFlag, GlobalLen, PageTable, FreeStack, NumFree, Ref, LeftRing,
-                                 Promoted, Counts, n_items, LH, window, ring_cols, cols,
-                                 BLOCK: tl.constexpr, BLOCKS_PAD: tl.constexpr):
+def _promote_alloc_blocks_kernel(
+    Req,
+    Pos,
+    RingFlag,
+    GlobalLen,
+    PageTable,
+    FreeStack,
+    NumFree,
+    Ref,
+    LeftRing,
+    Promoted,
+    Counts,
+    n_items,
+    LH,
+    window,
+    ring_cols,
+    cols,
+    BLOCK: tl.constexpr,
+    BLOCKS_PAD: tl.constexpr,
+):
     blk = tl.program_id(0)
     k = tl.arange(0, BLOCKS_PAD)
     taken = tl.sum(tl.load(Counts + k, mask=k < blk, other=0), 0)  # pages of the blocks before this one
-    _promote_block(Req, Pos, RingFlag, GlobalLen, PageTable, FreeStack, Ref, LeftRing, Promoted,
-                   blk * BLOCK, n_items, tl.load(NumFree), taken, LH, window, ring_cols, cols, BLOCK)
+    _promote_block(
+        Req,
+        Pos,
+        RingFlag,
+        GlobalLen,
+        PageTable,
+        FreeStack,
+        Ref,
+        LeftRing,
+        Promoted,
+        blk * BLOCK,
+        n_items,
+        tl.load(NumFree),
+        taken,
+        LH,
+        window,
+        ring_cols,
+        cols,
+        BLOCK,
+    )
 
 
 @triton.jit
@@ -239,9 +414,25 @@ def _promote_take_kernel(NumFree, Counts, n_blocks, BLOCKS_PAD: tl.constexpr):
 
 
 @triton.jit
-def _promote_move_kernel(Req, Pos, RingFlag, GlobalLen, PageTable, KPages, VPages, RingPage, RingOff, RingTokens,
-                         LH, window, ring_cols, cols,
-                         HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, WRITE_PLAN: tl.constexpr):
+def _promote_move_kernel(
+    Req,
+    Pos,
+    RingFlag,
+    GlobalLen,
+    PageTable,
+    KPages,
+    VPages,
+    RingPage,
+    RingOff,
+    RingTokens,
+    LH,
+    window,
+    ring_cols,
+    cols,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    WRITE_PLAN: tl.constexpr,
+):
     # Runs after _promote_alloc_kernel: global_len is the new length, so a promoted token goes to old = new - 1.
     b = tl.program_id(1)
     lh = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -266,7 +457,9 @@ def _promote_move_kernel(Req, Pos, RingFlag, GlobalLen, PageTable, KPages, VPage
             tl.store(RingTokens + b, tl.minimum(p + 1, window))
 
 
-def decode_promote(pool, req: torch.Tensor, pos: torch.Tensor, plan_out=None, lower_floor: bool = True) -> None:
+def decode_promote(
+    pool, req: torch.Tensor, pos: torch.Tensor, plan_out=None, lower_floor: bool = True
+) -> None:
     """Lazy promotion of every (request, layer, head) of a decode batch: the pool ends exactly as
     after ``pool._promote(req, pos)`` (same pages from the free stack in the same order, page table,
     global lengths, refcounts, ``num_free``, ``free_floor``, counters, moved K/V rows; only the
@@ -301,24 +494,67 @@ def decode_promote(pool, req: torch.Tensor, pos: torch.Tensor, plan_out=None, lo
     n_items = B * LH
     common = (req, pos, flags, pool.global_len)
     if n_items <= PROMOTE_SCAN_BLOCK:
-        _promote_alloc_kernel[(1,)](*common, pool.page_table, alloc.free_stack, alloc.num_free, alloc.ref,
-                                    pool.left_ring, pool.promoted, n_items, LH, W, pool.ring_cols, cols,
-                                    BLOCK=triton.next_power_of_2(n_items), num_warps=4)
+        _promote_alloc_kernel[(1,)](
+            *common,
+            pool.page_table,
+            alloc.free_stack,
+            alloc.num_free,
+            alloc.ref,
+            pool.left_ring,
+            pool.promoted,
+            n_items,
+            LH,
+            W,
+            pool.ring_cols,
+            cols,
+            BLOCK=triton.next_power_of_2(n_items),
+            num_warps=4,
+        )
     else:
         n_blocks = triton.cdiv(n_items, PROMOTE_SCAN_BLOCK)
         counts = torch.empty(n_blocks, dtype=torch.int64, device=req.device)
         pad = triton.next_power_of_2(n_blocks)
-        _promote_count_kernel[(n_blocks,)](*common, counts, n_items, LH, W, BLOCK=PROMOTE_SCAN_BLOCK, num_warps=4)
-        _promote_alloc_blocks_kernel[(n_blocks,)](*common, pool.page_table, alloc.free_stack, alloc.num_free,
-                                                  alloc.ref, pool.left_ring, pool.promoted, counts, n_items,
-                                                  LH, W, pool.ring_cols, cols, BLOCK=PROMOTE_SCAN_BLOCK,
-                                                  BLOCKS_PAD=pad, num_warps=4)
+        _promote_count_kernel[(n_blocks,)](
+            *common, counts, n_items, LH, W, BLOCK=PROMOTE_SCAN_BLOCK, num_warps=4
+        )
+        _promote_alloc_blocks_kernel[(n_blocks,)](
+            *common,
+            pool.page_table,
+            alloc.free_stack,
+            alloc.num_free,
+            alloc.ref,
+            pool.left_ring,
+            pool.promoted,
+            counts,
+            n_items,
+            LH,
+            W,
+            pool.ring_cols,
+            cols,
+            BLOCK=PROMOTE_SCAN_BLOCK,
+            BLOCKS_PAD=pad,
+            num_warps=4,
+        )
         _promote_take_kernel[(1,)](alloc.num_free, counts, n_blocks, BLOCKS_PAD=pad, num_warps=1)
     if lower_floor:
         alloc.free_floor -= B * LH
     block_r = min(64, triton.next_power_of_2(LH))
     plan = plan_out if plan_out is not None else (req, req, req)  # unused pointers when WRITE_PLAN is off
     _promote_move_kernel[(triton.cdiv(LH, block_r), B)](
-        req, pos, flags, pool.global_len, pool.page_table, pool.k_pages, pool.v_pages, *plan,
-        LH, W, pool.ring_cols, cols, HEAD_DIM=pool.head_dim, BLOCK_R=block_r,
-        WRITE_PLAN=plan_out is not None, num_warps=4)
+        req,
+        pos,
+        flags,
+        pool.global_len,
+        pool.page_table,
+        pool.k_pages,
+        pool.v_pages,
+        *plan,
+        LH,
+        W,
+        pool.ring_cols,
+        cols,
+        HEAD_DIM=pool.head_dim,
+        BLOCK_R=block_r,
+        WRITE_PLAN=plan_out is not None,
+        num_warps=4,
+    )

@@ -60,10 +60,36 @@ def _logits(q, k, sm_scale, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _snapkv_raw_kernel(Q, QPos, GK, GLen, RK, RPos, Part, Wq, Nr, sm_scale,
-                       s_qs, s_qw, s_qg, s_ps, s_gs, s_gn, s_rs, s_rn, s_rps, s_os, s_ob,
-                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr,
-                       BN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _snapkv_raw_kernel(
+    Q,
+    QPos,
+    GK,
+    GLen,
+    RK,
+    RPos,
+    Part,
+    Wq,
+    Nr,
+    sm_scale,
+    s_qs,
+    s_qw,
+    s_qg,
+    s_ps,
+    s_gs,
+    s_gn,
+    s_rs,
+    s_rn,
+    s_rps,
+    s_os,
+    s_ob,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    BQ: tl.constexpr,
+    BN: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     s = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     glen = tl.load(GLen + s).to(tl.int32)
@@ -74,8 +100,9 @@ def _snapkv_raw_kernel(Q, QPos, GK, GLen, RK, RPos, Part, Wq, Nr, sm_scale,
     row_ok = (qidx < Wq) & (gi < G)
     qpos = tl.load(QPos + s * s_ps + qidx, mask=row_ok, other=-1)
     live = row_ok & (qpos >= 0)
-    q = tl.load(Q + s * s_qs + qidx[:, None] * s_qw + gi[:, None] * s_qg + d[None, :], mask=row_ok[:, None],
-                other=0.0)
+    q = tl.load(
+        Q + s * s_qs + qidx[:, None] * s_qw + gi[:, None] * s_qg + d[None, :], mask=row_ok[:, None], other=0.0
+    )
     m = tl.full([BQ * GP], float("-inf"), tl.float32)
     z = tl.zeros([BQ * GP], tl.float32)
     for n0 in range(0, glen, BN):
@@ -100,13 +127,22 @@ def _snapkv_raw_kernel(Q, QPos, GK, GLen, RK, RPos, Part, Wq, Nr, sm_scale,
         k = tl.load(GK + s * s_gs + n[:, None] * s_gn + d[None, :], mask=(n < glen)[:, None], other=0.0)
         x = _logits(q, k, sm_scale, PRECISION, UPCAST)
         p = tl.where(live[:, None] & (n < glen)[None, :], tl.exp(x - m[:, None]) * inv[:, None], 0.0)
-        best = tl.max(tl.reshape(p, [BQ, GP, BN]), 1)                      # [BQ, BN]: max over heads
+        best = tl.max(tl.reshape(p, [BQ, GP, BN]), 1)  # [BQ, BN]: max over heads
         tl.store(out + n, tl.sum(best, 0), mask=n < glen)
 
 
-def snapkv_scores_triton(q: torch.Tensor, q_pos: torch.Tensor, g_keys: torch.Tensor, g_len: torch.Tensor,
-                         r_keys: torch.Tensor, r_pos: torch.Tensor, sm_scale: float, kernel_size: int = 5,
-                         block_q: int | None = None, block_n: int = 64) -> torch.Tensor:
+def snapkv_scores_triton(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    g_keys: torch.Tensor,
+    g_len: torch.Tensor,
+    r_keys: torch.Tensor,
+    r_pos: torch.Tensor,
+    sm_scale: float,
+    kernel_size: int = 5,
+    block_q: int | None = None,
+    block_n: int = 64,
+) -> torch.Tensor:
     """:func:`~sglang_wgkv.memory.snapkv_score.snapkv_scores` (same arguments and result) in one
     launch. ``q [S, Wq, G, D]``; keys ``[S, N, D]`` with a unit stride along ``D``, the dtype of ``q``;
     ``D`` a power of two >= 16."""
@@ -129,9 +165,33 @@ def snapkv_scores_triton(q: torch.Tensor, q_pos: torch.Tensor, g_keys: torch.Ten
     part = torch.zeros(S, blocks, max(Ng, 1), dtype=torch.float32, device=q.device)
     if S and Wq:
         _snapkv_raw_kernel[(S, blocks)](
-            q, q_pos, g_keys, g_len32, r_keys, r_pos, part, Wq, Nr, float(sm_scale),
-            q.stride(0), q.stride(1), q.stride(2), q_pos.stride(0), g_keys.stride(0), g_keys.stride(1),
-            r_keys.stride(0), r_keys.stride(1), r_pos.stride(0), part.stride(0), part.stride(1),
-            G=G, GP=gp, D=D, BQ=bq, BN=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            UPCAST=q.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1")
+            q,
+            q_pos,
+            g_keys,
+            g_len32,
+            r_keys,
+            r_pos,
+            part,
+            Wq,
+            Nr,
+            float(sm_scale),
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            q_pos.stride(0),
+            g_keys.stride(0),
+            g_keys.stride(1),
+            r_keys.stride(0),
+            r_keys.stride(1),
+            r_pos.stride(0),
+            part.stride(0),
+            part.stride(1),
+            G=G,
+            GP=gp,
+            D=D,
+            BQ=bq,
+            BN=block_n,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            UPCAST=q.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1",
+        )
     return pool_raw_scores(part.sum(1)[:, :Ng], g_len, kernel_size)

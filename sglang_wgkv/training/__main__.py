@@ -48,29 +48,71 @@ def main(argv=None) -> int:
     c.add_argument("--seed", type=int, default=0)
 
     t = sub.add_parser("train", help="train write gates (one set per λ) against the dense model")
-    t.add_argument("--model", default="embedded", help="HF model dir, .gguf file, or 'embedded' (SmolLM2-135M)")
+    t.add_argument(
+        "--model", default="embedded", help="HF model dir, .gguf file, or 'embedded' (SmolLM2-135M)"
+    )
     t.add_argument("--corpus", required=True)
     t.add_argument("--out", required=True, dest="out_dir")
     t.add_argument("--lams", type=_floats, default=TrainConfig.lams, help="comma-separated λ values")
     t.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint in --out")
     defaults = {f.name: f.default for f in fields(TrainConfig)}
-    for name in ("steps", "seq_len", "lr", "weight_decay", "warmup_frac", "local_window", "tau", "eps",
-                 "init_bias", "val_every", "val_rows", "ckpt_every", "log_every", "backend", "dtype",
-                 "device", "seed", "model_id", "time_budget_s"):
+    for name in (
+        "steps",
+        "seq_len",
+        "lr",
+        "weight_decay",
+        "warmup_frac",
+        "local_window",
+        "tau",
+        "eps",
+        "init_bias",
+        "val_every",
+        "val_rows",
+        "ckpt_every",
+        "log_every",
+        "backend",
+        "dtype",
+        "device",
+        "seed",
+        "model_id",
+        "time_budget_s",
+    ):
         t.add_argument("--" + name.replace("_", "-"), type=type(defaults[name]), default=defaults[name])
-    t.add_argument("--hidden", type=int, default=None,
-                   help="gate MLP hidden width per head (default 4 * head_dim; the authors' Qwen3 gates: 1.5 * head_dim)")
-    t.add_argument("--grad-checkpoint", choices=("auto", "on", "off"), default="auto",
-                   help="per-layer gradient checkpointing (auto: off on CUDA, on elsewhere)")
+    t.add_argument(
+        "--hidden",
+        type=int,
+        default=None,
+        help="gate MLP hidden width per head (default 4 * head_dim; the authors' Qwen3 gates: 1.5 * head_dim)",
+    )
+    t.add_argument(
+        "--grad-checkpoint",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="per-layer gradient checkpointing (auto: off on CUDA, on elsewhere)",
+    )
 
     args = parser.parse_args(argv)
     if args.command == "corpus":
         kw = {} if not args.source else {"sources": tuple(args.source)}
-        spec = CorpusSpec(bins=args.bins, train_rows=args.train_rows, heldout_rows=args.heldout_rows,
-                          heldout_percent=args.heldout_percent, seed=args.seed, **kw)
+        spec = CorpusSpec(
+            bins=args.bins,
+            train_rows=args.train_rows,
+            heldout_rows=args.heldout_rows,
+            heldout_percent=args.heldout_percent,
+            seed=args.seed,
+            **kw,
+        )
         manifest = build_corpus(load_tokenizer(args.tokenizer), spec, args.out)
-        print(json.dumps({"rows": manifest["rows"], "short_bins": manifest["short_bins"],
-                          "documents": len(manifest["documents"])}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "rows": manifest["rows"],
+                    "short_bins": manifest["short_bins"],
+                    "documents": len(manifest["documents"]),
+                },
+                indent=1,
+            )
+        )
         return 0
     kw = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
     kw["grad_checkpoint"] = {"auto": None, "on": True, "off": False}[args.grad_checkpoint]

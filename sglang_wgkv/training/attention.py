@@ -23,7 +23,9 @@ from sglang_wgkv.attention.reference import soft_gated_attention
 from sglang_wgkv.gate import WriteGates
 
 
-def gate_values(gates: Sequence[WriteGates], layer: int, k_pre: torch.Tensor, k_post: torch.Tensor) -> torch.Tensor:
+def gate_values(
+    gates: Sequence[WriteGates], layer: int, k_pre: torch.Tensor, k_post: torch.Tensor
+) -> torch.Tensor:
     """Gate values ``[B, Hkv, T]`` (float32); element b uses ``gates[b]`` (or ``gates[0]`` for all)."""
     B = k_pre.shape[0]
     if len(gates) not in (1, B):
@@ -38,8 +40,9 @@ def gate_values(gates: Sequence[WriteGates], layer: int, k_pre: torch.Tensor, k_
 BACKENDS = ("sdpa", "flex", "split", "flex_split")
 
 
-def split_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, eps: float, scale: float,
-               width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_keys(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, eps: float, scale: float, width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The near/far key copies of :func:`split_key_attention`, channels zero-padded to ``width > D``.
 
     Returns q' ``[B, Hq, T, width]`` (channel D = 1), k' ``[B, Hkv, 2T, width]`` (keys ``0..T-1``: near
@@ -64,8 +67,15 @@ def split_visible(qi, ki, T: int, local_window: int):
     return near | far
 
 
-def split_key_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, local_window: int,
-                        eps: float, scale: float) -> torch.Tensor:
+def split_key_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    local_window: int,
+    eps: float,
+    scale: float,
+) -> torch.Tensor:
     """:func:`~sglang_wgkv.attention.reference.soft_gated_attention` without a bias tensor.
 
     The gate bias ``log(g_j + eps)`` applies to query i iff ``i - j >= W``: it depends on the key and
@@ -84,7 +94,9 @@ def split_key_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     group = q.shape[1] // k.shape[1]
     q2, k2, v2 = split_keys(q, k, v, g, eps, scale, -(-(D + 1) // 8) * 8)
     i = torch.arange(T, device=q.device)
-    mask = split_visible(i[:, None], torch.arange(2 * T, device=q.device)[None, :], T, local_window)  # [T, 2T]
+    mask = split_visible(
+        i[:, None], torch.arange(2 * T, device=q.device)[None, :], T, local_window
+    )  # [T, 2T]
     k2, v2 = k2.repeat_interleave(group, 1), v2.repeat_interleave(group, 1)
     out = F.scaled_dot_product_attention(q2, k2, v2, attn_mask=mask, scale=scale)
     return out[..., :D]
@@ -106,8 +118,9 @@ def visibility_mask(kept: torch.Tensor, local_window: int, full_rows: int = 0) -
     return visible
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float
+) -> torch.Tensor:
     """GQA attention under a per-KV-head boolean mask ``visible [B, Hkv, T, T]`` -> ``[B, Hq, T, D]``.
 
     Each KV head's query group becomes the head axis of one batch row, so the mask broadcasts over
@@ -134,7 +147,9 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
 class SoftGatedAttention:
     """Differentiable write-gated attention; returns the gate values as aux for the sparsity loss."""
 
-    def __init__(self, gates: Sequence[WriteGates], local_window: int, eps: float = 1e-6, backend: str = "sdpa"):
+    def __init__(
+        self, gates: Sequence[WriteGates], local_window: int, eps: float = 1e-6, backend: str = "sdpa"
+    ):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.gates, self.local_window, self.eps, self.backend = list(gates), local_window, eps, backend
@@ -167,15 +182,17 @@ class SoftGatedAttention:
         T = q.shape[2]
         key = (T, q.device)
         if key not in self._block_masks:
-            self._block_masks[key] = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, T, T,
-                                                       device=q.device)
+            self._block_masks[key] = create_block_mask(
+                lambda b, h, qi, ki: qi >= ki, None, None, T, T, device=q.device
+            )
         group, window = q.shape[1] // k.shape[1], self.local_window
 
         def score_mod(score, b, h, qi, ki):
             return score + torch.where(qi - ki < window, 0.0, log_g[b, h // group, ki])
 
-        return self._flex(q, k, v, score_mod=score_mod, block_mask=self._block_masks[key], scale=scale,
-                          enable_gqa=True)
+        return self._flex(
+            q, k, v, score_mod=score_mod, block_mask=self._block_masks[key], scale=scale, enable_gqa=True
+        )
 
     def _flex_split_attention(self, q, k, v, g, scale):
         """:func:`split_key_attention` through FlexAttention: its block mask skips the blocks no query sees
@@ -188,8 +205,9 @@ class SoftGatedAttention:
         key = ("split", T, q.device)
         if key not in self._block_masks:
             window = self.local_window
-            self._block_masks[key] = create_block_mask(lambda b, h, qi, ki: split_visible(qi, ki, T, window),
-                                                       None, None, T, 2 * T, device=q.device)
+            self._block_masks[key] = create_block_mask(
+                lambda b, h, qi, ki: split_visible(qi, ki, T, window), None, None, T, 2 * T, device=q.device
+            )
         width = 1 << D.bit_length()  # a power of two above D: every FlexAttention kernel takes it
         q2, k2, v2 = split_keys(q, k, v, g, self.eps, scale, width)
         out = self._flex(q2, k2, v2, block_mask=self._block_masks[key], scale=scale, enable_gqa=True)
@@ -230,4 +248,3 @@ def sparsity_penalty(g: torch.Tensor, local_window: int) -> torch.Tensor:
     if g.shape[-1] == 0:
         return g.new_zeros(g.shape[0])
     return (g + g * (1 - g)).flatten(1).mean(-1)
-

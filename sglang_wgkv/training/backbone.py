@@ -51,12 +51,15 @@ class Backbone(nn.Module):
         super().__init__()
         model_type = causal_lm.config.model_type
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
+            raise ValueError(
+                f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
+            )
         self.lm = causal_lm.requires_grad_(False).eval()
         cfg = causal_lm.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.shape = BackboneShape(cfg.num_hidden_layers, cfg.num_attention_heads,
-                                   cfg.num_key_value_heads, head_dim)
+        self.shape = BackboneShape(
+            cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim
+        )
 
     @property
     def decoder(self) -> nn.Module:

@@ -120,7 +120,10 @@ def build_corpus(tokenizer, spec: CorpusSpec, out_dir: str | Path, progress: boo
     for docs in by_kind.values():
         rng.shuffle(docs)
     order = _interleave(list(by_kind.values()))
-    quota = {"train": dict(zip(spec.bins, spec.train_rows)), "heldout": dict(zip(spec.bins, spec.heldout_rows))}
+    quota = {
+        "train": dict(zip(spec.bins, spec.train_rows)),
+        "heldout": dict(zip(spec.bins, spec.heldout_rows)),
+    }
     rows = {(s, b): [] for s in quota for b in spec.bins}
     documents = []
     bar = tqdm(total=sum(spec.train_rows) + sum(spec.heldout_rows), desc="corpus rows", disable=not progress)
@@ -137,12 +140,13 @@ def build_corpus(tokenizer, spec: CorpusSpec, out_dir: str | Path, progress: boo
         start = 0
         while True:
             remaining = len(ids) - start
-            fits = [b for b in spec.bins
-                    if b - len(prefix) <= remaining and len(rows[split, b]) < quota[split][b]]
+            fits = [
+                b for b in spec.bins if b - len(prefix) <= remaining and len(rows[split, b]) < quota[split][b]
+            ]
             if not fits:
                 break
             b = min(fits, key=lambda L: (len(rows[split, L]) / quota[split][L], -L))
-            body = ids[start:start + b - len(prefix)]
+            body = ids[start : start + b - len(prefix)]
             rows[split, b].append((prefix + body, doc_index))
             start += len(body)
             used = True
@@ -164,8 +168,9 @@ def build_corpus(tokenizer, spec: CorpusSpec, out_dir: str | Path, progress: boo
         "rows": {f"{s}_{b}": len(rs) for (s, b), rs in rows.items()},
         "documents": documents,
     }
-    manifest["short_bins"] = {f"{s}_{b}": [len(rs), quota[s][b]] for (s, b), rs in rows.items()
-                              if len(rs) < quota[s][b]}
+    manifest["short_bins"] = {
+        f"{s}_{b}": [len(rs), quota[s][b]] for (s, b), rs in rows.items() if len(rs) < quota[s][b]
+    }
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 
@@ -187,7 +192,9 @@ class Corpus:
     def __init__(self, path: str | Path):
         path = Path(path)
         if not (path / "corpus.npz").is_file():
-            raise FileNotFoundError(f"{path}: no corpus.npz (build one with `python -m sglang_wgkv.training corpus`)")
+            raise FileNotFoundError(
+                f"{path}: no corpus.npz (build one with `python -m sglang_wgkv.training corpus`)"
+            )
         data = np.load(path / "corpus.npz")
         self.arrays = {k: data[k] for k in data.files}
         self.manifest = json.loads((path / "manifest.json").read_text())

@@ -96,8 +96,9 @@ def llama_from_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    model.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()},
-                          assign=True, strict=True)
+    model.load_state_dict(
+        {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}, assign=True, strict=True
+    )
     if config.tie_word_embeddings:
         model.tie_weights()
     # Non-persistent buffers (RoPE inv_freq) stayed on meta: rebuild the rotary module for real.

@@ -27,8 +27,13 @@ import torch
 
 from sglang_wgkv.config import DEFAULT_LOCAL_WINDOW, DEFAULT_TAU
 from sglang_wgkv.gate import GateConfig, WriteGates, load_gates, save_gates
-from sglang_wgkv.training.attention import (BACKENDS, HardGatedAttention, SoftGatedAttention, kv_fraction,
-                                           sparsity_penalty)
+from sglang_wgkv.training.attention import (
+    BACKENDS,
+    HardGatedAttention,
+    SoftGatedAttention,
+    kv_fraction,
+    sparsity_penalty,
+)
 from sglang_wgkv.training.backbone import Backbone, dense_attention, load_backbone
 from sglang_wgkv.training.corpus import Corpus
 
@@ -52,7 +57,9 @@ class TrainConfig:
     local_window: int = DEFAULT_LOCAL_WINDOW
     tau: float = DEFAULT_TAU
     eps: float = 1e-6
-    hidden: int | None = None  # the gate MLP's hidden width per head; None: GateConfig's default (4 * head_dim)
+    hidden: int | None = (
+        None  # the gate MLP's hidden width per head; None: GateConfig's default (4 * head_dim)
+    )
     init_bias: float = 3.0
     val_every: int = 100
     val_rows: int = 4
@@ -98,8 +105,9 @@ def lr_lambda(warmup_steps: int, total_steps: int):
     return f
 
 
-def choose_backend(backbone: Backbone, batch: int, seq_len: int, local_window: int, eps: float,
-                   iters: int = 3) -> tuple[str, dict]:
+def choose_backend(
+    backbone: Backbone, batch: int, seq_len: int, local_window: int, eps: float, iters: int = 3
+) -> tuple[str, dict]:
     """The faster soft-gate backend for one layer's forward + backward at the training shape.
 
     On CPU: ``sdpa`` (FlexAttention has no CPU backward). On CUDA all of BACKENDS are timed:
@@ -140,7 +148,9 @@ class GateTrainer:
     """Owns the backbone, the gate sets, the optimizer and the data order of one run."""
 
     def __init__(self, config: TrainConfig, backbone: Backbone | None = None, corpus: Corpus | None = None):
-        device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        device = (
+            config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        )
         dtype = torch.bfloat16 if config.dtype == "bf16" else torch.float32
         self.backbone = backbone or load_backbone(config.model, dtype=dtype, device=device)
         self.device = torch.device(device)
@@ -148,20 +158,31 @@ class GateTrainer:
         self.backend_timings = {}
         backend = config.backend
         if backend == "auto":
-            backend, self.backend_timings = choose_backend(self.backbone, len(config.lams), config.seq_len,
-                                                           config.local_window, config.eps)
+            backend, self.backend_timings = choose_backend(
+                self.backbone, len(config.lams), config.seq_len, config.local_window, config.eps
+            )
         grad_checkpoint = config.grad_checkpoint
         if grad_checkpoint is None:
             grad_checkpoint = self.device.type != "cuda"
-        self.config = config = replace(config, device=device, backend=backend, grad_checkpoint=grad_checkpoint)
+        self.config = config = replace(
+            config, device=device, backend=backend, grad_checkpoint=grad_checkpoint
+        )
         self.corpus = corpus or Corpus(config.corpus)
         shape = self.backbone.shape
         torch.manual_seed(config.seed)
         self.gates = []
         for lam in config.lams:
-            gc = GateConfig(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                            hidden=config.hidden, tau=config.tau, local_window=config.local_window, lam=lam,
-                            model_id=config.model_id or str(config.model), eps=config.eps)
+            gc = GateConfig(
+                num_layers=shape.num_layers,
+                num_kv_heads=shape.num_kv_heads,
+                head_dim=shape.head_dim,
+                hidden=config.hidden,
+                tau=config.tau,
+                local_window=config.local_window,
+                lam=lam,
+                model_id=config.model_id or str(config.model),
+                eps=config.eps,
+            )
             gates = WriteGates(gc)
             for layer in gates.layers:
                 torch.nn.init.constant_(layer.b2, config.init_bias)
@@ -178,7 +199,9 @@ class GateTrainer:
 
     def _scheduler(self, total_steps: int, last_step: int = -1):
         warmup = max(1, int(self.config.warmup_frac * total_steps))
-        return torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(warmup, total_steps), last_epoch=last_step)
+        return torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(warmup, total_steps), last_epoch=last_step
+        )
 
     def fit_to_budget(self, seconds_per_step: float, seconds_left: float) -> int:
         """Shrink the run to the steps that fit in ``seconds_left`` (the schedule is re-planned); returns them."""
@@ -199,7 +222,9 @@ class GateTrainer:
         with torch.no_grad():
             teacher, _ = self.backbone(ids, dense_attention)
         n = len(self.gates)
-        student, gs = self.backbone(ids.expand(n, -1), self.student, grad_checkpoint=self.config.grad_checkpoint)
+        student, gs = self.backbone(
+            ids.expand(n, -1), self.student, grad_checkpoint=self.config.grad_checkpoint
+        )
         mse = (student.float() - teacher.float()).pow(2).mean(dim=(1, 2))
         sparsity = torch.stack([sparsity_penalty(g, self.config.local_window) for g in gs]).mean(0)
         return {"mse": mse, "sparsity": sparsity, "loss": mse + self.lams * sparsity}
@@ -237,13 +262,26 @@ class GateTrainer:
     def save(self):
         out = Path(self.config.out_dir)
         c = self.config
-        training = {"command": self.command, "step": self.step, "steps": c.steps, "lams": list(c.lams),
-                    "seq_len": c.seq_len, "lr": c.lr, "backend": c.backend, "model": c.model, "corpus": c.corpus,
-                    "device": torch.cuda.get_device_name() if self.device.type == "cuda" else "cpu"}
+        training = {
+            "command": self.command,
+            "step": self.step,
+            "steps": c.steps,
+            "lams": list(c.lams),
+            "seq_len": c.seq_len,
+            "lr": c.lr,
+            "backend": c.backend,
+            "model": c.model,
+            "corpus": c.corpus,
+            "device": torch.cuda.get_device_name() if self.device.type == "cuda" else "cpu",
+        }
         for lam, gates in zip(c.lams, self.gates):
             save_gates(gates, lam_dir(out, lam), training=training)
-        state = {"step": self.step, "optimizer": self.optimizer.state_dict(),
-                 "scheduler": self.scheduler.state_dict(), "config": asdict(self.config)}
+        state = {
+            "step": self.step,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "config": asdict(self.config),
+        }
         tmp = out / (STATE_FILE + ".tmp")
         torch.save(state, tmp)
         tmp.replace(out / STATE_FILE)
@@ -280,8 +318,16 @@ class GateTrainer:
         t0 = time.time()
         first, t_second = self.step, None
         if self.backend_timings:
-            log.write(json.dumps({"backend": c.backend, "timings_s": self.backend_timings,
-                                 "grad_checkpoint": c.grad_checkpoint}) + "\n")
+            log.write(
+                json.dumps(
+                    {
+                        "backend": c.backend,
+                        "timings_s": self.backend_timings,
+                        "grad_checkpoint": c.grad_checkpoint,
+                    }
+                )
+                + "\n"
+            )
         # SIGTERM (`timeout`, a lease running out) ends the loop after the step in flight, with a
         # checkpoint: the next run resumes there instead of at the last ckpt_every multiple
         stop = []
@@ -304,8 +350,13 @@ class GateTrainer:
                     c = self.config
                     log.write(json.dumps({"seconds_per_step": per_step, "planned_steps": c.steps}) + "\n")
                 if self.step % c.log_every == 0 or self.step == c.steps:
-                    rec = {"step": self.step, "lr": self.scheduler.get_last_lr()[0], "lams": list(c.lams),
-                           "elapsed_s": round(time.time() - t0, 2), **m}
+                    rec = {
+                        "step": self.step,
+                        "lr": self.scheduler.get_last_lr()[0],
+                        "lams": list(c.lams),
+                        "elapsed_s": round(time.time() - t0, 2),
+                        **m,
+                    }
                     log.write(json.dumps(rec) + "\n")
                     log.flush()
                     bar.set_postfix(mse=f"{max(m['mse']):.3g}", sp=f"{min(m['sparsity']):.3f}")
