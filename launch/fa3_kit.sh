@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# FlashAttention-3 (sgl_kernel/flash_ops.abi3.so from sglang-kernel 0.4.5) for the offline H200, so that
+# `python -m sglang.launch_server` runs with no --attention-backend (SGLang's Hopper default, fa3).
+#   bash launch/fa3_kit.sh split [--piece-mib N] [--codec xz|zstd]   here: pieces + manifest in .fa3/
+#   bash launch/fa3_kit.sh join                                       there: one call per piece (launch/README.md)
+# `join` stashes the pieces a call carried in /tmp/fa3; the call that brings the last one joins them,
+# checks every SHA-256 and installs both files into the kit's site (/tmp/site), then imports FA3.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+case "${1:-}" in
+split)
+    shift
+    python3 -m launch.fa3_kit split --out .fa3 "$@" ;;
+join)
+    shift
+    [ -f /tmp/pp ] || { echo "no /tmp/pp: call 'launch/h200.sh setup' (carry .kit) first, in the same message" >&2; exit 3; }
+    if [ -d .kit2 ] && [ ! -e /tmp/sglang-wheel-installed ]; then bash launch/h200.sh kit2; fi
+    . /tmp/pp
+    python3 -m launch.fa3_kit join --src .fa3 --stash /tmp/fa3 --site "${KIT_SITE:-/tmp/site}" "$@" | tee /tmp/fa3.status
+    if grep -q '^FA3 installed' /tmp/fa3.status; then
+        python3 -c "from sgl_kernel.flash_attn import flash_attn_with_kvcache; print('FA3 imports:', flash_attn_with_kvcache.__module__)"
+        touch /tmp/fa3-installed
+    fi ;;
+*)
+    sed -n 2,7p "$0"; exit 2 ;;
+esac
