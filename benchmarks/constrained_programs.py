@@ -10,10 +10,10 @@ Servers (``--servers``, in order):
   (only the import stand-in that lets SGLang start on a CPU), i.e. SGLang 0.5.17 as shipped.
 
     # CPU, the recorded run (benchmarks/results/constrained/cpu_programs.json)
-    python benchmarks/constrained_programs.py --server-args "--max-total-tokens 16384" \\
+    python -m benchmarks.constrained_programs --server-args "--max-total-tokens 16384" \\
         --out benchmarks/results/constrained/cpu_programs.json
     # H200 (kernels path), see launch/h200.sh programs
-    python benchmarks/constrained_programs.py --servers wgkv,disable-wgkv --out $OUT/h200_programs.json
+    python -m benchmarks.constrained_programs --servers wgkv,disable-wgkv --out $OUT/h200_programs.json
 
 ``--max-new-tokens N`` caps every generation (default: the programs' own limits). ``--merge A.json B.json
 --out C.json`` joins the runs of separate invocations (one server per call, e.g. on a busy machine).

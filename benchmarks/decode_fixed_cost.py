@@ -30,7 +30,7 @@ the spec's ``programs_per_sm``) at every length, fitted the same way, against th
 (``""``, always first). ``--best-out FILE`` then writes the spec that is fastest at the W1 length
 if it beats the default by ``--min-gain`` (else an empty file): a later served run reads it.
 
-usage: python benchmarks/decode_fixed_cost.py [--out DIR] [--lengths ...] [--splits ...] [--deadline S]
+usage: python -m benchmarks.decode_fixed_cost [--out DIR] [--lengths ...] [--splits ...] [--deadline S]
                                               [--variants ...] [--configs SPEC ...] [--best-out FILE]
 """
 
@@ -41,9 +41,7 @@ import sys
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.common import Deadline, environment, write_json  # noqa: E402
+from benchmarks.common import Deadline, environment, write_json
 from benchmarks.kernel_decode import (
     DT,
     HKV,
@@ -52,7 +50,7 @@ from benchmarks.kernel_decode import (
     D,
     FoldedPool,
     W,
-    global_lengths,  # noqa: E402
+    global_lengths,
     graph_ms,
     layers_for,
 )

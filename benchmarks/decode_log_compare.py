@@ -7,7 +7,7 @@ lines are what is left: same workload and seed, so the intervals of the two runs
 tokens. Intervals under ``--stall`` of their run's median (a compile, an eviction wave) are listed
 but left out of the summary.
 
-    python benchmarks/decode_log_compare.py --before A/server.wgkv.W4.log --after B/server.wgkv.W4.log \\
+    python -m benchmarks.decode_log_compare --before A/server.wgkv.W4.log --after B/server.wgkv.W4.log \\
         --label-before e14be5e~1 --label-after e14be5e --out benchmarks/results/serving/W4_decode_log.json
 """
 
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
         "before": a.label_before,
         "after": a.label_after,
         "note": a.note,
-        "command": "python benchmarks/decode_log_compare.py "
+        "command": "python -m benchmarks.decode_log_compare "
         + shlex.join(sys.argv[1:] if argv is None else argv),
         **compare(before, after, a.stall),
     }

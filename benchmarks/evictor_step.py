@@ -1,6 +1,6 @@
 """Cost of the SnapKV evictor at model scale (default: Qwen3-4B attention, the paper's App. K setup).
 
-python benchmarks/evictor_step.py [--requests 8 --layers 36 --kv-heads 8 --q-heads 32 --head-dim 128
+python -m benchmarks.evictor_step [--requests 8 --layers 36 --kv-heads 8 --q-heads 32 --head-dim 128
                                   --budget 4096 --window 256] [--scores auto|torch|triton] [--out PATH]
 
 Measures (CUDA if available, else CPU):
@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import torch
-from common import environment, write_json
 
+from benchmarks.common import environment, write_json
 from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.memory import DualCachePool, SnapKVEvictor
 

@@ -4,7 +4,7 @@ global pages, the chunk's last tokens into the ring), torch ops against the Trit
 ``triton_extend`` pool, at the served W2 shape by default: Llama-3.1-8B attention (32 layers, 8 KV heads,
 D 128, bf16), W_local 256, 25% random admission, chunks of 8,192 tokens of one 32,768-token request.
 
-python benchmarks/extend_step.py [--layers 32 --kv-heads 8 --head-dim 128 --window 256 --chunk 8192
+python -m benchmarks.extend_step [--layers 32 --kv-heads 8 --head-dim 128 --window 256 --chunk 8192
                                   --prompt 32768 --admit 0.25 --reps 3] [--out PATH]
 
 For each chunk position (a request's first chunk, then after 8K, 16K, 24K cached tokens) and path,
@@ -22,11 +22,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import environment, write_json  # noqa: E402
-from sglang_wgkv.config import WGKVConfig  # noqa: E402
-from sglang_wgkv.memory import DualCachePool  # noqa: E402
+from benchmarks.common import environment, write_json
+from sglang_wgkv.config import WGKVConfig
+from sglang_wgkv.memory import DualCachePool
 
 
 def chunk_rows(a, dev, gen, start, n):

@@ -27,7 +27,7 @@ Each length and mode is one entry of ``<out>/<name>.json``; ``--append`` merges 
 existing file (so a sweep can be split over several device calls); ``<name>.md`` is the markdown
 table of everything in the file.
 
-usage: python benchmarks/fig8_end_to_end.py --out DIR [--lengths 131072 ...] [--modes wgkv dense]
+usage: python -m benchmarks.fig8_end_to_end --out DIR [--lengths 131072 ...] [--modes wgkv dense]
        [--decode triton|flashinfer] [--extra-dense fa2 sdpa --extra-dense-lengths 131072]
        [--name STEM --append] [--deadline S]
 """
@@ -37,15 +37,12 @@ import gc
 import json
 import math
 import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.common import Deadline, capture_graph, environment, write_json  # noqa: E402
-from benchmarks.fig8_model import HKV, HQ, LAYERS, VOCAB, D, RandomLlama  # noqa: E402
+from benchmarks.common import Deadline, capture_graph, environment, write_json
+from benchmarks.fig8_model import HKV, HQ, LAYERS, VOCAB, D, RandomLlama
 
 WINDOW, P_ADMIT, STEPS, WARMUP = 256, 0.25, 100, 5
 DT = torch.bfloat16

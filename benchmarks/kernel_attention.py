@@ -7,19 +7,16 @@ Decode (batch 1): FlashInfer folded-head decode (ring + global pages of each hea
 order) against dense FlashInfer paged decode (same page size, random page order) and SDPA, over 8
 layers with distinct memory, eager and CUDA-graph replay. Effective bandwidth = K+V bytes / time.
 
-usage: python benchmarks/kernel_attention.py --out DIR [--lengths 32768 131072 ...] [--deadline S]
+usage: python -m benchmarks.kernel_attention --out DIR [--lengths 32768 131072 ...] [--deadline S]
 """
 
 import argparse
 import json
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.common import Deadline, capture_graph, cuda_ms, environment, write_json  # noqa: E402
+from benchmarks.common import Deadline, capture_graph, cuda_ms, environment, write_json
 
 HQ, HKV, D, W = 32, 8, 128, 256
 DT = torch.bfloat16
@@ -84,7 +81,7 @@ def run_prefill(args, deadline, results, path):
     results["prefill_config"] = best
     with open("/tmp/wgkv_prefill_config.json", "w") as f:
         json.dump(best, f)
-    del q, k, v
+    q = k = v = None  # frees the GPU memory before the next shape
     _prefill_lengths(args, deadline, results, path, PrefillConfig(**best))
 
 
@@ -195,13 +192,13 @@ def _prefill_lengths(args, deadline, results, path, cfg):
                 if "ms" in entry.get(base, {}):
                     wg[f"speedup_vs_{base}"] = entry[base]["ms"] / total
             entry.setdefault("wgkv_triton", []).append(wg)
-            del plan, comp
+            plan = comp = None  # frees the GPU memory before the next shape
         rows.append(entry)
         write_json(path, results)
         print(json.dumps({k: entry[k] for k in entry if k != "wgkv_triton"}), flush=True)
         for wg in entry.get("wgkv_triton", []):
             print("   ", json.dumps(wg), flush=True)
-        del q, k, v
+        q = k = v = None  # frees the GPU memory before the next shape
         torch.cuda.empty_cache()
 
 
@@ -267,7 +264,7 @@ def run_decode(args, deadline, results, path, layers=8):
             "ms_per_layer": sorted(ms)[10],
             "tbps": dense_bytes / sorted(ms)[10] / 1e9,
         }
-        del kc, vc, kv_dense
+        kc = vc = kv_dense = None  # frees the GPU memory before the next shape
         torch.cuda.empty_cache()
         for rej in args.rejections:
             glens = [folded_layer(n, rej, gen) for _ in range(layers)]
@@ -301,7 +298,7 @@ def run_decode(args, deadline, results, path, layers=8):
                         entry["dense_flashinfer"][mode]["ms_per_layer"] / res[mode]["ms_per_layer"]
                     )
             entry.setdefault("wgkv_folded_flashinfer", []).append(res)
-            del kp, vp, decs
+            kp = vp = decs = None  # frees the GPU memory before the next shape
             torch.cuda.empty_cache()
         rows.append(entry)
         write_json(path, results)

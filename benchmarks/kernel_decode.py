@@ -18,7 +18,7 @@ and rejection rate, every (request, layer, KV head) stream holds the full ring (
 A small launch-shape sweep (block_n, warps, stages, splits; fused merge unless ``two_launch``) runs
 first at one shape and is reported; the timed runs use the defaults unless ``--use-best``.
 
-usage: python benchmarks/kernel_decode.py [--out DIR] [--lengths ...] [--rejections ...] [--batches 1 8]
+usage: python -m benchmarks.kernel_decode [--out DIR] [--lengths ...] [--rejections ...] [--batches 1 8]
                                           [--deadline S] [--no-sweep] [--use-best]
                                           [--fused-merge {both,fused,two_launch}]
 """
@@ -27,13 +27,10 @@ import argparse
 import dataclasses
 import math
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.common import Deadline, capture_graph, cuda_ms, environment, write_json  # noqa: E402
+from benchmarks.common import Deadline, capture_graph, cuda_ms, environment, write_json
 
 HQ, HKV, D, W, PAGE = 32, 8, 128, 256, 16
 DT = torch.bfloat16
@@ -187,7 +184,7 @@ def sweep(args, results, gen):
         "best": best,
     }
     print("sweep best:", best, flush=True)
-    del pool
+    pool = None  # frees the GPU memory before the next shape
     torch.cuda.empty_cache()
     return best
 
@@ -245,7 +242,7 @@ def run(args, deadline, results, path, best):
                 entry["dense_flashinfer"] = {"ms": t, "tbps": dense_bytes / t / 1e9, "layers": L}
             except Exception as exc:
                 entry["dense_flashinfer"] = {"error": repr(exc)[:300]}
-            del kv, dense
+            kv = dense = None  # frees the GPU memory before the next shape
             torch.cuda.empty_cache()
             splits = best["splits"] if args.use_best and best else choose_num_splits(B, HKV, n, "cuda")
             cfg = (
@@ -281,7 +278,7 @@ def run(args, deadline, results, path, best):
 
                     t = graph_ms(fi_run) / L
                     res["folded_flashinfer"] = {"ms": t, "tbps": pool.kv_bytes_per_layer / t / 1e9}
-                    del decs
+                    decs = None  # frees the GPU memory before the next shape
                 except Exception as exc:
                     res["folded_flashinfer"] = {"error": repr(exc)[:300]}
                 for key, fused in TRITON_ROWS[args.fused_merge]:
@@ -309,7 +306,7 @@ def run(args, deadline, results, path, best):
                     )
                 entry.setdefault("folded", []).append(res)
                 print(B, n, res, flush=True)
-                del pool
+                pool = None  # frees the GPU memory before the next shape
                 torch.cuda.empty_cache()
             rows.append(entry)
             write_json(path, results)

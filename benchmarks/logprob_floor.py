@@ -17,7 +17,7 @@ Servers, one after the other (default: all but fp32_reference on CUDA; the two r
 prompt: its logprobs' distance to float32 along its own tokens; for each pair of servers: the first
 token where the greedy ids differ and the largest logprob difference up to it. JSON with the commands.
 
-usage (device, after `launch/h200.sh` prepared the model): python benchmarks/logprob_floor.py --out DIR
+usage (device, after `launch/h200.sh` prepared the model): python -m benchmarks.logprob_floor --out DIR
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Time one decode-step pool update (promotion for all layers + ring writes per layer) on this CPU.
 
-python benchmarks/pool_update_cpu.py [--requests 32 --layers 30 --kv-heads 3 --head-dim 64 --context 1024]
+python -m benchmarks.pool_update_cpu [--requests 32 --layers 30 --kv-heads 3 --head-dim 64 --context 1024]
 Writes benchmarks/results/kernels/pool_update_cpu.json.
 """
 

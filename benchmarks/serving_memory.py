@@ -10,10 +10,10 @@ its minimum, the server's KV budget and request slots, whether it survived) and 
 outside the results. With ``nvidia-smi`` on the PATH it also samples the used memory of GPU 0 (the
 whole device: run nothing else on it), peak overall and per phase, against the device's total.
 
-    python benchmarks/serving_memory.py --label wgkv_default --out benchmarks/results/serving
-    python benchmarks/serving_memory.py --label upstream_default --out benchmarks/results/serving -- --disable-wgkv
+    python -m benchmarks.serving_memory --label wgkv_default --out benchmarks/results/serving
+    python -m benchmarks.serving_memory --label upstream_default --out benchmarks/results/serving -- --disable-wgkv
     # the H200 kit (no FA3): upstream's baseline there
-    python benchmarks/serving_memory.py --label upstream_h200 -- --disable-wgkv --attention-backend flashinfer
+    python -m benchmarks.serving_memory --label upstream_h200 -- --disable-wgkv --attention-backend flashinfer
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import os
 import platform
 import shutil
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -32,10 +31,9 @@ from pathlib import Path
 import psutil
 import requests
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run as a script: this checkout's sglang_wgkv, not an installed one
+from sglang_wgkv.server_process import LAUNCHER, ServerProcess, free_port
 
-from sglang_wgkv.server_process import LAUNCHER, ServerProcess, free_port  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def gpu_memory() -> tuple[int, int] | None:

@@ -9,7 +9,7 @@ and integers, tests/sm90_compile.py): before 2026-12-04 it did not, the gathers 
 scalar loads without cp.async, and this table read 255 registers with spills for the default shape
 (120 without spills at the real specialization).
 
-usage: python benchmarks/sm90_registers.py [--out DIR]
+usage: python -m benchmarks.sm90_registers [--out DIR]
 """
 
 import argparse

@@ -2,7 +2,7 @@
 GPU kernel time by phase and by kernel, GPU busy time against the traced span (the idle rest is time
 the GPU waited for the host), per profiled step.
 
-    python benchmarks/trace_summary.py TRACE_DIR [--steps N]
+    python -m benchmarks.trace_summary TRACE_DIR [--steps N]
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 # FlashInfer's and Triton's compile caches across device machines.
 
 # A device call cut by its time limit kills its client, not the servers it started in their own
-# sessions: left up, one holds GPU memory the next call's servers count on (2026-12-03: an upstream
-# server got a pool of 47,931 tokens instead of 93,052 beside one). Stop them before starting others.
+# sessions: left up, one holds GPU memory the next call's servers size their pools by. Stop them first.
 stop_leftover_servers() {
     pkill -f -- '-m sglang(_wgkv)?\.launch_server' && sleep 10 || true
 }
@@ -31,12 +30,10 @@ triton_cache_save() {  # $1: folder the cache goes back in (when it grew during 
 }
 
 # FlashInfer's JIT cache (ninja builds under ~/.cache/flashinfer) from .fi/fi_cache.tgz, as a call
-# returned it. Ninja rebuilds a module when its .ninja_log records an output mtime older than any input
-# (the headers FlashInfer's wheel just installed into /tmp/site, dated now) or when an output is newer
-# than the mtime its deps log recorded. Until 2026-12-04 the cache was copied with `cp -r` and every file
-# touched to now: the second rule then fired for every module, and each fresh machine rebuilt all three
-# (~150 s of upstream's first start, seen as rebuilt .so files with new log lines in the returned
-# cache). So: unpack with tar (mtimes as built) and date the installed headers before the build.
+# returned it. Ninja rebuilds a module when an output is newer than the mtime its deps log recorded, or
+# older than an input (the headers the kit's wheel just installed, dated now): so unpack with tar (mtimes
+# as built, never a copy that touches them) and date the installed headers back before any build
+# (tests/test_device_recipes.py).
 fi_cache_restore() {
     [ -f .fi/fi_cache.tgz ] && [ ! -d ~/.cache/flashinfer ] || return 0
     mkdir -p ~/.cache && tar xzf .fi/fi_cache.tgz -C ~/.cache

@@ -1,50 +1,11 @@
 #!/usr/bin/env bash
-# The WG-KV SGLang server on the H200 (device tool), offline, with ../shared/device-kit.
-#
-# Preparation here (git-ignored copies that travel through `carry`; one call carries at most 64 MiB
-# with the working tree, ~18 MiB since the two shipped gate sets, so the kit travels in two halves and
-# the model in three pieces of ~31 MiB, cut from the joined GGUF):
-#   mkdir -p .kit .kit2 .model && cp ../shared/device-kit/wheels/* .kit/ && mv .kit/sglang-*.whl .kit/sglang_kernel-*.whl .kit2/
-#   G=SmolLM2-135M-Instruct.Q4_1.gguf; cat ../shared/device-kit/model/$G.part0? > /tmp/$G
-#   (cd .model && split -n 3 -d -a 1 /tmp/$G $G.p) && printf '/.kit/\n/.kit2/\n/.model/\n' >> .git/info/exclude
-# Then device calls in ONE message (they run back to back on the same machine); carry one piece each:
-#   1. carry [".kit"]:                                          bash launch/h200.sh setup   (ALONE first)
-#   2. carry [".kit2"]:                                         bash launch/h200.sh kit2
-#   3. carry [".model/SmolLM2-135M-Instruct.Q4_1.gguf.p0"]:      bash launch/h200.sh part
-#   4. carry [".model/SmolLM2-135M-Instruct.Q4_1.gguf.p1"]:      bash launch/h200.sh part
-#   5. carry [".model/SmolLM2-135M-Instruct.Q4_1.gguf.p2"]:      bash launch/h200.sh serve-bench [server args]
-# Step 5 joins the GGUF, checks its SHA-256, converts it (sglang_wgkv.embedded_model), starts
-# `python -m sglang_wgkv.launch_server` (WG-KV, real weights), runs launch/bench_serving.py and writes
-# logs and results to $OUT. `serve-soak [server args]` in its place runs the soak instead
-# (tests/soak_workload.py, 1,000 mixed jobs; SOAK_ARGS overrides its options), summary in $OUT/soak.json (keep it as benchmarks/results/reliability/soak_h200.json).
-# Or, as step 5 (and again in later calls of the same message, each under the 10-minute limit):
-#   bash launch/h200.sh serve-eval [evals.served args]
-# the RULER-style set through one server per configuration (evals/served.py); results go to $OUT as each
-# configuration ends and are kept in /tmp/served (resumed by the next call).
-# `memory [server args]` as step 5: peak GPU memory and RSS of the launcher's defaults (WG-KV) against
-# --disable-wgkv --attention-backend flashinfer through the same phases (benchmarks/serving_memory.py).
-# `train-speed [benchmarks/train_speed.py args]` as step 5: the gate trainer's speed per backend (issue 16).
-# `train-sweep [trainer args]` as step 5 (carry p2 and .cache/corpus, built here with `python -m
-# sglang_wgkv.training corpus --out .cache/corpus`): the λ sweep of issue 16 on the embedded model,
-# STEPS (2000) steps of 4K tokens for LAMS (0.01,0.03,0.1,0.3) at once, FlexAttention without gradient
-# checkpointing (0.33 s a step on the H200), in /tmp/sweep; a call stops after TRAIN_S (520) seconds
-# and the next call of the same message resumes where it stopped (SIGTERM saves the step in flight; the
-# optimizer state is too large to carry to another machine). Each call returns log.jsonl; the call that
-# finishes returns the gates (lam*.safetensors) and sweep_meta.tgz. Then `train-eval [evals.run args]`:
-# the gates against the full cache and the baselines (evals.run, EVAL_S = 500 s) -> $OUT/sweep_eval.json.
-# Timings of 2026-12-03 19:30 (one lease, machine start ~86 s): setup 3 s, part 0.3 s, train-sweep 600 s (cut
-# by the call's limit at step ~1320: the copy/checksum/conversion ahead of the trainer ate the margin, hence
-# TRAIN_S 520 now), train-sweep 299 s (steps 1300-2000), train-eval 129 s (EVAL_S 300 was not reached),
-# `gpu-tests -x` 280 s (cut). Carry limits: see Preparation above.
-# WARM_FI=1 before `train-speed`, `serve-soak` or `serve-bench`: FlashInfer's kernels for the embedded
-# model compile beside it (a dense server, stopped once healthy), for later `memory`/`programs` calls.
-# `logprob-floor` as step 5: benchmarks/logprob_floor.py (three bf16 servers against float32 offline, ~3 min).
-# `gpu-tests [pytest args]` as step 5 runs the GPU tests with the real embedded model (default `-m gpu tests`).
-# `programs` as step 5 runs SGLang's frontend test programs (constrained decoding included) on WG-KV
-# (kernels path) and --disable-wgkv (SERVERS=wgkv or SERVERS=disable-wgkv: one server per call, within a
-# call's time limit): benchmarks/constrained_programs.py -> $OUT/h200_programs.json. The dense baseline runs
-# --attention-backend flashinfer: SGLang's Hopper default (FA3) is stripped from the kit's sgl-kernel
-# (2026-12-03: --disable-wgkv alone died at start-up, "Can not import FA3 in sgl_kernel").
+# The WG-KV SGLang server on the H200 (device tool), offline, with ../shared/device-kit and the embedded
+# model (SmolLM2-135M-Instruct GGUF, real weights), one verb per device call:
+#   setup (carry .kit, first) | kit2 (carry .kit2) | part (carry one .model/*.gguf.pN piece)
+#   serve-bench | serve-soak | serve-eval | memory | programs | logprob-floor | gpu-tests | train-speed |
+#   train-sweep | train-eval   [their args]   (the call that carries the last model piece, or later)
+# Each verb's one-line comment below says what it runs and where its results go ($OUT). Preparation of
+# the carried folders, call order and call durations: launch/README.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 M=/tmp/m
@@ -57,7 +18,7 @@ setup)
     bash .kit/install.sh | tail -1 > /tmp/pp
     python3 launch/register_entry_points.py /tmp/site
     mkdir -p "$M" && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader ;;
-part)  # (mkdir: `served_speed.sh setup` makes no $M; 2026-12-04 three part calls failed after it)
+part)  # mkdir: `served_speed.sh setup` makes no $M
     mkdir -p "$M" && cp .model/$GGUF.p? "$M"/ ;;
 kit2)
     bash .kit/install.sh .kit2 >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .kit2/*.whl
@@ -83,15 +44,15 @@ serve-bench|serve-eval|serve-soak|programs|gpu-tests|logprob-floor|memory|train-
         python3 -m pytest --version >/dev/null 2>&1 || { echo "pytest is not installed here"; exit 2; }
         # shellcheck disable=SC2086
         python3 -m pytest -q -p no:cacheprovider --junitxml "$OUT/gpu_tests.xml" ${*:--m gpu tests} 2>&1 | tee "$OUT/gpu_tests.log"
-        exit "${PIPESTATUS[0]}"  # (until 2026-12-03 it fell through and started a server with pytest's args)
+        exit "${PIPESTATUS[0]}"
     fi
     if [ "$mode" = logprob-floor ]; then
         # issue 15: the bf16 paths' greedy logprobs against float32 (benchmarks/logprob_floor.py)
-        python3 benchmarks/logprob_floor.py --out "$OUT" "$@"; exit $?
+        python3 -m benchmarks.logprob_floor --out "$OUT" "$@"; exit $?
     fi
     if [ "$mode" = programs ]; then
         export WGKV_TEST_STARTUP_TIMEOUT=900
-        exec python3 benchmarks/constrained_programs.py --servers "${SERVERS:-wgkv,disable-wgkv}" --log-dir "$OUT" \
+        exec python3 -m benchmarks.constrained_programs --servers "${SERVERS:-wgkv,disable-wgkv}" --log-dir "$OUT" \
             --server-args "--mem-fraction-static 0.5 $*" --baseline-args "--attention-backend flashinfer" \
             --out "$OUT/h200_programs.json"
     fi
@@ -99,8 +60,7 @@ serve-bench|serve-eval|serve-soak|programs|gpu-tests|logprob-floor|memory|train-
     # FlashInfer's kernels beside this call's own work, for later `memory`/`programs`/`serve-eval` calls
     # of the same message; it is stopped once healthy and the cache comes back as $OUT/fi_cache.tgz
     # --mem-fraction-static counts the whole GPU, other processes' memory included: beside the call's own
-    # server (0.5) the warm-up server takes 0.75 and starts once that server is up (2026-12-03: at 0.15
-    # beside a 0.5 server it died at start-up, "Raise --mem-fraction-static above 0.506")
+    # server (0.5) the warm-up server takes 0.75 and starts once that server is up
     warm=""
     warm_start() {
         [ "${WARM_FI:-0}" = 1 ] || return 0
@@ -161,8 +121,8 @@ serve-bench|serve-eval|serve-soak|programs|gpu-tests|logprob-floor|memory|train-
     if [ "$mode" = memory ]; then
         # issue 14: peak GPU memory (and RSS) of the README server's defaults against upstream's, one after
         # the other, same phases (benchmarks/serving_memory.py) -> $OUT/memory_{wgkv,upstream}_h200.json
-        python3 benchmarks/serving_memory.py --label wgkv_h200 --out "$OUT" --log "$OUT/memory_wgkv_h200.log" -- "$@" || true
-        python3 benchmarks/serving_memory.py --label upstream_h200 --out "$OUT" --log "$OUT/memory_upstream_h200.log" \
+        python3 -m benchmarks.serving_memory --label wgkv_h200 --out "$OUT" --log "$OUT/memory_wgkv_h200.log" -- "$@" || true
+        python3 -m benchmarks.serving_memory --label upstream_h200 --out "$OUT" --log "$OUT/memory_upstream_h200.log" \
             -- --disable-wgkv --attention-backend flashinfer "$@" || true
         exit 0
     fi
@@ -196,5 +156,5 @@ serve-bench|serve-eval|serve-soak|programs|gpu-tests|logprob-floor|memory|train-
     kill -- -$server 2>/dev/null || true
     warm_finish ;;
 *)
-    sed -n 2,15p "$0"; exit 2 ;;
+    sed -n 2,8p "$0"; exit 2 ;;
 esac
