@@ -28,11 +28,12 @@ def environment() -> dict:
     return env
 
 
-def write_json(path: str, obj) -> None:
+def write_json(path: str, obj: dict, kind: str) -> None:
+    """``obj`` as JSON at ``path`` (atomically), first field ``kind`` (benchmarks.summary's renderer)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
+        json.dump({"kind": kind, **obj}, f, indent=1)
     os.replace(tmp, path)
 
 

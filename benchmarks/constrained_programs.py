@@ -99,7 +99,7 @@ def table(runs: list[dict]) -> dict:
 
 def write(path: str, result: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(result, indent=1))
+    Path(path).write_text(json.dumps({"kind": "constrained_programs", **result}, indent=1))
 
 
 def main() -> None:

@@ -185,7 +185,7 @@ def main():
                 print("splits", s, t, flush=True)
         del pool
         torch.cuda.empty_cache()
-        write_json(path, results)
+        write_json(path, results, "decode_fixed_cost")
     if "empty" in args.variants:  # one token per stream: launch gap + prologue + a one-split merge
         empty = FoldedPool(torch.zeros(1, 16, HKV, dtype=torch.int32), gen)
         empty.ring.fill_(1)
@@ -202,7 +202,7 @@ def main():
             best = results["configs"]["best"]
             with open(args.best_out, "w") as f:
                 f.write(best or "")
-    write_json(path, results)
+    write_json(path, results, "decode_fixed_cost")
     print(
         {
             "fit": results["fit"],

@@ -99,7 +99,7 @@ def main(argv=None) -> int:
         + shlex.join(sys.argv[1:] if argv is None else argv),
         **compare(before, after, a.stall),
     }
-    write_json(a.out, result)
+    write_json(a.out, result, "decode_log")
     print(json.dumps(result["summary"]))
     return 0
 

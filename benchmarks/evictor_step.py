@@ -132,7 +132,7 @@ def main():
         }
     result["triton_scores_used"] = ev.triton_scores  # False if the kernel failed to build (logged)
     print(result)
-    write_json(a.out, result)
+    write_json(a.out, result, "evictor_step")
 
 
 if __name__ == "__main__":

@@ -132,6 +132,7 @@ def main():
             "rows": rows,
             "per_chunk_ms": "one chunk's pool work over every layer, wall clock",
         },
+        "extend_step",
     )
 
 

@@ -531,7 +531,7 @@ def main():
             run.setdefault("warmup", {})[key] = run_length(
                 model, 8192, engine_key.get(key, key), workspace, not args.eager, cfg
             )
-    write_json(path, results)
+    write_json(path, results, "fig8")
     for n in args.lengths:
         row = next((r for r in results["lengths"] if r["n"] == n), None)
         if row is None:
@@ -551,10 +551,10 @@ def main():
             row[key] = run_length(model, n, engine_key.get(key, key), workspace, not args.eager, cfg)
             print(n, key, json.dumps(row[key]), flush=True)
             row["ratios"] = ratios(row)
-            write_json(path, results)
+            write_json(path, results, "fig8")
         if row.get("ratios"):
             print(n, "ratios", json.dumps(row["ratios"]), flush=True)
-    write_json(path, results)
+    write_json(path, results, "fig8")
     table = markdown(results)
     with open(os.path.join(args.out, args.name + ".md"), "w") as f:
         f.write(table)

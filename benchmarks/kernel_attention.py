@@ -121,7 +121,7 @@ def _prefill_lengths(args, deadline, results, path, cfg):
         # Expected dense time at ~500 TFLOP/s decides whether this length still fits.
         if deadline.left() < 14 * dense_flops / 5e14 + 10:
             rows.append({"n": n, "skipped": "deadline"})
-            write_json(path, results)
+            write_json(path, results, "kernel_attention")
             continue
         entry = {"n": n, "dense_tflop": dense_flops / 1e12}
         dense = [
@@ -194,7 +194,7 @@ def _prefill_lengths(args, deadline, results, path, cfg):
             entry.setdefault("wgkv_triton", []).append(wg)
             plan = comp = None  # frees the GPU memory before the next shape
         rows.append(entry)
-        write_json(path, results)
+        write_json(path, results, "kernel_attention")
         print(json.dumps({k: entry[k] for k in entry if k != "wgkv_triton"}), flush=True)
         for wg in entry.get("wgkv_triton", []):
             print("   ", json.dumps(wg), flush=True)
@@ -301,7 +301,7 @@ def run_decode(args, deadline, results, path, layers=8):
             kp = vp = decs = None  # frees the GPU memory before the next shape
             torch.cuda.empty_cache()
         rows.append(entry)
-        write_json(path, results)
+        write_json(path, results, "kernel_attention")
         print(json.dumps(entry), flush=True)
 
 
@@ -401,7 +401,7 @@ def main():
         run_decode(args, deadline, results, path)
     if not args.skip_prefill:
         run_prefill(args, deadline, results, path)
-    write_json(path, results)
+    write_json(path, results, "kernel_attention")
     plot(results, os.path.join(args.out, args.name + ".png"))
 
 

@@ -309,7 +309,7 @@ def run(args, deadline, results, path, best):
                 pool = None  # frees the GPU memory before the next shape
                 torch.cuda.empty_cache()
             rows.append(entry)
-            write_json(path, results)
+            write_json(path, results, "kernel_decode")
 
 
 def plot(results, png):
@@ -422,7 +422,7 @@ def main():
     torch.manual_seed(0)
     best = None if args.no_sweep else sweep(args, results, torch.Generator().manual_seed(1))
     run(args, deadline, results, path, best)
-    write_json(path, results)
+    write_json(path, results, "kernel_decode")
     plot(results, os.path.join(args.out, args.name + ".png"))
 
 

@@ -147,6 +147,7 @@ def main() -> None:
             "float32": float32,
             "pairs": pairs,
         },
+        "logprob_floor",
     )
 
 

@@ -78,7 +78,7 @@ def main():
         },
     }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
+    Path(a.out).write_text(json.dumps({"kind": "pool_update_cpu", **res}, indent=2) + "\n")
     print(json.dumps(res, indent=2))
 
 

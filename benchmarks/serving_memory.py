@@ -298,7 +298,9 @@ def main() -> None:
     )
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"memory_{a.label}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"memory_{a.label}.json").write_text(
+        json.dumps({"kind": "serving_memory", **result}, indent=1) + "\n"
+    )
     print(json.dumps({k: v for k, v in result.items() if k != "rss_timeline"}, indent=1))
 
 

@@ -108,6 +108,7 @@ def main():
                 "num_stages": td.DecodeConfig.num_stages,
             },
         },
+        "sm90_registers",
     )
 
 

@@ -148,7 +148,7 @@ def main(argv=None) -> int:
             if (
                 a.out
             ):  # after every configuration: a run cut by the caller's time limit keeps what it measured
-                write_json(a.out, result)
+                write_json(a.out, result, "train_speed")
     return 0
 
 

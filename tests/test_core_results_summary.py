@@ -1,8 +1,7 @@
-"""benchmarks/results/SUMMARY.md is what ``python benchmarks/summary.py`` generates from the JSON files
-beside it (no hand edits, no machine paths), and every result file sits in a folder named for what it
-measured."""
+"""benchmarks/results/SUMMARY.md is what ``python -m benchmarks.summary`` generates from the JSON files
+beside it (no hand edits, no machine paths), every result file sits in a folder named for what it
+measured and names its ``kind``, which picks its renderer."""
 
-import importlib.util
 import json
 import os
 import time
@@ -16,22 +15,22 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _summary_module():
-    spec = importlib.util.spec_from_file_location("results_summary", REPO / "benchmarks" / "summary.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks import summary
+
+    return summary
 
 
 def test_summary_is_generated_from_the_json():
     summary = _summary_module()
     text = summary.render()
     assert (REPO / "benchmarks" / "results" / "SUMMARY.md").read_text() == text, (
-        "SUMMARY.md is out of date: run python benchmarks/summary.py"
+        "SUMMARY.md is out of date: run python -m benchmarks.summary"
     )
     for path in sorted((REPO / "benchmarks" / "results").rglob("*.json")):
         assert path.parent.name in {folder for folder, _ in summary.SECTIONS}, path
         assert f"`{path.parent.name}/{path.name}`" in text
-        assert summary.renderer(json.loads(path.read_text())) is not None, f"{path}: no table in summary.py"
+        kind = json.loads(path.read_text()).get("kind")
+        assert kind in summary.RENDERERS, f"{path}: kind {kind!r} has no renderer in summary.RENDERERS"
 
 
 def test_machine_paths_are_replaced():
@@ -51,9 +50,8 @@ def test_trace_summary_attributes_idle_gaps_to_host_events():
     """The summary of a profiler trace names its longest GPU idle gaps, the kernels around them and
     the host calls that ran meanwhile (synthetic trace: two kernels, a 2 ms gap covered by a Python
     op inside a longer step annotation)."""
-    spec = importlib.util.spec_from_file_location("trace_summary", REPO / "benchmarks" / "trace_summary.py")
-    ts = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ts)
+    from benchmarks import trace_summary as ts
+
     events = [
         {"ph": "X", "cat": "kernel", "name": "nvjet_gemm", "ts": 0.0, "dur": 500.0},
         {"ph": "X", "cat": "kernel", "name": "_vertical_slash_fwd", "ts": 2500.0, "dur": 100.0},
@@ -94,9 +92,8 @@ def test_serving_memory_samples_the_gpu_through_nvidia_smi(tmp_path, monkeypatch
     """benchmarks/serving_memory.py reads GPU 0's used/total memory from ``nvidia-smi`` (a stand-in
     script here), keeps per-phase GPU peaks only on a GPU host, and the summary renders a GPU column
     only then."""
-    spec = importlib.util.spec_from_file_location("serving_memory", REPO / "benchmarks" / "serving_memory.py")
-    sm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sm)
+    from benchmarks import serving_memory as sm
+
     (tmp_path / "empty").mkdir()
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert sm.gpu_memory() is None  # no nvidia-smi on the PATH

@@ -1,0 +1,345 @@
+"""Tables of the serving results (``serving/``, ``constrained/``, ``reliability/``), one renderer per kind."""
+
+from __future__ import annotations
+
+from benchmarks.report_format import cmd, cmds, f, table
+
+
+def serving_throughput(d: dict) -> list[str]:
+    w = d["workload"]
+    lines = [
+        f"{d['label']}: {w['num_requests']} requests x ({w['prompt_tokens']} prompt + {w['output_tokens']} output "
+        f"tokens), `--mem-fraction-static {w['mem_fraction_static']}`.",
+        "",
+    ]
+    for name, run in d["runs"].items():
+        if "command" in run:
+            lines.append(f"{name}: {cmd(run['command'])}")
+    lines.append("")
+    rows = [
+        [
+            name,
+            s["max_total_num_tokens"],
+            s["max_running_seen"],
+            f(s["output_tok_s"], 1),
+            f"{f(s['ttft_p50_s'], 1)} / {f(s['ttft_p99_s'], 1)}",
+            f"{f(s['tpot_p50_s'], 0, 1e-3)} / {f(s['tpot_p99_s'], 0, 1e-3)}",
+            f(s["wall_s"], 1),
+        ]
+        for name, s in d["summary"].items()
+    ]
+    lines += table(
+        [
+            "server",
+            "KV tokens (logical)",
+            "max running seen",
+            "output tok/s",
+            "TTFT p50 / p99 s",
+            "TPOT p50 / p99 ms",
+            "wall s",
+        ],
+        rows,
+    )
+    if d.get("wgkv_over_upstream_output_tok_s"):
+        lines += [f"WG-KV / upstream output tokens/s: {f(d['wgkv_over_upstream_output_tok_s'])}x.", ""]
+    return lines
+
+
+def served_summary(d: dict) -> list[str]:
+    """``serving/summary.json`` of ``served_report merge``: each WG-KV configuration against each
+    upstream baseline of its lease, then against the best of them."""
+    rows = []
+    for r in d["rows"]:
+        against = r["baseline"] or "(none measured)"
+        if r["baseline"] == "best":
+            against = f"best ({r['best_of']})" if r.get("best_of") else "best (every baseline refused)"
+        upstream = f(r["upstream"]) if r["upstream"] is not None else ""
+        if r.get("upstream_refusal") and r["upstream"] is None:
+            upstream = "refused: " + r["upstream_refusal"][:80].replace("|", "/")
+        rows.append(
+            [
+                r["workload"] + (f" (TP={r['tp']})" if r.get("tp", 1) > 1 else ""),
+                r["metric"],
+                r["wgkv_config"],
+                against,
+                upstream,
+                f(r["wgkv"]),
+                f"{f(r['ratio'])}x" if r["ratio"] else "",
+                r["goal"],
+            ]
+        )
+    lines = [
+        f"WG-KV against upstream SGLang, `python -m sglang.bench_serving` (ratio: {d['ratio']}; {d['best']}).",
+        "",
+    ]
+    lines += table(
+        ["workload", "metric", "WG-KV", "upstream", "upstream value", "WG-KV value", "ratio", "goal"], rows
+    )
+    seen = set()
+    for r in d["rows"]:
+        for server, c in r["command"].items():
+            config = r["baseline"] if server == "upstream" else r["wgkv_config"]
+            key = (r["workload"], server, c.get("server"), c.get("bench"))
+            if r["baseline"] != "best" and key not in seen and c.get("bench"):
+                seen.add(key)
+                lines.append(
+                    f"- {r['workload']} {server} {config}: server {cmd(c['server'])}; bench {cmd(c['bench'])}"
+                )
+    return lines + [""]
+
+
+def served_workload(d: dict) -> list[str]:
+    """``serving/W*.json``: one workload, both engines, with the decode profile where one was taken."""
+    w = d["workload"]
+    lines = [
+        f"{w['id']}: {w['prompts']} x ({w['input_len']} + {w['output_len']}) tokens; goal: {w['goal']}.",
+        "",
+    ]
+    rows, phases, loaded, prefill = [], {}, {}, {}
+    for server, run in d["runs"].items():
+        r = run.get("result") or {}
+        rows.append(
+            [
+                server,
+                f(run.get("startup_s"), 0),
+                run.get("max_total_num_tokens"),
+                run.get("max_running_seen"),
+                f((r.get("median_ttft_ms") or 0) / 1000 or None),
+                f(r.get("median_tpot_ms")),
+                f(r.get("output_throughput"), 1),
+                run.get("error", "")[:80] if run.get("error") else "",
+            ]
+        )
+        for summ in (run.get("profile") or {}).get("summary", []):
+            phases[server] = summ
+        for summ in (run.get("profile_under_load") or {}).get("summary", []):
+            loaded[server] = summ
+        for summ in (run.get("profile_prefill") or {}).get("summary", []):
+            prefill[server] = summ
+    lines += table(
+        [
+            "server",
+            "start s",
+            "KV tokens (logical)",
+            "max running",
+            "TTFT p50 s",
+            "TPOT p50 ms",
+            "output tok/s",
+            "error",
+        ],
+        rows,
+    )
+    if d.get("leases"):
+        lines += ["", f"Machines: {d['leases']}."]
+    for what, got in (
+        ("Decode step on the idle server", phases),
+        ("Decode step under the workload's load", loaded),
+        ("Prefill chunk", prefill),
+    ):
+        if got:
+            names = sorted(
+                {k for p in got.values() for k in p.get("phase_us_per_step", {})},
+                key=lambda k: -max(p.get("phase_us_per_step", {}).get(k, 0) for p in got.values()),
+            )
+            prow = [[k] + [f(p.get("phase_us_per_step", {}).get(k), 0) for p in got.values()] for k in names]
+            prow += [
+                ["GPU busy / idle"]
+                + [
+                    f"{f(p['gpu_busy_us_per_step'], 0)} / {f(p['gpu_idle_us_per_step'], 0)}"
+                    for p in got.values()
+                ]
+            ]
+            lines += [
+                f"{what}, GPU time per phase (us per {'chunk' if got is prefill else 'step'}; torch profiler "
+                f"over {next(iter(got.values()))['steps']} of them, CPU activities recorded too):",
+                "",
+            ]
+            lines += table(["phase"] + list(got), prow)
+    return lines
+
+
+def served_ab(d: dict) -> list[str]:
+    """``served_report ab``: WG-KV server variants of one lease, workload by workload."""
+    rows = [
+        [
+            r["variant"],
+            r["workload"],
+            f(r["ttft_s"]),
+            f(r["tpot_ms"], 3),
+            f(r["output_tok_s"], 1),
+            f(r["tpot_vs_default"], 3),
+        ]
+        for r in d["ab_rows"]
+    ]
+    return (
+        [
+            f"{d['what']}. Command: {cmd(d['command'])}; {d['environment'].get('gpu') or 'CPU'}, "
+            f"{d['environment'].get('date_utc')}.",
+            "",
+        ]
+        + table(
+            [
+                "variant (WG-KV server arguments)",
+                "workload",
+                "TTFT p50 s",
+                "TPOT p50 ms",
+                "output tok/s",
+                "default TPOT / TPOT",
+            ],
+            rows,
+        )
+        + ["Servers: " + cmds(list(dict.fromkeys(r["server_command"] for r in d["ab_rows"])), "; "), ""]
+    )
+
+
+def decode_log(d: dict) -> list[str]:
+    """``benchmarks/decode_log_compare.py``: two server runs of one workload, decode interval by interval."""
+    m = d["summary"]
+    return [
+        f"{d['what']}. Before: {d['before']}; after: {d['after']}. {d['note']} Command: {cmd(d['command'])}.",
+        "",
+    ] + table(
+        [
+            "intervals (kept / stalls)",
+            "before median tok/s",
+            "after median tok/s",
+            "after / before median",
+            "min",
+            "max",
+        ],
+        [
+            [
+                f"{m['kept']} / {m['stalls']}",
+                f(m["before_median_tok_s"], 0),
+                f(m["after_median_tok_s"], 0),
+                f(m["ratio_median"], 3),
+                f(m["ratio_min"], 3),
+                f(m["ratio_max"], 3),
+            ]
+        ],
+    )
+
+
+def decode_ab(d: dict) -> list[str]:
+    """Two versions of the WG-KV decode, each in its own H200 lease against that lease's upstream:
+    TPOT, profiled step and per-layer kernel times."""
+    head = f"{d['what']}. Commands: {cmds(list(d['commands'].values()), '; ')}."
+    rows = []
+    for lease in d["leases"]:
+        for w in ("W1", "W0"):
+            rows.append(
+                [
+                    lease["code"],
+                    w,
+                    f(lease["upstream_tpot_ms"], 3),
+                    f(lease[f"wgkv_{w}_tpot_ms"], 3),
+                    f(lease["upstream_tpot_ms"] / lease[f"wgkv_{w}_tpot_ms"], 3),
+                    f(lease["profile_median_gap_ms"][w], 3),
+                    ", ".join(f"{k} {v}" for k, v in lease["per_layer_us"][w].items()),
+                ]
+            )
+    return (
+        [head, ""]
+        + table(
+            [
+                "decode",
+                "workload",
+                "upstream TPOT ms",
+                "WG-KV TPOT ms",
+                "ratio",
+                "profiled step ms",
+                "per layer (us)",
+            ],
+            rows,
+        )
+        + ["", d["reading"], ""]
+    )
+
+
+def logprob_floor(d: dict) -> list[str]:
+    """``benchmarks/logprob_floor.py``: each serving path against float32 (along its own tokens), and
+    each pair of paths' greedy logprobs, prompt by prompt."""
+    out = [f"Command: {cmd(d['command'])}; {d['environment'].get('gpu') or 'CPU'}.", ""]
+    if "float32" in d:
+        rows = [
+            [name, i, f"{r['max_abs']:.3f} @ {r['at']}", f(r["mean_abs"], 4)]
+            for name, rs in d["float32"].items()
+            for i, r in enumerate(rs)
+        ]
+        out += [f"Against float32: {d['truth']}.", ""] + table(
+            ["server", "prompt", "max abs logprob diff @ token", "mean abs"], rows
+        )
+    rows = [
+        [
+            pair.replace("~", " vs "),
+            i,
+            "" if r["first_divergence"] is None else r["first_divergence"],
+            f"{r['max_abs']:.3f} @ {r['at']}",
+            f(r["mean_abs"], 3),
+        ]
+        for pair, rs in d["pairs"].items()
+        for i, r in enumerate(rs)
+    ]
+    return (
+        out
+        + ["Pairs, up to and including the first differing greedy token:", ""]
+        + table(["pair", "prompt", "first differing token", "max abs logprob diff @ token", "mean abs"], rows)
+    )
+
+
+def serving_memory(d: dict) -> list[str]:
+    m, srv = d["machine"], d.get("server", {})
+    gpu = "peak_gpu_used_bytes" in d
+    phases = [
+        [
+            name,
+            "yes" if p.get("ok", True) else f"no: {p.get('detail')}",
+            p.get("seconds", ""),
+            f(p["peak_rss_bytes"], 2, 1 << 30),
+        ]
+        + ([f(p.get("peak_gpu_used_bytes"), 2, 1 << 30)] if gpu else [])
+        for name, p in d["phases"].items()
+    ]
+    gpu_text = (
+        (
+            f" Peak GPU memory used {f(d['peak_gpu_used_bytes'], 2, 1 << 30)} of "
+            f"{f(m['gpu_total_bytes'], 1, 1 << 30)} GiB ({d['peak_gpu_fraction']:.1%})."
+        )
+        if gpu
+        else ""
+    )
+    return [
+        f"{d['label']}: {cmd(d['command'])} on {m['cpus']} CPUs, RAM {f(m['mem_total_bytes'], 1, 1 << 30)} GiB "
+        f"({f(m['mem_available_at_start_bytes'], 1, 1 << 30)} GiB available at start). KV tokens "
+        f"{srv.get('max_total_num_tokens')}, request slots {srv.get('max_running_requests')}. Peak RSS of the "
+        f"process tree {f(d['peak_rss_bytes'], 2, 1 << 30)} GiB ({d['peak_rss_fraction_of_ram']:.0%} of RAM);"
+        f"{gpu_text} survived: {d['survived']}." + (f" Note: {d['note']}" if d.get("note") else ""),
+        "",
+    ] + table(["phase", "ok", "seconds", "peak RSS GiB"] + (["peak GPU GiB"] if gpu else []), phases)
+
+
+def constrained_programs(d: dict) -> list[str]:
+    """``constrained/*.json`` of ``benchmarks/constrained_programs.py``: outcome per program and server
+    (ok; answer: mechanics fine, the model's answer wrong; error)."""
+    servers = [r["server"] for r in d["runs"]]
+    rows = [[prog] + [outcomes.get(srv, "") for srv in servers] for prog, outcomes in d["table"].items()]
+    alive = ", ".join(f"{r['server']} alive after: {r.get('alive_after')}" for r in d["runs"])
+    return [
+        f"Command: {cmd(d['environment']['command'])}; {d['max_new_tokens']} new tokens per generation; {alive}.",
+        "",
+    ] + table(["program"] + servers, rows)
+
+
+def soak(d: dict) -> list[str]:
+    """``tests/soak_workload.py``: mixed jobs against one server, idle-checked pool at every checkpoint."""
+    c = d["config"]
+    head = (
+        f"Command: {cmd(d.get('command') or '')}. {d['jobs']} jobs ({c['concurrency']} at once), "
+        f"{d['http_requests']} HTTP requests in {f(d['wall_s'], 0)} s ({f(d['jobs_per_s'], 3)} jobs/s); "
+        f"{len(d['checkpoints'])} idle-checked checkpoints; retractions {d.get('retractions')}; greedy probe "
+        f"unchanged: {d['probe_equal']}; failures: {len(d['failures'])}."
+        + (f" {d['note']}" if d.get("note") else "")
+    )
+    secs = d.get("mean_job_s") or {}
+    rows = [[k, n, f(secs.get(k), 2)] for k, n in d["counts"].items()]
+    return [head, ""] + table(["job kind", "count", "mean s"], rows)
