@@ -16,7 +16,7 @@
 # Step 5 joins the GGUF, checks its SHA-256, converts it (sglang_wgkv.embedded_model), starts
 # `python -m sglang_wgkv.launch_server` (WG-KV, real weights), runs launch/bench_serving.py and writes
 # logs and results to $OUT. `serve-soak [server args]` in its place runs the soak instead
-# (tests/soak_workload.py, 1,000 mixed jobs; SOAK_ARGS overrides its options), summary in $OUT/soak.json (keep it as benchmarks/results/reliability/soak_h200.json).
+# (sglang_wgkv/testing/soak.py, 1,000 mixed jobs; SOAK_ARGS overrides its options), summary in $OUT/soak.json (keep it as benchmarks/results/reliability/soak_h200.json).
 # Or, as step 5 (and again in later calls of the same message, each under the 10-minute limit):
 #   bash launch/h200.sh serve-eval [evals.served args]
 # the RULER-style set through one server per configuration (evals/served.py); results go to $OUT as each
@@ -187,7 +187,7 @@ serve-bench|serve-eval|serve-soak|programs|gpu-tests|logprob-floor|memory|train-
     warm_start 0.75
     if [ "$mode" = serve-soak ]; then
         # shellcheck disable=SC2086
-        python3 tests/soak_workload.py --url http://127.0.0.1:30000 --server-log "$OUT/server.log" \
+        python3 -m sglang_wgkv.testing.soak --url http://127.0.0.1:30000 --server-log "$OUT/server.log" \
             --out "$OUT/soak.json" ${SOAK_ARGS:---requests 1000 --concurrency 32 --checkpoint-every 100 --new-tokens 32 --pressure-items 200 --pressure-tokens 256 --pressure-batch 8 --time-budget-s 200} \
             > "$OUT/soak.log" 2>&1 || { tail -40 "$OUT/soak.log"; tail -60 "$OUT/server.log"; }
     else

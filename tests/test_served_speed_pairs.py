@@ -2,14 +2,11 @@
 current server arguments and started within one lease."""
 
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import served_speed as ss  # noqa: E402
+from benchmarks import served_speed as ss
 
 
 def _rec(server_args: str, date: str) -> dict:
