@@ -31,12 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
-
-from serving_support import Server  # noqa: E402
-
-from evals.frontend_programs import run_programs  # noqa: E402
+from evals.frontend_programs import run_programs
+from sglang_wgkv.testing.serving import Server
 
 SERVERS = {
     "wgkv": ([], {}),

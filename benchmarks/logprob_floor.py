@@ -2,7 +2,7 @@
 ``test_kernels_with_cuda_graphs_match_reference`` compared the kernels path with the bf16 torch
 reference at a fixed tolerance, 0.15, and failed at 0.171 with every token equal).
 
-The float32 truth is offline (``serving_support.OfflineTruth``): each server's own greedy tokens
+The float32 truth is offline (``sglang_wgkv.testing.serving.OfflineTruth``): each server's own greedy tokens
 teacher-forced through the model's HF copy under the same gates, tau and W_local; the float32
 reference server equals it to ~1e-5 on CPU (tests/test_served_matches_offline.py). A float32 server
 cannot run on the GPU (SGLang's CUDA RMSNorm has no float32 kernel; H200, 2026-12-04). If the
@@ -30,14 +30,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
-
-from serving_support import OfflineTruth, Server, save_head_gates  # noqa: E402
-from test_gpu_serving import HEAD_BIAS, NEW_TOKENS, PROMPTS, SERVER_ARGS, W_LOCAL, common_args  # noqa: E402
-
-from benchmarks.common import environment, write_json  # noqa: E402
+from benchmarks.common import environment, write_json
+from sglang_wgkv.testing.gpu_serving_cases import (
+    HEAD_BIAS,
+    NEW_TOKENS,
+    PROMPTS,
+    SERVER_ARGS,
+    W_LOCAL,
+    common_args,
+)
+from sglang_wgkv.testing.serving import OfflineTruth, Server, save_head_gates
 
 # the GPU test's two servers, the kernels path without decode graphs and (CPU) the float32 reference
 SERVERS = {
@@ -140,7 +142,7 @@ def main() -> None:
             "what": __doc__.split("\n\n")[0],
             "command": " ".join(sys.argv),
             "server_commands": commands,
-            "truth": "float32 offline (serving_support.OfflineTruth), each server's own tokens teacher-forced",
+            "truth": "float32 offline (sglang_wgkv.testing.serving.OfflineTruth), each server's own tokens teacher-forced",
             "prompts": PROMPTS,
             "environment": environment(),
             "runs": runs,

@@ -331,7 +331,7 @@ def constrained_programs(d: dict) -> list[str]:
 
 
 def soak(d: dict) -> list[str]:
-    """``tests/soak_workload.py``: mixed jobs against one server, idle-checked pool at every checkpoint."""
+    """``sglang_wgkv/testing/soak.py``: mixed jobs against one server, idle-checked pool at every checkpoint."""
     c = d["config"]
     head = (
         f"Command: {cmd(d.get('command') or '')}. {d['jobs']} jobs ({c['concurrency']} at once), "

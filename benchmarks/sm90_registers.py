@@ -1,13 +1,12 @@
 """Registers, spills and shared memory of the decode split kernel on the H200 (sm_90a), from a CPU
-cross-compile (Triton's bundled ptxas; tests/sm90_compile.py), per launch configuration at the served
+cross-compile (Triton's bundled ptxas; sglang_wgkv/testing/sm90_compile.py), per launch configuration at the served
 W1 shape (Llama-3.1-8B layer, batch 1, bf16, fused merge and ring write, the served split count).
 
 No GPU needed, no timing: what ptxas allocates, and how many 4-warp programs fit an SM by registers
 and by shared memory; kernel_decode.py / decode_fixed_cost.py time the same configurations on the
 device. The compile takes the launch's specialization (16-byte alignment and divisibility of pointers
-and integers, tests/sm90_compile.py): before 2026-12-04 it did not, the gathers compiled to 2-byte
-scalar loads without cp.async, and this table read 255 registers with spills for the default shape
-(120 without spills at the real specialization).
+and integers): without it the gathers compile to 2-byte scalar loads without cp.async and the
+registers read far above the real launch's (tests/test_sm90_compile.py).
 
 usage: python -m benchmarks.sm90_registers [--out DIR]
 """
@@ -21,12 +20,8 @@ import tempfile
 
 import triton
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
-
-from sm90_compile import compile_sm90, split_kernel_launch  # noqa: E402
-
-from benchmarks.common import environment, write_json  # noqa: E402
+from benchmarks.common import environment, write_json
+from sglang_wgkv.testing.sm90_compile import compile_sm90, split_kernel_launch
 
 SM90_SHARED_PER_SM = 233472  # bytes of shared memory an H200 SM holds for its resident blocks (228 KiB)
 

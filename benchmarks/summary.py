@@ -81,7 +81,7 @@ RENDERERS = {
     "logprob_floor": logprob_floor,  # logprob_floor.py
     "serving_memory": serving_memory,  # serving_memory.py
     "constrained_programs": constrained_programs,  # constrained_programs.py
-    "soak": soak,  # tests/soak_workload.py
+    "soak": soak,  # sglang_wgkv/testing/soak.py
     "eval_summary": eval_summary,  # evals.run
     "offline_accuracy": offline_accuracy,  # evals.run summaries
     "head_budgets": head_budgets,  # evals/head_budgets.py

@@ -147,7 +147,7 @@ serve-bench|serve-eval|serve-soak|programs|gpu-tests|logprob-floor|memory|train-
     warm_start 0.75
     if [ "$mode" = serve-soak ]; then
         # shellcheck disable=SC2086
-        python3 tests/soak_workload.py --url http://127.0.0.1:30000 --server-log "$OUT/server.log" \
+        python3 -m sglang_wgkv.testing.soak --url http://127.0.0.1:30000 --server-log "$OUT/server.log" \
             --out "$OUT/soak.json" ${SOAK_ARGS:---requests 1000 --concurrency 32 --checkpoint-every 100 --new-tokens 32 --pressure-items 200 --pressure-tokens 256 --pressure-batch 8 --time-budget-s 200} \
             > "$OUT/soak.log" 2>&1 || { tail -40 "$OUT/soak.log"; tail -60 "$OUT/server.log"; }
     else

@@ -1,7 +1,7 @@
 """One SGLang server process (``sglang_wgkv.launch_server`` or upstream ``sglang.launch_server``),
 started in its own process group, polled until healthy, stopped with its whole tree.
 
-Shared by the serving tests (``tests/serving_support.py``), the served evaluation
+Shared by the serving tests (``sglang_wgkv/testing/serving.py``), the served evaluation
 (``evals/served.py``) and the H200 speed benchmark (``benchmarks/served_speed.py``). It imports
 neither SGLang nor torch, so a client process stays light: the server is a separate interpreter.
 """

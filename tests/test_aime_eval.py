@@ -110,7 +110,7 @@ class FakeOpenAI(BaseHTTPRequestHandler):
             self.requests.append(body)
             call = self.calls[index] = self.calls.get(index, 0) + 1
         message, finish, usage = (
-            {"role": "assistant", "content": "Thus \\boxed{%s}." % PROBLEMS[index][1]},
+            {"role": "assistant", "content": f"Thus \\boxed{{{PROBLEMS[index][1]}}}."},
             "stop",
             {"prompt_tokens": 20, "completion_tokens": 10 * (index + 1), "total_tokens": 0},
         )

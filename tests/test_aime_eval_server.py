@@ -8,14 +8,14 @@ import sys
 
 import pytest
 
+from sglang_wgkv.testing.serving import REPO, Server, shipped_gates_at
+
 pytestmark = pytest.mark.serving
-# the serving tests' launcher (tests/serving_support.py) lands with the serving issue's tests
-serving_support = pytest.importorskip("serving_support")
 
 
 def test_eval_cli_runs_against_the_server(tmp_path):
-    gates = serving_support.shipped_gates_at(tmp_path / "gates", 32)
-    server = serving_support.Server(
+    gates = shipped_gates_at(tmp_path / "gates", 32)
+    server = Server(
         ["--kv-budget", "64", "--wgkv-local-window", "32", "--wgkv-gates", str(gates)],
         tmp_path / "server.log",
     )
@@ -41,7 +41,7 @@ def test_eval_cli_runs_against_the_server(tmp_path):
                 "--output",
                 str(out),
             ],
-            cwd=serving_support.REPO,
+            cwd=REPO,
             capture_output=True,
             text=True,
             timeout=900,

@@ -6,11 +6,11 @@ One subprocess (``TRITON_INTERPRET=1`` must be set before the kernels are import
 """
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from sglang_wgkv.testing.interp import run_interp_check
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -21,15 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
     "host tests/test_gpu_serving.py runs the compiled path under real CUDA graphs",
 )
 def test_graph_decode_path_matches_eager_reference():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}  # CPU even on a GPU host
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "backend_graph_check.py")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=os.path.dirname(HERE),
-    )
+    proc = run_interp_check(os.path.join(HERE, "backend_graph_check.py"), timeout=600)
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 0 and lines[-2:] == [
         "decode gate: DecodeGate OK",

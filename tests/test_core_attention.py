@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from pool_driver import run_decode, run_extend
 
 from sglang_wgkv.attention.folded_index import build_folded_indices
 from sglang_wgkv.attention.reference import (
@@ -13,6 +12,7 @@ from sglang_wgkv.attention.reference import (
 )
 from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.memory import DualCachePool
+from sglang_wgkv.testing.pool_driver import run_decode, run_extend
 
 pytestmark = pytest.mark.core
 

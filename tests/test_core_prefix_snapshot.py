@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from pool_driver import run_decode, run_extend
 
 from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.memory import DualCachePool
 from sglang_wgkv.memory.prefix_snapshot import SnapshotStore
+from sglang_wgkv.testing.pool_driver import run_decode, run_extend
 
 pytestmark = pytest.mark.core
 

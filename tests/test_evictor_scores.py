@@ -114,17 +114,14 @@ def test_triton_scores_match_the_reference_under_the_interpreter():
     query and ring slots, 0-150 global entries, bf16 and float32. On a GPU the compiled kernel runs in
     the evictor of test_evictor_gpu (the kernels path scores with it)."""
     import os
-    import subprocess
-    import sys
+
+    from sglang_wgkv.testing.interp import run_interp_check
 
     if torch.cuda.is_available():
         pytest.skip("the interpreter is the CPU stand-in; the GPU runs the compiled kernel")
     check = os.path.join(os.path.dirname(os.path.abspath(__file__)), "triton_snapkv_interp_check.py")
     seeds = [str(s) for s in range(16)]
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    res = subprocess.run(
-        [sys.executable, check, *seeds], env=env, capture_output=True, text=True, timeout=600
-    )
+    res = run_interp_check(check, *seeds, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     assert res.stdout.split() == [w for s in seeds for w in ("ok", "seed", s)], res.stdout
 

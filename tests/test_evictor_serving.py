@@ -4,9 +4,9 @@ a prompt that admits more than the capacity plan's ``prompt_cap`` is compressed 
 says so; the pool stays intact."""
 
 import pytest
-from serving_support import Server, long_prompt
 
 from sglang_wgkv.config import WGKVConfig
+from sglang_wgkv.testing.serving import Server, long_prompt
 
 pytestmark = pytest.mark.evictor
 

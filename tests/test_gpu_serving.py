@@ -8,7 +8,7 @@ everything) and W_local = 64, so decode steps promote ring victims and drop head
   decode CUDA graphs (small capture set, padded batches);
 * ``reference`` (bfloat16): the torch reference attention, no CUDA graphs;
 
-and the float32 truth offline (``serving_support.OfflineTruth``: the model's HF copy under the same
+and the float32 truth offline (``sglang_wgkv.testing.serving.OfflineTruth``: the model's HF copy under the same
 gates, each path's own greedy tokens teacher-forced; the float32 reference server equals it to ~1e-5
 on CPU, and SGLang's CUDA RMSNorm has no float32 kernel, so no float32 server runs here).
 
@@ -28,7 +28,19 @@ import threading
 import pytest
 import requests
 import torch
-from serving_support import (
+
+from sglang_wgkv.testing.gpu_serving_cases import (
+    HEAD_BIAS,
+    NEW_TOKENS,
+    PROMPTS,
+    SERVER_ARGS,
+    W_LOCAL,
+    agree,
+    common_args,
+    path_errors,
+    within_floor,
+)
+from sglang_wgkv.testing.serving import (
     OfflineTruth,
     Server,
     embedded_model_dir,
@@ -42,49 +54,6 @@ pytestmark = [
     pytest.mark.serving,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device)"),
 ]
-
-W_LOCAL = 64
-NEW_TOKENS = 48
-TIE_GAP = 0.3  # a greedy divergence is accepted where the reference's top-2 are this close
-# the kernels path's largest logprob error against float32 may exceed the bf16 reference's by this factor
-# and slack (same tokens, same bf16 weights and GEMMs: only attention, graphs and kernels differ)
-FLOOR_FACTOR, FLOOR_SLACK = 1.5, 0.05
-PROMPTS = [
-    "The capital of France is",
-    long_prompt(4),  # ~50 tokens: crosses W_local while decoding
-    long_prompt(25, seed=1),  # ~300 tokens
-    long_prompt(45, seed=3),  # ~560 tokens
-]
-
-
-# The servers' own arguments (benchmarks/logprob_floor.py runs the same two, plus the kernels eager).
-HEAD_BIAS = [-30.0, 30.0, 30.0]  # per KV head: head 0 admits nothing, heads 1 and 2 everything
-SERVER_ARGS = {
-    "kernels": ["--dtype", "bfloat16", "--wgkv-attention", "kernels", "--cuda-graph-max-bs-decode", "8"],
-    "reference": ["--dtype", "bfloat16", "--wgkv-attention", "reference"],
-}
-
-
-def common_args(model_dir: str, gates_dir) -> list[str]:
-    """What every server of this comparison shares (gates saved with HEAD_BIAS and W_LOCAL)."""
-    return [
-        "--model-path",
-        model_dir,
-        "--max-total-tokens",
-        "40000",
-        "--mem-fraction-static",
-        "0.3",
-        "--sampling-backend",
-        "pytorch",
-        "--log-level",
-        "info",
-        "--decode-log-interval",
-        "4",
-        "--wgkv-local-window",
-        str(W_LOCAL),
-        "--wgkv-gates",
-        str(gates_dir),
-    ]
 
 
 @pytest.fixture(scope="module")
@@ -128,32 +97,6 @@ def _run(server, prompts):
     ]
 
 
-def _agree(got, want, prompt):
-    """Same tokens up to the first divergence, which must be a near-tie of the reference's; returns it."""
-    ids, _, _ = got
-    ref_ids, _, ref_top = want
-    n = next((i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), len(ref_ids))
-    if n < len(ref_ids):
-        gap = ref_top[n][0] - ref_top[n][1]
-        assert gap < TIE_GAP, (
-            f"{prompt[:50]!r}: token {n} differs ({ids[n]} vs {ref_ids[n]}), top-2 gap {gap:.3f}"
-        )
-    return n
-
-
-def path_errors(run, true_logprobs: list[float]) -> list[float]:
-    """|served - float32| logprob per output token of one run, ``true_logprobs`` being float32's
-    along that run's own tokens (OfflineTruth.logprobs)."""
-    assert len(run[1]) == len(true_logprobs), (len(run[1]), len(true_logprobs))
-    return [abs(a - t) for a, t in zip(run[1], true_logprobs)]
-
-
-def within_floor(e_kernels: list[float], e_reference: list[float]) -> bool:
-    """The kernels path's largest error against float32 is within the bf16 reference's own
-    (FLOOR_FACTOR times it plus FLOOR_SLACK)."""
-    return max(e_kernels, default=0.0) <= FLOOR_FACTOR * max(e_reference, default=0.0) + FLOOR_SLACK
-
-
 def _check_floor(got, ref, truth, prompt):
     e_k, e_r = (
         path_errors(got, truth.logprobs(prompt, got[0])),
@@ -180,7 +123,7 @@ def test_kernels_with_cuda_graphs_match_reference(servers, truth, batched):
     # prompt legitimately split at token 5 on a 0.3-gap tie), and logprobs as close to float32's as
     # the bf16 reference's are.
     for p, g, w in zip(PROMPTS, got, want):
-        _agree(g, w, p)
+        agree(g, w, p)
         _check_floor(g, w, truth, p)
     assert "cuda graph: True" in kernels.log_path.read_text(), "no decode batch ran on a CUDA graph"
     stats = kernels.wait_idle_checked()

@@ -24,8 +24,9 @@ import numpy as np
 import pytest
 import requests
 import torch
-from serving_support import Server, flush_cache, save_head_gates, stream_generate
-from test_gpu_serving import _agree
+
+from sglang_wgkv.testing.gpu_serving_cases import agree
+from sglang_wgkv.testing.serving import Server, flush_cache, save_head_gates, stream_generate
 
 pytestmark = [
     pytest.mark.gpu,
@@ -158,7 +159,7 @@ def test_tp2_matches_tp1(setup):
             server.stop()
     for n, (got, want) in enumerate(zip(results[2], results[1])):
         # tokens up to a near-tie of TP=1's top-2, logprobs within the GPU serving test's tolerance
-        _agree(got[:3], want[:3], f"prompt {n}")
+        agree(got[:3], want[:3], f"prompt {n}")
         assert got[3] == want[3]  # promoted / left the ring: exact counts (None: nothing left the ring)
     assert counters[2] == counters[1] and counters[1]["tokens_promoted"] > 0
     assert counters[1]["admitted_fraction"] == pytest.approx(0.5)

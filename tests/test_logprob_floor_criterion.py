@@ -5,7 +5,8 @@ carries an error of its own. (The float32 logprobs themselves: tests/test_served
 import random
 
 import pytest
-from test_gpu_serving import FLOOR_FACTOR, FLOOR_SLACK, path_errors, within_floor
+
+from sglang_wgkv.testing.gpu_serving_cases import FLOOR_FACTOR, FLOOR_SLACK, path_errors, within_floor
 
 
 def _run(ids, lps):

@@ -14,7 +14,8 @@ import time
 
 import pytest
 import requests
-from serving_support import Server, flush_cache, long_prompt, shipped_gates_at
+
+from sglang_wgkv.testing.serving import Server, flush_cache, long_prompt, shipped_gates_at
 
 pytestmark = [pytest.mark.serving, pytest.mark.radix]
 

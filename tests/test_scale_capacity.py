@@ -11,7 +11,8 @@ import pytest
 import requests
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from serving_support import Server, embedded_plan, long_prompt
+
+from sglang_wgkv.testing.serving import Server, embedded_plan, long_prompt
 
 pytestmark = pytest.mark.scale
 

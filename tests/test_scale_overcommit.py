@@ -9,10 +9,10 @@ import random
 import pytest
 import requests
 import torch
-from serving_support import Server, embedded_plan, save_head_gates
 
 from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.memory import DualCachePool
+from sglang_wgkv.testing.serving import Server, embedded_plan, save_head_gates
 
 pytestmark = pytest.mark.scale
 

@@ -6,7 +6,8 @@ outputs equal the cold (cache-flushed) ones, and the idle check is clean.
 
 import pytest
 import requests
-from serving_support import Server, flush_cache, save_head_gates
+
+from sglang_wgkv.testing.serving import Server, flush_cache, save_head_gates
 
 pytestmark = pytest.mark.scale
 

@@ -7,7 +7,8 @@ servers run one after the other (two cores).
 """
 
 import pytest
-from serving_support import Server, long_prompt, save_head_gates
+
+from sglang_wgkv.testing.serving import Server, long_prompt, save_head_gates
 
 pytestmark = pytest.mark.scale
 

@@ -1,6 +1,6 @@
 """The served float32 reference path against the offline harness, token by token: the embedded SmolLM2
 with the GPU test's gates (head 0 admits nothing, heads 1-2 everything, W_local 64) through a real CPU
-server, greedy, and the same tokens teacher-forced through ``serving_support.OfflineTruth``
+server, greedy, and the same tokens teacher-forced through ``sglang_wgkv.testing.serving.OfflineTruth``
 (``evals.harness.teacher_forced_logprobs``: key j visible to query i iff i - j < W_local or admitted).
 
 Both compute in float32, so they agree to float32 rounding (measured 1e-5): the ring, promotion and
@@ -11,8 +11,9 @@ in the offline policy moves the logprobs by 0.01-0.46 on the prompts that cross 
 """
 
 import pytest
-from serving_support import OfflineTruth, Server, embedded_model_dir, save_head_gates
-from test_gpu_serving import HEAD_BIAS, NEW_TOKENS, PROMPTS, W_LOCAL, common_args
+
+from sglang_wgkv.testing.gpu_serving_cases import HEAD_BIAS, NEW_TOKENS, PROMPTS, W_LOCAL, common_args
+from sglang_wgkv.testing.serving import OfflineTruth, Server, embedded_model_dir, save_head_gates
 
 pytestmark = pytest.mark.serving
 TOLERANCE = 1e-3  # float32 against float32; a bf16 path lies ~0.1 from it (benchmarks/logprob_floor.py)

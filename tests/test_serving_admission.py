@@ -8,7 +8,8 @@ import threading
 import pytest
 import requests
 import torch
-from serving_support import Server, long_prompt, save_head_gates
+
+from sglang_wgkv.testing.serving import Server, long_prompt, save_head_gates
 
 pytestmark = pytest.mark.serving
 

@@ -10,7 +10,8 @@ import time
 
 import pytest
 import requests
-from serving_support import Server, long_prompt, stream_generate
+
+from sglang_wgkv.testing.serving import Server, long_prompt, stream_generate
 
 pytestmark = pytest.mark.serving
 

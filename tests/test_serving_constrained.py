@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 import requests
 import torch
-from serving_support import Server
 
 from evals.frontend_programs import PROGRAMS, constraint_violation, run_programs, server_healthy
 from sglang_wgkv.integration import constrained
+from sglang_wgkv.testing.serving import Server
 
 pytestmark = pytest.mark.serving
 

@@ -8,7 +8,8 @@ tokens' logprobs within 1e-3 (float32 summation-order noise; measured ~1e-5).
 """
 
 import pytest
-from serving_support import Server, long_prompt, save_head_gates
+
+from sglang_wgkv.testing.serving import Server, long_prompt, save_head_gates
 
 pytestmark = pytest.mark.serving
 

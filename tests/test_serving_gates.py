@@ -7,7 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from serving_support import REPO, free_port
+
+from sglang_wgkv.testing.serving import REPO, free_port
 
 pytestmark = pytest.mark.serving
 

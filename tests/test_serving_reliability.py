@@ -24,7 +24,8 @@ import threading
 
 import pytest
 import requests
-from serving_support import Server, long_prompt, save_head_gates
+
+from sglang_wgkv.testing.serving import Server, long_prompt, save_head_gates
 
 pytestmark = pytest.mark.serving
 

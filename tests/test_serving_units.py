@@ -307,7 +307,7 @@ def test_launcher_refuses_float32_on_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert resolve(["--model-path", "/m", "--dtype", "float32", "--device", "cpu"])[0] is not None
     # a repeated option: argparse keeps the last, and so does the launcher (the GPU tests' servers put
-    # --dtype bfloat16 after serving_support's float32 default; the H200 refused them on 2026-12-04)
+    # --dtype bfloat16 after sglang_wgkv.testing.serving's float32 default; the H200 refused them on 2026-12-04)
     assert resolve(["--model-path", "/m", "--dtype", "float32", "--dtype", "bfloat16"])[0] is not None
     with pytest.raises(ValueError, match="float32 is not served on CUDA"):
         resolve(["--model-path", "/m", "--dtype=bfloat16", "--dtype", "float32"])

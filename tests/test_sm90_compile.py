@@ -1,9 +1,16 @@
 """Our served Triton kernels compile for the H200 (sm_90a) at their launchers' specializations and
-fit its shared memory, checked on CPU (tests/sm90_compile.py). Slow-ish: a few seconds per kernel."""
+fit its shared memory, checked on CPU (sglang_wgkv/testing/sm90_compile.py). Slow-ish: a few seconds per kernel."""
 
 import pytest
 import torch
-from sm90_compile import SM90_MAX_SHARED, compile_sm90, device_checks_off, launches, split_kernel_launch
+
+from sglang_wgkv.testing.sm90_compile import (
+    SM90_MAX_SHARED,
+    compile_sm90,
+    device_checks_off,
+    launches,
+    split_kernel_launch,
+)
 
 
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
@@ -160,13 +167,9 @@ def test_compile_takes_the_launch_specialization():
     2-byte scalar load and ptxas gave 255 registers with spills, which misread the kernel's occupancy
     (2026-12-04)."""
     import re
-    import sys
-    from pathlib import Path
 
+    from benchmarks.sm90_registers import ptxas_stats
     from sglang_wgkv.attention.triton_decode import DecodeConfig
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from sm90_registers import ptxas_stats
 
     ptx = compile_sm90(*split_kernel_launch(DecodeConfig())).asm["ptx"]
     copies = re.findall(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], (0x[0-9a-f]+)", ptx)

@@ -1,5 +1,5 @@
 """CPU soak (issue 14): mixed requests against one small-pool server, strict idle checks throughout
-(:mod:`soak_workload` holds the workload and the checks).
+(:mod:`sglang_wgkv.testing.soak` holds the workload and the checks).
 
 CI runs ``WGKV_SOAK_REQUESTS`` jobs (default 150); the issue's 2,000-job run is the same test::
 
@@ -10,8 +10,9 @@ import json
 import os
 
 import pytest
-from serving_support import Server, save_head_gates
-from soak_workload import MIX, Soak, SoakConfig
+
+from sglang_wgkv.testing.serving import Server, save_head_gates
+from sglang_wgkv.testing.soak import MIX, Soak, SoakConfig
 
 pytestmark = [pytest.mark.soak, pytest.mark.serving]
 
@@ -20,7 +21,7 @@ N_JOBS = int(os.environ.get("WGKV_SOAK_REQUESTS", "150"))
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    # 2048-token budget (serving_support), W_local 32, 128-token chunks: prompts leave the ring and
+    # 2048-token budget (sglang_wgkv.testing.serving), W_local 32, 128-token chunks: prompts leave the ring and
     # get promoted, pressure batches (4 x ~490 tokens) outgrow the 1536 logical tokens and retract
     tmp = tmp_path_factory.mktemp("soak")
     save_head_gates(tmp / "gates", [-30.0, 30.0, 30.0], 32)  # admission on: KV head 0 keeps no token

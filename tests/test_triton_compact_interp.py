@@ -5,11 +5,11 @@ one-launch plan (``build_vertical_slash_plan_triton`` vs ``build_vertical_slash_
 the compiled kernels are tested by tests/test_gpu_attention.py."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from sglang_wgkv.testing.interp import run_interp_check
 
 CPU_ONLY = pytest.mark.skipif(
     torch.cuda.is_available(),
@@ -28,9 +28,6 @@ PLAN_CHECK = os.path.join(HERE, "triton_plan_interp_check.py")
     ids=[f"compact-{s}" for s in range(8)] + [f"plan-{s}" for s in range(12)],
 )
 def test_triton_helper_matches_torch_under_interpreter(check, seed):
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    res = subprocess.run(
-        [sys.executable, check, str(seed)], env=env, capture_output=True, text=True, timeout=300
-    )
+    res = run_interp_check(check, seed, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     assert res.stdout.startswith(f"ok seed {seed}"), res.stdout

@@ -4,12 +4,12 @@ larger sizes and under CUDA-graph capture/replay (gpu)."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from interp_decode_check import CASES, PoolCase, close
+
+from sglang_wgkv.testing.interp import run_interp_check
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device)")
@@ -24,14 +24,7 @@ CPU_ONLY = pytest.mark.skipif(
 @CPU_ONLY
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_interpreted_decode_matches_reference(name):
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")  # CPU even on a GPU host
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "interp_decode_check.py"), name],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_interp_check(os.path.join(HERE, "interp_decode_check.py"), name, timeout=300)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     c = CASES[name]
     assert len(rows) == c["steps"] * 2 * len(c["launches"]) * 2 * 2, proc.stdout[-2000:] + proc.stderr[-3000:]

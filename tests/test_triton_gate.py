@@ -5,12 +5,12 @@ on CUDA at the profiled 8,192-token chunk (gpu; its interpreter check: test_trit
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from interp_gate_check import CASES, check
+
+from sglang_wgkv.testing.interp import run_interp_check
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device)")
@@ -24,14 +24,7 @@ CPU_ONLY = pytest.mark.skipif(
 @pytest.mark.core
 @CPU_ONLY
 def test_interpreted_gate_matches_torch():
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "interp_gate_check.py")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_interp_check(os.path.join(HERE, "interp_gate_check.py"), timeout=600)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == 2 * len(CASES), proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.returncode == 0 and all(r["ok"] and r["counts_reset"] for r in rows), rows

@@ -3,11 +3,11 @@ leaves the pool bit-identical to the torch ``_promote``: checked on CPU under th
 interpreter, in a subprocess (``TRITON_INTERPRET=1`` must be set before Triton is imported)."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from sglang_wgkv.testing.interp import run_interp_check
 
 CPU_ONLY = pytest.mark.skipif(
     torch.cuda.is_available(),
@@ -20,8 +20,6 @@ CHECK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "triton_pool_in
 
 @pytest.mark.parametrize("seed,scan_block", [(0, None), (1, 8), (2, None), (4, 8)])
 def test_decode_promote_matches_torch_under_interpreter(seed, scan_block):
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")  # CPU even on a GPU host
-    cmd = [sys.executable, CHECK, str(seed)] + ([str(scan_block)] if scan_block else [])
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    res = run_interp_check(CHECK, seed, *([scan_block] if scan_block else []), timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     assert res.stdout.startswith(f"ok seed {seed}"), res.stdout

@@ -11,6 +11,8 @@ import sys
 import pytest
 import torch
 
+from sglang_wgkv.testing.interp import interp_env, run_interp_check
+
 CPU_ONLY = pytest.mark.skipif(
     torch.cuda.is_available(),
     reason="the Triton interpreter is the CPU CI stand-in; the GPU runs the compiled kernel (gpu marker)",
@@ -25,8 +27,7 @@ CHECK = os.path.join(HERE, "triton_prefill_gate_interp_check.py")
 def test_prefill_gate_matches_torch_under_interpreter():
     from triton_prefill_gate_interp_check import CASES
 
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    res = subprocess.run([sys.executable, CHECK], env=env, capture_output=True, text=True, timeout=300)
+    res = run_interp_check(CHECK, timeout=300)
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == 2 * len(CASES), res.stdout[-2000:] + res.stderr[-3000:]
     assert res.returncode == 0 and all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
@@ -106,12 +107,7 @@ print(json.dumps({"kept": type(kept).__name__, "wrong": wrong is None}))
 
 @CPU_ONLY
 def test_start_up_check_accepts_the_kernel_and_refuses_a_wrong_one():
-    env = dict(
-        os.environ,
-        TRITON_INTERPRET="1",
-        CUDA_VISIBLE_DEVICES="",
-        PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]),
-    )
+    env = {**interp_env(), "PYTHONPATH": os.pathsep.join([HERE, interp_env()["PYTHONPATH"]])}
     res = subprocess.run(
         [sys.executable, "-c", START_UP_CHECK], env=env, capture_output=True, text=True, timeout=300, cwd=HERE
     )

@@ -12,8 +12,6 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from sglang_wgkv.attention.triton_prefill import compact_admitted_triton  # noqa: E402
 from sglang_wgkv.attention.vertical_slash_plan import compact_admitted  # noqa: E402
 

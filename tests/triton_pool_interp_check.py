@@ -14,13 +14,8 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from sglang_wgkv.config import WGKVConfig  # noqa: E402
-from sglang_wgkv.memory import (
-    DualCachePool,  # noqa: E402
-    triton_pool,  # noqa: E402
-)
+from sglang_wgkv.memory import DualCachePool, triton_pool  # noqa: E402
 from sglang_wgkv.memory.extend_step import FAR_POSITION as FAR  # noqa: E402
 from sglang_wgkv.memory.page_allocator import PoolExhausted  # noqa: E402
 

@@ -13,15 +13,11 @@ import json
 import os
 import sys
 
+import interp_gate_check
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import interp_gate_check  # noqa: E402
-
-from sglang_wgkv.gate import WriteGates  # noqa: E402
-from sglang_wgkv.gate.triton_prefill_gate import PrefillGate  # noqa: E402
+from sglang_wgkv.gate import WriteGates
+from sglang_wgkv.gate.triton_prefill_gate import PrefillGate
 
 G_TOL = 1e-5  # gate values: float32 (tf32x3 on the GPU) sums in another order
 

@@ -14,8 +14,6 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from sglang_wgkv.memory.snapkv_score import snapkv_scores  # noqa: E402
 from sglang_wgkv.memory.triton_snapkv import snapkv_scores_triton  # noqa: E402
 

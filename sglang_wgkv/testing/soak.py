@@ -1,7 +1,7 @@
 """Mixed-request soak against a running wgkv server (issue 14): the CPU soak test drives it in CI
 (``tests/test_soak.py``), the H200 soak runs it as a script (``launch/h200.sh serve-soak``)::
 
-    python tests/soak_workload.py --url http://127.0.0.1:30000 --requests 1000 --concurrency 32 \
+    python -m sglang_wgkv.testing.soak --url http://127.0.0.1:30000 --requests 1000 --concurrency 32 \
         --server-log server.log --out soak.json
 
 Jobs, drawn with a fixed seed (:data:`MIX`): ``/generate`` greedy on shared prefixes (the radix
@@ -30,7 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import requests
-from serving_support import long_prompt
+
+from sglang_wgkv.testing.serving import long_prompt
 
 MIX = {
     "generate": 14,
@@ -411,7 +412,7 @@ def main():
     a = p.parse_args()
     config = SoakConfig(**{f: getattr(a, f) for f in asdict(SoakConfig())})
     summary = Soak(a.url, config, a.server_log).run()
-    summary["command"] = "python tests/soak_workload.py " + " ".join(sys.argv[1:])
+    summary["command"] = "python -m sglang_wgkv.testing.soak " + " ".join(sys.argv[1:])
     print(json.dumps({k: v for k, v in summary.items() if k != "checkpoints"}, indent=1))
     if a.out:
         with open(a.out, "w") as f:

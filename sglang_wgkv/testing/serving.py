@@ -16,7 +16,7 @@ import requests
 
 from sglang_wgkv.server_process import LAUNCHER, ServerProcess, free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = float(os.environ.get("WGKV_TEST_STARTUP_TIMEOUT", "420"))
 # --sleep-on-idle: an idle scheduler otherwise busy-polls a whole core (two servers share 2 cores).
 BASE_ARGS = ("--dtype", "float32", "--max-total-tokens", "2048", "--log-level", "warning", "--sleep-on-idle")

@@ -1,0 +1,1 @@
+"""The harness shared by tests and benchmarks."""
