@@ -12,8 +12,8 @@ Variants (all :func:`folded_decode`, default launch shape unless named):
 * ``fused_write``: the same with the step's ring write fused (``new_k``/``new_v``, as served):
   its extra time over ``fused`` is what the fused write adds to the split kernel (the separate
   write launch it replaced took ~3.9 us per layer in the served W1 profile);
-* ``fused_no_prefetch`` (the 2026-12-01 results only): then ``fused`` prefetched the next tile of
-  partials in its merge loop and this row did not; 42.92 vs 42.86 us at W1, so the prefetch went;
+* ``fused_no_prefetch`` (older result files only): ``fused`` without the merge loop's prefetch of the
+  next tile of partials, which gained nothing and went (kernels/decode_fixed_cost.json);
 * ``fused_write_pdl``: ``fused_write`` launched with programmatic dependent launch
   (``DecodeConfig.pdl``): each layer's launch overlaps the previous one's tail; its gain over
   ``fused_write`` bounds what PDL can take off the fixed cost (between two split kernels; in service

@@ -5,7 +5,7 @@ reference at a fixed tolerance, 0.15, and failed at 0.171 with every token equal
 The float32 truth is offline (``sglang_wgkv.testing.serving.OfflineTruth``): each server's own greedy tokens
 teacher-forced through the model's HF copy under the same gates, tau and W_local; the float32
 reference server equals it to ~1e-5 on CPU (tests/test_served_matches_offline.py). A float32 server
-cannot run on the GPU (SGLang's CUDA RMSNorm has no float32 kernel; H200, 2026-12-04). If the
+cannot run on the GPU (SGLang's CUDA RMSNorm has no float32 kernel). If the
 kernels path's distance to float32 is of the bf16 reference's size, the two bf16 paths differ by bf16
 rounding; if it is much larger, the kernels path has an error of its own. Same model, gates and
 prompts as the GPU test (the embedded SmolLM2 model, W_local 64, head 0 admitting nothing, heads 1-2

@@ -4,6 +4,7 @@ device call each, and is joined, checked and installed there.
 
     python -m launch.fa3_kit split [--out .fa3] [--piece-mib 36]   # here: wheel -> pieces + manifest
     python -m launch.fa3_kit join  [--src .fa3] [--site /tmp/site] # there: once per call, one piece each
+    python -m launch.fa3_kit serve-check --out $OUT/fa3_serve_check.json   # there: SGLang's default backend
 
 ``split`` downloads ``sglang-kernel==0.4.5`` (the version SGLang 0.5.17 pins) with pip, takes the full
 library and the unmodified ``flash_attn.py`` from it, compresses the library and cuts it into pieces;
@@ -236,6 +237,43 @@ def install(src: Path, stash: Path, site: Path, files: dict[str, str] = WHEEL_FI
     return f"FA3 installed in {target} ({len(manifest['pieces'])} pieces, SHA-256 checked)"
 
 
+def serve_check(out: Path, timeout_s: float) -> dict:
+    """``python -m sglang.launch_server`` with no ``--attention-backend`` (the Llama-3.1-8B config,
+    dummy weights): healthy, the backend it chose, and one greedy ``/generate`` answered."""
+    import re
+
+    import requests
+
+    from benchmarks.served_speed import model_dir
+    from sglang_wgkv.server_process import ServerProcess, free_port
+
+    model, port = model_dir(Path("/tmp/served_speed_model")), free_port()
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--port", str(port)]
+    cmd += ["--load-format", "dummy", "--context-length", "8192", "--mem-fraction-static", "0.5"]
+    cmd += ["--cuda-graph-max-bs", "4", "--sampling-backend", "pytorch"]
+    env = {**os.environ, "SGLANG_PLUGINS": "none"}
+    srv = ServerProcess(cmd, out.with_suffix(".log"), port=port, env=env, cwd="/tmp", stop_timeout_s=60)
+    result = {"kind": "fa3_serve_check", "command": " ".join(cmd)}
+    try:
+        result["startup_s"] = srv.wait_healthy(timeout_s, path="/health", probe_timeout_s=10)
+        body = {
+            "input_ids": list(range(1000, 1512)),
+            "sampling_params": {"max_new_tokens": 16, "temperature": 0},
+        }
+        answer = requests.post(srv.url + "/generate", json=body, timeout=120).json()
+        result["output_ids"] = answer.get("output_ids")
+        log = srv.log_path.read_text(errors="replace")
+        # "Attention backend not specified. Use fa3 backend by default." (SGLang's server_args)
+        result["attention_backend"] = (re.findall(r"Use (\w+) backend by default", log) or [None])[0]
+        result["ok"] = result["attention_backend"] == "fa3" and len(result["output_ids"] or []) == 16
+    except Exception as exc:  # recorded: the log says why
+        result |= {"ok": False, "error": f"{type(exc).__name__}: {exc}"[-3000:]}
+    finally:
+        srv.stop()
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -248,6 +286,9 @@ def main(argv=None) -> None:
     j.add_argument("--src", default=".fa3")
     j.add_argument("--stash", default="/tmp/fa3")
     j.add_argument("--site", default=os.environ.get("KIT_SITE", "/tmp/site"))
+    c = sub.add_parser("serve-check", help="there: SGLang with no --attention-backend serves")
+    c.add_argument("--out", default="/tmp/out/fa3_serve_check.json")
+    c.add_argument("--startup-timeout", type=float, default=480)
     a = p.parse_args(argv)
     if a.cmd == "split":
         wheel = download_wheel(Path(a.wheel_dir))
@@ -264,8 +305,13 @@ def main(argv=None) -> None:
         print(f"{len(m['pieces'])} pieces, {m['joined']['bytes']} bytes ({m['codec']}) in {a.out}")
         for piece in m["pieces"]:
             print(piece["name"])
-    else:
+    elif a.cmd == "join":
         print(install(Path(a.src), Path(a.stash), Path(a.site)))
+    else:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        result = serve_check(Path(a.out), a.startup_timeout)
+        print(json.dumps({k: result.get(k) for k in ("ok", "attention_backend", "startup_s", "error")}))
+        sys.exit(0 if result["ok"] else 1)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 # `python -m sglang.launch_server` runs with no --attention-backend (SGLang's Hopper default, fa3).
 #   bash launch/fa3_kit.sh split [--piece-mib N] [--codec xz|zstd]   here: pieces + manifest in .fa3/
 #   bash launch/fa3_kit.sh join                                       there: one call per piece (launch/README.md)
+#   bash launch/fa3_kit.sh serve-check                                there: sglang.launch_server, no --attention-backend
 # `join` stashes the pieces a call carried in /tmp/fa3; the call that brings the last one joins them,
 # checks every SHA-256 and installs both files into the kit's site (/tmp/site), then imports FA3.
 set -euo pipefail
@@ -21,6 +22,13 @@ join)
         python3 -c "from sgl_kernel.flash_attn import flash_attn_with_kvcache; print('FA3 imports:', flash_attn_with_kvcache.__module__)"
         touch /tmp/fa3-installed
     fi ;;
+serve-check)
+    shift
+    [ -e /tmp/fa3-installed ] || { echo "FA3 is not installed here: the join calls come first" >&2; exit 3; }
+    . /tmp/pp && . launch/device_common.sh && stop_leftover_servers
+    export PYTHONPATH="$PWD:/tmp/site:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+    OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+    python3 -m launch.fa3_kit serve-check --out "$OUT/fa3_serve_check.json" "$@" ;;
 *)
-    sed -n 2,7p "$0"; exit 2 ;;
+    sed -n 2,8p "$0"; exit 2 ;;
 esac
