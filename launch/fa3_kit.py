@@ -2,7 +2,7 @@
 ``sgl_kernel/flash_ops.abi3.so`` (1.1 GB), so it travels here as compressed pieces small enough for one
 device call each, and is joined, checked and installed there.
 
-    python -m launch.fa3_kit split [--out .fa3] [--piece-mib 36]   # here: wheel -> pieces + manifest
+    python -m launch.fa3_kit split [--out .fa3] [--piece-mib 32]   # here: wheel -> pieces + manifest
     python -m launch.fa3_kit join  [--src .fa3] [--site /tmp/site] # there: once per call, one piece each
     python -m launch.fa3_kit serve-check --out $OUT/fa3_serve_check.json   # there: SGLang's default backend
 
@@ -280,7 +280,7 @@ def main(argv=None) -> None:
     s = sub.add_parser("split", help="here: wheel -> compressed pieces + manifest")
     s.add_argument("--out", default=".fa3")
     s.add_argument("--wheel-dir", default=os.path.join(tempfile.gettempdir(), "fa3_wheel"))
-    s.add_argument("--piece-mib", type=int, default=36, help="the tree (~20 MiB) + one piece < 64 MiB")
+    s.add_argument("--piece-mib", type=int, default=32, help="the tree (~20 MiB) + one piece < 64 MiB")
     s.add_argument("--codec", choices=sorted(CODECS), default="xz")
     j = sub.add_parser("join", help="there: stash this call's pieces; with all of them, install")
     j.add_argument("--src", default=".fa3")
