@@ -107,16 +107,26 @@ def _commands(up: dict | None, wg: dict | None) -> dict:
     }
 
 
+def run_value(metric: sw.Metric, rec: dict, w: sw.Workload) -> float | None:
+    """The metric of a run that served every request; None for a refused, failed or partial run
+    (bench_serving reports 0 for the latencies of a run whose requests all failed)."""
+    result = rec.get("result") or {}
+    done = result.get("completed")
+    if rec.get("refusal") or rec.get("error") or (done is not None and done < w.client.prompts):
+        return None
+    return metric.value(result)
+
+
 def workload_rows(name: str, tp: int, group: dict[str, dict[str, dict]], ws: sw.WorkloadSet) -> list[dict]:
     """One row per metric, WG-KV configuration and baseline, then the ``best`` row of each."""
     w, rows = ws[name], []
     for config, wg in sorted(group["wgkv"].items()):
         for metric_name in w.metrics:
             metric = ws.metrics[metric_name]
-            wg_value = metric.value(wg.get("result"))
+            wg_value = run_value(metric, wg, w)
             pairs = []
             for baseline, up in sorted(group["upstream"].items()):
-                up_value = metric.value(up.get("result"))
+                up_value = run_value(metric, up, w)
                 row = {
                     "workload": name,
                     "tp": tp,

@@ -161,14 +161,23 @@ def test_a_refusing_baseline_is_recorded_and_never_best(tmp_path):
     out = tmp_path / "serving"
     t = "2026-12-05T02:{:02d}:00+00:00"
     up = tmp_path / "a.json"
-    _part(up, "upstream", "fa3", {"W6": {"completed": 0}}, t.format(0))
+    # bench_serving's line for a run whose requests all failed: zero latencies, nothing completed
+    _part(
+        up,
+        "upstream",
+        "fa3",
+        {"W6": {"completed": 0, "median_ttft_ms": 0.0, "median_tpot_ms": 0.0}},
+        t.format(0),
+    )
     part = json.loads(up.read_text())
     part["runs"][0]["refusal"] = (
         "Input length (1000000 tokens) exceeds the maximum allowed length (894426 tokens)"
     )
     up.write_text(json.dumps(part))
+    failed = {"W6": {"completed": 0, "median_ttft_ms": 0.0, "median_tpot_ms": 0.0}}  # no message kept
     parts = [
         str(up),
+        _part(tmp_path / "f.json", "upstream", "flashinfer", failed, t.format(5)),
         _part(tmp_path / "b.json", "upstream", "fa3_fp8", {"W6": _w1(300.0, 20.0)}, t.format(10)),
         _part(tmp_path / "c.json", "wgkv", "bf16", {"W6": _w1(120.0, 12.0)}, t.format(20)),
     ]
@@ -177,6 +186,7 @@ def test_a_refusing_baseline_is_recorded_and_never_best(tmp_path):
     refused = rows[("W6", "ttft_s", "fa3", "bf16")]
     assert refused["upstream"] is None and refused["ratio"] is None
     assert "exceeds the maximum allowed length" in refused["upstream_refusal"]
+    assert rows[("W6", "ttft_s", "flashinfer", "bf16")]["upstream"] is None
     assert rows[("W6", "ttft_s", "best", "bf16")]["best_of"] == "fa3_fp8"
 
 
