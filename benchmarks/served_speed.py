@@ -153,7 +153,7 @@ def refusal(result: dict, prompts: int) -> str | None:
     return next((e for e in result.get("errors") or [] if e), "requests failed without a message")[-2000:]
 
 
-def measure(srv, a, ws: sw.WorkloadSet, w: sw.Workload, rec: dict, out_dir: Path) -> None:
+def measure(srv, a, w: sw.Workload, rec: dict, out_dir: Path) -> None:
     """The warm-up and the timed bench_serving of ``w`` on the running server, into ``rec``."""
     body = w.wgkv_request if a.server == "wgkv" else None
     warm = sw.bench_command(w, srv.url, out_dir / "warmup.jsonl", 7, body, sw.warmup_client(w))
@@ -250,7 +250,7 @@ def run(a) -> None:
                 rec = {"workload": w.name, "config": config, "server_command": shlex.join(cmd)}
                 rec |= {"server_env": w.env, "startup_s": startup, "gpu_used_mib_before_start": gpu_before}
                 try:
-                    measure(srv, a, ws, w, rec, out_dir)
+                    measure(srv, a, w, rec, out_dir)
                 except Exception as exc:  # recorded; the next workload still runs
                     rec["error"] = f"{type(exc).__name__}: {exc}"[-4000:]
                 if a.warm_only:

@@ -1,0 +1,96 @@
+"""benchmarks/served_speed.py's run loop with stand-ins for the server and bench_serving (no GPU, no
+SGLang process): one server per server configuration, the part file names its baseline or WG-KV
+configuration, and a refused request is recorded with its message."""
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from benchmarks import served_speed as ss
+
+pytestmark = pytest.mark.core
+
+
+class FakeServer:
+    started: list = []
+
+    def __init__(self, cmd, log_path, port, env, cwd, stop_timeout_s):
+        self.cmd, self.env, self.log_path = cmd, env, Path(log_path)
+        self.log_path.write_text("Decode batch, #running-req: 1, #token: 5\n")
+        self.url = f"http://127.0.0.1:{port}"
+        FakeServer.started.append(self)
+
+    def wait_healthy(self, *a, **k):
+        return 1.5
+
+    def stop(self):
+        pass
+
+
+@pytest.fixture
+def fakes(monkeypatch, tmp_path):
+    FakeServer.started = []
+    benches = []
+
+    def run_bench(cmd, out_file, timeout):
+        benches.append(cmd)
+        if "--output-details" in cmd:  # the 1M-token request upstream cannot hold
+            msg = "Input length (1000000 tokens) exceeds the maximum allowed length (894426 tokens)"
+            return {"completed": 0, "median_ttft_ms": 0.0, "errors": ["", msg], "itls": [[]]}
+        return {"completed": 1, "median_ttft_ms": 5000.0, "median_tpot_ms": 6.0, "output_throughput": 100.0}
+
+    monkeypatch.setattr(ss, "ServerProcess", FakeServer)
+    monkeypatch.setattr(ss, "run_bench", run_bench)
+    monkeypatch.setattr(ss, "server_state", lambda url: {"max_total_num_tokens": 1000})
+    monkeypatch.setattr(ss, "wait_gpu_idle", lambda: 0)
+    monkeypatch.setattr(ss, "model_dir", lambda path: tmp_path / "model")
+    monkeypatch.setattr(ss, "environment", lambda: {"date_utc": "2026-01-01T00:00:00+00:00"})
+    return benches
+
+
+def _part(out: Path) -> dict:
+    (path,) = out.glob("part.*.json")
+    return json.loads(path.read_text())
+
+
+def test_one_server_per_configuration_and_the_baseline_recorded(fakes, tmp_path):
+    out = tmp_path / "out"
+    ss.main(["--server", "upstream", "--baseline", "fa3", "--workloads", "W1,W0,W3", "--out-dir", str(out)])
+    assert len(FakeServer.started) == 2  # W1 and W0 share one; W3 has its own memory
+    assert all("--attention-backend" not in s.cmd for s in FakeServer.started)  # fa3: SGLang's default
+    assert all(s.env["SGLANG_PLUGINS"] == "none" for s in FakeServer.started)
+    part = _part(out)
+    assert (part["kind"], part["server"], part["baseline"]) == ("served_part", "upstream", "fa3")
+    assert [r["workload"] for r in part["runs"]] == ["W1", "W0", "W3"]
+    assert part["runs"][0]["max_running_seen"] == 1 and part["runs"][0]["result"]["completed"] == 1
+    assert len(fakes) == 6  # a warm-up and a timed bench_serving per workload
+    assert "custom_params" not in " ".join(fakes[3])  # upstream W0: no WG-KV body
+
+
+def test_wgkv_config_and_the_long_context_environment(fakes, tmp_path):
+    out = tmp_path / "out"
+    ss.main(["--server", "wgkv", "--wgkv-config", "fp8", "--workloads", "W6,W6B", "--out-dir", str(out)])
+    assert len(FakeServer.started) == 2  # W6B's --kv-budget 4096 is another WG-KV server
+    first = FakeServer.started[0]
+    assert first.env["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] == "1"
+    assert shlex.join(first.cmd).endswith("--kv-cache-dtype fp8_e4m3")
+    assert _part(out)["wgkv_config"] == "fp8"
+
+
+def test_a_refused_request_keeps_its_message(fakes, tmp_path):
+    out = tmp_path / "out"
+    ss.main(["--server", "upstream", "--baseline", "fa3", "--workloads", "W6", "--out-dir", str(out)])
+    (rec,) = _part(out)["runs"]
+    assert "exceeds the maximum allowed length" in rec["refusal"]
+    assert "itls" not in rec["result"] and "errors" not in rec["result"]  # details stay in the bench file
+
+
+def test_unknown_names_are_refused(fakes, tmp_path):
+    with pytest.raises(SystemExit, match="no configuration 'fa4'"):
+        ss.main(
+            ["--server", "upstream", "--baseline", "fa4", "--workloads", "W1", "--out-dir", str(tmp_path)]
+        )
+    with pytest.raises(KeyError, match="unknown workload 'W9'"):
+        ss.main(["--server", "wgkv", "--workloads", "W9", "--out-dir", str(tmp_path)])
