@@ -1,4 +1,4 @@
-"""Torch-profiler traces of a served workload's decode and prefill (``served_speed.py run
+"""Torch-profiler traces of a served workload's decode and prefill (``served_speed
 --profile-dir``): an idle server's decode steps, one prefill, and decode steps under the workload's own
 load; each returns :func:`benchmarks.trace_summary.summarize_dir` of its trace."""
 

@@ -6,7 +6,6 @@ budget) survives an SGLang frontend program (gen then select, fork, run_batch), 
 the idle check and the CPU prefill attention, this workload got the scheduler OOM-killed on a 24 GB
 machine."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -18,10 +17,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _serving_memory():
-    spec = importlib.util.spec_from_file_location("serving_memory", REPO / "benchmarks" / "serving_memory.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks import serving_memory
+
+    return serving_memory
 
 
 def test_default_server_survives_the_mixed_workload(tmp_path):
