@@ -62,7 +62,7 @@ class Codec:
 
 
 CODECS = {
-    # Python's lzma decompresses it on any machine (no binary needed there).
+    # the default: smaller than zstd here, and Python's lzma undoes it on any machine (launch/results/fa3_codecs.json)
     "xz": Codec("xz", ".xz", ("xz", "-9", "-T2", "-c")),
     # needs the zstd binary on the device, with the same window (--long=27).
     "zstd": Codec("zstd", ".zst", ("zstd", "-19", "--long=27", "-T2", "-q", "-c")),
