@@ -194,7 +194,8 @@ def join_pieces(manifest: dict, stash: Path, out: Path) -> None:
                 tmp.unlink()
                 raise ValueError(f"piece {p['name']} is corrupt (SHA-256 differs): copy it again")
             joined.update(block)
-            dec.feed(block)
+            for at in range(0, len(block), CHUNK):  # bounded output per call: memory ~ a few chunks
+                dec.feed(block[at : at + CHUNK])
         dec.close()
     if joined.hexdigest() != manifest["joined"]["sha256"]:
         tmp.unlink()
