@@ -14,9 +14,9 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from sglang_wgkv.config import FAR_POSITION as FAR  # noqa: E402
 from sglang_wgkv.config import WGKVConfig  # noqa: E402
 from sglang_wgkv.memory import DualCachePool, triton_pool  # noqa: E402
-from sglang_wgkv.memory.extend_step import FAR_POSITION as FAR  # noqa: E402
 from sglang_wgkv.memory.page_allocator import PoolExhausted  # noqa: E402
 
 L, H, D, W, R, CTX = 2, 3, 16, 32, 5, 200
