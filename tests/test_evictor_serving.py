@@ -6,6 +6,7 @@ says so; the pool stays intact."""
 import pytest
 
 from sglang_wgkv.config import WGKVConfig
+from sglang_wgkv.testing.server_pool import shared_server
 from sglang_wgkv.testing.serving import Server, long_prompt
 
 pytestmark = pytest.mark.evictor
@@ -18,28 +19,18 @@ STREAMS = 30 * 3  # the embedded model: 30 layers x 3 KV heads
 KEEP = KV_BUDGET - WGKVConfig(kv_budget=KV_BUDGET).evictor_lead
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("evictor_serving")
-    # fresh gates admit every token; --max-total-tokens 2048 (BASE_ARGS): prompt_cap 16 + 512
-    srv = Server(
-        [
-            "--wgkv-gates",
-            "fresh",
-            "--wgkv-local-window",
-            str(W_LOCAL),
-            "--kv-budget",
-            str(KV_BUDGET),
-            "--chunked-prefill-size",
-            str(CHUNK),
-            "--disable-radix-cache",
-        ],
-        tmp / "server.log",
-    )
-    try:
-        yield srv.wait_healthy()
-    finally:
-        srv.stop()
+# fresh gates admit every token; --max-total-tokens 2048 (BASE_ARGS): prompt_cap 16 + 512
+server = shared_server(
+    "--wgkv-gates",
+    "fresh",
+    "--wgkv-local-window",
+    str(W_LOCAL),
+    "--kv-budget",
+    str(KV_BUDGET),
+    "--chunked-prefill-size",
+    str(CHUNK),
+    "--disable-radix-cache",
+)
 
 
 def _usage(out):

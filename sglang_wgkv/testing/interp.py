@@ -28,3 +28,39 @@ def run_interp_check(script: str | os.PathLike, *args, timeout: float = 600) -> 
         timeout=timeout,
         cwd=REPO,
     )
+
+
+def check_seeds(check, seeds) -> int:
+    """In a check script: ``check(seed)`` for each seed (one process, one Triton import), printing
+    ``ok seed S[: note]`` or ``FAIL seed S: error`` per seed (a failure does not stop the others);
+    the exit code: 1 if any failed."""
+    failed = 0
+    for seed in seeds:
+        try:
+            note = check(seed)
+        except (Exception, SystemExit) as e:  # SystemExit: the scripts' way of naming a difference
+            print(f"FAIL seed {seed}: {type(e).__name__}: {e}", flush=True)
+            failed += 1
+        else:
+            print(f"ok seed {seed}" + (f": {note}" if note else ""), flush=True)
+    return 1 if failed else 0
+
+
+def seed_lines(stdout: str) -> dict[str, str]:
+    """``{seed: its line}`` of a :func:`check_seeds` run's output."""
+    lines = {}
+    for line in stdout.splitlines():
+        verdict, _, rest = line.partition(" seed ")
+        if verdict in ("ok", "FAIL") and rest:
+            lines[rest.split(":")[0]] = line
+    return lines
+
+
+def assert_seed_ok(run: subprocess.CompletedProcess, seed) -> str:
+    """``seed``'s line of a :func:`check_seeds` run, asserted ``ok``; a run that exited non-zero without
+    a ``FAIL`` line (it crashed) fails every seed."""
+    line = seed_lines(run.stdout).get(str(seed))
+    context = f"{line}\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
+    assert line is not None and line.startswith(f"ok seed {seed}"), context
+    assert run.returncode == 0 or "FAIL seed" in run.stdout, context
+    return line
