@@ -9,16 +9,19 @@ marker     added where the test or one of its fixtures ...      tier
 server     calls ``Server(`` / ``ServerProcess(``, launches     ``slow``
            ``sglang[_wgkv].launch_server`` or takes a
            ``shared_server`` (or carries the marker itself)
-interp     calls ``run_interp_check(`` (a Triton-interpreter    ``slow``
-           subprocess)
+interp     runs a Triton-interpreter check subprocess          ``slow``
+           (``run_interp_check(``, ``interp_env(``,
+           ``interp_runner.result(``)
 soak       (set by the test file: long runs)                    ``slow``; left out of the default
                                                                 run by ``addopts``
 =========  ===================================================  ===================================
 
 ``pytest -q`` runs everything but ``soak``; ``pytest -m "not slow"`` is the development tier.
 
-Modules run in three blocks: without servers, with servers of their own, with ``shared_server``
-fixtures (modules sharing arguments one after another); the session's
+Modules run in four blocks: plain, with interpreter checks, with servers of their own, with
+``shared_server`` fixtures (modules sharing arguments one after another). The interpreter checks
+(:class:`~sglang_wgkv.testing.interp.InterpCheck` constants of the selected modules) start after
+collection and run one at a time in the background; the session's
 :class:`~sglang_wgkv.testing.server_pool.ServerPool` starts each planned server while the module before
 it runs.
 """
@@ -29,14 +32,16 @@ import re
 
 import pytest
 
+from sglang_wgkv.testing.interp import InterpCheck, InterpRunner
 from sglang_wgkv.testing.server_pool import ServerPool, server_key
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 STARTS_SERVER = re.compile(r"\b(?:Server|ServerProcess)\(|[\"']sglang(?:_wgkv)?\.launch_server[\"']")
-RUNS_INTERPRETER = re.compile(r"\b(?:run_interp_check|interp_env)\(")
+RUNS_INTERPRETER = re.compile(r"\b(?:run_interp_check|interp_env)\(|\binterp_runner\.result\(")
 CALLED_NAME = re.compile(r"\b([A-Za-z_]\w*)\(")
 PLAN_KEY = pytest.StashKey[list]()
+RUNNER_KEY = pytest.StashKey[InterpRunner]()
 
 
 def _fixture_functions(item):
@@ -91,16 +96,39 @@ def pytest_configure(config):
 
 
 class ModuleOrder:
-    @pytest.hookimpl(trylast=True)  # after -k/-m deselection: the plan holds only the leases that run
+    @pytest.hookimpl(trylast=True)  # after -k/-m deselection: only what will run is planned and started
     def pytest_collection_modifyitems(self, config, items):
         _group_modules_by_shared_server(config, items)
+        _start_interpreter_checks(config, items)
+
+    def pytest_unconfigure(self, config):
+        runner = config.stash.get(RUNNER_KEY, None)
+        if runner is not None:
+            runner.close()
+
+
+def _start_interpreter_checks(config, items) -> None:
+    """Start the :class:`~sglang_wgkv.testing.interp.InterpCheck` constants of the modules whose
+    interpreter tests were selected: they run one at a time beside the tests, which read their results."""
+    runner = config.stash[RUNNER_KEY] = InterpRunner()
+    if config.option.collectonly:
+        return
+    modules = {
+        id(item.module): item.module
+        for item in items
+        if item.get_closest_marker("interp") and not _skipped_outright(item)
+    }
+    for module in modules.values():
+        for value in vars(module).values():
+            if isinstance(value, InterpCheck):
+                runner.submit(value)
 
 
 def _group_modules_by_shared_server(config, items) -> None:
     """Reorder whole modules (their items stay together and in order, so module fixtures start once):
-    modules without servers first, then those starting their own, then those taking shared servers,
-    grouped so that modules sharing one are adjacent; record the order of the leases as the pool's plan.
-    """
+    modules without servers or interpreter checks first, then those reading interpreter checks, those
+    starting their own servers, those taking shared servers (modules sharing one adjacent); record the
+    order of the leases as the pool's plan."""
     modules: dict[str, list] = {}
     for item in items:
         modules.setdefault(item.nodeid.split("::")[0], []).append(item)
@@ -108,9 +136,11 @@ def _group_modules_by_shared_server(config, items) -> None:
     for path, module_items in modules.items():
         keys = [server_key(args) for item in module_items for args in _shared_servers(item)]
         if keys:
-            group = (2, keys[0])
-        else:
-            group = (int(any(item.get_closest_marker("server") for item in module_items)), path)
+            group = (3, keys[0])
+        elif any(item.get_closest_marker("server") for item in module_items):
+            group = (2, path)
+        else:  # interpreter modules after the rest: their checks run in the background meanwhile
+            group = (int(any(item.get_closest_marker("interp") for item in module_items)), path)
         groups.setdefault(group, []).append(path)
     order = sorted(groups, key=lambda group: group[0])  # stable: file order within each kind
     items[:] = [item for group in order for path in groups[group] for item in modules[path]]
@@ -122,6 +152,17 @@ def _group_modules_by_shared_server(config, items) -> None:
                 leased.add(lease)
                 plan.append(args)
     config.stash[PLAN_KEY] = plan
+
+
+def _skipped_outright(item) -> bool:
+    """A ``skipif`` whose condition is already True (the interpreter checks skip on GPU hosts)."""
+    return any(m.args and m.args[0] is True for m in item.iter_markers("skipif"))
+
+
+@pytest.fixture(scope="session")
+def interp_runner(request):
+    """The session's background interpreter checks (started after collection)."""
+    return request.config.stash[RUNNER_KEY]
 
 
 @pytest.fixture(scope="session")

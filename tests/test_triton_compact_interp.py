@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from sglang_wgkv.testing.interp import assert_seed_ok, run_interp_check
+from sglang_wgkv.testing.interp import InterpCheck, assert_seed_ok
 
 CPU_ONLY = pytest.mark.skipif(
     torch.cuda.is_available(),
@@ -23,15 +23,14 @@ PLAN_CHECK = os.path.join(HERE, "triton_plan_interp_check.py")
 
 
 COMPACT_SEEDS, PLAN_SEEDS = range(8), range(12)
+# each check script once, over all its seeds (one Triton import per script)
+COMPACT_RUN = InterpCheck(CHECK, tuple(map(str, COMPACT_SEEDS)))
+PLAN_RUN = InterpCheck(PLAN_CHECK, tuple(map(str, PLAN_SEEDS)))
 
 
 @pytest.fixture(scope="module")
-def runs():
-    """Each check script once, over all its seeds (one Triton import per script)."""
-    return {
-        "compact": run_interp_check(CHECK, *COMPACT_SEEDS, timeout=600),
-        "plan": run_interp_check(PLAN_CHECK, *PLAN_SEEDS, timeout=600),
-    }
+def runs(interp_runner):
+    return {"compact": interp_runner.result(COMPACT_RUN), "plan": interp_runner.result(PLAN_RUN)}
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import pytest
 import torch
 from interp_decode_check import CASES, PoolCase, close
 
-from sglang_wgkv.testing.interp import run_interp_check
+from sglang_wgkv.testing.interp import InterpCheck
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device)")
@@ -20,10 +20,13 @@ CPU_ONLY = pytest.mark.skipif(
 
 
 # -- CPU: Triton interpreter (one process for all cases: TRITON_INTERPRET=1 must precede the import) -
+DECODE_RUN = InterpCheck(os.path.join(HERE, "interp_decode_check.py"), tuple(sorted(CASES)), timeout=900)
+
+
 @pytest.fixture(scope="module")
-def interpreted_rows():
+def interpreted_rows(interp_runner):
     """Every case's rows (one JSON line per comparison) from one interpreter process."""
-    proc = run_interp_check(os.path.join(HERE, "interp_decode_check.py"), *sorted(CASES), timeout=900)
+    proc = interp_runner.result(DECODE_RUN)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     return proc, rows
 

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from sglang_wgkv.testing.interp import assert_seed_ok, run_interp_check
+from sglang_wgkv.testing.interp import InterpCheck, assert_seed_ok
 
 CPU_ONLY = pytest.mark.skipif(
     torch.cuda.is_available(),
@@ -21,9 +21,12 @@ CHECK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "triton_pool_in
 CASES = ["0", "1/8", "2", "4/8"]  # SEED or SEED/SCAN_BLOCK (the promotion scan over blocks of 8 items)
 
 
+POOL_RUN = InterpCheck(CHECK, tuple(CASES))
+
+
 @pytest.fixture(scope="module")
-def run():
-    return run_interp_check(CHECK, *CASES, timeout=600)
+def run(interp_runner):
+    return interp_runner.result(POOL_RUN)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,3 +66,36 @@ def assert_seed_ok(run: subprocess.CompletedProcess, seed) -> str:
     assert line is not None and line.startswith(f"ok seed {seed}"), context
     assert run.returncode == 0 or "FAIL seed" in run.stdout, context
     return line
+
+
+@dataclass(frozen=True)
+class InterpCheck:
+    """One run of a check script under :func:`run_interp_check`; a test module declares its checks as
+    module constants, so the conftest can start them before the tests that read them."""
+
+    script: str
+    args: tuple[str, ...] = ()
+    timeout: float = 600
+
+    def run(self) -> subprocess.CompletedProcess:
+        return run_interp_check(self.script, *self.args, timeout=self.timeout)
+
+
+class InterpRunner:
+    """Runs :class:`InterpCheck`\\ s in background threads, ``workers`` at a time in submission order (the
+    checks are single-threaded, the test process keeps the other core); :meth:`result` waits for one."""
+
+    def __init__(self, workers: int = 1):
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="interp")
+        self._futures: dict[InterpCheck, Future] = {}
+
+    def submit(self, check: InterpCheck) -> None:
+        if check not in self._futures:
+            self._futures[check] = self._executor.submit(check.run)
+
+    def result(self, check: InterpCheck) -> subprocess.CompletedProcess:
+        self.submit(check)
+        return self._futures[check].result()
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
