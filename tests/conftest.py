@@ -11,7 +11,8 @@ server     calls ``Server(`` / ``ServerProcess(``, launches     ``slow``
            ``shared_server`` (or carries the marker itself)
 interp     runs a Triton-interpreter check subprocess          ``slow``
            (``run_interp_check(``, ``interp_env(``,
-           ``interp_runner.result(``)
+           ``interp_runner.result(``, or sets
+           ``TRITON_INTERPRET`` to ``"1"`` itself)
 soak       (set by the test file: long runs)                    ``slow``; left out of the default
                                                                 run by ``addopts``
 =========  ===================================================  ===================================
@@ -29,6 +30,7 @@ it runs.
 import inspect
 import os
 import re
+import sys
 
 import pytest
 
@@ -38,7 +40,9 @@ from sglang_wgkv.testing.server_pool import ServerPool, server_key
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 STARTS_SERVER = re.compile(r"\b(?:Server|ServerProcess)\(|[\"']sglang(?:_wgkv)?\.launch_server[\"']")
-RUNS_INTERPRETER = re.compile(r"\b(?:run_interp_check|interp_env)\(|\binterp_runner\.result\(")
+RUNS_INTERPRETER = re.compile(
+    r"\b(?:run_interp_check|interp_env)\(|\binterp_runner\.result\(|TRITON_INTERPRET[\"']?\s*[=:]\s*[\"']1"
+)
 CALLED_NAME = re.compile(r"\b([A-Za-z_]\w*)\(")
 PLAN_KEY = pytest.StashKey[list]()
 RUNNER_KEY = pytest.StashKey[InterpRunner]()
@@ -53,24 +57,27 @@ def _fixture_functions(item):
 
 
 def _sources(item):
-    """The source of the test, of its fixtures and of the module-level functions they call (those of
-    the module that defines the caller), transitively."""
+    """The source of the test, of its fixtures and of the module-level functions and classes they call
+    (those of the module that defines the caller), transitively."""
     todo = [getattr(item, "obj", None), *_fixture_functions(item)]
     seen = set()
     while todo:
-        fn = todo.pop()
-        fn = inspect.unwrap(getattr(fn, "__func__", fn)) if fn is not None else None
-        if fn is None or fn in seen or not inspect.isfunction(fn):
+        obj = todo.pop()
+        obj = inspect.unwrap(getattr(obj, "__func__", obj)) if obj is not None else None
+        if obj is None or obj in seen or not (inspect.isfunction(obj) or inspect.isclass(obj)):
             continue
-        seen.add(fn)
+        seen.add(obj)
         try:
-            source = inspect.getsource(fn)
+            source = inspect.getsource(obj)
         except (OSError, TypeError):
             continue
         yield source
+        module = sys.modules.get(obj.__module__)
         for name in set(CALLED_NAME.findall(source)):
-            callee = fn.__globals__.get(name)
-            if inspect.isfunction(callee) and callee.__module__ == fn.__module__:
+            callee = getattr(module, name, None)
+            if (
+                inspect.isfunction(callee) or inspect.isclass(callee)
+            ) and callee.__module__ == obj.__module__:
                 todo.append(callee)
 
 

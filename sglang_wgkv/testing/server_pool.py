@@ -1,5 +1,6 @@
 """Test servers shared across test files: one :class:`~sglang_wgkv.testing.serving.Server` per distinct
-argument list, started on first use and kept for the next file that asks for the same arguments.
+argument list, started ahead of its first use and kept for the next file that asks for the same
+arguments.
 
 A test module takes a server through a module-scoped :func:`shared_server` fixture (one
 :meth:`ServerPool.lease` per module). ``tests/conftest.py`` orders the modules so that those sharing
@@ -9,13 +10,13 @@ last planned lease, and the next one starts while the module before it runs.
 Which servers may be shared
 ---------------------------
 ==========================================  ==========================================================
-a test module that ...                      gets
+a test module that ...                      shares its server with other modules?
 ==========================================  ==========================================================
-only sends requests and checks their        a pooled server (the request's own output, usage and the
-answers, or checks stats it drained first   idle check do not depend on what earlier modules sent)
-reads lifetime counters (admitted fraction  its own ``Server`` (a module fixture), as before
-per head, metrics totals) as absolute
-kills, poisons or restarts the server       its own ``Server``
+sends requests and checks their answers,    yes, where the arguments match
+deltas of counters, or stats it drained
+reads lifetime counters (admitted fraction  no: arguments no other module uses (a pooled server that
+per head, metrics totals) as absolute       is still started ahead and stopped after use)
+kills, poisons or restarts the server       no: a ``Server`` of its own (the pool restarts nothing)
 ==========================================  ==========================================================
 
 A pooled server that died (a leak found by the strict idle check kills the scheduler) is not restarted:
