@@ -12,6 +12,8 @@ import torch
 
 from sglang_wgkv.testing.interp import InterpCheck
 
+pytestmark = pytest.mark.serving
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 GRAPH_RUN = InterpCheck(os.path.join(HERE, "backend_graph_check.py"))
 

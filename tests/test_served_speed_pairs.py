@@ -8,6 +8,8 @@ import pytest
 
 from benchmarks import served_speed as ss
 
+pytestmark = pytest.mark.tools
+
 
 def _rec(server_args: str, date: str) -> dict:
     return {
