@@ -70,32 +70,55 @@ def assert_seed_ok(run: subprocess.CompletedProcess, seed) -> str:
 
 @dataclass(frozen=True)
 class InterpCheck:
-    """One run of a check script under :func:`run_interp_check`; a test module declares its checks as
-    module constants, so the conftest can start them before the tests that read them."""
+    """One run of a check script under :func:`interp_env`; a test module declares its checks as module
+    constants, so the conftest can start them before the tests that read them."""
 
     script: str
     args: tuple[str, ...] = ()
     timeout: float = 600
 
-    def run(self) -> subprocess.CompletedProcess:
-        return run_interp_check(self.script, *self.args, timeout=self.timeout)
-
 
 class InterpRunner:
-    """Runs :class:`InterpCheck`\\ s in background threads, ``workers`` at a time in submission order (the
-    checks are single-threaded, the test process keeps the other core); :meth:`result` waits for one."""
+    """Runs interpreter checks in background threads, ``workers`` at a time in submission order (the
+    checks are single-threaded, the test process keeps the other core); :meth:`result` waits for one,
+    :meth:`close` ends the ones still running."""
 
     def __init__(self, workers: int = 1):
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="interp")
         self._futures: dict[InterpCheck, Future] = {}
+        self._running: set[subprocess.Popen] = set()
+        self._closed = False
 
     def submit(self, check: InterpCheck) -> None:
         if check not in self._futures:
-            self._futures[check] = self._executor.submit(check.run)
+            self._futures[check] = self._executor.submit(self._run, check)
 
     def result(self, check: InterpCheck) -> subprocess.CompletedProcess:
         self.submit(check)
         return self._futures[check].result()
 
+    def _run(self, check: InterpCheck) -> subprocess.CompletedProcess:
+        command = [sys.executable, check.script, *check.args]
+        proc = subprocess.Popen(
+            command, env=interp_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self._running.add(proc)
+        try:
+            if self._closed:
+                proc.kill()
+            stdout, stderr = proc.communicate(timeout=check.timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+            stderr += f"\ntimed out after {check.timeout} s"
+        finally:
+            self._running.discard(proc)
+        return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
     def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._closed = True
+        for future in self._futures.values():
+            future.cancel()
+        for proc in list(self._running):
+            proc.kill()
+        self._executor.shutdown(wait=True)
