@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 PAGE_SIZE = 16
+FAR_POSITION = -(2**30)  # position given to global entries: beyond every query's local band
 # The one definition of each default (the gate checkpoint format, the trainer and the launcher read these).
 DEFAULT_TAU = 0.1
 DEFAULT_LOCAL_WINDOW = 256

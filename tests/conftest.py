@@ -1,13 +1,182 @@
+"""Test tiers and the shared servers.
+
+Cost markers, added here from what a test runs (its source, its fixtures' and the module functions
+they call, transitively), beside the topic markers of its file:
+
+=========  ===================================================  ===================================
+marker     added where the test or one of its fixtures ...      tier
+=========  ===================================================  ===================================
+server     calls ``Server(`` / ``ServerProcess(``, launches     ``slow``
+           ``sglang[_wgkv].launch_server`` or takes a
+           ``shared_server`` (or carries the marker itself)
+interp     runs a Triton-interpreter check subprocess          ``slow``
+           (``run_interp_check(``, ``interp_env(``,
+           ``interp_runner.result(``, or sets
+           ``TRITON_INTERPRET`` to ``"1"`` itself)
+soak       (set by the test file: long runs)                    ``slow``; left out of the default
+                                                                run by ``addopts``
+=========  ===================================================  ===================================
+
+``pytest -q`` runs everything but ``soak``; ``pytest -m "not slow"`` is the development tier.
+
+Modules run in four blocks: plain, with interpreter checks, with servers of their own, with
+``shared_server`` fixtures (modules sharing arguments one after another). The interpreter checks
+(:class:`~sglang_wgkv.testing.interp.InterpCheck` constants of the selected modules) start after
+collection and run one at a time in the background; the session's
+:class:`~sglang_wgkv.testing.server_pool.ServerPool` starts each planned server while the module before
+it runs.
+"""
+
+import inspect
 import os
+import re
+import sys
 
 import pytest
-import torch
+
+from sglang_wgkv.testing.interp import InterpCheck, InterpRunner
+from sglang_wgkv.testing.server_pool import ServerPool, server_key
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+STARTS_SERVER = re.compile(r"\b(?:Server|ServerProcess)\(|[\"']sglang(?:_wgkv)?\.launch_server[\"']")
+RUNS_INTERPRETER = re.compile(
+    r"\b(?:run_interp_check|interp_env)\(|\binterp_runner\.result\(|TRITON_INTERPRET[\"']?\s*[=:]\s*[\"']1"
+)
+CALLED_NAME = re.compile(r"\b([A-Za-z_]\w*)\(")
+PLAN_KEY = pytest.StashKey[list]()
+RUNNER_KEY = pytest.StashKey[InterpRunner]()
 
-def cuda_available() -> bool:
-    return torch.cuda.is_available()
+
+def _fixture_functions(item):
+    info = getattr(item, "_fixtureinfo", None)
+    for name in getattr(item, "fixturenames", ()):
+        defs = info.name2fixturedefs.get(name) if info else None
+        if defs:
+            yield defs[-1].func
 
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device)")
+def _sources(item):
+    """The source of the test, of its fixtures and of the module-level functions and classes they call
+    (those of the module that defines the caller), transitively."""
+    todo = [getattr(item, "obj", None), *_fixture_functions(item)]
+    seen = set()
+    while todo:
+        obj = todo.pop()
+        obj = inspect.unwrap(getattr(obj, "__func__", obj)) if obj is not None else None
+        if obj is None or obj in seen or not (inspect.isfunction(obj) or inspect.isclass(obj)):
+            continue
+        seen.add(obj)
+        try:
+            source = inspect.getsource(obj)
+        except (OSError, TypeError):
+            continue
+        yield source
+        module = sys.modules.get(obj.__module__)
+        for name in set(CALLED_NAME.findall(source)):
+            callee = getattr(module, name, None)
+            if (
+                inspect.isfunction(callee) or inspect.isclass(callee)
+            ) and callee.__module__ == obj.__module__:
+                todo.append(callee)
+
+
+def _shared_servers(item) -> list[tuple]:
+    return [fn.server_args for fn in _fixture_functions(item) if hasattr(fn, "server_args")]
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by these markers
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        shared = _shared_servers(item)
+        sources = "\n".join(_sources(item))
+        if shared or item.get_closest_marker("server") or STARTS_SERVER.search(sources):
+            item.add_marker(pytest.mark.server)
+        if RUNS_INTERPRETER.search(sources):
+            item.add_marker(pytest.mark.interp)
+        if any(item.get_closest_marker(m) for m in ("server", "interp", "soak")):
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(ModuleOrder(), "wgkv_module_order")
+
+
+class ModuleOrder:
+    @pytest.hookimpl(trylast=True)  # after -k/-m deselection: only what will run is planned and started
+    def pytest_collection_modifyitems(self, config, items):
+        _group_modules_by_shared_server(config, items)
+        _start_interpreter_checks(config, items)
+
+    def pytest_unconfigure(self, config):
+        runner = config.stash.get(RUNNER_KEY, None)
+        if runner is not None:
+            runner.close()
+
+
+def _start_interpreter_checks(config, items) -> None:
+    """Start the :class:`~sglang_wgkv.testing.interp.InterpCheck` constants of the modules whose
+    interpreter tests were selected: they run one at a time beside the tests, which read their results."""
+    runner = config.stash[RUNNER_KEY] = InterpRunner()
+    if config.option.collectonly:
+        return
+    modules = {
+        id(item.module): item.module
+        for item in items
+        if item.get_closest_marker("interp") and not _skipped_outright(item)
+    }
+    for module in modules.values():
+        for value in vars(module).values():
+            if isinstance(value, InterpCheck):
+                runner.submit(value)
+
+
+def _group_modules_by_shared_server(config, items) -> None:
+    """Reorder whole modules (their items stay together and in order, so module fixtures start once):
+    modules without servers or interpreter checks first, then those reading interpreter checks, those
+    starting their own servers, those taking shared servers (modules sharing one adjacent); record the
+    order of the leases as the pool's plan."""
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    groups: dict[tuple, list[str]] = {}
+    for path, module_items in modules.items():
+        keys = [server_key(args) for item in module_items for args in _shared_servers(item)]
+        if keys:
+            group = (3, keys[0])
+        elif any(item.get_closest_marker("server") for item in module_items):
+            group = (2, path)
+        else:  # interpreter modules after the rest: their checks run in the background meanwhile
+            group = (int(any(item.get_closest_marker("interp") for item in module_items)), path)
+        groups.setdefault(group, []).append(path)
+    order = sorted(groups, key=lambda group: group[0])  # stable: file order within each kind
+    items[:] = [item for group in order for path in groups[group] for item in modules[path]]
+    plan, leased = [], set()  # one lease per module and server, in the order the modules take them
+    for item in items:
+        for args in _shared_servers(item):
+            lease = (item.nodeid.split("::")[0], server_key(args))
+            if lease not in leased:
+                leased.add(lease)
+                plan.append(args)
+    config.stash[PLAN_KEY] = plan
+
+
+def _skipped_outright(item) -> bool:
+    """A ``skipif`` whose condition is already True (the interpreter checks skip on GPU hosts)."""
+    return any(m.args and m.args[0] is True for m in item.iter_markers("skipif"))
+
+
+@pytest.fixture(scope="session")
+def interp_runner(request):
+    """The session's background interpreter checks (started after collection)."""
+    return request.config.stash[RUNNER_KEY]
+
+
+@pytest.fixture(scope="session")
+def server_pool(request, tmp_path_factory):
+    """The session's shared servers (see :mod:`sglang_wgkv.testing.server_pool`)."""
+    pool = ServerPool(tmp_path_factory.mktemp("server_pool"), plan=request.config.stash.get(PLAN_KEY, []))
+    try:
+        yield pool
+    finally:
+        pool.close()

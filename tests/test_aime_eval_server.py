@@ -8,52 +8,46 @@ import sys
 
 import pytest
 
-from sglang_wgkv.testing.serving import REPO, Server, shipped_gates_at
+from sglang_wgkv.testing.server_pool import ShippedGates, shared_server
+from sglang_wgkv.testing.serving import REPO
 
 pytestmark = pytest.mark.serving
 
+server = shared_server("--kv-budget", "64", "--wgkv-local-window", "32", "--wgkv-gates", ShippedGates(32))
 
-def test_eval_cli_runs_against_the_server(tmp_path):
-    gates = shipped_gates_at(tmp_path / "gates", 32)
-    server = Server(
-        ["--kv-budget", "64", "--wgkv-local-window", "32", "--wgkv-gates", str(gates)],
-        tmp_path / "server.log",
+
+def test_eval_cli_runs_against_the_server(server, tmp_path):
+    out = tmp_path / "report.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "evals.aime25",
+            "--base-url",
+            server.url + "/v1",
+            "--limit",
+            "2",
+            "--samples",
+            "2",
+            "--max-tokens",
+            "24",
+            "--concurrency",
+            "4",
+            "--no-progress",
+            "--output",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
-    try:
-        server.wait_healthy()
-        out = tmp_path / "report.json"
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "evals.aime25",
-                "--base-url",
-                server.url + "/v1",
-                "--limit",
-                "2",
-                "--samples",
-                "2",
-                "--max-tokens",
-                "24",
-                "--concurrency",
-                "4",
-                "--no-progress",
-                "--output",
-                str(out),
-            ],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        assert proc.returncode == 0, proc.stderr + server.log_tail()
-        report = json.loads(out.read_text())
-        assert report["errors"] == 0, [s["error"] for s in report["samples"]]
-        assert len(report["samples"]) == 4 and report["num_problems"] == 2
-        assert all(0 < s["completion_tokens"] <= 24 for s in report["samples"])
-        # the server's usage["wgkv"] reaches the report: ring (32) + global tokens per KV head
-        assert report["mean_kv_tokens_per_head"] > 32 and report["mean_eviction_triggers"] >= 0
-        assert 0.0 <= report["accuracy"] <= report["pass@k"] <= 1.0
-        assert server.alive()
-    finally:
-        server.stop()
+    assert proc.returncode == 0, proc.stderr + server.log_tail()
+    report = json.loads(out.read_text())
+    assert report["errors"] == 0, [s["error"] for s in report["samples"]]
+    assert len(report["samples"]) == 4 and report["num_problems"] == 2
+    assert all(0 < s["completion_tokens"] <= 24 for s in report["samples"])
+    # the server's usage["wgkv"] reaches the report: ring (32) + global tokens per KV head
+    assert report["mean_kv_tokens_per_head"] > 32 and report["mean_eviction_triggers"] >= 0
+    assert 0.0 <= report["accuracy"] <= report["pass@k"] <= 1.0
+    assert server.alive()

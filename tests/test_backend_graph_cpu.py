@@ -10,9 +10,12 @@ import os
 import pytest
 import torch
 
-from sglang_wgkv.testing.interp import run_interp_check
+from sglang_wgkv.testing.interp import InterpCheck
+
+pytestmark = pytest.mark.serving
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+GRAPH_RUN = InterpCheck(os.path.join(HERE, "backend_graph_check.py"))
 
 
 @pytest.mark.skipif(
@@ -20,8 +23,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
     reason="the Triton interpreter is the CPU CI stand-in; on a GPU "
     "host tests/test_gpu_serving.py runs the compiled path under real CUDA graphs",
 )
-def test_graph_decode_path_matches_eager_reference():
-    proc = run_interp_check(os.path.join(HERE, "backend_graph_check.py"), timeout=600)
+def test_graph_decode_path_matches_eager_reference(interp_runner):
+    proc = interp_runner.result(GRAPH_RUN)
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 0 and lines[-2:] == [
         "decode gate: DecodeGate OK",

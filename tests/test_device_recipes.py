@@ -18,7 +18,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 NINJA = shutil.which("ninja") or str(Path(os.sys.executable).parent / "ninja")
 
-pytestmark = pytest.mark.skipif(not Path(NINJA).exists(), reason="ninja not installed")
+pytestmark = [pytest.mark.tools, pytest.mark.skipif(not Path(NINJA).exists(), reason="ninja not installed")]
 
 
 def _install_header(site: Path) -> Path:

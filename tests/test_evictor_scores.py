@@ -1,6 +1,7 @@
 """SnapKV scores against an independent per-query loop; evictor argument validation."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch
 from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.memory import DualCachePool, SnapKVEvictor
 from sglang_wgkv.memory.snapkv_score import snapkv_scores
+from sglang_wgkv.testing.interp import InterpCheck
 
 pytestmark = pytest.mark.evictor
 
@@ -108,22 +110,22 @@ def test_observe_before_plan_is_refused():
         ev.observe_decode(0, torch.zeros(1, 4, 8))
 
 
-def test_triton_scores_match_the_reference_under_the_interpreter():
+SNAPKV_SEEDS = tuple(str(s) for s in range(16))
+SNAPKV_RUN = InterpCheck(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "triton_snapkv_interp_check.py"), SNAPKV_SEEDS
+)
+
+
+def test_triton_scores_match_the_reference_under_the_interpreter(interp_runner):
     """memory/triton_snapkv.py against snapkv_scores on CPU under the Triton interpreter (one
     subprocess: TRITON_INTERPRET=1 must precede the import of Triton): GQA 1-4 (3 padded), empty
     query and ring slots, 0-150 global entries, bf16 and float32. On a GPU the compiled kernel runs in
     the evictor of test_evictor_gpu (the kernels path scores with it)."""
-    import os
-
-    from sglang_wgkv.testing.interp import run_interp_check
-
     if torch.cuda.is_available():
         pytest.skip("the interpreter is the CPU stand-in; the GPU runs the compiled kernel")
-    check = os.path.join(os.path.dirname(os.path.abspath(__file__)), "triton_snapkv_interp_check.py")
-    seeds = [str(s) for s in range(16)]
-    res = run_interp_check(check, *seeds, timeout=600)
+    res = interp_runner.result(SNAPKV_RUN)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
-    assert res.stdout.split() == [w for s in seeds for w in ("ok", "seed", s)], res.stdout
+    assert res.stdout.splitlines() == [f"ok seed {s}" for s in SNAPKV_SEEDS], res.stdout
 
 
 def test_a_score_kernel_that_cannot_build_falls_back_to_torch_once(monkeypatch, caplog):

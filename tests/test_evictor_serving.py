@@ -6,7 +6,8 @@ says so; the pool stays intact."""
 import pytest
 
 from sglang_wgkv.config import WGKVConfig
-from sglang_wgkv.testing.serving import Server, long_prompt
+from sglang_wgkv.testing.server_pool import shared_server
+from sglang_wgkv.testing.serving import long_prompt
 
 pytestmark = pytest.mark.evictor
 
@@ -18,28 +19,18 @@ STREAMS = 30 * 3  # the embedded model: 30 layers x 3 KV heads
 KEEP = KV_BUDGET - WGKVConfig(kv_budget=KV_BUDGET).evictor_lead
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("evictor_serving")
-    # fresh gates admit every token; --max-total-tokens 2048 (BASE_ARGS): prompt_cap 16 + 512
-    srv = Server(
-        [
-            "--wgkv-gates",
-            "fresh",
-            "--wgkv-local-window",
-            str(W_LOCAL),
-            "--kv-budget",
-            str(KV_BUDGET),
-            "--chunked-prefill-size",
-            str(CHUNK),
-            "--disable-radix-cache",
-        ],
-        tmp / "server.log",
-    )
-    try:
-        yield srv.wait_healthy()
-    finally:
-        srv.stop()
+# fresh gates admit every token; --max-total-tokens 2048 (BASE_ARGS): prompt_cap 16 + 512
+server = shared_server(
+    "--wgkv-gates",
+    "fresh",
+    "--wgkv-local-window",
+    str(W_LOCAL),
+    "--kv-budget",
+    str(KV_BUDGET),
+    "--chunked-prefill-size",
+    str(CHUNK),
+    "--disable-radix-cache",
+)
 
 
 def _usage(out):
@@ -76,39 +67,36 @@ def test_prompt_past_the_cap_is_compressed_early_and_logged(server):
     assert server.alive()
 
 
-def test_a_prefix_restored_from_the_radix_cache_is_compressed_once_by_its_prompt_end(tmp_path):
+radix_server = shared_server(
+    "--wgkv-gates",
+    "fresh",
+    "--wgkv-local-window",
+    str(W_LOCAL),
+    "--kv-budget",
+    str(KV_BUDGET),
+    "--chunked-prefill-size",
+    str(CHUNK),
+)
+
+
+def test_a_prefix_restored_from_the_radix_cache_is_compressed_once_by_its_prompt_end(radix_server):
     """Radix cache on: a second prompt sharing a long prefix with the first starts from that prefix's
     snapshot, whose global cache is past the budget before its first forward. It waits for its own
     prompt's end like any prompt (one trigger), instead of being cut by the decode rule at the step
     boundary ahead of its extend, scored by no query of its own, and then again at its end (two
     triggers: the H200 served set of 2026-12-03 lost 7/8 8K passkeys at budget 512 that way)."""
-    srv = Server(
-        [
-            "--wgkv-gates",
-            "fresh",
-            "--wgkv-local-window",
-            str(W_LOCAL),
-            "--kv-budget",
-            str(KV_BUDGET),
-            "--chunked-prefill-size",
-            str(CHUNK),
-        ],
-        tmp_path / "server.log",
+    shared = long_prompt(24)
+    params = {"ignore_eos": True}
+    radix_server.generate(
+        shared + " And which one mentions a tree?", max_new_tokens=2, sampling_params=params
     )
-    try:
-        srv.wait_healthy()
-        shared = long_prompt(24)
-        params = {"ignore_eos": True}
-        srv.generate(shared + " And which one mentions a tree?", max_new_tokens=2, sampling_params=params)
-        out = srv.generate(
-            shared + " Now tell me which item is the green book.", max_new_tokens=2, sampling_params=params
-        )
-        n, cached = out["meta_info"]["prompt_tokens"], out["meta_info"]["cached_tokens"]
-        assert cached - W_LOCAL > KV_BUDGET  # a restored prefix past the budget
-        u = _usage(out)
-        assert u["eviction_triggers"] == 1 and u["early_prompt_compressions"] == 0
-        # one cut, to budget - lead, of the whole prompt's global part (plus at most the decode step's token)
-        assert STREAMS * (n - W_LOCAL - KEEP) <= u["evicted_tokens"] <= STREAMS * (n + 1 - W_LOCAL - KEEP)
-        srv.wait_idle_checked()
-    finally:
-        srv.stop()
+    out = radix_server.generate(
+        shared + " Now tell me which item is the green book.", max_new_tokens=2, sampling_params=params
+    )
+    n, cached = out["meta_info"]["prompt_tokens"], out["meta_info"]["cached_tokens"]
+    assert cached - W_LOCAL > KV_BUDGET  # a restored prefix past the budget
+    u = _usage(out)
+    assert u["eviction_triggers"] == 1 and u["early_prompt_compressions"] == 0
+    # one cut, to budget - lead, of the whole prompt's global part (plus at most the decode step's token)
+    assert STREAMS * (n - W_LOCAL - KEEP) <= u["evicted_tokens"] <= STREAMS * (n + 1 - W_LOCAL - KEEP)
+    radix_server.wait_idle_checked()

@@ -4,9 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_wgkv.config import WGKVConfig
+from sglang_wgkv.config import FAR_POSITION, WGKVConfig
 from sglang_wgkv.memory import DualCachePool
-from sglang_wgkv.memory.extend_step import FAR_POSITION
 
 pytestmark = [
     pytest.mark.gpu,

@@ -8,6 +8,8 @@ import pytest
 
 from sglang_wgkv.testing.gpu_serving_cases import FLOOR_FACTOR, FLOOR_SLACK, path_errors, within_floor
 
+pytestmark = pytest.mark.serving
+
 
 def _run(ids, lps):
     return (list(ids), list(lps), [[lp, lp - 1.0] for lp in lps])

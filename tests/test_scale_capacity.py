@@ -12,7 +12,8 @@ import requests
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_wgkv.testing.serving import Server, embedded_plan, long_prompt
+from sglang_wgkv.testing.server_pool import shared_server
+from sglang_wgkv.testing.serving import embedded_plan, long_prompt
 
 pytestmark = pytest.mark.scale
 
@@ -138,30 +139,20 @@ def test_prompt_excess_covers_every_chunk_of_the_pool(w_pages, b_tokens, chunk_p
     assert held <= rule.slot_tokens + rule.excess_tokens(length)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("scale_capacity")
-    # fresh gates admit every token: the evictor alone bounds each stream
-    srv = Server(
-        [
-            "--max-total-tokens",
-            str(BUDGET),
-            "--wgkv-gates",
-            "fresh",
-            "--wgkv-local-window",
-            str(W_LOCAL),
-            "--kv-budget",
-            str(KV_BUDGET),
-            "--chunked-prefill-size",
-            str(CHUNK),
-            "--disable-radix-cache",
-        ],
-        tmp / "server.log",
-    )
-    try:
-        yield srv.wait_healthy()
-    finally:
-        srv.stop()
+# fresh gates admit every token: the evictor alone bounds each stream
+server = shared_server(
+    "--max-total-tokens",
+    str(BUDGET),
+    "--wgkv-gates",
+    "fresh",
+    "--wgkv-local-window",
+    str(W_LOCAL),
+    "--kv-budget",
+    str(KV_BUDGET),
+    "--chunked-prefill-size",
+    str(CHUNK),
+    "--disable-radix-cache",
+)
 
 
 def _generate(server, prompt):
@@ -201,29 +192,19 @@ def test_more_concurrent_requests_than_dense_and_queueing(server):
 TIGHT = {"budget": 1800, "w_local": 64, "chunk": 256}
 
 
-@pytest.fixture(scope="module")
-def tight_server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("scale_capacity_tight")
-    srv = Server(
-        [
-            "--max-total-tokens",
-            str(TIGHT["budget"]),
-            "--wgkv-gates",
-            "fresh",
-            "--wgkv-local-window",
-            str(TIGHT["w_local"]),
-            "--kv-budget",
-            str(KV_BUDGET),
-            "--chunked-prefill-size",
-            str(TIGHT["chunk"]),
-            "--disable-radix-cache",
-        ],
-        tmp / "server.log",
-    )
-    try:
-        yield srv.wait_healthy()
-    finally:
-        srv.stop()
+tight_server = shared_server(
+    "--max-total-tokens",
+    str(TIGHT["budget"]),
+    "--wgkv-gates",
+    "fresh",
+    "--wgkv-local-window",
+    str(TIGHT["w_local"]),
+    "--kv-budget",
+    str(KV_BUDGET),
+    "--chunked-prefill-size",
+    str(TIGHT["chunk"]),
+    "--disable-radix-cache",
+)
 
 
 def test_long_prompt_waits_for_room_while_every_other_slot_decodes(tight_server):

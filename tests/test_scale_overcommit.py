@@ -12,7 +12,8 @@ import torch
 
 from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.memory import DualCachePool
-from sglang_wgkv.testing.serving import Server, embedded_plan, save_head_gates
+from sglang_wgkv.testing.server_pool import HeadGates, shared_server
+from sglang_wgkv.testing.serving import embedded_plan
 
 pytestmark = pytest.mark.scale
 
@@ -150,28 +151,17 @@ def test_decode_worst_case_matches_begin_decode():
     assert pool.decode_worst_case([0, 5, 16, 31, 32, 40]) == 2 * 4
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("overcommit")
-    gates = save_head_gates(tmp / "gates", [30.0, -30.0, -30.0], W_LOCAL)  # 1 of 3 heads admits
-    srv = Server(
-        [
-            "--max-total-tokens",
-            str(BUDGET),
-            "--wgkv-gates",
-            str(gates),
-            "--wgkv-local-window",
-            str(W_LOCAL),
-            "--wgkv-overcommit",
-            str(FACTOR),
-            "--disable-radix-cache",
-        ],
-        tmp / "server.log",
-    )
-    try:
-        yield srv.wait_healthy()
-    finally:
-        srv.stop()
+server = shared_server(
+    "--max-total-tokens",
+    str(BUDGET),
+    "--wgkv-gates",
+    HeadGates((30.0, -30.0, -30.0), W_LOCAL),  # 1 of 3 heads admits
+    "--wgkv-local-window",
+    str(W_LOCAL),
+    "--wgkv-overcommit",
+    str(FACTOR),
+    "--disable-radix-cache",
+)
 
 
 def _prompts(n, length, seed):

@@ -7,7 +7,8 @@ outputs equal the cold (cache-flushed) ones, and the idle check is clean.
 import pytest
 import requests
 
-from sglang_wgkv.testing.serving import Server, flush_cache, save_head_gates
+from sglang_wgkv.testing.server_pool import HeadGates, shared_server
+from sglang_wgkv.testing.serving import flush_cache
 
 pytestmark = pytest.mark.scale
 
@@ -15,29 +16,18 @@ W_LOCAL = 16
 PREFIX, SUFFIX, OUT, CHUNK = 120, 24, 6, 64
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("overcommit_radix")
-    gates = save_head_gates(tmp / "gates", [30.0, -30.0, -30.0], W_LOCAL)  # 1 of 3 heads admits
-    srv = Server(
-        [
-            "--max-total-tokens",
-            "512",
-            "--wgkv-gates",
-            str(gates),
-            "--wgkv-local-window",
-            str(W_LOCAL),
-            "--wgkv-overcommit",
-            "2",
-            "--chunked-prefill-size",
-            str(CHUNK),
-        ],
-        tmp / "server.log",
-    )
-    try:
-        yield srv.wait_healthy()
-    finally:
-        srv.stop()
+server = shared_server(
+    "--max-total-tokens",
+    "512",
+    "--wgkv-gates",
+    HeadGates((30.0, -30.0, -30.0), W_LOCAL),  # 1 of 3 heads admits
+    "--wgkv-local-window",
+    str(W_LOCAL),
+    "--wgkv-overcommit",
+    "2",
+    "--chunked-prefill-size",
+    str(CHUNK),
+)
 
 
 def _generate(server, input_ids):

@@ -11,7 +11,8 @@ import time
 import pytest
 import requests
 
-from sglang_wgkv.testing.serving import Server, long_prompt, save_head_gates
+from sglang_wgkv.testing.server_pool import HeadGates, shared_server
+from sglang_wgkv.testing.serving import long_prompt
 
 pytestmark = pytest.mark.scale
 
@@ -44,26 +45,15 @@ def test_request_admission_parse():
             RequestAdmission.parse(bad)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("scale_serving")
-    save_head_gates(tmp / "gates", [-30.0, 30.0, 30.0], W_LOCAL)
-    srv = Server(
-        [
-            "--wgkv-local-window",
-            str(W_LOCAL),
-            "--wgkv-gates",
-            str(tmp / "gates"),
-            "--kv-budget",
-            str(KV_BUDGET),
-            "--enable-metrics",
-        ],
-        tmp / "server.log",
-    )
-    try:
-        yield srv.wait_healthy()
-    finally:
-        srv.stop()
+server = shared_server(
+    "--wgkv-local-window",
+    str(W_LOCAL),
+    "--wgkv-gates",
+    HeadGates((-30.0, 30.0, 30.0), W_LOCAL),
+    "--kv-budget",
+    str(KV_BUDGET),
+    "--enable-metrics",
+)
 
 
 def _usage(out: dict) -> dict:

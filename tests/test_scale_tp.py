@@ -17,11 +17,14 @@ PROMPTS = [long_prompt(10, seed=s) for s in range(2)] + ["The capital of France 
 
 
 def test_rank_kv_heads():
-    from sglang_wgkv.integration.runtime import rank_kv_heads
+    from sglang_wgkv.integration.tensor_parallel import counts_heads, rank_kv_heads
 
     assert [rank_kv_heads(3, 3, r) for r in range(3)] == [[0], [1], [2]]
     assert [rank_kv_heads(8, 2, r) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert [rank_kv_heads(2, 4, r) for r in range(4)] == [[0], [0], [1], [1]]
+    # a replicated head counts once in a sum over ranks: on its first rank
+    assert [counts_heads(2, 4, r) for r in range(4)] == [True, False, True, False]
+    assert [counts_heads(8, 2, r) for r in range(2)] == [True, True]
 
 
 def test_select_heads_matches_full_gates():

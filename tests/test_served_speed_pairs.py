@@ -15,6 +15,8 @@ pytestmark = pytest.mark.core
 
 WS = sw.load()
 
+pytestmark = pytest.mark.tools
+
 
 def _rec(server_args: str, date: str) -> dict:
     return {

@@ -9,7 +9,8 @@ import pytest
 import requests
 import torch
 
-from sglang_wgkv.testing.serving import Server, long_prompt, save_head_gates
+from sglang_wgkv.testing.server_pool import HeadGates, shared_server
+from sglang_wgkv.testing.serving import long_prompt
 
 pytestmark = pytest.mark.serving
 
@@ -18,27 +19,17 @@ LAYERS, HEADS = 30, 3
 KV_BUDGET = 48
 
 
-@pytest.fixture(scope="module")
-def random_server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serving_random")
-    # no prefix cache: the page counts below are of the running request alone (snapshots of earlier
-    # prompts sharing its prefix would be restored and counted too)
-    srv = Server(
-        [
-            "--wgkv-local-window",
-            str(W_LOCAL),
-            "--wgkv-random-admission",
-            "0.25",
-            "--disable-radix-cache",
-            "--wgkv-gates",
-            "fresh",
-        ],
-        tmp / "server.log",
-    )
-    try:
-        yield srv.wait_healthy()
-    finally:
-        srv.stop()
+# no prefix cache: the page counts below are of the running request alone (snapshots of earlier
+# prompts sharing its prefix would be restored and counted too)
+random_server = shared_server(
+    "--wgkv-local-window",
+    str(W_LOCAL),
+    "--wgkv-random-admission",
+    "0.25",
+    "--disable-radix-cache",
+    "--wgkv-gates",
+    "fresh",
+)
 
 
 def test_random_rejection_keeps_serving(random_server):
@@ -90,25 +81,16 @@ def test_cache_sizes_reflect_rejection(random_server):
     assert stats["used_pages"] < 0.5 * dense_pages
 
 
-@pytest.fixture(scope="module")
-def gated_server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serving_gated")
-    save_head_gates(tmp / "gates", [-30.0, 30.0, 30.0], W_LOCAL)  # KV head 0 never admits, heads 1-2 always
-    srv = Server(
-        [
-            "--wgkv-local-window",
-            str(W_LOCAL),
-            "--wgkv-gates",
-            str(tmp / "gates"),
-            "--kv-budget",
-            str(KV_BUDGET),
-        ],
-        tmp / "server.log",
-    )
-    try:
-        yield srv.wait_healthy()
-    finally:
-        srv.stop()
+# KV head 0 never admits, heads 1-2 always; its lifetime admitted fraction per head is read below, so
+# no other module shares it (tests/test_scale_serving.py sends tau 0 and admission-off requests)
+gated_server = shared_server(
+    "--wgkv-local-window",
+    str(W_LOCAL),
+    "--wgkv-gates",
+    HeadGates((-30.0, 30.0, 30.0), W_LOCAL),
+    "--kv-budget",
+    str(KV_BUDGET),
+)
 
 
 def test_gate_checkpoint_decides_per_head(gated_server):

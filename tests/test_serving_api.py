@@ -11,19 +11,13 @@ import time
 import pytest
 import requests
 
-from sglang_wgkv.testing.serving import Server, long_prompt, stream_generate
+from sglang_wgkv.testing.server_pool import shared_server
+from sglang_wgkv.testing.serving import long_prompt, stream_generate
 
 pytestmark = pytest.mark.serving
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("serving_api") / "server.log"
-    srv = Server(["--wgkv-local-window", "32", "--chunked-prefill-size", "128", "--wgkv-gates", "fresh"], log)
-    try:
-        yield srv.wait_healthy()
-    finally:
-        srv.stop()
+server = shared_server("--wgkv-local-window", "32", "--chunked-prefill-size", "128", "--wgkv-gates", "fresh")
 
 
 def test_native_generate(server):

@@ -9,7 +9,8 @@ tokens' logprobs within 1e-3 (float32 summation-order noise; measured ~1e-5).
 
 import pytest
 
-from sglang_wgkv.testing.serving import Server, long_prompt, save_head_gates
+from sglang_wgkv.testing.server_pool import HeadGates, shared_server
+from sglang_wgkv.testing.serving import long_prompt
 
 pytestmark = pytest.mark.serving
 
@@ -22,20 +23,21 @@ PROMPTS = [
 ]
 
 
+# sigmoid(30) = 1: every token admitted
+wgkv_server = shared_server(
+    "--chunked-prefill-size",
+    "128",
+    "--wgkv-local-window",
+    "32",
+    "--wgkv-gates",
+    HeadGates((30.0, 30.0, 30.0), 32),
+)
+dense_server = shared_server("--chunked-prefill-size", "128", "--disable-wgkv")
+
+
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serving_equivalence")
-    save_head_gates(tmp / "all_admit", [30.0, 30.0, 30.0], 32)  # sigmoid(30) = 1: every token admitted
-    common = ["--chunked-prefill-size", "128"]
-    wgkv = Server(
-        [*common, "--wgkv-local-window", "32", "--wgkv-gates", str(tmp / "all_admit")], tmp / "wgkv.log"
-    )
-    dense = Server([*common, "--disable-wgkv"], tmp / "dense.log")
-    try:
-        yield wgkv.wait_healthy(), dense.wait_healthy()
-    finally:
-        wgkv.stop()
-        dense.stop()
+def servers(wgkv_server, dense_server):
+    return wgkv_server, dense_server
 
 
 def _run(server, prompts, max_new_tokens):

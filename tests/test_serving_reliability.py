@@ -25,7 +25,9 @@ import threading
 import pytest
 import requests
 
-from sglang_wgkv.testing.serving import Server, long_prompt, save_head_gates
+from sglang_wgkv.testing.server_pool import shared_server
+from sglang_wgkv.testing.serving import long_prompt
+from sglang_wgkv.testing.soak import CPU_SERVER_ARGS
 
 pytestmark = pytest.mark.serving
 
@@ -412,18 +414,8 @@ def _post(server, path, body, timeout=300):
     return requests.post(server.url + path, json=body, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("reliability")
-    save_head_gates(tmp / "gates", [-30.0, 30.0, 30.0], 32)  # admission on: KV head 0 keeps no token
-    srv = Server(
-        ["--wgkv-local-window", "32", "--chunked-prefill-size", "128", "--wgkv-gates", str(tmp / "gates")],
-        tmp / "server.log",
-    )
-    try:
-        yield srv.wait_healthy()
-    finally:
-        srv.stop()
+# the CPU soak's server (shared with tests/test_soak.py): admission on, KV head 0 keeps no token
+server = shared_server(*CPU_SERVER_ARGS)
 
 
 def _greedy(server, prompt, n):

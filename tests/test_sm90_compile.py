@@ -12,6 +12,8 @@ from sglang_wgkv.testing.sm90_compile import (
     split_kernel_launch,
 )
 
+pytestmark = pytest.mark.core
+
 
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 def test_decode_split_kernel_compiles_for_sm90(pdl):

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from sglang_wgkv.testing.interp import run_interp_check
+from sglang_wgkv.testing.interp import InterpCheck, assert_seed_ok
 
 CPU_ONLY = pytest.mark.skipif(
     torch.cuda.is_available(),
@@ -22,12 +22,21 @@ CHECK = os.path.join(HERE, "triton_compact_interp_check.py")
 PLAN_CHECK = os.path.join(HERE, "triton_plan_interp_check.py")
 
 
+COMPACT_SEEDS, PLAN_SEEDS = range(8), range(12)
+# each check script once, over all its seeds (one Triton import per script)
+COMPACT_RUN = InterpCheck(CHECK, tuple(map(str, COMPACT_SEEDS)))
+PLAN_RUN = InterpCheck(PLAN_CHECK, tuple(map(str, PLAN_SEEDS)))
+
+
+@pytest.fixture(scope="module")
+def runs(interp_runner):
+    return {"compact": interp_runner.result(COMPACT_RUN), "plan": interp_runner.result(PLAN_RUN)}
+
+
 @pytest.mark.parametrize(
     "check,seed",
-    [(CHECK, s) for s in range(8)] + [(PLAN_CHECK, s) for s in range(12)],
-    ids=[f"compact-{s}" for s in range(8)] + [f"plan-{s}" for s in range(12)],
+    [("compact", s) for s in COMPACT_SEEDS] + [("plan", s) for s in PLAN_SEEDS],
+    ids=[f"compact-{s}" for s in COMPACT_SEEDS] + [f"plan-{s}" for s in PLAN_SEEDS],
 )
-def test_triton_helper_matches_torch_under_interpreter(check, seed):
-    res = run_interp_check(check, seed, timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
-    assert res.stdout.startswith(f"ok seed {seed}"), res.stdout
+def test_triton_helper_matches_torch_under_interpreter(runs, check, seed):
+    assert_seed_ok(runs[check], seed)

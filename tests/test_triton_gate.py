@@ -10,9 +10,10 @@ import pytest
 import torch
 from interp_gate_check import CASES, check
 
-from sglang_wgkv.testing.interp import run_interp_check
+from sglang_wgkv.testing.interp import InterpCheck
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+GATE_RUN = InterpCheck(os.path.join(HERE, "interp_gate_check.py"))
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device)")
 CPU_ONLY = pytest.mark.skipif(
     torch.cuda.is_available(),
@@ -23,8 +24,8 @@ CPU_ONLY = pytest.mark.skipif(
 
 @pytest.mark.core
 @CPU_ONLY
-def test_interpreted_gate_matches_torch():
-    proc = run_interp_check(os.path.join(HERE, "interp_gate_check.py"), timeout=600)
+def test_interpreted_gate_matches_torch(interp_runner):
+    proc = interp_runner.result(GATE_RUN)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == 2 * len(CASES), proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.returncode == 0 and all(r["ok"] and r["counts_reset"] for r in rows), rows

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from sglang_wgkv.testing.interp import run_interp_check
+from sglang_wgkv.testing.interp import InterpCheck, assert_seed_ok
 
 CPU_ONLY = pytest.mark.skipif(
     torch.cuda.is_available(),
@@ -18,8 +18,17 @@ pytestmark = [pytest.mark.core, CPU_ONLY]
 CHECK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "triton_pool_interp_check.py")
 
 
-@pytest.mark.parametrize("seed,scan_block", [(0, None), (1, 8), (2, None), (4, 8)])
-def test_decode_promote_matches_torch_under_interpreter(seed, scan_block):
-    res = run_interp_check(CHECK, seed, *([scan_block] if scan_block else []), timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
-    assert res.stdout.startswith(f"ok seed {seed}"), res.stdout
+CASES = ["0", "1/8", "2", "4/8"]  # SEED or SEED/SCAN_BLOCK (the promotion scan over blocks of 8 items)
+
+
+POOL_RUN = InterpCheck(CHECK, tuple(CASES))
+
+
+@pytest.fixture(scope="module")
+def run(interp_runner):
+    return interp_runner.result(POOL_RUN)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_decode_promote_matches_torch_under_interpreter(run, case):
+    assert_seed_ok(run, case)

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from sglang_wgkv.testing.interp import interp_env, run_interp_check
+from sglang_wgkv.testing.interp import InterpCheck, interp_env
 
 CPU_ONLY = pytest.mark.skipif(
     torch.cuda.is_available(),
@@ -21,13 +21,14 @@ pytestmark = pytest.mark.core
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHECK = os.path.join(HERE, "triton_prefill_gate_interp_check.py")
+PREFILL_GATE_RUN = InterpCheck(CHECK)
 
 
 @CPU_ONLY
-def test_prefill_gate_matches_torch_under_interpreter():
+def test_prefill_gate_matches_torch_under_interpreter(interp_runner):
     from triton_prefill_gate_interp_check import CASES
 
-    res = run_interp_check(CHECK, timeout=300)
+    res = interp_runner.result(PREFILL_GATE_RUN)
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == 2 * len(CASES), res.stdout[-2000:] + res.stderr[-3000:]
     assert res.returncode == 0 and all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]

@@ -2,7 +2,8 @@
 ``test_triton_compact_interp.py``: the Triton compaction of admitted keys against the torch
 ``compact_admitted`` on CPU.
 
-``python tests/triton_compact_interp_check.py SEED`` exits non-zero on the first difference.
+``python tests/triton_compact_interp_check.py SEED [SEED ...]`` prints a line per seed and exits non-zero if
+any differs.
 """
 
 import os
@@ -14,6 +15,7 @@ import torch  # noqa: E402
 
 from sglang_wgkv.attention.triton_prefill import compact_admitted_triton  # noqa: E402
 from sglang_wgkv.attention.vertical_slash_plan import compact_admitted  # noqa: E402
+from sglang_wgkv.testing.interp import check_seeds  # noqa: E402
 
 
 def check(seed: int) -> None:
@@ -47,6 +49,4 @@ def check(seed: int) -> None:
 
 
 if __name__ == "__main__":
-    seed = int(sys.argv[1])
-    check(seed)
-    print(f"ok seed {seed}")
+    sys.exit(check_seeds(lambda s: check(int(s)), sys.argv[1:]))

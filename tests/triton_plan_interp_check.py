@@ -2,7 +2,8 @@
 ``test_triton_compact_interp.py``: the one-launch Triton plan (``build_vertical_slash_plan_triton``)
 against the torch ``build_vertical_slash_plan`` on CPU.
 
-``python tests/triton_plan_interp_check.py SEED`` exits non-zero on the first difference.
+``python tests/triton_plan_interp_check.py SEED [SEED ...]`` prints a line per seed and exits non-zero if any
+differs.
 """
 
 import os
@@ -14,6 +15,7 @@ import torch  # noqa: E402
 
 from sglang_wgkv.attention.triton_prefill import build_vertical_slash_plan_triton  # noqa: E402
 from sglang_wgkv.attention.vertical_slash_plan import build_vertical_slash_plan  # noqa: E402
+from sglang_wgkv.testing.interp import check_seeds  # noqa: E402
 
 FAR = -(2**30)  # the pool's position of gathered global entries (gather_context)
 
@@ -67,6 +69,4 @@ def check(seed: int) -> None:
 
 
 if __name__ == "__main__":
-    seed = int(sys.argv[1])
-    check(seed)
-    print(f"ok seed {seed}")
+    sys.exit(check_seeds(lambda s: check(int(s)), sys.argv[1:]))

@@ -2,7 +2,8 @@
 ``test_triton_pool_interp.py``: the Triton pool kernels (decode promotion, the extend write's row
 movement) vs the torch reference on CPU.
 
-``python tests/triton_pool_interp_check.py SEED [SCAN_BLOCK]`` exits non-zero on the first difference.
+``python tests/triton_pool_interp_check.py CASE [CASE ...]`` (``SEED`` or ``SEED/SCAN_BLOCK``) prints a line
+per case and exits non-zero if any differs.
 """
 
 import os
@@ -14,10 +15,11 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from sglang_wgkv.config import FAR_POSITION as FAR  # noqa: E402
 from sglang_wgkv.config import WGKVConfig  # noqa: E402
 from sglang_wgkv.memory import DualCachePool, triton_pool  # noqa: E402
-from sglang_wgkv.memory.extend_step import FAR_POSITION as FAR  # noqa: E402
 from sglang_wgkv.memory.page_allocator import PoolExhausted  # noqa: E402
+from sglang_wgkv.testing.interp import check_seeds  # noqa: E402
 
 L, H, D, W, R, CTX = 2, 3, 16, 32, 5, 200
 
@@ -202,16 +204,18 @@ def direct(seed):
     assert_same(ref, tri, f"direct seed {seed}")
 
 
-def main():
-    seed = int(sys.argv[1])
-    if len(sys.argv) > 2:
-        triton_pool.PROMOTE_SCAN_BLOCK = int(sys.argv[2])
-    direct(seed)
-    min_free, num_pages, promoted_any, chunked_any = scenario(seed)
-    print(
-        f"ok seed {seed}: min free pages {min_free}/{num_pages}, promoted {promoted_any}, chunked {chunked_any}"
-    )
+def run(case: str) -> str:
+    """``SEED`` or ``SEED/SCAN_BLOCK`` (the promotion scan's block for this case only)."""
+    seed, _, scan_block = case.partition("/")
+    seed, default_block = int(seed), triton_pool.PROMOTE_SCAN_BLOCK
+    triton_pool.PROMOTE_SCAN_BLOCK = int(scan_block) if scan_block else default_block
+    try:
+        direct(seed)
+        min_free, num_pages, promoted_any, chunked_any = scenario(seed)
+    finally:
+        triton_pool.PROMOTE_SCAN_BLOCK = default_block
+    return f"min free pages {min_free}/{num_pages}, promoted {promoted_any}, chunked {chunked_any}"
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(check_seeds(run, sys.argv[1:]))

@@ -3,7 +3,8 @@
 reference ``snapkv_scores`` on CPU: GQA groups of 1-4 heads (3: padded to 4), empty query and ring
 slots, streams of 0 to 150 global entries, ring keys visible per query position, bf16 and float32.
 
-``python tests/triton_snapkv_interp_check.py SEED [SEED ...]`` exits non-zero on the first difference.
+``python tests/triton_snapkv_interp_check.py SEED [SEED ...]`` prints a line per seed and exits non-zero if
+any differs.
 """
 
 import math
@@ -16,6 +17,7 @@ import torch  # noqa: E402
 
 from sglang_wgkv.memory.snapkv_score import snapkv_scores  # noqa: E402
 from sglang_wgkv.memory.triton_snapkv import snapkv_scores_triton  # noqa: E402
+from sglang_wgkv.testing.interp import check_seeds  # noqa: E402
 
 
 def check(seed: int) -> None:
@@ -66,6 +68,4 @@ def check(seed: int) -> None:
 
 
 if __name__ == "__main__":
-    for arg in sys.argv[1:]:
-        check(int(arg))
-        print(f"ok seed {arg}")
+    sys.exit(check_seeds(lambda s: check(int(s)), sys.argv[1:]))

@@ -23,29 +23,6 @@ if TYPE_CHECKING:
     from sglang_wgkv.integration.runtime import WGKVRuntime
 
 
-def tp_usage_reducer(counts_heads: bool):
-    """Under attention tensor parallelism, a ``reduce`` for :func:`request_usage` that sums the
-    per-rank counts over the ranks' CPU group (``counts_heads`` False on a rank whose KV head an
-    earlier rank already holds, so each head counts once) and takes the maxima; None on one rank.
-    Every rank frees the same requests in the same order (SGLang's TP schedulers run in lockstep),
-    so the collective cannot deadlock."""
-    from sglang.srt.distributed.parallel_state import get_attn_tp_group
-
-    group = get_attn_tp_group()
-    if group.world_size == 1:
-        return None
-    weight = 1 if counts_heads else 0
-
-    def reduce(sums, maxes):
-        s = torch.tensor(sums, dtype=torch.float64) * weight
-        m = torch.tensor(maxes, dtype=torch.float64)
-        torch.distributed.all_reduce(s, group=group.cpu_group)
-        torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group.cpu_group)
-        return [int(x) for x in s.tolist()], [int(x) for x in m.tolist()]
-
-    return reduce
-
-
 class WGKVReqToTokenPool(ReqToTokenPool):
     """``ReqToTokenPool`` whose slots also allocate and free dual-cache streams.
 

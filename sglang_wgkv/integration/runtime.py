@@ -33,21 +33,13 @@ import torch
 
 from sglang_wgkv.integration.capacity import CapacityPlan, ModelShape, physical_pages, plan_capacity
 from sglang_wgkv.integration.settings import BACKEND_NAME, ServingSettings
+from sglang_wgkv.integration.tensor_parallel import counts_heads, rank_kv_heads, tp_usage_reducer
 from sglang_wgkv.memory import DualCachePool
 
 if TYPE_CHECKING:
     from sglang_wgkv.memory import SnapKVEvictor
 
 logger = logging.getLogger(__name__)
-
-
-def rank_kv_heads(total_kv_heads: int, tp_size: int, tp_rank: int) -> list[int]:
-    """The KV heads SGLang's ``QKVParallelLinear`` gives ``tp_rank``: a contiguous block, or one
-    replicated head when there are more ranks than KV heads."""
-    if tp_size >= total_kv_heads:
-        return [tp_rank * total_kv_heads // tp_size]
-    per_rank = total_kv_heads // tp_size
-    return list(range(tp_rank * per_rank, (tp_rank + 1) * per_rank))
 
 
 def kernels_fit(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -200,14 +192,9 @@ class WGKVRuntime:
                 lead=config.evictor_lead,
             )
         if par.attn_tp_size > 1:
-            from sglang_wgkv.integration.req_pool import tp_usage_reducer
-
-            earlier = (
-                rank_kv_heads(total_kv_heads, par.attn_tp_size, par.attn_tp_rank - 1)
-                if par.attn_tp_rank
-                else []
+            self.reduce_usage = tp_usage_reducer(
+                counts_heads(total_kv_heads, par.attn_tp_size, par.attn_tp_rank)
             )
-            self.reduce_usage = tp_usage_reducer(counts_heads=self.kv_heads != earlier)
         return self._dual
 
     def attach_prefix_cache(self, cache) -> None:

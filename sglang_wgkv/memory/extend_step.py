@@ -10,9 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sglang_wgkv.config import PAGE_SIZE
-
-FAR_POSITION = -(2**30)  # position given to global entries: beyond every query's local band
+from sglang_wgkv.config import FAR_POSITION, PAGE_SIZE
 
 
 def context_rows(prefix_len: int, gcols: int, window: int) -> tuple[int, int]:

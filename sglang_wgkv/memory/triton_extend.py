@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang_wgkv.config import PAGE_SIZE
+from sglang_wgkv.config import FAR_POSITION, PAGE_SIZE
 
 
 @triton.jit
@@ -267,7 +267,6 @@ def extend_context(
     """The attention inputs of one layer's extend into ``out_*`` (one launch per request):
     ``segments`` = ``[(slot, prefix, global rows, ring rows, new rows, first chunk row, first output row)]``
     (host ints; the context's rows as :func:`~sglang_wgkv.memory.extend_step.context_rows` counts them); k, v ``[N, H, D]``, admit ``[N, H]`` bool, positions ``[N]`` the chunk's rows."""
-    from sglang_wgkv.memory.extend_step import FAR_POSITION
 
     _check_rows(pool, k, v)
     H, D, W = pool.num_kv_heads, pool.head_dim, pool.window

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,3 +30,95 @@ def run_interp_check(script: str | os.PathLike, *args, timeout: float = 600) -> 
         timeout=timeout,
         cwd=REPO,
     )
+
+
+def check_seeds(check, seeds) -> int:
+    """In a check script: ``check(seed)`` for each seed (one process, one Triton import), printing
+    ``ok seed S[: note]`` or ``FAIL seed S: error`` per seed (a failure does not stop the others);
+    the exit code: 1 if any failed."""
+    failed = 0
+    for seed in seeds:
+        try:
+            note = check(seed)
+        except (Exception, SystemExit) as e:  # SystemExit: the scripts' way of naming a difference
+            print(f"FAIL seed {seed}: {type(e).__name__}: {e}", flush=True)
+            failed += 1
+        else:
+            print(f"ok seed {seed}" + (f": {note}" if note else ""), flush=True)
+    return 1 if failed else 0
+
+
+def seed_lines(stdout: str) -> dict[str, str]:
+    """``{seed: its line}`` of a :func:`check_seeds` run's output."""
+    lines = {}
+    for line in stdout.splitlines():
+        verdict, _, rest = line.partition(" seed ")
+        if verdict in ("ok", "FAIL") and rest:
+            lines[rest.split(":")[0]] = line
+    return lines
+
+
+def assert_seed_ok(run: subprocess.CompletedProcess, seed) -> str:
+    """``seed``'s line of a :func:`check_seeds` run, asserted ``ok``; a run that exited non-zero without
+    a ``FAIL`` line (it crashed) fails every seed."""
+    line = seed_lines(run.stdout).get(str(seed))
+    context = f"{line}\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
+    assert line is not None and line.startswith(f"ok seed {seed}"), context
+    assert run.returncode == 0 or "FAIL seed" in run.stdout, context
+    return line
+
+
+@dataclass(frozen=True)
+class InterpCheck:
+    """One run of a check script under :func:`interp_env`; a test module declares its checks as module
+    constants, so the conftest can start them before the tests that read them."""
+
+    script: str
+    args: tuple[str, ...] = ()
+    timeout: float = 600
+
+
+class InterpRunner:
+    """Runs interpreter checks in background threads, ``workers`` at a time in submission order (the
+    checks are single-threaded, the test process keeps the other core); :meth:`result` waits for one,
+    :meth:`close` ends the ones still running."""
+
+    def __init__(self, workers: int = 1):
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="interp")
+        self._futures: dict[InterpCheck, Future] = {}
+        self._running: set[subprocess.Popen] = set()
+        self._closed = False
+
+    def submit(self, check: InterpCheck) -> None:
+        if check not in self._futures:
+            self._futures[check] = self._executor.submit(self._run, check)
+
+    def result(self, check: InterpCheck) -> subprocess.CompletedProcess:
+        self.submit(check)
+        return self._futures[check].result()
+
+    def _run(self, check: InterpCheck) -> subprocess.CompletedProcess:
+        command = [sys.executable, check.script, *check.args]
+        proc = subprocess.Popen(
+            command, env=interp_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self._running.add(proc)
+        try:
+            if self._closed:
+                proc.kill()
+            stdout, stderr = proc.communicate(timeout=check.timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+            stderr += f"\ntimed out after {check.timeout} s"
+        finally:
+            self._running.discard(proc)
+        return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+    def close(self) -> None:
+        self._closed = True
+        for future in self._futures.values():
+            future.cancel()
+        for proc in list(self._running):
+            proc.kill()
+        self._executor.shutdown(wait=True)

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 
 import requests
 
+from sglang_wgkv.testing.server_pool import HeadGates
 from sglang_wgkv.testing.serving import long_prompt
 
 MIX = {
@@ -47,6 +48,19 @@ MIX = {
     "pressure": 4,
     "bad_input": 10,
 }
+# The CPU soak's server (tests/test_soak.py, also tests/test_serving_reliability.py's), over the test
+# servers' 2048-token budget: W_local 32 and 128-token chunks, so prompts leave the ring and get promoted
+# and pressure batches (4 x ~490 tokens) outgrow the 1536 logical tokens and retract; KV head 0 admits
+# nothing, heads 1-2 everything.
+CPU_SERVER_ARGS = (
+    "--wgkv-local-window",
+    "32",
+    "--chunked-prefill-size",
+    "128",
+    "--enable-metrics",
+    "--wgkv-gates",
+    HeadGates((-30.0, 30.0, 30.0), 32),
+)
 PROBES = ["The capital of France is", long_prompt(6, seed=11)]
 SYSTEM = "You are a terse assistant. Answer in one short sentence."
 BAD = [

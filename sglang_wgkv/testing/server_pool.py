@@ -1,0 +1,156 @@
+"""Test servers shared across test files: one :class:`~sglang_wgkv.testing.serving.Server` per distinct
+argument list, started ahead of its first use and kept for the next file that asks for the same
+arguments.
+
+A test module takes a server through a module-scoped :func:`shared_server` fixture (one
+:meth:`ServerPool.lease` per module). ``tests/conftest.py`` orders the modules so that those sharing
+arguments run one after another and gives the pool that order as its plan: a server stops after its
+last planned lease, and the next one starts while the module before it runs.
+
+Which servers may be shared
+---------------------------
+==========================================  ==========================================================
+a test module that ...                      shares its server with other modules?
+==========================================  ==========================================================
+sends requests and checks their answers,    yes, where the arguments match
+deltas of counters, or stats it drained
+reads lifetime counters (admitted fraction  no: arguments no other module uses (a pooled server that
+per head, metrics totals) as absolute       is still started ahead and stopped after use)
+kills, poisons or restarts the server       no: a ``Server`` of its own (the pool restarts nothing)
+==========================================  ==========================================================
+
+A pooled server that died (a leak found by the strict idle check kills the scheduler) is not restarted:
+the next lease raises with its log, naming the modules that used it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sglang_wgkv.testing.serving import Server, save_head_gates, shipped_gates_at
+
+
+@dataclass(frozen=True)
+class HeadGates:
+    """``--wgkv-gates`` of :func:`~sglang_wgkv.testing.serving.save_head_gates`: per-KV-head fixed biases
+    (+30 admits every token, -30 none) declared for ``local_window``."""
+
+    head_bias: tuple[float, ...]
+    local_window: int
+
+    def save(self, path: Path) -> Path:
+        return save_head_gates(path, list(self.head_bias), self.local_window)
+
+
+@dataclass(frozen=True)
+class ShippedGates:
+    """``--wgkv-gates`` of :func:`~sglang_wgkv.testing.serving.shipped_gates_at`: the embedded model's
+    trained gates declared for ``local_window``."""
+
+    local_window: int
+
+    def save(self, path: Path) -> Path:
+        return shipped_gates_at(path, self.local_window)
+
+
+ServerArg = str | int | float | HeadGates | ShippedGates
+
+
+def server_key(args: Sequence[ServerArg]) -> str:
+    """A stable name of an argument list (gate specs included): equal arguments, one server."""
+    text = json.dumps([a if isinstance(a, str) else repr(a) for a in args])
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+@dataclass
+class _Entry:
+    server: Server
+    users: list[str] = field(default_factory=list)
+    leases: int = 0
+
+
+class ServerPool:
+    """Servers by argument list under ``root`` (logs, gates); :meth:`close` stops them all.
+
+    ``plan``: the argument lists in the order the session's modules will lease them, one entry per
+    module lease. A server is stopped when its last planned lease ends (at once when it has none), and
+    while at most one server is leased the next planned one is started in the background: its start-up
+    (mostly imports, on one core) overlaps the current module's requests.
+    """
+
+    def __init__(self, root: Path, plan: Sequence[Sequence[ServerArg]] = (), launch=Server):
+        self.root = Path(root)
+        self.launch = launch  # (args, log_path) -> a started Server
+        self._plan = [(server_key(args), tuple(args)) for args in plan]
+        self._entries: dict[str, _Entry] = {}
+
+    @contextmanager
+    def lease(self, args: Sequence[ServerArg], user: str) -> Iterator[Server]:
+        """The healthy server of ``args`` for the duration of the block (``user`` names the taker in
+        error messages)."""
+        key = server_key(args)
+        if key in (k for k, _ in self._plan):
+            self._plan.remove(next(entry for entry in self._plan if entry[0] == key))
+        entry = self._entries.get(key) or self._entries.setdefault(key, self._start(key, args))
+        entry.leases += 1
+        try:
+            self._prefetch()  # before the wait: the next server starts while this one does
+            self._wait_healthy(key, entry)
+            entry.users.append(user)
+            yield entry.server
+        finally:
+            entry.leases -= 1
+            if not entry.leases and key not in (k for k, _ in self._plan):
+                self._entries.pop(key).server.stop()
+
+    def _wait_healthy(self, key: str, entry: _Entry) -> None:
+        if entry.users and not entry.server.alive():
+            raise RuntimeError(
+                f"shared server {key} ({entry.server.log_path}) died after use by {entry.users}:\n"
+                f"{entry.server.log_tail()}"
+            )
+        try:
+            entry.server.wait_healthy()
+        except BaseException:
+            self._entries.pop(key)
+            entry.server.stop()
+            raise
+
+    def _prefetch(self) -> None:
+        if sum(e.leases for e in self._entries.values()) > 1:
+            return  # two servers in use already: a third would crowd the cores and the memory
+        upcoming = next(((k, args) for k, args in self._plan if k not in self._entries), None)
+        if upcoming is not None:
+            self._entries[upcoming[0]] = self._start(*upcoming)
+
+    def _start(self, key: str, args: Sequence[ServerArg]) -> _Entry:
+        """Launch (not awaited: :meth:`lease` waits until it is healthy)."""
+        folder = self.root / key
+        folder.mkdir(parents=True, exist_ok=True)
+        command = [
+            str(a.save(folder / "gates")) if isinstance(a, HeadGates | ShippedGates) else str(a) for a in args
+        ]
+        return _Entry(self.launch(command, folder / "server.log"))
+
+    def close(self) -> None:
+        for entry in self._entries.values():
+            entry.server.stop()
+        self._entries.clear()
+
+
+def shared_server(*args: ServerArg):
+    """A module-scoped fixture: the session pool's server of ``args`` (the ``server_pool`` fixture of
+    tests/conftest.py), leased for the module."""
+    import pytest
+
+    def fixture(server_pool, request):
+        with server_pool.lease(args, request.module.__name__) as server:
+            yield server
+
+    fixture.server_args = args  # read by the conftest to plan the pool and order the modules
+    return pytest.fixture(scope="module")(fixture)

@@ -1,0 +1,71 @@
+"""The background runner of interpreter checks (sglang_wgkv/testing/interp.py) on stand-in scripts."""
+
+import time
+
+import pytest
+
+from sglang_wgkv.testing.interp import InterpCheck, InterpRunner, assert_seed_ok, seed_lines
+
+pytestmark = pytest.mark.core
+
+SCRIPT = """
+import os, sys, time
+print(os.environ["TRITON_INTERPRET"], repr(os.environ["CUDA_VISIBLE_DEVICES"]), *sys.argv[1:], flush=True)
+time.sleep(float(os.environ.get("SLEEP_S", "0")) if "sleep" not in sys.argv else 60)
+"""
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "check.py"
+    path.write_text(SCRIPT)
+    return str(path)
+
+
+def test_checks_run_interpreted_on_cpu_with_their_arguments(script):
+    runner = InterpRunner()
+    try:
+        first, second = InterpCheck(script, ("a", "1")), InterpCheck(script, ("b",))
+        runner.submit(first)
+        assert runner.result(second).stdout.split() == ["1", "''", "b"]
+        assert runner.result(first).stdout.split() == ["1", "''", "a", "1"]
+        assert runner.result(first).returncode == 0
+    finally:
+        runner.close()
+
+
+def test_a_check_past_its_timeout_is_killed_and_says_so(script):
+    runner = InterpRunner()
+    try:
+        result = runner.result(InterpCheck(script, ("sleep",), timeout=2))
+        assert result.returncode != 0 and "timed out after 2" in result.stderr
+    finally:
+        runner.close()
+
+
+def test_close_ends_running_checks(script):
+    runner = InterpRunner()
+    runner.submit(InterpCheck(script, ("sleep",), timeout=600))
+    time.sleep(1)
+    start = time.monotonic()
+    runner.close()
+    assert time.monotonic() - start < 30
+
+
+def test_seed_lines_and_verdicts():
+    class Run:
+        stdout = "ok seed 1: 3 pages\nFAIL seed 2/8: SystemExit: differs\nnoise\n"
+        returncode, stderr = 1, ""
+
+    assert seed_lines(Run.stdout) == {"1": "ok seed 1: 3 pages", "2/8": "FAIL seed 2/8: SystemExit: differs"}
+    assert assert_seed_ok(Run, 1) == "ok seed 1: 3 pages"
+    with pytest.raises(AssertionError):
+        assert_seed_ok(Run, "2/8")
+    with pytest.raises(AssertionError):
+        assert_seed_ok(Run, 3)
+
+    class Crashed:
+        stdout, returncode, stderr = "ok seed 1\n", 1, "Segmentation fault"
+
+    with pytest.raises(AssertionError, match="Segmentation"):
+        assert_seed_ok(Crashed, 1)

@@ -1,0 +1,92 @@
+"""The shared-server pool's bookkeeping (sglang_wgkv/testing/server_pool.py) with stand-in servers:
+planned prefetch, stop after the last planned lease, no restart of a server that died."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sglang_wgkv.gate.checkpoint import CONFIG_FILE
+from sglang_wgkv.testing.server_pool import HeadGates, ServerPool, server_key
+
+pytestmark = pytest.mark.core
+
+
+class FakeServer:
+    def __init__(self, args, log_path, events):
+        self.args, self.log_path, self.events = args, log_path, events
+        self.running, self.healthy = True, False
+        events.append(("start", args[0]))
+
+    def wait_healthy(self):
+        self.healthy = True
+        return self
+
+    def alive(self):
+        return self.running
+
+    def log_tail(self):
+        return "log tail"
+
+    def stop(self):
+        if self.running:
+            self.running = False
+            self.events.append(("stop", self.args[0]))
+
+
+def _pool(tmp_path, plan, events):
+    return ServerPool(tmp_path, plan=plan, launch=lambda args, log: FakeServer(args, log, events))
+
+
+def test_plan_prefetches_the_next_server_and_stops_each_after_its_last_lease(tmp_path):
+    a, b, c = ("a",), ("b",), ("c",)
+    events = []
+    pool = _pool(tmp_path, [a, b, b, c], events)
+    with pool.lease(a, "m1") as server:
+        assert server.healthy and events == [("start", "a"), ("start", "b")]  # b starts while m1 runs
+    assert events[-1] == ("stop", "a")
+    with pool.lease(b, "m2"):
+        assert events[-1] == ("start", "c")
+    assert events[-1] == ("start", "c")  # b is planned again: kept
+    with pool.lease(b, "m3") as server:
+        assert server.running
+    assert events[-1] == ("stop", "b")
+    with pool.lease(c, "m4"):
+        pass
+    assert events.count(("start", "b")) == 1 and events[-1] == ("stop", "c")
+    pool.close()
+
+
+def test_two_leased_servers_prefetch_no_third(tmp_path):
+    events = []
+    pool = _pool(tmp_path, [("a",), ("b",), ("c",)], events)
+    with pool.lease(("a",), "m"), pool.lease(("b",), "m"):
+        assert ("start", "c") not in events
+    pool.close()
+    assert all(("stop", name) in events for name in "ab")
+
+
+def test_an_unplanned_lease_stops_at_its_end_and_a_dead_server_is_not_restarted(tmp_path):
+    events = []
+    pool = _pool(tmp_path, [("a",), ("a",)], events)
+    with pool.lease(("x",), "m"):
+        pass
+    assert events == [("start", "x"), ("start", "a"), ("stop", "x")]
+    with pool.lease(("a",), "m1") as server:
+        server.running = False  # killed by a leak the idle check found
+    with pytest.raises(RuntimeError, match=r"died after use by \['m1'\]"):
+        with pool.lease(("a",), "m2"):
+            pass
+    pool.close()
+
+
+def test_gate_specs_are_part_of_the_key_and_saved_per_server(tmp_path):
+    assert server_key(["--wgkv-gates", HeadGates((30.0, -30.0), 16)]) != server_key(
+        ["--wgkv-gates", HeadGates((30.0, -30.0), 32)]
+    )
+    events = []
+    pool = _pool(tmp_path, [], events)
+    with pool.lease(("--wgkv-gates", HeadGates((30.0, -30.0, -30.0), 16)), "m") as server:
+        config = json.loads((Path(server.args[1]) / CONFIG_FILE).read_text())
+        assert config["local_window"] == 16 and config["num_kv_heads"] == 3
+    pool.close()
