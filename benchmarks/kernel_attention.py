@@ -81,7 +81,7 @@ def run_prefill(args, deadline, results, path):
     results["prefill_config"] = best
     with open("/tmp/wgkv_prefill_config.json", "w") as f:
         json.dump(best, f)
-    q = k = v = None  # frees the GPU memory before the next shape
+    del q, k, v
     _prefill_lengths(args, deadline, results, path, PrefillConfig(**best))
 
 
@@ -192,13 +192,13 @@ def _prefill_lengths(args, deadline, results, path, cfg):
                 if "ms" in entry.get(base, {}):
                     wg[f"speedup_vs_{base}"] = entry[base]["ms"] / total
             entry.setdefault("wgkv_triton", []).append(wg)
-            plan = comp = None  # frees the GPU memory before the next shape
+            del plan, comp
         rows.append(entry)
         write_json(path, results, "kernel_attention")
         print(json.dumps({k: entry[k] for k in entry if k != "wgkv_triton"}), flush=True)
         for wg in entry.get("wgkv_triton", []):
             print("   ", json.dumps(wg), flush=True)
-        q = k = v = None  # frees the GPU memory before the next shape
+        del q, k, v
         torch.cuda.empty_cache()
 
 
@@ -264,7 +264,7 @@ def run_decode(args, deadline, results, path, layers=8):
             "ms_per_layer": sorted(ms)[10],
             "tbps": dense_bytes / sorted(ms)[10] / 1e9,
         }
-        kc = vc = kv_dense = None  # frees the GPU memory before the next shape
+        del kc, vc, kv_dense
         torch.cuda.empty_cache()
         for rej in args.rejections:
             glens = [folded_layer(n, rej, gen) for _ in range(layers)]
@@ -298,7 +298,7 @@ def run_decode(args, deadline, results, path, layers=8):
                         entry["dense_flashinfer"][mode]["ms_per_layer"] / res[mode]["ms_per_layer"]
                     )
             entry.setdefault("wgkv_folded_flashinfer", []).append(res)
-            kp = vp = decs = None  # frees the GPU memory before the next shape
+            del kp, vp, decs
             torch.cuda.empty_cache()
         rows.append(entry)
         write_json(path, results, "kernel_attention")

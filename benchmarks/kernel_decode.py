@@ -184,7 +184,7 @@ def sweep(args, results, gen):
         "best": best,
     }
     print("sweep best:", best, flush=True)
-    pool = None  # frees the GPU memory before the next shape
+    del pool
     torch.cuda.empty_cache()
     return best
 
@@ -242,7 +242,7 @@ def run(args, deadline, results, path, best):
                 entry["dense_flashinfer"] = {"ms": t, "tbps": dense_bytes / t / 1e9, "layers": L}
             except Exception as exc:
                 entry["dense_flashinfer"] = {"error": repr(exc)[:300]}
-            kv = dense = None  # frees the GPU memory before the next shape
+            del kv, dense
             torch.cuda.empty_cache()
             splits = best["splits"] if args.use_best and best else choose_num_splits(B, HKV, n, "cuda")
             cfg = (
@@ -278,7 +278,7 @@ def run(args, deadline, results, path, best):
 
                     t = graph_ms(fi_run) / L
                     res["folded_flashinfer"] = {"ms": t, "tbps": pool.kv_bytes_per_layer / t / 1e9}
-                    decs = None  # frees the GPU memory before the next shape
+                    del decs
                 except Exception as exc:
                     res["folded_flashinfer"] = {"error": repr(exc)[:300]}
                 for key, fused in TRITON_ROWS[args.fused_merge]:
@@ -306,7 +306,7 @@ def run(args, deadline, results, path, best):
                     )
                 entry.setdefault("folded", []).append(res)
                 print(B, n, res, flush=True)
-                pool = None  # frees the GPU memory before the next shape
+                del pool
                 torch.cuda.empty_cache()
             rows.append(entry)
             write_json(path, results, "kernel_decode")

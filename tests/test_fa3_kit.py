@@ -11,7 +11,7 @@ import pytest
 
 from launch import fa3_kit
 
-pytestmark = [pytest.mark.core, pytest.mark.skipif(shutil.which("xz") is None, reason="no xz binary")]
+pytestmark = [pytest.mark.tools, pytest.mark.skipif(shutil.which("xz") is None, reason="no xz binary")]
 
 
 def _kit(tmp_path: Path, piece_bytes: int = 4096) -> tuple[Path, dict, bytes]:

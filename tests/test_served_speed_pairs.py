@@ -11,11 +11,9 @@ import pytest
 from benchmarks import served_report as sr
 from benchmarks import served_workloads as sw
 
-pytestmark = pytest.mark.core
+pytestmark = pytest.mark.tools
 
 WS = sw.load()
-
-pytestmark = pytest.mark.tools
 
 
 def _rec(server_args: str, date: str) -> dict:

@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks import served_speed as ss
 
-pytestmark = pytest.mark.core
+pytestmark = pytest.mark.tools
 
 
 class FakeServer:

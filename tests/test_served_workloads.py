@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks import served_workloads as sw
 
-pytestmark = pytest.mark.core
+pytestmark = pytest.mark.tools
 
 DOC = json.loads(sw.WORKLOADS_JSON.read_text())
 
