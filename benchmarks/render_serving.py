@@ -107,7 +107,7 @@ def served_workload(d: dict) -> list[str]:
                 f((r.get("median_ttft_ms") or 0) / 1000 or None),
                 f(r.get("median_tpot_ms")),
                 f(r.get("output_throughput"), 1),
-                run.get("error", "")[:80] if run.get("error") else "",
+                (run.get("error") or run.get("refusal") or "")[:80].replace("|", "/"),
             ]
         )
         for summ in (run.get("profile") or {}).get("summary", []):
@@ -125,7 +125,7 @@ def served_workload(d: dict) -> list[str]:
             "TTFT p50 s",
             "TPOT p50 ms",
             "output tok/s",
-            "error",
+            "error or refusal",
         ],
         rows,
     )
