@@ -230,8 +230,8 @@ class SnapKVEvictor:
         prefilling their prompt: that boundary caps them at ``prompt_cap`` (as :meth:`mark_extend`'s
         open prompts) instead of evicting them as decoding requests. A slot handed to a new request
         can hold a global cache before its first forward (a prefix restored from the radix cache):
-        undeclared at that boundary, it was cut to the budget by the decode rule, scored by no query
-        of its own, and its prompt-end compression came second (seen on the H200, 2026-12-03)."""
+        undeclared at that boundary, it would be cut to the budget by the decode rule, scored by no
+        query of its own, before its prompt-end compression (``tests/test_evictor_serving.py``)."""
         slots = list(req_slots)
         self.mark_extend(slots, [False] * len(slots))
 
@@ -391,8 +391,8 @@ class SnapKVEvictor:
         glen = pool.global_len[r, l, h].long()
         gcols = -(-int(glen.max()) // PAGE_SIZE)
         gpages = pool.page_table[r, l, h, R : R + gcols].long()  # [S, gc]
-        # a 1-D page index gathers whole pages (PyTorch's vectorized gather; a 2-D index took the
-        # element-wise kernel on the H200: 2.4 ms against 0.19 ms for a quarter of the bytes)
+        # a 1-D page index gathers whole pages (PyTorch's vectorized gather; a 2-D index takes the
+        # element-wise kernel, over ten times slower on a GPU)
         g_keys = pool.k_pages[gpages.reshape(-1)].reshape(r.numel(), gcols * PAGE_SIZE, D)
         r_keys = pool.k_pages[pool.page_table[r, l, h, :R].reshape(-1).long()].reshape(r.numel(), W, D)
         n = torch.as_tensor(pool.cached_len, device=pool.device)[r]  # [S]
