@@ -10,11 +10,9 @@ DEFAULT_LOCAL_WINDOW = 256
 # The decode-time observation window (queries kept per request and layer; paper App. K.1); at most W_local.
 DEFAULT_EVICTOR_WINDOW = 256
 # The prompt-end compression scores with the prompt's last 32 queries (SnapKV's observation window),
-# max-pooled over 13 positions. Measured offline on the served RULER set (2K, 16 samples, SmolLM2-135M,
-# budget 1024): scored by the last 256 queries, the question's few queries drown among the haystack's
-# (passkeys 2/8 against 8/8 with the full cache); by the last 32 with SnapKV's kernel 7, passkeys are
-# 8/8 but 7-digit multi-key needles lose digits (one token per digit, more than 3 from the peak): 4/8
-# against 6/8; with kernel 13, 8/8 and 6/8, as full (benchmarks/results/accuracy/prompt_window.json).
+# max-pooled over 13 positions: scored by the last 256, the question's few queries drown among the
+# haystack's, and SnapKV's kernel 7 cuts digits off multi-digit needles (one token per digit); 32 and 13
+# answer as the full cache does (benchmarks/results/accuracy/prompt_window.json).
 DEFAULT_PROMPT_WINDOW = 32
 DEFAULT_PROMPT_KERNEL = 13
 # Serving's evictor cuts streams this far under the budget when it looks (at most 1/8 of the budget), so

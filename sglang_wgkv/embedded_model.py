@@ -22,7 +22,7 @@ from pathlib import Path
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Gates trained for this model (lambda 0.1, see sglang_wgkv/training/README.md), shipped as package data.
+# Gates trained for this model (lambda 0.1, see docs/training.md), shipped as package data.
 SHIPPED_GATES = Path(__file__).parent / "data" / "gates" / "smollm2-135m"
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json", "tokenizer.json")
 

@@ -83,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _option(argv: list[str], *names: str) -> str | None:
     """Value of the last of ``names`` in ``argv`` (``--x v`` or ``--x=v``), else None: the one argparse
-    keeps when an option is repeated (2026-12-04: a test server's ``--dtype float32 ... --dtype bfloat16``
-    was refused on the H200 as float32 while SGLang would have served bfloat16)."""
+    keeps when an option is repeated (``--dtype float32 ... --dtype bfloat16`` is served as bfloat16,
+    so it must not be refused as float32)."""
     found = None
     for i, arg in enumerate(argv):
         for name in names:
@@ -172,9 +172,9 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
         sglang_argv += ["--device", "cpu"]
     if device == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
-        # OpenMP threads sleep when idle instead of spinning: with one other 2-thread CPU process on a
-        # 2-core box, the soak's server ran 20 jobs at ~0.05 jobs/s spinning and 1.0 jobs/s passive
-        # (alone: 1.215 vs 1.209). A user's own OMP_WAIT_POLICY wins.
+        # OpenMP threads sleep when idle instead of spinning: spinning threads starve a server that
+        # shares a small box with another busy process, and sleeping ones cost nothing when it runs
+        # alone. A user's own OMP_WAIT_POLICY wins.
         env.setdefault("OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
         tp = int(_option(sglang_argv, "--tp-size", "--tp") or 1)
         if tp > 1:

@@ -2,10 +2,9 @@
 the real ninja on a one-file build laid out like FlashInfer's JIT cache: a module in
 ``~/.cache/flashinfer`` whose depfile names a header of the installed wheel.
 
-On 2026-12-04 the returned cache showed every module rebuilt on a fresh H200 although the cache was
-carried: the old recipe copied it and touched every file to "now", so each output was newer than the
-mtime ninja's deps log recorded. The restore unpacks the tarball with its mtimes and dates the freshly
-installed headers back instead."""
+Copying the cache and touching every file to "now" makes every module rebuild on a fresh machine
+although the cache was carried: each output is then newer than the mtime ninja's deps log recorded.
+The restore unpacks the tarball with its mtimes and dates the freshly installed headers back instead."""
 
 import os
 import shutil
@@ -55,7 +54,7 @@ def _ninja_dry_run(mod: Path) -> str:
 
 
 def _restore(workdir: Path, home: Path, site: Path, old_recipe: bool = False) -> None:
-    if old_recipe:  # the recipe until 2026-12-04: cp -r, then one timestamp for every file
+    if old_recipe:  # the copy-and-touch recipe: cp -r, then one timestamp for every file
         shutil.copytree(workdir / ".fi" / "flashinfer", home / ".cache" / "flashinfer")
         now = int(time.time())
         for f in (home / ".cache" / "flashinfer").rglob("*"):

@@ -84,7 +84,7 @@ def test_a_prefix_restored_from_the_radix_cache_is_compressed_once_by_its_prompt
     snapshot, whose global cache is past the budget before its first forward. It waits for its own
     prompt's end like any prompt (one trigger), instead of being cut by the decode rule at the step
     boundary ahead of its extend, scored by no query of its own, and then again at its end (two
-    triggers: the H200 served set of 2026-12-03 lost 7/8 8K passkeys at budget 512 that way)."""
+    triggers, which lose the needles of long passkey prompts)."""
     shared = long_prompt(24)
     params = {"ignore_eos": True}
     radix_server.generate(

@@ -227,8 +227,8 @@ def test_triton_decode_promote_graph_replay():
 def test_served_extend_layers_never_wait_for_the_host():
     """The per-layer work of a served prefill (context gather with the plan's page columns, gate
     check, Triton plan + compaction + attention, pool write) issues no host sync: under
-    ``set_sync_debug_mode("error")`` any synchronising op raises. (The W2 profile of 2026-12-01 found
-    five syncs per layer; with them the GPU idled about half of each prefill.)"""
+    ``set_sync_debug_mode("error")`` any synchronising op raises. (A sync per layer leaves the GPU idle
+    while the host catches up, a large share of each long prefill.)"""
     from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
     from sglang_wgkv.gate.admission import DeferredGateCheck
     from sglang_wgkv.memory.extend_step import to_device

@@ -18,7 +18,7 @@ float32's than the bf16 reference's do (times FLOOR_FACTOR, plus FLOOR_SLACK), o
 concurrent batch of different lengths (prompts shorter and longer than W_local, one crossing it while
 decoding). Two bf16 paths are not compared with each other at a fixed tolerance: each lies up to
 ~0.1-0.14 from float32 on these prompts (CPU, benchmarks/logprob_floor.py), so two correct ones can
-lie 0.17 apart (the H200, 2026-12-03, every token equal). The kernels server logs decode batches run
+lie farther apart than either from float32 with every token equal. The kernels server logs decode batches run
 on CUDA graphs; per-request tau holds under graphs; after aborted streams the idle check (no slot or
 page leaked, integrity) passes.
 """
@@ -119,8 +119,8 @@ def test_kernels_with_cuda_graphs_match_reference(servers, truth, batched):
         got = [_run(kernels, [p])[0] for p in PROMPTS]
         want = [_run(reference, [p])[0] for p in PROMPTS]
     # Each prompt: identical tokens up to its first divergence, which must be a near-tie of the
-    # reference (bf16 rounding differs between the paths; no length bar: on the H200 a 300-token
-    # prompt legitimately split at token 5 on a 0.3-gap tie), and logprobs as close to float32's as
+    # reference (bf16 rounding differs between the paths; no length bar: a long prompt may legitimately
+    # split within its first tokens on a near-tie), and logprobs as close to float32's as
     # the bf16 reference's are.
     for p, g, w in zip(PROMPTS, got, want):
         agree(g, w, p)

@@ -6,8 +6,8 @@ server, greedy, and the same tokens teacher-forced through ``sglang_wgkv.testing
 Both compute in float32, so they agree to float32 rounding (measured 1e-5): the ring, promotion and
 the decode path's attention of the server are the paper's semantics, and OfflineTruth is a float32
 truth the GPU test (tests/test_gpu_serving.py) can hold the bf16 paths against. A W_local off by one
-in the offline policy moves the logprobs by 0.01-0.46 on the prompts that cross the window (measured
-2026-12-04), so the tolerance below tells the semantics apart.
+in the offline policy moves the logprobs by orders of magnitude more on the prompts that cross the
+window, so the tolerance below tells the semantics apart.
 """
 
 import pytest

@@ -291,8 +291,8 @@ def test_extend_kernels_opt_in(monkeypatch):
 
 
 def test_launcher_refuses_float32_on_cuda(monkeypatch):
-    """SGLang's CUDA RMSNorm has no float32 kernel: such a server died at its first forward on the
-    H200 (2026-12-04). The launcher says so before start-up; CPU float32 (the tests' default) stays."""
+    """SGLang's CUDA RMSNorm has no float32 kernel: such a server dies at its first forward. The
+    launcher says so before start-up; CPU float32 (the tests' default) stays."""
     from sglang_wgkv.launch_server import resolve
 
     for cuda, args in ((True, []), (False, ["--device", "cuda"])):
@@ -307,7 +307,7 @@ def test_launcher_refuses_float32_on_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert resolve(["--model-path", "/m", "--dtype", "float32", "--device", "cpu"])[0] is not None
     # a repeated option: argparse keeps the last, and so does the launcher (the GPU tests' servers put
-    # --dtype bfloat16 after sglang_wgkv.testing.serving's float32 default; the H200 refused them on 2026-12-04)
+    # --dtype bfloat16 after sglang_wgkv.testing.serving's float32 default)
     assert resolve(["--model-path", "/m", "--dtype", "float32", "--dtype", "bfloat16"])[0] is not None
     with pytest.raises(ValueError, match="float32 is not served on CUDA"):
         resolve(["--model-path", "/m", "--dtype=bfloat16", "--dtype", "float32"])

@@ -44,7 +44,7 @@ def test_decode_split_kernel_register_cap():
 def test_prefill_gate_compiles_for_sm90_within_shared_memory(dtype):
     """The Triton prefill write gate at Llama-3.1-8B's shape (D 128, 8 KV heads, inner 512) with the
     admission epilogue: its tile (BLOCK_T x BLOCK_I, stages) must fit sm_90's 227 KiB; the first tile
-    (64 x 64, 3 stages) asked for 320 KiB and was found only on the H200."""
+    (64 x 64, 3 stages) asked for 320 KiB, which only a GPU run would otherwise reveal."""
     from sglang_wgkv.gate import GateConfig, WriteGates
     from sglang_wgkv.gate.triton_prefill_gate import PrefillGate
 
@@ -166,8 +166,7 @@ def test_compile_takes_the_launch_specialization():
     """The CPU compile specializes arguments as a CUDA launch does (16-byte aligned pointers, integers
     divisible by 16): the split kernel's K/V gathers then become 16-byte ``cp.async`` copies and the
     served shape fits in 128 registers without spilling. Compiled without that, every gather was a
-    2-byte scalar load and ptxas gave 255 registers with spills, which misread the kernel's occupancy
-    (2026-12-04)."""
+    2-byte scalar load and ptxas gave 255 registers with spills, which misread the kernel's occupancy."""
     import re
 
     from benchmarks.sm90_registers import ptxas_stats

@@ -15,10 +15,9 @@ import math
 import torch
 
 # Attention scores (float32) computed at once by :func:`vertical_slash_attention` (4 MiB; the softmax
-# runs in place on them, so one block is most of what a prefill layer holds on the CPU path). One
-# 6.5K-token extend of SmolLM2's shape (ru_maxrss, 2-core CPU): 1 << 22 held 105-135 MiB (glibc keeps
-# freed blocks of that size in its heap), 1 << 20 65 MiB, at the same speed (2.8 s a layer); the README
-# server's peak RSS with three 6.5K prompts went 7.03 -> 6.98 GiB (upstream 7.01 GiB, same box).
+# runs in place on them, so one block is most of what a prefill layer holds on the CPU path). Larger
+# blocks are no faster on CPU and glibc keeps freed blocks of their size in its heap, which raises the
+# server's peak RSS (benchmarks/results/serving/memory_wgkv_readme_cpu.json).
 SCORE_BLOCK_ELEMS = 1 << 20
 
 

@@ -66,8 +66,8 @@ class DecodeConfig:
     the registers per thread (0: the compiler's choice; CUDA only). On sm_90 the default shape takes 120
     registers and 38 KiB of shared memory (four programs of 4 warps per SM by registers, six by shared
     memory; ``benchmarks/sm90_registers.py``, ptxas on CPU at the launch's specialization), and its K/V
-    gathers are ``cp.async`` copies. No shape of the 2026-12-04 sweep beat it at the served W1 length
-    (``benchmarks/decode_fixed_cost.py --configs``).
+    gathers are ``cp.async`` copies. No other shape beat it at the served W1 length
+    (``benchmarks/results/kernels/decode_launch_configs.json``).
 
     The served path uses the defaults unless ``--wgkv-decode-launch`` (:meth:`parse`) says otherwise:
     a switch for measuring launch shapes in service (issue 15), not a tuning knob for users."""

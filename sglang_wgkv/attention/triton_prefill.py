@@ -310,8 +310,8 @@ def build_vertical_slash_plan_triton(
 ) -> VerticalSlashPlan:
     """:func:`~sglang_wgkv.attention.vertical_slash_plan.build_vertical_slash_plan` as the admitted-count
     scan plus one Triton launch (one program per query block; binary searches over its sequence's key
-    positions) instead of some twenty small torch launches (0.73-0.79 ms per call on the H200 at 32K
-    and 128K keys, kernels/kernel_prefill_compaction.json). Same contract and values."""
+    positions) instead of some twenty small torch launches, whose launch costs dominated the torch plan
+    (``benchmarks/results/kernels/kernel_prefill_compaction.json``). Same contract and values."""
     dev = admitted.device
     B = qo_indptr.numel() - 1
     Nq, Nk = q_pos.numel(), k_pos.numel()
@@ -426,8 +426,8 @@ def vertical_slash_attention(
     Nk, Hkv = k.shape[:2]
     cfg = config or default_config(D)
     if plan is None:
-        # The one-launch plan: 0.24-0.35 ms against the torch plan's 1.0-1.2 ms on the H200 at 32K and
-        # 128K keys (kernels/kernel_prefill_triton_plan.json), equal to it there and in the interpreter.
+        # The one-launch plan: several times faster than the torch plan at 32K-128K keys, with the same
+        # values (checked on the GPU and in the interpreter).
         plan = build_vertical_slash_plan_triton(
             admitted, qo_indptr, kv_indptr, q_pos, k_pos, local_window, cfg.block_m
         )

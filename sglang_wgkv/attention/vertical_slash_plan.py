@@ -79,9 +79,9 @@ def _exclusive_count(admitted: torch.Tensor) -> torch.Tensor:
     packed batch).
 
     One 1-D scan over the heads laid end to end (CUB on CUDA), then each head's running total before
-    it is taken off. Same run on the H200 (kernels/kernel_prefill_compaction.json): 0.09 ms at 32K
-    keys and 0.10 ms at 128K, against 0.05-0.06 ms and 0.20-0.21 ms for torch's row scan of the
-    transposed ``[Hkv, Nk]``; scanning the outer dim of ``[Nk, Hkv]`` took tens of ms."""
+    it is taken off: flat in the key count where torch's row scan of the transposed ``[Hkv, Nk]``
+    grows with it, and far faster than scanning the outer dim of ``[Nk, Hkv]``
+    (``benchmarks/results/kernels/kernel_prefill_compaction.json``)."""
     Nk, H = admitted.shape
     dtype = torch.int32 if H * Nk < 2**31 else torch.int64
     excl = torch.zeros(H, Nk + 1, dtype=dtype, device=admitted.device)

@@ -4,8 +4,8 @@ Same values as :class:`~sglang_wgkv.gate.mlp.LayerGate` (``g = sigmoid(w2 . GELU
 RMSNorm(k_post)] + b1) + b2)`` per KV head), for the ``T`` new keys of a prefill chunk. The torch
 path runs two float32 RMSNorms, a concatenation, an einsum over ``w1`` that cuBLAS serves with a
 float32 SIMT sgemm, GELU, an einsum with ``w2`` and a sigmoid: about ten elementwise kernels over
-``[T, H, D]`` float32 and a matmul without tensor cores. On the H200 profile of an 8,192-token chunk
-of Llama-3.1-8B (32 layers, H = 8, D = 128, I = 512) that came to about 25 ms of a 331 ms chunk.
+``[T, H, D]`` float32 and a matmul without tensor cores: a visible share of a served prefill chunk's
+GPU time at the Llama-3.1-8B shape (32 layers, H = 8, D = 128, I = 512).
 
 Grid ``(cdiv(T, BLOCK_T), H)``: a program takes ``BLOCK_T`` rows of one KV head, loads both keys
 and RMS-normalises them in float32 in registers, then walks the hidden width in blocks of
@@ -29,8 +29,8 @@ import triton.language as tl
 # Shared memory bounds the tiles (float32 tf32x3 operands): at D = 128, BLOCK_T x BLOCK_I = 64 x 64
 # asks 320 KiB with Triton's default 3 stages and 128 x 64 asks 320 KiB even with one, over the
 # H200's 227 KiB per block, so the kernel does not compile. 32 x 64 in one stage with 4 warps was
-# the fastest that compiled in sweeps over BLOCK_T 16-128, BLOCK_I 32-128, 4/8 warps and 1-3 stages
-# on the H200 (Llama-3.1-8B shape, one run each).
+# the fastest that compiled in a sweep over BLOCK_T 16-128, BLOCK_I 32-128, 4/8 warps and 1-3 stages
+# (Llama-3.1-8B shape).
 BLOCK_T = 32
 BLOCK_I = 64
 NUM_WARPS = 4
@@ -38,10 +38,9 @@ NUM_STAGES = 1
 
 # In decode, the backend takes this kernel instead of DecodeGate's from this many (row, KV head) pairs
 # a step (batch 16 at 8 KV heads). DecodeGate gives every pair a program that reads its head's whole w1
-# (2D x I float32: 512 KiB at D 128, I 512), so its traffic grows with the batch: on the H200 W3
-# profile (batch 128, Llama-3.1-8B) it took 92 us per layer, 2,957 us per step, on the side stream
-# beside the attention it shares the SMs with. Here a program reads w1 once per 32 rows. The
-# crossover itself is an estimate (not yet timed).
+# (2D x I float32: 512 KiB at D 128, I 512), so its traffic grows with the batch, and at W3's batch 128
+# it competes for the SMs with the attention beside it on the side stream. Here a program reads w1 once
+# per 32 rows. The crossover itself is an estimate (not yet timed).
 DECODE_MIN_ROWS = 128
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -1,67 +1,30 @@
 """The capacity plan: how the memory SGLang budgets for the KV cache is split between SGLang's
 logical token pool, its request slots and the dual pool's pages (:func:`plan_capacity`).
 
-Two address spaces coexist (:mod:`~sglang_wgkv.integration.kv_pool`): SGLang's logical token slots,
-which carry no K/V here and are what the scheduler admits, retracts and checks, and the dual pool's
-16-token pages per (request slot, layer, KV head), which hold the K/V. The physical pool must never
-run out while the logical one has room. Every budget below is in *dense tokens*: the K and V of one
-token in every layer and KV head of this rank (``2 x layers x kv_heads x head_dim x dtype`` bytes).
+SGLang's logical token slots carry no K/V here and are what the scheduler admits, retracts and checks;
+the dual pool's 16-token pages hold the K/V (:mod:`~sglang_wgkv.integration.kv_pool`). The physical
+pool must never run out while the logical one has room. Budgets are in *dense tokens* (the K and V of
+one token in every layer and KV head of this rank); the per-slot state (page-table rows, ring flags,
+the evictor's query windows: :class:`FixedCosts`) comes out of the same budget. The splits, written
+out with their reasons in docs/design.md ("The capacity plan")::
 
-Fixed costs (:class:`FixedCosts`). What the WG-KV pool keeps besides pages comes out of the same
-budget, so that the process stays inside the memory SGLang planned for the KV cache: per request
-slot, the page-table row, ring flags and lengths, and with ``--kv-budget`` the evictor's query window
-(its share is capped at :data:`MAX_WINDOW_FRACTION`; past it, fewer request slots). The dual pool
-gets the budget less these; the logical pool shrinks by as much, so the rules below still hold.
+    mode        when                                  rule
+    ----------  ------------------------------------  -----------------------------------------------
+    dense       admission alone, or --kv-budget       physical = logical + SLACK_TOKENS x slots
+                without chunked prefill               (n + 64 tokens of pages per request's streams)
+    bounded     --kv-budget B with chunked prefill    physical >= R x S, S = W_local + 16 ceil(B/16)
+                                                      + 32; logical = R x context length
+    overcommit  --wgkv-overcommit F                   F x the dense logical pool and slots; the
+                                                      scheduler checks the physical pool itself
 
-Dense-equivalent split (admission alone). A stream holding ``n`` tokens needs at most ``n/16 + 2``
-pages, and the pool's step preconditions (``begin_extend`` / ``begin_decode`` reserve a worst case
-before writing) at most two more: ``n + 64`` tokens of page space per request across its streams::
-
-    physical tokens = logical tokens + SLACK_TOKENS x request slots
-
-Admission makes the physical use smaller than the logical one but, the scheduler counting logical
-tokens, admits no more requests than a dense pool would.
-
-Bounded split (``--kv-budget B`` with chunked prefill). The SnapKV evictor cuts every stream back to
-``B`` global tokens at each step boundary: between steps a stream holds its ring (``W_local/16``
-pages) and at most ``ceil(B/16)`` global pages; one decode step adds at most one page per stream.
-So a request slot's pages are bounded by ``S = W_local + 16 ceil(B/16) + 32`` tokens, and::
-
-    physical tokens >= R x S
-
-holds for ``R`` request slots whatever their lengths: SGLang gets ``R`` slots and a logical pool of
-``R x context length`` tokens (more concurrent requests than a dense pool of the same memory whenever
-contexts exceed the per-request bound; requests beyond ``R`` queue).
-
-Prompts pass the bound while they are prefilled. An extend writes a prompt's chunk before the
-boundary that cuts it, and prompt-end scoring (:mod:`sglang_wgkv.memory.evictor`) keeps a prompt's
-admitted part until its last chunk, so a request whose prompt is longer than ``S`` holds more than
-``S`` until the boundary after its last chunk: at most ``W_local + prompt_cap + C`` per stream
-(``C`` = ``chunked_prefill_size``; the evictor's ``prompt_cap = 16 ceil(B/16) + P`` compresses a
-stream that passes it before its prompt ends, logged; ``P``, :func:`prompt_reserve`: what the longest
-prompt could admit beyond the bound, at most :data:`MAX_PROMPT_FRACTION` of the budget). The
-scheduler pays for that excess with the pages of request slots no request holds
-(:class:`PromptRule`, :mod:`~sglang_wgkv.integration.prefill_guard`): a request is admitted only if
-the excess of every prompt of the prefill batch, its own included, fits in the free slots' pages and
-the spare pages beyond ``R x S``::
+Bounded mode: a prompt holds up to ``W_local + prompt_cap + C`` per stream until its end is scored
+(``prompt_cap = 16 ceil(B/16) + P``, :func:`prompt_reserve`; ``C`` = ``chunked_prefill_size``), paid
+from the pages of free slots (:class:`PromptRule`, :mod:`~sglang_wgkv.integration.prefill_guard`)::
 
     sum over the batch's prompts of excess <= (R - running - batch) x S + spare
 
-so the room for prompts is taken only while prompts that need it are being prefilled, and nothing
-is set aside for prompts that are not there (a server of short prompts runs ``R`` of them). SGLang's
-chunked request (at most one, continued first in every prefill batch until its prompt ends) counts
-in every batch of its chunks. The plan keeps ``P`` small enough that the longest prompt fits beside
-nothing else, so no request waits forever.
-
-Overcommit split (``--wgkv-overcommit F``, :mod:`~sglang_wgkv.integration.overcommit`; the
-launcher's default on CUDA without ``--kv-budget``): F times the dense-equivalent logical pool and
-slots; the scheduler then checks the physical pool itself (a prefix-cache hit's ring copy included),
-and one request is capped at the dense-equivalent logical pool (``max_request_tokens``).
-
-Prefix caching (:mod:`radix_ext`): a request restored from a snapshot holds a private copy of a ring
-whose tokens the tree already counts, up to ``W_local + 16`` tokens per stream more; the split
-reserves that for ``restore_slots`` requests and the radix cache lets no more restored requests run
-at once. Snapshot pages need no reserve: the cache drops them whenever a step would not fit.
+Prefix caching reserves a private ring copy (up to ``W_local + 16`` tokens per stream) for
+``restore_slots`` restored requests; snapshot pages need no reserve (dropped when a step would not fit).
 """
 
 from __future__ import annotations

@@ -27,12 +27,10 @@ ATTENTION_IMPLS = ("auto", "reference", "kernels")
 DEFAULT_GPU_OVERCOMMIT = 4.0
 
 # MiB of GPU memory by which the wgkv backend lowers SGLang's own choice of --mem-fraction-static (none
-# given; hooks.reserve_gpu_memory), for what it holds outside the static pool. Measured on the H200
-# (143,771 MiB) with the README server's defaults against upstream's --disable-wgkv --attention-backend
-# flashinfer, same phases (benchmarks/serving_memory.py, 2026-12-03): SGLang picked 0.907 for wgkv (its prefill CUDA
-# graphs are off, so SGLang set nothing aside for them) against upstream's 0.903, and the wgkv server
-# peaked 1,454 MiB above upstream (the fraction's 575 MiB, SGLang's allocator arrays over the 4x
-# logical pool of overcommit, larger extend transients). 2,048 MiB keeps its headroom above upstream's.
+# given; hooks.reserve_gpu_memory), for what it holds outside the static pool: SGLang sets nothing aside
+# for prefill CUDA graphs, which wgkv turns off, and the allocator arrays over overcommit's larger logical
+# pool and the extend transients live outside it. With this reserve the wgkv server peaks below upstream's
+# --disable-wgkv --attention-backend flashinfer (benchmarks/results/serving/memory_{wgkv,upstream}_h200.json).
 GPU_RESERVE_MIB = 2048
 
 

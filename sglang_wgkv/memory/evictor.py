@@ -1,49 +1,13 @@
 """SnapKV-style post-write eviction of the global cache under a per-head token budget (paper App. K.1).
 
-Admission (the write gate) decides what enters the global cache; this evictor bounds what stays.
-Per stream (request slot r, layer l, KV head h) with global length ``g > budget``:
-
-1. score every global entry j against the request's last ``window`` (256) queries of layer l::
-
-       A(q) = softmax_keys(q K^T / sqrt(d))            for each query head q of h's GQA group
-       raw_j = sum_{window i} max_{q in group} A_{i,j}(q)
-       score = MaxPool1d(raw, kernel 5, stride 1, same padding) along the global cache order
-
-   The softmax normalizes over the keys attention read for that query, restricted to what is still
-   cached: every global entry of the stream (each one precedes every window query, because the
-   window is no longer than W_local and global entries left the ring) plus the ring entries at
-   positions ``<= pos_i``. Keys evicted earlier, or dropped unadmitted from the ring, are gone and
-   take no mass. Max-pooling runs over cache order; after earlier evictions neighbours in the cache
-   need not be neighbours in position.
-2. evict the ``max(floor(ratio * g), 1, g - T)`` lowest-scored entries, ``T = budget - lead``
-   (ratio 0.1: the paper's "bottom 10%"; the ``g - T`` term only matters after an extend admitted
-   many tokens at once, so the budget holds after every step), ties going to the older entry; at
-   the end of a prompt (below) exactly ``g - T``, scored by the prompt's last ``prompt_window``
-   queries (32) and max-pooled over ``prompt_kernel`` (13);
-3. the pool compacts the survivors in order to the front of the stream's global pages
-   (:meth:`DualCachePool.compact_global`: now-empty trailing pages released, pages shared with
-   another owner, e.g. a prefix snapshot, copied before being rewritten).
-
-The ring (the last W_local tokens) is never evicted, so a stream holds at most ``budget + W_local``
-tokens. ``--kv-budget N`` is the paper's "average global tokens per head per request" (4096 in
-App. K); it is enforced as a cap of N on every (layer, head), which implies the average and is
-stricter than it: the paper triggers when the average exceeds N, so single heads may pass N there.
-Counters: a request's ``eviction_triggers`` counts the steps in which any of its streams was
-evicted from; ``stream_triggers`` counts per stream.
-
-Prompt-end scoring (SnapKV's observation window). A prompt is scored by its own end, the part that
-holds the question, not by whichever chunk of it is being prefilled: once the backend declares the
-requests of an extend with :meth:`mark_extend`, a request whose prompt is still being prefilled is
-not evicted from (its global cache grows with the admitted part of the prompt), and at the first
-step boundary after its last prompt chunk each of its streams is compressed to exactly ``budget``
-entries, scored by the prompt's last ``prompt_window`` queries (kept across chunks: the window is a
-ring indexed by position; SnapKV's 32 queries, not the decode window: scored by the last 256, the
-few queries of the question drown among the haystack's and needles are lost; see config.py).
-From then on (decode) the bottom-10% rule above applies. ``prompt_cap`` bounds
-the deferral: a stream that passes ``prompt_cap`` global entries while its prompt is still open is
-compressed to ``budget`` early, scored by the latest chunk's last queries (logged once per request), so a
-request's pages stay within ``W_local + prompt_cap`` plus one extend per stream. Requests never
-declared (``mark_extend`` not called) are evicted at every step boundary, prompt or not.
+Admission decides what enters the global cache; this evictor bounds what stays: every stream (request
+slot r, layer l, KV head h) whose global length passes the budget loses its lowest-scored entries
+(attention mass from the request's last ``window`` queries, max-pooled along the cache; the ring is
+never evicted), and the pool compacts the survivors (:meth:`DualCachePool.compact_global`). A prompt
+is scored once by its own end (``prompt_window`` queries, ``prompt_kernel``), not while it is
+prefilled; ``prompt_cap`` bounds that deferral. ``lead`` amortizes the device looks: a look cuts
+streams to ``budget - lead``. The scoring formula, the eviction rule, prompt-end scoring and the host
+syncs are written out in docs/design.md ("The evictor").
 
 Call protocol (the attention backend; every call is cheap when nothing is evicted)::
 
@@ -58,19 +22,8 @@ Call protocol (the attention backend; every call is cheap when nothing is evicte
                                       # next begin_* (outside a CUDA graph)
 
 Every forward of a request must be observed in every layer (the window is a ring indexed by position).
-Memory: the query window holds ``max_requests x layers x window x q_heads x head_dim`` elements of the
-pool dtype (Qwen3-4B, 64 request slots, window 256: 4.8 GB in bf16); create an evictor only when a
-budget is set.
-
-Host syncs: observing never syncs. :meth:`maybe_evict` keeps a host upper bound of each request's
-longest global cache (the last exact value plus the tokens that left the ring since, known from the
-pool's host lengths) and looks at the device only when some request's bound exceeds the budget;
-evicting syncs. ``lead`` (default 0) amortizes the looks: a look takes every active request whose
-bound is above ``T = budget - lead`` and evicts from each of its streams longer than ``T`` (rule 2),
-so afterwards no bound is above ``T`` and, since a bound grows by at most one token per step, the next
-look is at least ``lead + 1`` steps away, for all requests at once. The cap still holds after every
-step; a stream is cut up to ``lead`` tokens under the budget. Serving sets ``lead`` (one look and one
-host sync per ~``lead`` decode steps instead of nearly every step once streams sit at the budget).
+The query window holds ``max_requests x layers x window x q_heads x head_dim`` elements of the pool
+dtype: create an evictor only when a budget is set.
 """
 
 from __future__ import annotations
@@ -230,8 +183,8 @@ class SnapKVEvictor:
         prefilling their prompt: that boundary caps them at ``prompt_cap`` (as :meth:`mark_extend`'s
         open prompts) instead of evicting them as decoding requests. A slot handed to a new request
         can hold a global cache before its first forward (a prefix restored from the radix cache):
-        undeclared at that boundary, it was cut to the budget by the decode rule, scored by no query
-        of its own, and its prompt-end compression came second (seen on the H200, 2026-12-03)."""
+        undeclared at that boundary, it would be cut to the budget by the decode rule, scored by no
+        query of its own, before its prompt-end compression (``tests/test_evictor_serving.py``)."""
         slots = list(req_slots)
         self.mark_extend(slots, [False] * len(slots))
 
@@ -391,8 +344,8 @@ class SnapKVEvictor:
         glen = pool.global_len[r, l, h].long()
         gcols = -(-int(glen.max()) // PAGE_SIZE)
         gpages = pool.page_table[r, l, h, R : R + gcols].long()  # [S, gc]
-        # a 1-D page index gathers whole pages (PyTorch's vectorized gather; a 2-D index took the
-        # element-wise kernel on the H200: 2.4 ms against 0.19 ms for a quarter of the bytes)
+        # a 1-D page index gathers whole pages (PyTorch's vectorized gather; a 2-D index takes the
+        # element-wise kernel, over ten times slower on a GPU)
         g_keys = pool.k_pages[gpages.reshape(-1)].reshape(r.numel(), gcols * PAGE_SIZE, D)
         r_keys = pool.k_pages[pool.page_table[r, l, h, :R].reshape(-1).long()].reshape(r.numel(), W, D)
         n = torch.as_tensor(pool.cached_len, device=pool.device)[r]  # [S]

@@ -4,13 +4,9 @@ logits and probabilities.
 
 Why. The torch scores of one stream (256 window queries x 4 GQA heads x ~1,000 keys at the
 Llama-3.1-8B shape) materialize 4 MB of logits and as much of probabilities, written and read about
-six times (masking, softmax, NaN guard, max over heads); the served W4 run (64 requests, budget 512)
-spent ~1.6 ms of each 8.6 ms decode step on evictions, ~30 us per evicted stream, where the
-arithmetic is ~0.3 GFLOP per stream. Here a program reads each key twice and keeps its logits in
-registers.
-Measured on the H200 (2026-12-03, ``benchmarks/evictor_step.py`` at W4's shape, 4,096 streams):
-4.5 us per evicted stream against 23.0 with the torch scores; in the served W4 run eviction then cost
-~0.5 ms per step (``benchmarks/results/serving/W4.json``).
+six times (masking, softmax, NaN guard, max over heads), where the arithmetic is ~0.3 GFLOP per
+stream. Here a program reads each key twice and keeps its logits in registers: about five times
+faster per evicted stream at W4's shape (``benchmarks/results/kernels/evictor_step_w4_{triton,torch}.json``).
 
 Grid ``(S, cdiv(Wq, BQ))``: one program per (stream, block of ``BQ`` queries), so a look at a few
 long streams still fills the GPU. For its ``BQ`` queries x ``G`` heads (rows, the heads padded to a

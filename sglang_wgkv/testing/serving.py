@@ -179,7 +179,7 @@ class OfflineTruth:
     float32 reference server matches it to ~1e-5 (tests/test_served_matches_offline.py), so a bf16
     path's distance from it is that path's own error, along its own tokens (no shared prefix needed).
     Also the GPU tests' float32 truth: SGLang's CUDA RMSNorm has no float32 kernel (a float32 server
-    died at its first forward on the H200, 2026-12-04)."""
+    dies at its first forward)."""
 
     def __init__(self, model_dir, gates_dir, local_window: int, device="cpu", tau: float | None = None):
         import torch

@@ -2,8 +2,8 @@
 
 Triton compiles to a cubin without a GPU (its bundled ptxas), so the CPU suite can check what only
 the device used to show: that a kernel compiles for sm_90 at the specialization its launcher
-builds, and that it fits sm_90's shared memory (a 64 x 64 x 3-stage tile of the prefill gate asked
-for 320 KiB and failed on the H200 only, 2026-12-01). :func:`launches` runs a launcher with every
+builds, and that it fits sm_90's shared memory (a 64 x 64 x 3-stage tile of the prefill gate asks
+for 320 KiB, which only the device would otherwise reveal). :func:`launches` runs a launcher with every
 Triton launch captured instead of run (arguments by name, launch options); :func:`compile_sm90`
 compiles one capture.
 """

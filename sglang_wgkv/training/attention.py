@@ -168,8 +168,8 @@ class SoftGatedAttention:
             return split_key_attention(q, k, v, g, self.local_window, self.eps, scale)
         if self.backend == "flex_split":
             return self._flex_split_attention(q, k, v, g, scale)
-        # On CUDA the memory-efficient kernel's backward with a bias that needs a gradient failed on the
-        # H200 (torch 2.11: "LSE is not correctly aligned (strideH)"); the math kernel is exact.
+        # On CUDA the memory-efficient kernel's backward with a bias that needs a gradient fails on sm_90
+        # (torch 2.11: "LSE is not correctly aligned (strideH)"); the math kernel is exact.
         with sdpa_kernel(SDPBackend.MATH) if q.is_cuda else nullcontext():
             return soft_gated_attention(q, k, v, g, self.local_window, self.eps, sm_scale=scale)
 

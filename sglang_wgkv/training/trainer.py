@@ -69,9 +69,9 @@ class TrainConfig:
     dtype: str = "bf16"
     device: str = "auto"
     seed: int = 0
-    # None: off on CUDA, on elsewhere. On the H200 (benchmarks/train_speed.py, SmolLM2-135M, 4 λ, 4K
-    # tokens) checkpointing cost 1.3x (split) to 2.2x (flex) step time and the run without it peaked at
-    # 13-17 GiB; on a CPU box the activations of 4 λ x 30 layers are what fills RAM.
+    # None: off on CUDA, on elsewhere. On a GPU checkpointing costs far more step time than the memory
+    # it saves is worth (benchmarks/results/accuracy/train_speed_h200.json); on a CPU box the
+    # activations of 4 λ x 30 layers are what fills RAM.
     grad_checkpoint: bool | None = None
     model_id: str = ""
     time_budget_s: float = 0.0
@@ -328,7 +328,7 @@ class GateTrainer:
                 )
                 + "\n"
             )
-        # SIGTERM (`timeout`, a lease running out) ends the loop after the step in flight, with a
+        # SIGTERM (`timeout`, a machine's time limit) ends the loop after the step in flight, with a
         # checkpoint: the next run resumes there instead of at the last ckpt_every multiple
         stop = []
         in_main = threading.current_thread() is threading.main_thread()
