@@ -10,10 +10,8 @@ import torch
 
 from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.integration.long_requests import (
-    RequestBound,
     length_error,
     pool_bound,
-    pool_stream_tokens,
     requested_bound,
 )
 from sglang_wgkv.integration.request_control import RequestAdmission
@@ -45,19 +43,25 @@ def test_kv_budget_range():
 
 
 def test_pool_bound_fills_the_room_and_keeps_a_requested_budget_that_fits():
-    fit = pool_bound(kv_budget=None, local_window=256, chunk_tokens=512, stream_room=4096)
-    # cap: 4096 - 256 - 512 - 3 pages; budget: cap less max(chunk, cap / 8), in pages
-    assert fit == RequestBound(budget=2768, cap=3280, source="pool")
-    assert fit.stream_tokens(256, 512) == 4096
-    own = pool_bound(kv_budget=256, local_window=256, chunk_tokens=512, stream_room=4096)
-    assert own == requested_bound(256, 512) == RequestBound(256, 768, "request")
-    squeezed = pool_bound(kv_budget=4000, local_window=256, chunk_tokens=512, stream_room=4096)
-    assert squeezed == RequestBound(2768, 3280, "pool")  # its own did not fit: what does
-    assert pool_bound(kv_budget=None, local_window=256, chunk_tokens=512, stream_room=1200) is None
+    streams, room = 90, 90 * 256  # 4096 tokens of page space per stream on average
+    fixed = streams * (256 // 16 + 512 // 16 + 1 + 3)  # ring, chunk, partial page, reserve
+    fit = pool_bound(kv_budget=None, local_window=256, chunk_tokens=512, room_pages=room, streams=streams)
+    total_cap = 16 * (room - fixed)
+    assert (fit.source, fit.budget, fit.total_cap) == ("pool", None, total_cap)
+    assert fit.total_budget == 16 * ((total_cap - max(streams * 512, total_cap // 8)) // 16)
+    assert fit.pages(streams, 256, 512) == room
+    own = pool_bound(kv_budget=256, local_window=256, chunk_tokens=512, room_pages=room, streams=streams)
+    assert own == requested_bound(256, 512) and (own.budget, own.cap, own.total_cap) == (256, 768, None)
+    squeezed = pool_bound(
+        kv_budget=4000, local_window=256, chunk_tokens=512, room_pages=room, streams=streams
+    )
+    assert (squeezed.budget, squeezed.total_cap) == (4000, total_cap)  # its own and what fits
+    tight = dict(local_window=256, chunk_tokens=512, streams=streams)
+    assert pool_bound(kv_budget=None, room_pages=fixed + streams * 16 * 2, **tight) is None
 
 
 def test_length_errors_say_why():
-    common = dict(dense_limit=3000, local_window=256, chunk_tokens=512, pool_stream_tokens=4096)
+    common = dict(dense_limit=3000, local_window=256, chunk_tokens=512, room_pages=90 * 256, streams=90)
     assert length_error(length=3000, admission=False, **common) is None
     assert "admission off" in length_error(length=3001, admission=False, **common)
     assert length_error(length=100_000, admission=True, **common) is None
@@ -149,11 +153,14 @@ def test_a_bounded_request_never_holds_more_pages_than_its_reserve(seed):
     pool = _pool(pages=6000, slots=2, maxlen=1400, W=W)
     ev = SnapKVEvictor(pool, budget=None, num_q_heads=H * G, window=8, rows=1)
     gen = torch.Generator().manual_seed(seed)
-    room = int(rng.integers(3 * W + 2 * chunk + 64, 3 * W + 2 * chunk + 400))
-    bound = pool_bound(kv_budget=None, local_window=W, chunk_tokens=chunk, stream_room=room)
-    reserve = bound.pages(L * H, W, chunk)
+    streams = L * H
+    fixed = streams * (W // 16 + chunk // 16 + 4)
+    room = fixed + streams * int(rng.integers(3 * W + 2 * chunk, 3 * W + 2 * chunk + 400)) // 16
+    bound = pool_bound(kv_budget=None, local_window=W, chunk_tokens=chunk, room_pages=room, streams=streams)
+    reserve = bound.pages(streams, W, chunk)
+    assert reserve <= room
     pool.alloc_request(1)
-    ev.bound_request(1, bound.budget, bound.cap, bound.lead)
+    ev.bound_request(1, bound.budget, bound.cap, bound.lead, bound.total_budget, bound.total_cap)
     total, start = int(rng.integers(600, 1200)), pool.num_free_pages()
     reserves = []
     ensure = pool.allocator.ensure
@@ -177,6 +184,32 @@ def test_a_bounded_request_never_holds_more_pages_than_its_reserve(seed):
         ev.observe_decode(1, torch.randn(1, H * G, D, generator=gen))
         for layer in range(L):
             pool.write_decode(layer, torch.randn(1, H, D), torch.randn(1, H, D), torch.ones(1, H, dtype=bool))
-    assert pool_stream_tokens(pool) == 16 * ((6000 - L * H) // (L * H))
+    assert int(pool.global_len[1].sum()) <= bound.total_budget and ev.triggers[1] > 0
     pool.free_request(1)
+    pool.check_integrity()
+
+
+def test_a_summed_bound_cuts_only_the_heads_that_hold_the_most():
+    """A pool bound caps the request's global tokens summed over its streams: a head that admits
+    every token is cut to the common level, heads that admit few keep all they admitted."""
+    pool = _pool(pages=3000, slots=2, maxlen=1000)
+    ev = SnapKVEvictor(pool, budget=None, num_q_heads=H * G, window=8, rows=1)
+    gen = torch.Generator().manual_seed(5)
+    pool.alloc_request(1)
+    ev.bound_request(1, None, None, lead=2, total_budget=400, total_cap=600)
+    n = 400
+    pool.begin_extend([1], [0], [n])
+    ev.mark_extend([1], [True])
+    admit = torch.zeros(n, H, dtype=torch.bool)
+    admit[:, 0] = True  # head 0 keeps everything, head 1 one token in ten
+    admit[::10, 1] = True
+    for layer in range(L):
+        ev.observe_extend(layer, torch.randn(n, H * G, D, generator=gen))
+        pool.write_extend(layer, torch.randn(n, H, D, generator=gen), torch.randn(n, H, D), admit)
+    light = pool.global_len[1, :, 1].clone()
+    assert int(pool.global_len[1].sum()) > 600
+    ev.maybe_evict()
+    glen = pool.global_len[1]
+    assert torch.equal(glen[:, 1], light)  # untouched
+    assert int(glen.sum()) <= 400 - 2 * L * H and int(glen[:, 0].min()) > int(light.max())
     pool.check_integrity()

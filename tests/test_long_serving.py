@@ -157,7 +157,8 @@ def test_long_prompt_that_outgrows_the_pool_is_compressed_and_completes(server, 
     usage = _usage(out)
     assert out["meta_info"]["completion_tokens"] == 8
     assert usage["kv_budget_source"] == "pool" and usage["evicted_tokens"] > 0
-    assert usage["max_global_tokens_per_head"] <= usage["kv_budget"] + 1
+    streams = 30 * 3  # the embedded model's layers x KV heads
+    assert usage["mean_global_tokens_per_head"] * streams <= usage["kv_budget_total"] + streams
     assert usage["cached_tokens"] - W_LOCAL > BUDGET  # admitted all, held far less
     log = server.log_path.read_text(errors="replace")
     assert "longer than the dense-equivalent pool" in log and "compressed early" in log

@@ -11,21 +11,26 @@ pool       overcommit plan, admission on, prompt + output longer than the dense-
            (which the physical pool holds alone): the request gets what the free pages hold
 =========  ==========================================================================================
 
-A bound is ``(budget, cap)`` in global tokens per (layer, KV head) stream: while its prompt is
-prefilled a stream keeps up to ``cap`` entries (then it is compressed early to ``budget``, scored by
-the latest chunk's queries, logged); at the prompt's end and while decoding it is held to ``budget``
-(scored by the prompt's last queries, then the decode window). So the request's pages never exceed
-``stream_tokens = W_local + cap + C + 3 pages`` per stream (``C``: one prefill chunk; the 3 pages:
-the partial pages and ``begin_extend``'s reserve, as :class:`~.capacity.PromptRule`), which is what
-the overcommit prefill guard reserves for it instead of its dense prompt (:mod:`.overcommit`).
+A request's own budget is per stream, ``(budget, cap)`` global tokens per (layer, KV head): while
+its prompt is prefilled a stream keeps up to ``cap = budget + max(budget, C)`` entries (then it is
+compressed early to ``budget``, scored by the latest chunk's queries, logged); at the prompt's end
+and while decoding it is held to ``budget`` (scored by the prompt's last queries, then the decode
+window). ``C``: one prefill chunk.
 
-A pool bound is the largest that the free pages hold when the request is admitted: ``cap`` fills
-them and ``budget = cap - max(C, cap / 8)`` leaves room for the chunks after a compression. A request
-whose admitted KV stays under ``cap`` is never compressed; one that outgrows it compresses its own
-global pages only (never another request's), and the forward goes on. A request that needs a bound
-but cannot get one even with the whole pool free (``budget`` would fall below the ring W_local) gets a
-400 before any work (:func:`check_request_length`), as does a request with admission off that is
-longer than the dense-equivalent pool (it keeps every token, so it must fit densely).
+A pool bound is summed over the request's streams, ``(total_budget, total_cap)``, because heads
+admit very different amounts (a head that keeps every token beside heads that keep a few): a
+compression cuts only the streams holding the most, to the common level that brings the sum to
+``total_budget`` (:meth:`SnapKVEvictor.bound_request`). ``total_cap`` fills the pages free when the
+request is admitted; ``total_budget = total_cap - max(one chunk per stream, total_cap / 8)`` leaves
+room for the chunks after a compression. A request whose admitted KV stays under ``total_cap`` is
+never compressed; one that outgrows it compresses its own global pages only (never another
+request's), and the forward goes on. Either way the request's pages never exceed
+:meth:`RequestBound.pages` (per stream the ring, one chunk, a partial page and ``begin_extend``'s
+reserve, plus the capped global part), which is what the overcommit prefill guard reserves for it
+instead of its dense prompt (:mod:`.overcommit`). A request that needs a bound but cannot get one
+even with the whole pool free (W_local per stream on average would not fit) gets a 400 before any
+work (:func:`check_request_length`), as does a request with admission off that is longer than the
+dense-equivalent pool (it keeps every token, so it must fit densely).
 
 Window rows: a server without ``--kv-budget`` keeps query windows for :data:`LONG_REQUEST_ROWS`
 bounded requests at once (capacity plan, :func:`long_request_rows`); a bounded request waits for a
@@ -68,60 +73,76 @@ def _pages(tokens: int) -> int:
 
 @dataclass(frozen=True)
 class RequestBound:
-    """One request's bound, in global tokens per stream (module docstring).
+    """One request's bound (module docstring), in global tokens.
 
-    budget : held to at the prompt's end and while decoding; cap : while the prompt is prefilled;
-    source : ``request`` (its ``kv_budget``) or ``pool`` (what the free pages held).
+    budget, cap : per stream (None: none); total_budget, total_cap : summed over the request's
+    streams (None: none); held to at the prompt's end and while decoding / while the prompt is
+    prefilled. lead : the evictor's lead per stream; source : ``request`` (its ``kv_budget``) or
+    ``pool`` (what the free pages held).
     """
 
-    budget: int
-    cap: int
+    budget: int | None
+    cap: int | None
     source: str
+    total_budget: int | None = None
+    total_cap: int | None = None
+    lead: int = 0
 
     def __post_init__(self):
-        if not 0 < self.budget <= self.cap or self.source not in ("request", "pool"):
+        pairs = [(self.budget, self.cap), (self.total_budget, self.total_cap)]
+        if (
+            self.source not in ("request", "pool")
+            or all(b is None for b, _ in pairs)
+            or any((b is None) != (c is None) or (b is not None and not self.lead < b <= c) for b, c in pairs)
+        ):
             raise ValueError(f"invalid request bound {self}")
 
-    @property
-    def lead(self) -> int:
-        """The evictor's lead for this request (serving's, at most 1/8 of the budget)."""
-        return min(DEFAULT_EVICTOR_LEAD, self.budget // 8)
-
-    def stream_tokens(self, local_window: int, chunk_tokens: int) -> int:
-        """Page space per stream the request holds at most."""
-        return local_window + PAGE_SIZE * (_pages(self.cap + chunk_tokens) + BOUND_SLACK_PAGES)
-
     def pages(self, streams: int, local_window: int, chunk_tokens: int) -> int:
-        """Pages the request holds at most over its ``streams`` (layers x KV heads)."""
-        return streams * self.stream_tokens(local_window, chunk_tokens) // PAGE_SIZE
+        """Pages the request holds at most over its ``streams`` (layers x KV heads): per stream the
+        ring, one chunk, a partial page and ``begin_extend``'s reserve, plus the capped global part."""
+        fixed = streams * (local_window // PAGE_SIZE + _pages(chunk_tokens) + 1 + BOUND_SLACK_PAGES)
+        held = []
+        if self.cap is not None:
+            held.append(streams * _pages(self.cap))
+        if self.total_cap is not None:
+            held.append(_pages(self.total_cap))
+        return fixed + min(held)
 
 
 def requested_bound(kv_budget: int, chunk_tokens: int) -> RequestBound:
     """The bound of a request's own ``kv_budget``: ``cap = budget + max(budget, C)`` (in pages)."""
     chunk = PAGE_SIZE * _pages(chunk_tokens)
-    return RequestBound(kv_budget, PAGE_SIZE * _pages(kv_budget + max(kv_budget, chunk)), "request")
+    cap = PAGE_SIZE * _pages(kv_budget + max(kv_budget, chunk))
+    return RequestBound(kv_budget, cap, "request", lead=min(DEFAULT_EVICTOR_LEAD, kv_budget // 8))
 
 
 def pool_bound(
-    *, kv_budget: int | None, local_window: int, chunk_tokens: int, stream_room: int
+    *, kv_budget: int | None, local_window: int, chunk_tokens: int, room_pages: int, streams: int
 ) -> RequestBound | None:
-    """The bound of a request longer than the dense pool that may take ``stream_room`` tokens of page
-    space per stream: its own (``kv_budget``) where that fits, else the largest that fits (its
-    budget at most ``kv_budget``); None when even ``budget`` = W_local does not fit.
+    """The bound of a request longer than the dense pool that may take ``room_pages`` pages over its
+    ``streams``: its own (``kv_budget``) where that fits, else a summed bound that fills the room
+    (``total_cap``; ``total_budget`` less ``max(one chunk per stream, 1/8)``, and its own per-stream
+    budget if it set one); None when even ``total_budget`` = W_local per stream does not fit.
 
     chunk_tokens : its largest prefill chunk (:func:`request_chunk`)."""
+    want = None if kv_budget is None else requested_bound(kv_budget, chunk_tokens)
+    if want is not None and want.pages(streams, local_window, chunk_tokens) <= room_pages:
+        return want
     chunk = PAGE_SIZE * _pages(chunk_tokens)
-    fit_cap = PAGE_SIZE * ((stream_room - local_window - chunk) // PAGE_SIZE - BOUND_SLACK_PAGES)
-    if kv_budget is not None:
-        want = requested_bound(kv_budget, chunk_tokens)
-        if want.cap <= fit_cap:
-            return want
-    budget = PAGE_SIZE * ((fit_cap - max(chunk, fit_cap // 8)) // PAGE_SIZE)
-    if kv_budget is not None:
-        budget = min(budget, kv_budget)
-    if budget < local_window:
+    fixed = streams * (local_window // PAGE_SIZE + _pages(chunk_tokens) + 1 + BOUND_SLACK_PAGES)
+    total_cap = PAGE_SIZE * (room_pages - fixed)
+    total_budget = PAGE_SIZE * ((total_cap - max(streams * chunk, total_cap // 8)) // PAGE_SIZE)
+    if total_budget < streams * local_window:
         return None
-    return RequestBound(budget, fit_cap, "pool")
+    lead = min(DEFAULT_EVICTOR_LEAD, total_budget // (8 * streams))
+    return RequestBound(
+        budget=None if want is None else want.budget,
+        cap=None if want is None else want.cap,
+        source="pool",
+        total_budget=total_budget,
+        total_cap=total_cap,
+        lead=lead if want is None else min(lead, want.lead),
+    )
 
 
 def request_chunk(scheduler_chunk: int | None, prompt_len: int) -> int:
@@ -139,11 +160,12 @@ def length_error(
     dense_limit: int,
     local_window: int,
     chunk_tokens: int,
-    pool_stream_tokens: int,
+    room_pages: int,
+    streams: int,
 ) -> str | None:
     """Why a request of ``length`` tokens (prompt + output) can never run on an overcommit plan whose
-    dense-equivalent pool is ``dense_limit`` tokens and whose physical pool holds ``pool_stream_tokens``
-    per stream alone; None when it can."""
+    dense-equivalent pool is ``dense_limit`` tokens and whose physical pool gives one request
+    ``room_pages`` pages over its ``streams`` alone; None when it can."""
     if length <= dense_limit:
         return None
     if not admission:
@@ -157,7 +179,8 @@ def length_error(
             kv_budget=None,
             local_window=local_window,
             chunk_tokens=chunk_tokens,
-            stream_room=pool_stream_tokens,
+            room_pages=room_pages,
+            streams=streams,
         )
         is None
     ):
@@ -165,8 +188,8 @@ def length_error(
             f"Request length ({length} tokens) exceeds the dense-equivalent pool ({dense_limit} tokens) "
             f"and cannot fit even compressed: its KV per layer and head would need at least the ring "
             f"(W_local = {local_window}) twice plus one prefill chunk ({chunk_tokens} tokens) and "
-            f"{BOUND_SLACK_PAGES} pages, more than the pool's {pool_stream_tokens} tokens; lower "
-            f"--chunked-prefill-size or raise the KV memory"
+            f"{BOUND_SLACK_PAGES + 1} pages, more than the pool's {room_pages * PAGE_SIZE // streams} "
+            f"tokens; lower --chunked-prefill-size or raise the KV memory"
         )
     return None
 
@@ -186,6 +209,7 @@ def check_request_length(result, scheduler, req, *args, **kwargs):
     except ValueError:
         return None  # the tokenizer manager already refused it
     dual, plan = runtime.dual, runtime.plan
+    streams = dual.num_layers * dual.num_kv_heads
     prompt = len(req.origin_input_ids)
     error = length_error(
         length=prompt + (req.sampling_params.max_new_tokens or 0),
@@ -193,19 +217,12 @@ def check_request_length(result, scheduler, req, *args, **kwargs):
         dense_limit=plan.max_request_tokens,
         local_window=dual.window,
         chunk_tokens=request_chunk(runtime.chunk_tokens, prompt),
-        pool_stream_tokens=pool_stream_tokens(dual),
+        room_pages=dual.allocator.num_pages - streams,  # alone: less one decode step
+        streams=streams,
     )
     if error is not None:
         req.set_finish_with_abort(error)
     return None
-
-
-def pool_stream_tokens(dual, free_pages: int | None = None) -> int:
-    """Page space per stream (tokens) of ``free_pages``; default: the whole pool less one decode
-    step of one request (what a request alone may hold, as the prefill guard counts it)."""
-    streams = dual.num_layers * dual.num_kv_heads
-    pages = dual.allocator.num_pages - streams if free_pages is None else free_pages
-    return PAGE_SIZE * (max(0, pages) // streams)
 
 
 def reserve_row(adder, evictor) -> bool:
@@ -232,20 +249,21 @@ def apply_bound(runtime, req, slot: int, kv_budget: int | None) -> RequestBound 
     bound = getattr(req, WGKV_BOUND, None)
     if bound is None and kv_budget is not None:
         if evictor.budget is not None:
-            bound = RequestBound(kv_budget, max(evictor.prompt_cap or kv_budget, kv_budget), "request")
+            cap = max(evictor.prompt_cap or kv_budget, kv_budget)
+            bound = RequestBound(kv_budget, cap, "request", lead=min(evictor.lead, kv_budget // 8))
         else:
             chunk = request_chunk(runtime.chunk_tokens, len(req.origin_input_ids))
             bound = requested_bound(kv_budget, chunk)
     if bound is not None:
-        evictor.bound_request(slot, bound.budget, bound.cap, bound.lead)
+        evictor.bound_request(slot, bound.budget, bound.cap, bound.lead, bound.total_budget, bound.total_cap)
         if bound.source == "pool":
             logger.info(
                 "wgkv: request %s (%d prompt tokens) is longer than the dense-equivalent pool: its "
-                "global cache is held to %d tokens per head while prefilled, %d after (compressed "
-                "only if it admits more)",
+                "global cache is held to %d tokens (all layers and heads) while prefilled, %d after "
+                "(compressed only if it admits more)",
                 req.rid,
                 len(req.origin_input_ids),
-                bound.cap,
-                bound.budget,
+                bound.total_cap,
+                bound.total_budget,
             )
     return bound

@@ -54,7 +54,6 @@ import logging
 from sglang_wgkv.integration.long_requests import (
     WGKV_BOUND,
     pool_bound,
-    pool_stream_tokens,
     release_row,
     request_chunk,
     requested_bound,
@@ -112,9 +111,12 @@ def _bound_of(runtime, req, room_pages):
     chunk = request_chunk(runtime.chunk_tokens, prompt)
     length = len(req.origin_input_ids) + (req.sampling_params.max_new_tokens or 0)
     if admission.admission and length > plan.max_request_tokens:
-        room = pool_stream_tokens(dual, room_pages())
         return True, pool_bound(
-            kv_budget=admission.kv_budget, local_window=dual.window, chunk_tokens=chunk, stream_room=room
+            kv_budget=admission.kv_budget,
+            local_window=dual.window,
+            chunk_tokens=chunk,
+            room_pages=room_pages(),
+            streams=dual.num_layers * dual.num_kv_heads,
         )
     if admission.kv_budget is not None:
         return True, requested_bound(admission.kv_budget, chunk)

@@ -166,7 +166,9 @@ def request_usage(
     evictor's ``prompt_cap``).
     ``kv_budget``: the global tokens per head the request was held to (its own ``kv_budget``, the
     server's ``--kv-budget``, or what the pool held for a request longer than it; None: unbounded),
-    ``kv_budget_source``: ``request``, ``server`` or ``pool`` (``bound``: the request's
+    ``kv_budget_total``: the global tokens summed over its layers and heads it was held to (a
+    request longer than the pool); ``kv_budget_source``: ``request``, ``server`` or ``pool``
+    (``bound``: the request's
     :class:`~.long_requests.RequestBound`, None when it had none of its own).
     ``reduce(sums, maxes) -> (sums, maxes)`` combines the per-rank counts under tensor parallelism
     (each rank's pool holds its own KV heads), so every rank reports the whole model's usage.
@@ -202,6 +204,7 @@ def request_usage(
         "admission": admission.admission,
         "tau": admission.effective_tau(dual.config.tau) if admission.admission else None,
         "kv_budget": bound.budget if bound is not None else dual.config.kv_budget,
+        "kv_budget_total": bound.total_budget if bound is not None else None,
         "kv_budget_source": (
             bound.source if bound is not None else ("server" if dual.config.kv_budget is not None else None)
         ),

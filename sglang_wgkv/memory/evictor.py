@@ -203,6 +203,10 @@ class SnapKVEvictor:
         server_cap = UNBOUNDED if self.prompt_cap is None else self.prompt_cap
         self._server = (self.budget or UNBOUNDED, server_cap, self.lead)
         self._budget, self._cap, self._lead = (np.full(R, v, dtype=np.int64) for v in self._server)
+        # per-slot bounds of the request's global tokens summed over its streams (bound_request)
+        self._tbudget = np.full(R, UNBOUNDED, dtype=np.int64)
+        self._tcap = np.full(R, UNBOUNDED, dtype=np.int64)
+        self._exact_total = np.zeros(R, dtype=np.int64)
         self.triggers = np.zeros(R, dtype=np.int64)
         self.evicted_tokens = np.zeros(R, dtype=np.int64)
         self.stream_triggers = torch.zeros(R, L, H, dtype=torch.int64, device=dev)
@@ -233,6 +237,7 @@ class SnapKVEvictor:
         self._prompt_open[stale] = False
         self._prompt_end[stale] = False
         self._exact_max[stale] = 0
+        self._exact_total[stale] = 0
         self._left_at_exact[stale] = 0
         idx = torch.as_tensor(stale, device=self.pool.device)
         if self.rows is None:
@@ -248,15 +253,30 @@ class SnapKVEvictor:
         """Window rows no bound slot holds (request slots, without ``rows``)."""
         return self.pool.max_requests if self.rows is None else len(self._free_rows)
 
-    def bound_request(self, slot: int, budget: int, cap: int | None = None, lead: int = 0) -> None:
+    def bound_request(
+        self,
+        slot: int,
+        budget: int | None,
+        cap: int | None = None,
+        lead: int = 0,
+        total_budget: int | None = None,
+        total_cap: int | None = None,
+    ) -> None:
         """Bound request slot ``slot`` (just allocated to a request) by its own ``budget`` global
-        tokens per stream, ``cap`` while its prompt is prefilled (default: the budget) and ``lead``;
+        tokens per stream, ``cap`` while its prompt is prefilled (default: the budget) and ``lead``,
+        and/or by ``total_budget`` / ``total_cap`` global tokens summed over its streams (the streams
+        holding the most are cut to a common level, the others untouched; ``lead`` per stream);
         gives it a window row. RuntimeError when no row is free (the scheduler checks
         :meth:`free_rows` before it admits such a request)."""
         self._refresh_slots()
+        budget = UNBOUNDED if budget is None else budget
         cap = budget if cap is None else cap
-        if not 0 <= lead < budget <= cap:
-            raise ValueError(f"bound needs 0 <= lead < budget <= cap, got {lead}, {budget}, {cap}")
+        total_budget = UNBOUNDED if total_budget is None else total_budget
+        total_cap = total_budget if total_cap is None else total_cap
+        if not 0 <= lead < min(budget, total_budget) or budget > cap or total_budget > total_cap:
+            raise ValueError(
+                f"bound needs 0 <= lead < budget <= cap, got {lead}, {budget}, {cap}, {total_budget}, {total_cap}"
+            )
         if self._row_of[slot] < 0:
             if not self._free_rows:
                 raise RuntimeError(f"SnapKV: no free query-window row for request slot {slot}")
@@ -265,6 +285,7 @@ class SnapKVEvictor:
             self.row[slot] = row
             self.q_pos[row] = -1
         self._budget[slot], self._cap[slot], self._lead[slot] = budget, cap, lead
+        self._tbudget[slot], self._tcap[slot] = total_budget, total_cap
 
     def release_request(self, slots) -> None:
         """Give the slots' window rows back and their bounds back to the server's (a slot's owner
@@ -272,6 +293,7 @@ class SnapKVEvictor:
         slots = np.atleast_1d(np.asarray(slots, dtype=np.int64))
         budget, cap, lead = self._server
         self._budget[slots], self._cap[slots], self._lead[slots] = budget, cap, lead
+        self._tbudget[slots], self._tcap[slots] = UNBOUNDED, UNBOUNDED
         if self.rows is None:
             return
         held = slots[self._row_of[slots] >= 0]
@@ -279,6 +301,17 @@ class SnapKVEvictor:
             self._free_rows.extend(self._row_of[held].tolist())
             self._row_of[held] = -1
             self.row[torch.as_tensor(held, device=self.pool.device)] = self.rows
+
+    def _total_bounds(self) -> np.ndarray:
+        """``[R]`` host upper bound of each slot's global tokens summed over its streams (no sync)."""
+        streams = self.pool.num_layers * self.pool.num_kv_heads
+        return self._exact_total + (self._left_ring() - self._left_at_exact) * streams
+
+    def _total_limits(self, cut: bool = False) -> np.ndarray:
+        """``[R]`` :meth:`_limits` of the summed bounds (the lead counts once per stream)."""
+        streams = self.pool.num_layers * self.pool.num_kv_heads
+        lead = self._lead * streams if cut else 0
+        return np.where(self._prompt_open, self._tcap, self._tbudget - lead)
 
     def request_bound(self, slot: int) -> int | None:
         """The budget slot ``slot`` is held to (its own or the server's), None when unbounded."""
@@ -398,41 +431,69 @@ class SnapKVEvictor:
     def maybe_evict(self) -> int:
         """Enforce the budget on every active request; call at a step boundary. Returns the number
         of streams evicted from (0 without touching the device when no bound exceeds its limit)."""
-        bound, active = self._bounds(), self.pool.active
-        if not (active & (bound > self._limits())).any():
+        bound, active, total = self._bounds(), self.pool.active, self._total_bounds()
+        if not (active & ((bound > self._limits()) | (total > self._total_limits()))).any():
             self._prompt_end[:] = False
             return 0
         # A look serves every request within `lead` of its limit, not only the one that forced it:
         # after it no bound is above budget - lead, so the next look is at least lead + 1 steps away.
-        cut = self._limits(cut=True)
-        cand = np.nonzero(active & (bound > cut))[0]
+        cut, total_cut = self._limits(cut=True), self._total_limits(cut=True)
+        cand = np.nonzero(active & ((bound > cut) | (total > total_cut)))[0]
         self.checks += 1
         pool = self.pool
         req = torch.as_tensor(cand, device=pool.device)
         glen = pool.global_len[req].long()  # [C, L, H]
-        limit = torch.as_tensor(cut[cand], device=pool.device)
-        over = torch.nonzero(glen > limit[:, None, None])  # [S, 3] (syncs)
+        level = self._levels(cand, glen, total_cut[cand])  # [C] common level of a summed bound
+        dev = lambda a: torch.as_tensor(a, device=pool.device)[:, None, None]
+        trigger, level = dev(cut[cand]), dev(level)
+        over_mask = glen > torch.minimum(trigger, level)
+        over = torch.nonzero(over_mask)  # [S, 3] (syncs)
         if over.numel():
             rows = over[:, 0].cpu().numpy()
             exact = self._prompt_end[cand] | self._prompt_open[cand]  # [C] compress to budget
-            target = torch.as_tensor((self._budget - self._lead)[cand[rows]], device=pool.device)
+            own = dev((self._budget - self._lead)[cand])  # a stream's own target
+            target = torch.where(glen > trigger, torch.minimum(own, level), level)[over_mask]
             self._evict_streams(req[over[:, 0]], over[:, 1], over[:, 2], exact[rows], target)
             hit = np.unique(cand[rows])
             self.triggers[hit] += 1
             early = hit[self._prompt_open[hit]]
             for r in early[self.early_compressions[early] == 0]:
+                per_head = self._cap[r] < UNBOUNDED
                 logger.warning(
-                    "SnapKV: request slot %d passed %d global tokens per head before the end of its "
+                    "SnapKV: request slot %d passed %d global tokens %s before the end of its "
                     "prompt; compressed early to the budget %d, scored by the latest chunk",
                     r,
-                    self._cap[r],
-                    self._budget[r],
+                    self._cap[r] if per_head else self._tcap[r],
+                    "per head" if per_head else "(all layers and heads)",
+                    self._budget[r] if per_head else self._tbudget[r],
                 )
             self.early_compressions[early] += 1
-        self._exact_max[cand] = pool.global_len[req].flatten(1).amax(1).cpu().numpy()
+        after = pool.global_len[req].flatten(1).long()
+        self._exact_max[cand] = after.amax(1).cpu().numpy()
+        self._exact_total[cand] = after.sum(1).cpu().numpy()
         self._left_at_exact[cand] = self._left_ring()[cand]
         self._prompt_end[:] = False
         return int(over.shape[0])
+
+    def _levels(self, cand: np.ndarray, glen: torch.Tensor, total_cut: np.ndarray) -> np.ndarray:
+        """``[C]`` per candidate, the highest level ``c`` at which cutting its streams to ``c`` brings
+        their sum within its summed target (:data:`UNBOUNDED` where the sum is within its limit)."""
+        levels = np.full(len(cand), UNBOUNDED, dtype=np.int64)
+        bounded = np.nonzero(self._tbudget[cand] < UNBOUNDED)[0]
+        if not bounded.size:
+            return levels
+        g = glen[torch.as_tensor(bounded, device=glen.device)].flatten(1).cpu().numpy()  # [B, L*H]
+        streams = g.shape[1]
+        targets = self._tbudget[cand[bounded]] - self._lead[cand[bounded]] * streams
+        for i, (row, limit, target) in enumerate(zip(g, total_cut[bounded], targets)):
+            if row.sum() <= limit:
+                continue
+            lo, hi = 0, int(row.max())  # sum(min(row, lo)) <= target < sum(min(row, hi + 1))
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if np.minimum(row, mid).sum() <= target else (lo, mid - 1)
+            levels[bounded[i]] = lo
+        return levels
 
     def _evict_streams(
         self, r: torch.Tensor, l: torch.Tensor, h: torch.Tensor, exact: np.ndarray, target: torch.Tensor
