@@ -66,8 +66,8 @@ Call protocol (the attention backend; every call is cheap when nothing is evicte
 
 Every forward of a request must be observed in every layer (the window is a ring indexed by position).
 Memory: the query window holds ``max_requests x layers x window x q_heads x head_dim`` elements of the
-pool dtype (Qwen3-4B, 64 request slots, window 256: 4.8 GB in bf16); create an evictor only when a
-budget is set.
+pool dtype (Qwen3-4B, 64 request slots, window 256: 4.8 GB in bf16), or ``rows`` instead of
+``max_requests`` rows (plus one): without a server budget, give it a few rows and a short window.
 
 Host syncs: observing never syncs. :meth:`maybe_evict` keeps a host upper bound of each request's
 longest global cache (the last exact value plus the tokens that left the ring since, known from the
