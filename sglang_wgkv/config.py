@@ -60,6 +60,13 @@ class WGKVConfig:
         return min(DEFAULT_EVICTOR_WINDOW, self.local_window)
 
     @property
+    def long_request_window(self) -> int:
+        """Queries per (request, layer) the evictor keeps without ``kv_budget``, for the requests it
+        bounds alone (their own ``kv_budget``, or longer than the pool): the prompt-end scoring's
+        window (the decode-time bottom-ratio rule then scores by the same few queries)."""
+        return min(DEFAULT_PROMPT_WINDOW, self.local_window)
+
+    @property
     def evictor_lead(self) -> int:
         """The evictor's ``lead`` with ``kv_budget`` (see memory/evictor.py, host syncs)."""
         return 0 if self.kv_budget is None else min(DEFAULT_EVICTOR_LEAD, self.kv_budget // 8)

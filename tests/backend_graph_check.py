@@ -63,11 +63,17 @@ GATES = make_gates(D, H, 2 * D, seed=5, device="cpu")  # real write gates with v
 
 
 def make_backend(
-    pool: DualCachePool, use_kernels: bool, tensor_core_gate: bool = False, decode_launch: str = ""
+    pool: DualCachePool,
+    use_kernels: bool,
+    tensor_core_gate: bool = False,
+    decode_launch: str = "",
+    evictor_rows: int | None = None,
 ) -> WGKVAttnBackend:
     """``tensor_core_gate``: the decode gate of every batch is the prefill gate's launch
     (:meth:`PrefillGate.admit`; served from ``DECODE_MIN_ROWS`` (row, head) pairs a step);
-    ``decode_launch``: the split kernel's launch shape (``--wgkv-decode-launch``)."""
+    ``decode_launch``: the split kernel's launch shape (``--wgkv-decode-launch``); ``evictor_rows``:
+    an evictor without a server budget whose window has that many rows (the first slots are bound),
+    observed through :meth:`SnapKVEvictor.observe_decode_rows` instead of the split kernel."""
     b = object.__new__(WGKVAttnBackend)
     slot_tau = torch.full((pool.max_requests,), pool.config.tau)
     for r, t in TAU.items():
@@ -85,7 +91,13 @@ def make_backend(
         decode_gate=DecodeGate(GATES, max_rows=8 * H) if use_kernels else None,
         prefill_gate=None,
         _sms=4,
-        evictor=SnapKVEvictor(pool=pool, budget=10_000, num_q_heads=HQ, window=16),
+        evictor=SnapKVEvictor(
+            pool=pool,
+            budget=10_000 if evictor_rows is None else None,
+            num_q_heads=HQ,
+            window=16,
+            rows=evictor_rows,
+        ),
         _extend=None,
         _rows=None,
         _row_tau=None,
@@ -101,6 +113,8 @@ def make_backend(
     )
     if tensor_core_gate:
         b.prefill_gate = PrefillGate(GATES, b.decode_gate.layers)
+    for slot in SLOTS[: evictor_rows or 0]:
+        b.evictor.bound_request(slot, 10_000)
     return b
 
 
@@ -163,13 +177,13 @@ def assert_same(a, b, what):
         assert bool(same), f"{what}: {key} differs"
 
 
-def main(tensor_core_gate: bool, decode_launch: str = ""):
+def main(tensor_core_gate: bool, decode_launch: str = "", evictor_rows: int | None = None):
     pool_a = build_pool()
     pool_b = copy.deepcopy(pool_a)
     pool_b.triton_decode = True  # the kernels path's pool: Triton promotion and ring write (interpreted)
     a, b = (
-        make_backend(pool_a, use_kernels=False),
-        make_backend(pool_b, True, tensor_core_gate, decode_launch),
+        make_backend(pool_a, use_kernels=False, evictor_rows=evictor_rows),
+        make_backend(pool_b, True, tensor_core_gate, decode_launch, evictor_rows=evictor_rows),
     )
     gen = torch.Generator().manual_seed(1)
     B, BS = len(SLOTS), 5
@@ -230,12 +244,16 @@ def main(tensor_core_gate: bool, decode_launch: str = ""):
         err = (out_b[i][:B].float() - out_a[i].float()).abs().max().item()
         assert err < 5e-2, f"layer {i}: graph-path output differs from the reference by {err}"
     ev_a, ev_b = a.evictor, b.evictor
-    live = torch.tensor(SLOTS)
-    assert torch.equal(ev_a.q_pos[live], ev_b.q_pos[live]) and torch.equal(ev_a.q_buf[live], ev_b.q_buf[live])
+    live = torch.tensor(SLOTS[: evictor_rows or len(SLOTS)])
+    rows = ev_a.row[live]  # the rows the slots' queries went to (the slots themselves without rows)
+    assert torch.equal(rows, ev_b.row[live]) and torch.equal(ev_a.q_pos[rows], ev_b.q_pos[rows])
+    assert torch.equal(ev_a.q_buf[rows], ev_b.q_buf[rows]) and bool((ev_b.q_pos[rows] >= 0).any())
     pool_b.check_integrity()
-    print("decode gate:", "PrefillGate.admit" if tensor_core_gate else "DecodeGate", "OK")
+    gate = "PrefillGate.admit" if tensor_core_gate else "DecodeGate"
+    print("decode gate:", gate, "OK" if evictor_rows is None else f"OK, evictor window rows {evictor_rows}")
 
 
 if __name__ == "__main__":
     main(False)
     main(True, decode_launch="block_n=16,num_stages=1,programs_per_sm=2")  # a served non-default shape
+    main(False, evictor_rows=2)  # no server budget: windows for bound requests only

@@ -39,7 +39,10 @@ def test_capacity_plan_counts_per_slot_state():
     row_bytes = 90 * (4 * (16 + 496 + 1) + 256 + 4 + 8)  # int32 page table + flags + lengths + counters
     assert costs.slot_tokens == -(-row_bytes // shape.token_bytes) and costs.window_tokens == 0
     plan = plan_capacity(100_000, 4096, shape=shape, local_window=256)
-    assert plan.mode == "dense" and plan.fixed_tokens == plan.max_requests * costs.slot_tokens > 0
+    # without --kv-budget: the query windows (32 queries) of the bounded requests (long_requests.py)
+    rows = fixed_costs(shape, 256, 32).window_tokens * plan.long_request_rows
+    assert plan.long_request_rows == 4 and rows <= 100_000 // 16
+    assert plan.mode == "dense" and plan.fixed_tokens == plan.max_requests * costs.slot_tokens + rows > rows
     assert plan.physical_tokens + plan.fixed_tokens == 100_000
     assert plan.logical_tokens + SLACK_TOKENS * plan.max_requests == plan.physical_tokens
     budgeted = plan_capacity(100_000, 4096, shape=shape, local_window=256, kv_budget=512, evictor_window=256)

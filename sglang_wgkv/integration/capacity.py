@@ -25,14 +25,17 @@ from the pages of free slots (:class:`PromptRule`, :mod:`~sglang_wgkv.integratio
 
 Prefix caching reserves a private ring copy (up to ``W_local + 16`` tokens per stream) for
 ``restore_slots`` restored requests; snapshot pages need no reserve (dropped when a step would not fit).
+Bounded requests (a request's own ``kv_budget``, or one longer than the dense-equivalent pool,
+:mod:`~sglang_wgkv.integration.long_requests`): without ``--kv-budget`` the evictor keeps query windows
+for ``long_request_rows`` of them at once, carved from the budget before the split.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from sglang_wgkv.config import PAGE_SIZE
+from sglang_wgkv.config import DEFAULT_PROMPT_WINDOW, PAGE_SIZE
 
 SLACK_TOKENS = 4 * PAGE_SIZE
 # At most this fraction of the budget goes to per-request slack; past it, fewer request slots.
@@ -91,10 +94,12 @@ class CapacityPlan:
     max_requests : SGLang's ``max_running_requests`` (request slots, each with dual-pool streams).
     physical_tokens : dual-pool pages, in dense tokens (:func:`physical_pages`).
     restore_slots : prefix-restored requests that may run at once (radix cache).
-    max_request_tokens : overcommit only: the longest request (prompt + output).
+    max_request_tokens : overcommit only: the longest request (prompt + output) with admission off
+        and the length past which a request with admission on is bounded (``long_requests``).
     mode : ``dense``, ``bounded`` or ``overcommit``.
     fixed_tokens : the budget spent on per-slot state (page-table rows, flags, evictor windows).
     prompt : bounded only: the prompt rule (:class:`PromptRule`: ``prompt_cap``, prompt slots).
+    long_request_rows : without ``--kv-budget``: evictor window rows, i.e. bounded requests at once.
     """
 
     logical_tokens: int
@@ -105,6 +110,7 @@ class CapacityPlan:
     mode: str = "dense"
     fixed_tokens: int = 0
     prompt: PromptRule | None = None
+    long_request_rows: int = 0
 
     @property
     def prompt_cap(self) -> int | None:
@@ -336,8 +342,51 @@ def plan_capacity(
         dense-equivalent one with the windows carved from the budget.
     overcommit : ``--wgkv-overcommit`` (excludes ``kv_budget``).
 
+    Without ``kv_budget``, the windows of :func:`~.long_requests.long_request_rows` bounded requests
+    (``min(DEFAULT_PROMPT_WINDOW, local_window)`` queries each) come out of the budget first.
+
     Raises ValueError when the budget cannot hold one request.
     """
+    if kv_budget is None:
+        from sglang_wgkv.integration.long_requests import long_request_rows
+
+        row = fixed_costs(shape, local_window, min(DEFAULT_PROMPT_WINDOW, local_window)).window_tokens
+        rows = long_request_rows(budget_tokens, row)
+        plan = _plan_split(
+            budget_tokens - rows * row,
+            max_running_requests,
+            shape=shape,
+            local_window=local_window,
+            overcommit=overcommit,
+            prefix_cache=prefix_cache,
+        )
+        return replace(plan, long_request_rows=rows, fixed_tokens=plan.fixed_tokens + rows * row)
+    return _plan_split(
+        budget_tokens,
+        max_running_requests,
+        shape=shape,
+        local_window=local_window,
+        kv_budget=kv_budget,
+        evictor_window=evictor_window,
+        overcommit=overcommit,
+        chunk_tokens=chunk_tokens,
+        prefix_cache=prefix_cache,
+    )
+
+
+def _plan_split(
+    budget_tokens: int,
+    max_running_requests: int,
+    *,
+    shape: ModelShape,
+    local_window: int,
+    kv_budget: int | None = None,
+    evictor_window: int | None = None,
+    overcommit: float | None = None,
+    chunk_tokens: int | None = None,
+    prefix_cache: bool = False,
+) -> CapacityPlan:
+    """:func:`plan_capacity` of what is left after the bounded requests' windows."""
     costs = fixed_costs(shape, local_window, evictor_window if kv_budget is not None else None)
     if overcommit is not None:
         return overcommit_split(

@@ -15,7 +15,7 @@ server_args.ServerArgs._handle_gpu_memory_settings      AROUND  SGLang's own mem
 managers.scheduler.Scheduler.get_internal_state         AFTER   ``wgkv`` stats in /server_info
 utils.common.support_triton                             AROUND  False on CPU (SGLang decides by name)
 model_executor.forward_batch_info.ForwardBatch.init_new AFTER   host copy of the batch's request slots
-managers.scheduler.Scheduler.init_model_worker          AFTER   overcommit: cap one request's length
+managers.scheduler.Scheduler.init_req_max_new_tokens   AFTER   overcommit: 400 for a request that can't run
 managers.schedule_batch.ScheduleBatch.check_decode_mem  AFTER   overcommit: the dual pool holds the step
 managers.schedule_policy.PrefillAdder.add_one_req       AROUND  prefill_guard: overcommit / bounded prompts
 managers.schedule_policy.PrefillAdder.add_chunked_req   AROUND  prefill_guard: the chunked prompt counts

@@ -29,10 +29,13 @@ Hence ``PoolExhausted`` cannot happen in a forward. Why not catch ``PoolExhauste
 instead: the backend sees it inside ``init_forward_metadata``, after SGLang committed the batch
 (logical slots allocated, outputs expected); SGLang cannot abort a forward midway.
 
-Per-request limit. One request's prompt plus output is capped at the dense-equivalent logical pool
-(:func:`cap_request_length`), which the physical pool always holds alone (it holds that pool plus
-per-request slack): so a request never waits forever for pages nor is aborted by ``retract_decode``
-(SGLang aborts the last request of a batch when even it alone does not fit).
+Per-request limit (:mod:`~.long_requests`). A request with admission off keeps every token, so its
+prompt plus output is capped at the dense-equivalent logical pool, which the physical pool always
+holds alone (a 400 before any work otherwise). A request with admission on may be as long as the
+context: one longer than the dense-equivalent pool is *bounded* (the evictor holds its global cache
+to what the free pages held when it was admitted, compressing its own pages only if its admitted KV
+outgrows them), and the guard below reserves its bound instead of its dense prompt; so is a request
+with its own ``kv_budget``. Either way a request never waits forever for pages.
 
 Prefix caching: a request admitted with a prefix is a radix-cache hit whose snapshot is restored into
 its fresh slot before the forward (:mod:`radix_ext`), allocating a ring copy; the prefill guard counts
@@ -48,20 +51,29 @@ from __future__ import annotations
 
 import logging
 
+from sglang_wgkv.integration.long_requests import (
+    WGKV_BOUND,
+    pool_bound,
+    release_row,
+    request_chunk,
+    requested_bound,
+    reserve_row,
+)
+from sglang_wgkv.integration.request_control import RequestAdmission
+
 logger = logging.getLogger(__name__)
 
 
-def _guarded(kv):
-    """``kv`` when it is a WG-KV pool planned for overcommit, else None."""
+def guarded_runtime(kv):
+    """The WG-KV runtime of SGLang KV pool ``kv`` when it is planned for overcommit, else None."""
     runtime = getattr(kv, "runtime", None)
-    return kv if runtime is not None and runtime.plan.mode == "overcommit" else None
+    return runtime if runtime is not None and runtime.plan.mode == "overcommit" else None
 
 
 def _guarded_pool(token_to_kv_pool_allocator):
     """The :class:`WGKVTokenToKVPool` behind an allocator when overcommit is on, else None."""
-    return _guarded(
-        token_to_kv_pool_allocator.get_kvcache() if token_to_kv_pool_allocator is not None else None
-    )
+    kv = token_to_kv_pool_allocator.get_kvcache() if token_to_kv_pool_allocator is not None else None
+    return kv if guarded_runtime(kv) is not None else None
 
 
 def check_decode_mem(result, batch, selected_indices=None):
@@ -75,12 +87,40 @@ def check_decode_mem(result, batch, selected_indices=None):
     return None if dual.allocator.fits(need) else False
 
 
-def _extend_bound(dual, req, restore: bool = False) -> int:
-    """Pages of the request's remaining prompt; with ``restore``, plus the ring copy of a prefix-cache
-    hit (restored into its fresh slot before the forward, :mod:`radix_ext`)."""
+def _extend_bound(dual, req, restore: bool = False, chunk: int | None = None) -> int:
+    """Pages of the request's remaining prompt, or of its bound (:mod:`~.long_requests`) when it has
+    one and that is smaller (``chunk``: SGLang's ``chunked_prefill_size``); with ``restore``, plus
+    the ring copy of a prefix-cache hit (restored into its fresh slot before the forward,
+    :mod:`radix_ext`)."""
     prefix = len(req.prefix_indices)
-    need = dual.extend_bound(prefix, len(req.full_untruncated_fill_ids) - prefix)
+    remaining = len(req.full_untruncated_fill_ids) - prefix
+    need = dual.extend_bound(prefix, remaining)
+    bound = getattr(req, WGKV_BOUND, None)
+    if bound is not None:
+        streams = dual.num_layers * dual.num_kv_heads
+        need = min(need, bound.pages(streams, dual.window, request_chunk(chunk, remaining)))
     return need + (dual.restore_bound(prefix) if restore and prefix else 0)
+
+
+def _bound_of(runtime, req, room_pages):
+    """``(needs a bound, the bound or None)`` for a request about to be admitted; ``room_pages()``:
+    the free pages it may take (called only for a request longer than the dense pool: it syncs)."""
+    admission = RequestAdmission.of_request(req)
+    dual, plan = runtime.dual, runtime.plan
+    prompt = len(req.full_untruncated_fill_ids) - len(req.prefix_indices)
+    chunk = request_chunk(runtime.chunk_tokens, prompt)
+    length = len(req.origin_input_ids) + (req.sampling_params.max_new_tokens or 0)
+    if admission.admission and length > plan.max_request_tokens:
+        return True, pool_bound(
+            kv_budget=admission.kv_budget,
+            local_window=dual.window,
+            chunk_tokens=chunk,
+            room_pages=room_pages(),
+            streams=dual.num_layers * dual.num_kv_heads,
+        )
+    if admission.kv_budget is not None:
+        return True, requested_bound(admission.kv_budget, chunk)
+    return False, None
 
 
 def add_one_req(original, adder, req, *args, **kwargs):
@@ -92,18 +132,32 @@ def add_one_req(original, adder, req, *args, **kwargs):
         return original(adder, req, *args, **kwargs)
     from sglang.srt.managers.schedule_policy import AddReqResult
 
-    dual = pool.dual
-    need = _extend_bound(dual, req, restore=True)  # a new request with a prefix is a prefix-cache hit
+    runtime, dual = pool.runtime, pool.dual
     running = len(adder.running_batch.reqs) if adder.running_batch is not None else 0
     step = dual.num_layers * dual.num_kv_heads * (running + len(adder.can_run_list) + 1)
     reserved = getattr(adder, "wgkv_reserved_pages", 0)
+    # NO_TOKEN marks SGLang's running batch full until a request leaves it; only right when the
+    # request would not fit even as the batch's first one
+    wait = AddReqResult.OTHER if reserved or adder.can_run_list else AddReqResult.NO_TOKEN
+    setattr(req, WGKV_BOUND, None)
+    room = lambda: dual.allocator.sync_free() - reserved - step
+    bounded, bound = _bound_of(runtime, req, room)
+    if bounded and bound is None:  # the prefix cache drops the snapshots it can spare, then once more
+        dual.allocator.fits(dual.allocator.num_pages)
+        bounded, bound = _bound_of(runtime, req, room)
+    if bounded:
+        if bound is None or not reserve_row(adder, runtime.evictor):
+            return wait  # the free pages (or window rows) hold no bound yet: a request must leave
+        setattr(req, WGKV_BOUND, bound)
+    need = _extend_bound(dual, req, restore=True, chunk=runtime.chunk_tokens)  # a prefix: a cache hit
     if not dual.allocator.fits(reserved + need + step):
-        # NO_TOKEN marks SGLang's running batch full until a request leaves it; only right when the
-        # request would not fit even as the batch's first one
+        release_row(adder, bounded)
         return AddReqResult.OTHER if reserved and dual.allocator.fits(need + step) else AddReqResult.NO_TOKEN
     result = original(adder, req, *args, **kwargs)
     if adder.can_run_list and adder.can_run_list[-1] is req:
         adder.wgkv_reserved_pages = reserved + need
+    else:
+        release_row(adder, bounded)
     return result
 
 
@@ -112,19 +166,6 @@ def add_chunked_req(original, adder, req):
     always runs; its whole remaining prompt is reserved before other requests join the batch."""
     pool = _guarded_pool(adder.token_to_kv_pool_allocator)
     if pool is not None:
-        adder.wgkv_reserved_pages = getattr(adder, "wgkv_reserved_pages", 0) + _extend_bound(pool.dual, req)
+        need = _extend_bound(pool.dual, req, chunk=pool.runtime.chunk_tokens)
+        adder.wgkv_reserved_pages = getattr(adder, "wgkv_reserved_pages", 0) + need
     return original(adder, req)
-
-
-def cap_request_length(result, scheduler, *args, **kwargs):
-    """AFTER ``Scheduler.init_model_worker``: cap one request (prompt + output) at the dense-equivalent
-    logical pool, which the physical pool holds alone."""
-    pool = _guarded(getattr(scheduler.tp_worker.model_runner, "token_to_kv_pool", None))
-    if pool is None:
-        return None
-    limit = pool.runtime.plan.max_request_tokens
-    if scheduler.max_req_len > limit:
-        logger.info("wgkv overcommit: longest request %d -> %d tokens", scheduler.max_req_len, limit)
-        scheduler.max_req_input_len -= scheduler.max_req_len - limit
-        scheduler.max_req_len = limit
-    return None

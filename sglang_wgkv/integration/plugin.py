@@ -28,6 +28,7 @@ def load_plugin() -> None:
     from radix_ext import factory as radix_factory
     from sglang_wgkv.integration import (
         hooks,
+        long_requests,
         metrics,
         overcommit,
         prefill_guard,
@@ -63,8 +64,8 @@ def load_plugin() -> None:
             HookType.AFTER,
         ),
         (
-            "sglang.srt.managers.scheduler.Scheduler.init_model_worker",
-            overcommit.cap_request_length,
+            "sglang.srt.managers.scheduler.Scheduler.init_req_max_new_tokens",
+            long_requests.check_request_length,
             HookType.AFTER,
         ),
         (
@@ -90,6 +91,11 @@ def load_plugin() -> None:
         (
             "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
             request_validation.check_request,
+            HookType.BEFORE,
+        ),
+        (
+            "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+            request_control.check_request_budget,
             HookType.BEFORE,
         ),
         (

@@ -6,7 +6,8 @@ mode       guard
 =========  ==================================================================================
 overcommit the dual pool holds the request's whole prompt (:mod:`~.overcommit`)
 bounded    the prompts of the batch fit in the room no request slot's bound covers (below)
-dense      none (SGLang's own token and slot checks imply the dual pool's)
+dense      none (SGLang's own token and slot checks imply the dual pool's), but a request with its
+           own ``kv_budget`` waits for a free query-window row (:mod:`~.long_requests`)
 =========  ==================================================================================
 
 Bounded prompt guard (:class:`~sglang_wgkv.integration.capacity.PromptRule`, the capacity module's
@@ -23,13 +24,34 @@ would fit once they end, else ``NO_TOKEN`` (SGLang tries no prefill until a requ
 from __future__ import annotations
 
 from sglang_wgkv.integration import overcommit
+from sglang_wgkv.integration.long_requests import release_row, reserve_row
+from sglang_wgkv.integration.request_control import RequestAdmission
+
+
+def _runtime(adder):
+    """The WG-KV runtime behind the adder's KV pool, or None (not a WG-KV pool)."""
+    allocator = adder.token_to_kv_pool_allocator
+    return getattr(allocator.get_kvcache(), "runtime", None) if allocator is not None else None
 
 
 def _plan(adder):
     """The WG-KV capacity plan behind the adder's KV pool, or None (not a WG-KV pool)."""
-    allocator = adder.token_to_kv_pool_allocator
-    runtime = getattr(allocator.get_kvcache(), "runtime", None) if allocator is not None else None
+    runtime = _runtime(adder)
     return None if runtime is None else runtime.plan
+
+
+def _dense_add_one_req(original, adder, req, runtime, *args, **kwargs):
+    """The dense plan: a request with its own ``kv_budget`` needs a free query-window row."""
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    evictor = runtime.evictor
+    bounded = evictor is not None and not evictor.identity_rows and RequestAdmission.of_request(req).kv_budget
+    if bounded and not reserve_row(adder, evictor):
+        return AddReqResult.OTHER if adder.can_run_list else AddReqResult.NO_TOKEN
+    result = original(adder, req, *args, **kwargs)
+    if not (adder.can_run_list and adder.can_run_list[-1] is req):
+        release_row(adder, bool(bounded))
+    return result
 
 
 def add_one_req(original, adder, req, *args, **kwargs):
@@ -37,7 +59,9 @@ def add_one_req(original, adder, req, *args, **kwargs):
     plan = _plan(adder)
     if plan is not None and plan.mode == "overcommit":
         return overcommit.add_one_req(original, adder, req, *args, **kwargs)
-    if plan is None or plan.prompt is None:
+    if plan is not None and plan.prompt is None:
+        return _dense_add_one_req(original, adder, req, _runtime(adder), *args, **kwargs)
+    if plan is None:
         return original(adder, req, *args, **kwargs)
     from sglang.srt.managers.schedule_policy import AddReqResult
 

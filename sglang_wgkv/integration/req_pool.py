@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
+from sglang_wgkv.integration.long_requests import apply_bound
 from sglang_wgkv.integration.request_control import RequestAdmission, attach_usage, request_usage
 from sglang_wgkv.memory import DualCachePool
 
@@ -42,6 +43,7 @@ class WGKVReqToTokenPool(ReqToTokenPool):
         self.server_tau = runtime.settings.config.tau
         self.slot_tau = torch.full((rows,), self.server_tau, dtype=torch.float32, device=self.device)
         self.slot_admission = [RequestAdmission()] * rows
+        self.slot_bound = [None] * rows  # the request's RequestBound (long_requests), None: unbounded
         self.requests_started = self.requests_released = 0
         self.idle_checks = 0
         self.peak_active = 0  # most requests holding a slot at once since start
@@ -63,6 +65,8 @@ class WGKVReqToTokenPool(ReqToTokenPool):
                 admission = RequestAdmission.of_request(req)
                 self.slot_admission[slot] = admission
                 self.slot_tau[slot] = admission.effective_tau(self.server_tau)
+                if self.runtime.evictor is not None:
+                    self.slot_bound[slot] = apply_bound(self.runtime, req, slot, admission.kv_budget)
             self.requests_started += len(fresh)
             self.peak_active = max(self.peak_active, int(self.dual.active.sum()))
             if self.runtime.prefix_cache is not None:
@@ -73,7 +77,12 @@ class WGKVReqToTokenPool(ReqToTokenPool):
         slot = req.req_pool_idx
         runtime = self.runtime
         usage = request_usage(
-            self.dual, slot, self.slot_admission[slot], runtime.evictor, runtime.reduce_usage
+            self.dual,
+            slot,
+            self.slot_admission[slot],
+            runtime.evictor,
+            runtime.reduce_usage,
+            bound=self.slot_bound[slot],
         )
         self.eviction_triggers_released += usage["eviction_triggers"]
         self.evicted_tokens_released += usage["evicted_tokens"]
@@ -81,6 +90,9 @@ class WGKVReqToTokenPool(ReqToTokenPool):
             attach_usage(req, usage)
         super().free(req)
         self.dual.free_request(slot)
+        if runtime.evictor is not None:
+            runtime.evictor.release_request(slot)
+        self.slot_bound[slot] = None
         self.requests_released += 1
 
     def clear(self):
@@ -88,6 +100,9 @@ class WGKVReqToTokenPool(ReqToTokenPool):
         if self.runtime.has_pool():
             for slot in self.dual.active.nonzero()[0].tolist():
                 self.dual.free_request(slot)
+                if self.runtime.evictor is not None:
+                    self.runtime.evictor.release_request(slot)
+                self.slot_bound[slot] = None
                 self.requests_released += 1
 
     def idle_check(self) -> list[str] | None:

@@ -1,9 +1,12 @@
 """Per-request admission control and per-request usage, end to end through SGLang's own fields.
 
-Request → scheduler: the client puts ``{"wgkv": {"tau": T}}`` or ``{"wgkv": {"admission": false}}``
+Request → scheduler: the client puts ``{"wgkv": {"tau": T}}``, ``{"wgkv": {"admission": false}}`` or
+``{"wgkv": {"kv_budget": N}}`` (global tokens kept per layer and KV head, :mod:`.long_requests`)
 in the sampling parameters' ``custom_params`` (``/generate``: ``sampling_params.custom_params``;
 OpenAI: ``extra_body={"custom_params": {...}}``). :func:`validate_sampling_params` runs after
-``SamplingParams.verify`` in the tokenizer manager, so a bad value is SGLang's usual 400.
+``SamplingParams.verify`` in the tokenizer manager, so a bad value is SGLang's usual 400; the
+budget's range (the ring W_local to the context length) is checked there too, by
+:func:`check_request_budget`.
 :class:`~sglang_wgkv.integration.req_pool.WGKVReqToTokenPool` reads it when it gives the request a
 slot and writes the slot's row of ``slot_tau`` (``-inf`` = admission off), which the backend gathers
 per token. Such a request also gets its own prefix-cache namespace (:func:`isolate_prefix_cache`).
@@ -19,9 +22,13 @@ that ``stream_options: {"include_usage": true}`` asks for (:func:`stream_openai_
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import os
 from dataclasses import dataclass
+
+from sglang_wgkv.integration.settings import ENV_VAR
 
 PARAM_KEY = "wgkv"
 USAGE_KEY = "wgkv"
@@ -31,10 +38,13 @@ ADMISSION_OFF_TAU = -math.inf
 @dataclass(frozen=True)
 class RequestAdmission:
     """Per-request admission override. ``tau`` None = the server's τ; ``admission`` False = keep
-    every token (dense within the request; the server's budget/evictor still applies)."""
+    every token (dense within the request; the server's budget/evictor still applies);
+    ``kv_budget`` None = the server's ``--kv-budget`` (if any), else at most this many global tokens
+    per (layer, KV head), enforced by the SnapKV evictor."""
 
     tau: float | None = None
     admission: bool = True
+    kv_budget: int | None = None
 
     @classmethod
     def parse(cls, raw) -> RequestAdmission:
@@ -43,13 +53,18 @@ class RequestAdmission:
             return cls()
         if not isinstance(raw, dict):
             raise ValueError(f'custom_params.{PARAM_KEY} must be an object like {{"tau": 0.3}}, got {raw!r}')
-        unknown = set(raw) - {"tau", "admission"}
+        unknown = set(raw) - {"tau", "admission", "kv_budget"}
         if unknown:
             raise ValueError(
                 f"custom_params.{PARAM_KEY}: unknown field(s) {sorted(unknown)}; "
-                "allowed: tau (number in [0, 1]), admission (bool)"
+                "allowed: tau (number in [0, 1]), admission (bool), kv_budget (integer)"
             )
-        tau, admission = raw.get("tau"), raw.get("admission", True)
+        tau, admission, budget = raw.get("tau"), raw.get("admission", True), raw.get("kv_budget")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(
+                f"custom_params.{PARAM_KEY}.kv_budget must be a positive integer (global tokens per "
+                f"layer and KV head), got {budget!r}"
+            )
         if not isinstance(admission, bool):
             raise ValueError(f"custom_params.{PARAM_KEY}.admission must be true or false, got {admission!r}")
         if tau is not None:
@@ -58,7 +73,7 @@ class RequestAdmission:
             if not admission:
                 raise ValueError(f"custom_params.{PARAM_KEY}: tau has no effect with admission false")
             tau = float(tau)
-        return cls(tau=tau, admission=admission)
+        return cls(tau=tau, admission=admission, kv_budget=budget)
 
     @classmethod
     def of_request(cls, req) -> RequestAdmission:
@@ -78,12 +93,54 @@ class RequestAdmission:
             return ADMISSION_OFF_TAU
         return server_tau if self.tau is None else self.tau
 
+    def check_budget(self, local_window: int, context_len: int, server_budget: int | None) -> None:
+        """ValueError unless ``kv_budget`` (if set) lies in ``[local_window, context_len]`` and, on a
+        server with ``--kv-budget`` (whose capacity plan bounds every request by it), at most that."""
+        budget, field = self.kv_budget, f"custom_params.{PARAM_KEY}.kv_budget"
+        if budget is None:
+            return
+        if budget < local_window:
+            raise ValueError(
+                f"{field} {budget} is below the ring (W_local = {local_window} tokens): the last "
+                f"W_local tokens of every layer and KV head are always kept, so no request can be "
+                f"compressed below them"
+            )
+        if budget > context_len:
+            raise ValueError(f"{field} {budget} is above the context length {context_len}")
+        if server_budget is not None and budget > server_budget:
+            raise ValueError(
+                f"{field} {budget} is above the server's --kv-budget {server_budget}, which its "
+                f"capacity plan bounds every request by"
+            )
+
 
 def validate_sampling_params(result, sampling_params, *args, **kwargs):
     """AFTER ``SamplingParams.verify`` (tokenizer manager): reject a malformed ``custom_params.wgkv``."""
     params = sampling_params.custom_params
     if isinstance(params, dict) and PARAM_KEY in params:
         RequestAdmission.parse(params[PARAM_KEY])
+    return None
+
+
+@functools.cache
+def _served_config(raw: str | None):
+    """The served :class:`WGKVConfig` of the launcher's settings variable ``raw`` (None without WG-KV)."""
+    from sglang_wgkv.integration.settings import ServingSettings
+
+    return None if raw is None else ServingSettings.from_env({ENV_VAR: raw}).config
+
+
+def check_request_budget(manager, obj, input_ids, *args, **kwargs):
+    """BEFORE ``TokenizerManager._validate_one_request``: the range of ``custom_params.wgkv.kv_budget``
+    against the served W_local, context length and ``--kv-budget`` (a ValueError is SGLang's 400)."""
+    sampling = getattr(obj, "sampling_params", None)
+    params = sampling.get("custom_params") if isinstance(sampling, dict) else None
+    config = _served_config(os.environ.get(ENV_VAR))
+    if config is None or not isinstance(params, dict) or PARAM_KEY not in params:
+        return None
+    RequestAdmission.parse(params[PARAM_KEY]).check_budget(
+        config.local_window, manager.context_len, config.kv_budget
+    )
     return None
 
 
@@ -96,7 +153,9 @@ def isolate_prefix_cache(result, req, *args, **kwargs):
     return None
 
 
-def request_usage(dual, slot: int, admission: RequestAdmission, evictor=None, reduce=None) -> dict:
+def request_usage(
+    dual, slot: int, admission: RequestAdmission, evictor=None, reduce=None, bound=None
+) -> dict:
     """Usage of the request in dual-pool ``slot`` (read before the slot is freed; syncs).
 
     ``mean_kv_tokens_per_head``: ring + global tokens per (layer, KV head) at the end;
@@ -105,6 +164,12 @@ def request_usage(dual, slot: int, admission: RequestAdmission, evictor=None, re
     ``eviction_triggers``: evictor passes that cut one of its streams (0 without ``--kv-budget``);
     ``early_prompt_compressions``: those before the end of its prompt (the prompt passed the
     evictor's ``prompt_cap``).
+    ``kv_budget``: the global tokens per head the request was held to (its own ``kv_budget``, the
+    server's ``--kv-budget``, or what the pool held for a request longer than it; None: unbounded),
+    ``kv_budget_total``: the global tokens summed over its layers and heads it was held to (a
+    request longer than the pool); ``kv_budget_source``: ``request``, ``server`` or ``pool``
+    (``bound``: the request's
+    :class:`~.long_requests.RequestBound`, None when it had none of its own).
     ``reduce(sums, maxes) -> (sums, maxes)`` combines the per-rank counts under tensor parallelism
     (each rank's pool holds its own KV heads), so every rank reports the whole model's usage.
     """
@@ -138,6 +203,11 @@ def request_usage(dual, slot: int, admission: RequestAdmission, evictor=None, re
         "admitted_fraction": (kept + evicted) / left if left else None,
         "admission": admission.admission,
         "tau": admission.effective_tau(dual.config.tau) if admission.admission else None,
+        "kv_budget": bound.budget if bound is not None else dual.config.kv_budget,
+        "kv_budget_total": bound.total_budget if bound is not None else None,
+        "kv_budget_source": (
+            bound.source if bound is not None else ("server" if dual.config.kv_budget is not None else None)
+        ),
     }
 
 

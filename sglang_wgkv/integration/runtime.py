@@ -55,6 +55,8 @@ class WGKVRuntime:
         built elsewhere, e.g. a unit test's).
     dual, evictor : an existing dual pool and evictor; otherwise :meth:`build_pools` builds them.
     use_kernels : see :meth:`choose_kernels`; given explicitly with an existing pool.
+    chunk_tokens : SGLang's ``chunked_prefill_size`` (None or <= 0: chunked prefill off), which
+        bounds what a prompt holds while it is prefilled (:mod:`~.long_requests`).
     """
 
     def __init__(
@@ -65,8 +67,10 @@ class WGKVRuntime:
         dual: DualCachePool | None = None,
         evictor: SnapKVEvictor | None = None,
         use_kernels: bool = False,
+        chunk_tokens: int | None = None,
     ):
         self.settings = settings
+        self.chunk_tokens = chunk_tokens
         self.plan = plan
         self._dual = dual
         self._evictor = evictor
@@ -110,7 +114,7 @@ class WGKVRuntime:
         )
         logger.info(
             "wgkv: %s capacity plan: KV budget %d tokens -> %d logical tokens, %d request slots, "
-            "%d physical tokens (%d for per-slot state), %d prefix-restore slots%s",
+            "%d physical tokens (%d for per-slot state), %d prefix-restore slots%s%s",
             plan.mode,
             sizes.max_total_num_tokens,
             plan.logical_tokens,
@@ -118,7 +122,10 @@ class WGKVRuntime:
             plan.physical_tokens,
             plan.fixed_tokens,
             plan.restore_slots,
-            f", requests of at most {plan.max_request_tokens} tokens" if plan.max_request_tokens else "",
+            f", requests of at most {plan.max_request_tokens} tokens with admission off"
+            if plan.max_request_tokens
+            else "",
+            f", {plan.long_request_rows} bounded requests at once" if plan.long_request_rows else "",
         )
         if plan.prompt_cap is not None:
             logger.info(
@@ -126,7 +133,7 @@ class WGKVRuntime:
                 "scored; a prompt that admits more is compressed early (logged)",
                 plan.prompt_cap,
             )
-        return cls(settings, plan)
+        return cls(settings, plan, chunk_tokens=server_args.chunked_prefill_size)
 
     @staticmethod
     def choose_kernels(settings: ServingSettings, device, dtype: torch.dtype) -> bool:
@@ -180,9 +187,9 @@ class WGKVRuntime:
             reclaimer=self._reclaim,
         )
         config = self.settings.config
-        if config.kv_budget is not None:
-            from sglang_wgkv.memory import SnapKVEvictor
+        from sglang_wgkv.memory import SnapKVEvictor
 
+        if config.kv_budget is not None:
             self._evictor = SnapKVEvictor(
                 pool=self._dual,
                 budget=config.kv_budget,
@@ -190,6 +197,14 @@ class WGKVRuntime:
                 window=config.evictor_window,
                 prompt_cap=self.plan.prompt_cap,
                 lead=config.evictor_lead,
+            )
+        else:  # bounded requests only (their own kv_budget, or longer than the dense pool)
+            self._evictor = SnapKVEvictor(
+                pool=self._dual,
+                budget=None,
+                num_q_heads=mc.get_num_attention_heads(par.attn_tp_size),
+                window=config.long_request_window,
+                rows=self.plan.long_request_rows,
             )
         if par.attn_tp_size > 1:
             self.reduce_usage = tp_usage_reducer(

@@ -2,10 +2,11 @@
 
 SGLang's ``ServerArgs`` has no room for plugin options and its scheduler processes are spawned, so
 :mod:`sglang_wgkv.launch_server` serializes a :class:`ServingSettings` into the environment variable
-:data:`ENV_VAR`, which every spawned process inherits. It is parsed in two places only: once when
-the server arguments are prepared (the launcher: a malformed value fails there) and once per
+:data:`ENV_VAR`, which every spawned process inherits. It is parsed in three places only: once when
+the server arguments are prepared (the launcher: a malformed value fails there), once per
 scheduler process, into its :class:`~sglang_wgkv.integration.runtime.WGKVRuntime`, which every other
-part reads. A process that finds no variable (e.g. a plain ``python -m sglang.launch_server
+part reads, and once in the tokenizer manager for the served W_local and ``--kv-budget`` that a
+request's ``kv_budget`` is checked against (:func:`~.request_control.check_request_budget`). A process that finds no variable (e.g. a plain ``python -m sglang.launch_server
 --attention-backend wgkv``) uses the defaults.
 """
 

@@ -9,6 +9,12 @@ prefilled; ``prompt_cap`` bounds that deferral. ``lead`` amortizes the device lo
 streams to ``budget - lead``. The scoring formula, the eviction rule, prompt-end scoring and the host
 syncs are written out in docs/design.md ("The evictor").
 
+Per-request bounds (:meth:`bound_request`): a request slot may carry its own budget, prompt cap and
+lead (a request's ``kv_budget``, or what the physical pool leaves a request longer than it,
+:mod:`sglang_wgkv.integration.long_requests`); the others keep the server's (``budget`` None: not
+bounded). With ``rows`` set, only bound slots get a query-window row (plus a scratch row that unbound
+slots write into); ``rows`` None: one row per slot.
+
 Call protocol (the attention backend; every call is cheap when nothing is evicted)::
 
     evictor.open_prompts(slots)       |
@@ -23,7 +29,7 @@ Call protocol (the attention backend; every call is cheap when nothing is evicte
 
 Every forward of a request must be observed in every layer (the window is a ring indexed by position).
 The query window holds ``max_requests x layers x window x q_heads x head_dim`` elements of the pool
-dtype: create an evictor only when a budget is set.
+dtype, or ``rows`` (plus one) instead of ``max_requests``: without a server budget, give it a few rows.
 """
 
 from __future__ import annotations
@@ -41,13 +47,17 @@ from sglang_wgkv.memory.snapkv_score import snapkv_scores
 
 logger = logging.getLogger(__name__)
 
+# A slot's bound when it has none (no server budget, no request budget): never reached.
+UNBOUNDED = np.iinfo(np.int64).max // 4
+
 
 @dataclass
 class SnapKVEvictor:
     """Parameters
     ----------
     pool : the dual-cache pool whose global caches are bounded.
-    budget : global tokens allowed per (request, layer, KV head) (``--kv-budget``).
+    budget : global tokens allowed per (request, layer, KV head) (``--kv-budget``); None: no server
+        budget, only the slots bound by :meth:`bound_request` are evicted from.
     num_q_heads : query heads of the model (a multiple of the pool's KV heads).
     window : observation window W_obs, the last queries kept per (request, layer); at most W_local.
     kernel_size : max-pool kernel along the cache (odd).
@@ -65,10 +75,11 @@ class SnapKVEvictor:
         reference's result without its float32 logits; streams are then chunked by their gathered
         keys); None: on the pool's kernels path (``triton_decode`` on CUDA) when ``head_dim`` is a
         power of two >= 16.
+    rows : query-window rows (None: one per request slot); see "Per-request bounds" above.
     """
 
     pool: DualCachePool
-    budget: int
+    budget: int | None
     num_q_heads: int
     window: int = DEFAULT_EVICTOR_WINDOW
     kernel_size: int = 5
@@ -80,6 +91,7 @@ class SnapKVEvictor:
     prompt_cap: int | None = None
     lead: int = 0
     triton_scores: bool | None = None
+    rows: int | None = None
     # Counters (read them with request_stats): per request slot, reset when the slot changes owner.
     triggers: np.ndarray = field(init=False)  # [R] maybe_evict calls that evicted from r
     evicted_tokens: np.ndarray = field(init=False)  # [R] global entries evicted from r
@@ -90,8 +102,10 @@ class SnapKVEvictor:
     def __post_init__(self):
         pool = self.pool
         H = pool.num_kv_heads
-        if self.budget < 1:
+        if self.budget is not None and self.budget < 1:
             raise ValueError(f"budget must be positive, got {self.budget}")
+        if self.rows is not None and self.rows < 1:
+            raise ValueError(f"rows must be positive, got {self.rows}")
         if self.num_q_heads <= 0 or self.num_q_heads % H:
             raise ValueError(f"num_q_heads {self.num_q_heads} is not a multiple of {H} KV heads")
         if not 1 <= self.window <= pool.window:
@@ -108,9 +122,9 @@ class SnapKVEvictor:
                 raise ValueError(f"{name} must be odd and positive, got {getattr(self, name)}")
         if not 0.0 <= self.ratio < 1.0:
             raise ValueError(f"ratio must be in [0, 1), got {self.ratio}")
-        if not 0 <= self.lead < self.budget:
+        if not 0 <= self.lead < (self.budget or 1):
             raise ValueError(f"lead must be in [0, budget={self.budget}), got {self.lead}")
-        if self.prompt_cap is not None and self.prompt_cap < self.budget:
+        if self.prompt_cap is not None and self.prompt_cap < (self.budget or UNBOUNDED):
             raise ValueError(f"prompt_cap {self.prompt_cap} is below the budget {self.budget}")
         if self.sm_scale is None:
             self.sm_scale = 1.0 / math.sqrt(pool.head_dim)
@@ -121,12 +135,30 @@ class SnapKVEvictor:
             )
         R, L, dev = pool.max_requests, pool.num_layers, pool.device
         self.group = self.num_q_heads // H
+        # window rows: one per slot (row r = slot r), or `rows` plus a scratch row (the last) that
+        # the slots without one write into and nothing reads
+        n_rows = R if self.rows is None else self.rows + 1
         self.q_buf = torch.zeros(
-            R, L, self.window, self.num_q_heads, pool.head_dim, dtype=pool.dtype, device=dev
+            n_rows, L, self.window, self.num_q_heads, pool.head_dim, dtype=pool.dtype, device=dev
         )
         # Position of each window slot's query, shared by the layers: written once per forward
         # (all layers observe the same tokens), read only at step boundaries.
-        self.q_pos = torch.full((R, self.window), -1, dtype=torch.int64, device=dev)
+        self.q_pos = torch.full((n_rows, self.window), -1, dtype=torch.int64, device=dev)
+        self.row = (  # [R] window row of each slot (device: indexed by the step's device rows)
+            torch.arange(R, device=dev)
+            if self.rows is None
+            else torch.full((R,), self.rows, dtype=torch.int64, device=dev)
+        )
+        self._row_of = np.arange(R) if self.rows is None else np.full(R, -1, dtype=np.int64)
+        self._free_rows = [] if self.rows is None else list(range(self.rows - 1, -1, -1))
+        # per-slot bounds (bound_request): the server's unless a request sets its own
+        server_cap = UNBOUNDED if self.prompt_cap is None else self.prompt_cap
+        self._server = (self.budget or UNBOUNDED, server_cap, self.lead)
+        self._budget, self._cap, self._lead = (np.full(R, v, dtype=np.int64) for v in self._server)
+        # per-slot bounds of the request's global tokens summed over its streams (bound_request)
+        self._tbudget = np.full(R, UNBOUNDED, dtype=np.int64)
+        self._tcap = np.full(R, UNBOUNDED, dtype=np.int64)
+        self._exact_total = np.zeros(R, dtype=np.int64)
         self.triggers = np.zeros(R, dtype=np.int64)
         self.evicted_tokens = np.zeros(R, dtype=np.int64)
         self.stream_triggers = torch.zeros(R, L, H, dtype=torch.int64, device=dev)
@@ -150,16 +182,94 @@ class SnapKVEvictor:
         if stale.size == 0:
             return
         self._generation[stale] = self.pool.generation[stale]
+        self.release_request(stale)
         self.triggers[stale] = 0
         self.evicted_tokens[stale] = 0
         self.early_compressions[stale] = 0
         self._prompt_open[stale] = False
         self._prompt_end[stale] = False
         self._exact_max[stale] = 0
+        self._exact_total[stale] = 0
         self._left_at_exact[stale] = 0
         idx = torch.as_tensor(stale, device=self.pool.device)
-        self.q_pos.index_fill_(0, idx, -1)
+        if self.rows is None:
+            self.q_pos.index_fill_(0, idx, -1)
         self.stream_triggers.index_fill_(0, idx, 0)
+
+    @property
+    def identity_rows(self) -> bool:
+        """Window row = request slot (``rows`` None): what the decode kernel's observation writes."""
+        return self.rows is None
+
+    def free_rows(self) -> int:
+        """Window rows no bound slot holds (request slots, without ``rows``)."""
+        return self.pool.max_requests if self.rows is None else len(self._free_rows)
+
+    def bound_request(
+        self,
+        slot: int,
+        budget: int | None,
+        cap: int | None = None,
+        lead: int = 0,
+        total_budget: int | None = None,
+        total_cap: int | None = None,
+    ) -> None:
+        """Bound request slot ``slot`` (just allocated to a request) by its own ``budget`` global
+        tokens per stream, ``cap`` while its prompt is prefilled (default: the budget) and ``lead``,
+        and/or by ``total_budget`` / ``total_cap`` global tokens summed over its streams (the streams
+        holding the most are cut to a common level, the others untouched; ``lead`` per stream);
+        gives it a window row. RuntimeError when no row is free (the scheduler checks
+        :meth:`free_rows` before it admits such a request)."""
+        self._refresh_slots()
+        budget = UNBOUNDED if budget is None else budget
+        cap = budget if cap is None else cap
+        total_budget = UNBOUNDED if total_budget is None else total_budget
+        total_cap = total_budget if total_cap is None else total_cap
+        if not 0 <= lead < min(budget, total_budget) or budget > cap or total_budget > total_cap:
+            raise ValueError(
+                f"bound needs 0 <= lead < budget <= cap, got {lead}, {budget}, {cap}, {total_budget}, {total_cap}"
+            )
+        if self._row_of[slot] < 0:
+            if not self._free_rows:
+                raise RuntimeError(f"SnapKV: no free query-window row for request slot {slot}")
+            row = self._free_rows.pop()
+            self._row_of[slot] = row
+            self.row[slot] = row
+            self.q_pos[row] = -1
+        self._budget[slot], self._cap[slot], self._lead[slot] = budget, cap, lead
+        self._tbudget[slot], self._tcap[slot] = total_budget, total_cap
+
+    def release_request(self, slots) -> None:
+        """Give the slots' window rows back and their bounds back to the server's (a slot's owner
+        changes or leaves; idempotent)."""
+        slots = np.atleast_1d(np.asarray(slots, dtype=np.int64))
+        budget, cap, lead = self._server
+        self._budget[slots], self._cap[slots], self._lead[slots] = budget, cap, lead
+        self._tbudget[slots], self._tcap[slots] = UNBOUNDED, UNBOUNDED
+        if self.rows is None:
+            return
+        held = slots[self._row_of[slots] >= 0]
+        if held.size:
+            self._free_rows.extend(self._row_of[held].tolist())
+            self._row_of[held] = -1
+            self.row[torch.as_tensor(held, device=self.pool.device)] = self.rows
+
+    def _total_bounds(self) -> np.ndarray:
+        """``[R]`` host upper bound of each slot's global tokens summed over its streams (no sync)."""
+        streams = self.pool.num_layers * self.pool.num_kv_heads
+        return self._exact_total + (self._left_ring() - self._left_at_exact) * streams
+
+    def _total_limits(self, cut: bool = False) -> np.ndarray:
+        """``[R]`` :meth:`_limits` of the summed bounds (the lead counts once per stream)."""
+        streams = self.pool.num_layers * self.pool.num_kv_heads
+        lead = self._lead * streams if cut else 0
+        return np.where(self._prompt_open, self._tcap, self._tbudget - lead)
+
+    def request_bound(self, slot: int) -> int | None:
+        """The budget slot ``slot`` is held to (its own or the server's), None when unbounded."""
+        self._refresh_slots()
+        budget = int(self._budget[slot])
+        return None if budget >= UNBOUNDED else budget
 
     def _left_ring(self) -> np.ndarray:
         """``[R]`` tokens that have left each request's ring (host; bounds its global lengths)."""
@@ -200,8 +310,9 @@ class SnapKVEvictor:
         if self._plan is not plan:
             self._refresh_slots()
             req, src, pos = self._extend_index(plan)
-            self.q_pos[req, pos % self.window] = pos
-            self._plan, self._plan_idx = plan, (req, src, pos % self.window)
+            row = self.row[req]
+            self.q_pos[row, pos % self.window] = pos
+            self._plan, self._plan_idx = plan, (row, src, pos % self.window)
         req, src, slot = self._plan_idx
         if src.numel():
             self.q_buf[req, layer, slot] = q[src].to(self.q_buf.dtype)
@@ -228,16 +339,29 @@ class SnapKVEvictor:
         if plan is None:
             raise RuntimeError("observe_decode without pool.begin_decode")
         if self._plan is not plan:
-            slot = plan.pos % self.window
-            self.q_pos[plan.req, slot] = plan.pos
-            self._plan, self._plan_idx = plan, slot
-        self.q_buf[plan.req, layer, self._plan_idx] = q.to(self.q_buf.dtype)
+            row, slot = self.row[plan.req], plan.pos % self.window
+            self.q_pos[row, slot] = plan.pos
+            self._plan, self._plan_idx = plan, (row, slot)
+        row, slot = self._plan_idx
+        self.q_buf[row, layer, slot] = q.to(self.q_buf.dtype)
+
+    def observe_decode_rows(self, layer: int, req: torch.Tensor, pos: torch.Tensor, q: torch.Tensor) -> None:
+        """:meth:`observe_decode` with the step's rows given (``req``, ``pos`` ``[B]`` int64 device
+        tensors, e.g. static CUDA-graph buffers): device indexing only, so it can be captured. The
+        kernels path's observation where the decode kernel cannot write it (window rows != slots)."""
+        row, slot = self.row[req], pos % self.window
+        if layer == 0:
+            self.q_pos[row, slot] = pos
+        self.q_buf[row, layer, slot] = q.to(self.q_buf.dtype)
 
     def decode_window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The window buffers the decode kernel writes in place of :meth:`observe_decode` (device
         indexing only, so it can be captured; a graph's padded rows point at a slot no request owns):
         ``layer``'s queries ``[R, window, Hq, D]`` and the positions ``[R, window]`` (shared by the
-        layers). Row b of a step goes to slot ``pos[b] % window`` of ``req[b]``, as there."""
+        layers). Row b of a step goes to slot ``pos[b] % window`` of ``req[b]``, as there. Only
+        with one window row per slot (:attr:`identity_rows`; else :meth:`observe_decode_rows`)."""
+        if not self.identity_rows:
+            raise RuntimeError("decode_window needs one window row per request slot (rows=None)")
         return self.q_buf[:, layer], self.q_pos
 
     # -- eviction -------------------------------------------------------------------------------
@@ -251,53 +375,84 @@ class SnapKVEvictor:
         self._refresh_slots()
         return self._exact_max + self._left_ring() - self._left_at_exact
 
-    def _limits(self, lead: int = 0) -> np.ndarray:
+    def _limits(self, cut: bool = False) -> np.ndarray:
         """``[R]`` the global length each slot's streams may keep at this step boundary; with
-        ``lead``, what they are cut to once looked at (``lead`` under the budget; prompt caps as is)."""
-        open_cap = np.iinfo(np.int64).max if self.prompt_cap is None else self.prompt_cap
-        return np.where(self._prompt_open, open_cap, self.budget - lead)
+        ``cut``, what they are cut to once looked at (their lead under the budget; prompt caps as is)."""
+        return np.where(self._prompt_open, self._cap, self._budget - (self._lead if cut else 0))
 
     def maybe_evict(self) -> int:
         """Enforce the budget on every active request; call at a step boundary. Returns the number
         of streams evicted from (0 without touching the device when no bound exceeds its limit)."""
-        bound, active = self._bounds(), self.pool.active
-        if not (active & (bound > self._limits())).any():
+        bound, active, total = self._bounds(), self.pool.active, self._total_bounds()
+        if not (active & ((bound > self._limits()) | (total > self._total_limits()))).any():
             self._prompt_end[:] = False
             return 0
         # A look serves every request within `lead` of its limit, not only the one that forced it:
         # after it no bound is above budget - lead, so the next look is at least lead + 1 steps away.
-        cut = self._limits(self.lead)
-        cand = np.nonzero(active & (bound > cut))[0]
+        cut, total_cut = self._limits(cut=True), self._total_limits(cut=True)
+        cand = np.nonzero(active & ((bound > cut) | (total > total_cut)))[0]
         self.checks += 1
         pool = self.pool
         req = torch.as_tensor(cand, device=pool.device)
         glen = pool.global_len[req].long()  # [C, L, H]
-        limit = torch.as_tensor(cut[cand], device=pool.device)
-        over = torch.nonzero(glen > limit[:, None, None])  # [S, 3] (syncs)
+        level = self._levels(cand, glen, total_cut[cand])  # [C] common level of a summed bound
+        dev = lambda a: torch.as_tensor(a, device=pool.device)[:, None, None]
+        trigger, level = dev(cut[cand]), dev(level)
+        over_mask = glen > torch.minimum(trigger, level)
+        over = torch.nonzero(over_mask)  # [S, 3] (syncs)
         if over.numel():
             rows = over[:, 0].cpu().numpy()
             exact = self._prompt_end[cand] | self._prompt_open[cand]  # [C] compress to budget
-            self._evict_streams(req[over[:, 0]], over[:, 1], over[:, 2], exact[rows])
+            own = dev((self._budget - self._lead)[cand])  # a stream's own target
+            target = torch.where(glen > trigger, torch.minimum(own, level), level)[over_mask]
+            self._evict_streams(req[over[:, 0]], over[:, 1], over[:, 2], exact[rows], target)
             hit = np.unique(cand[rows])
             self.triggers[hit] += 1
             early = hit[self._prompt_open[hit]]
             for r in early[self.early_compressions[early] == 0]:
+                per_head = self._cap[r] < UNBOUNDED
                 logger.warning(
-                    "SnapKV: request slot %d passed %d global tokens per head before the end of its "
+                    "SnapKV: request slot %d passed %d global tokens %s before the end of its "
                     "prompt; compressed early to the budget %d, scored by the latest chunk",
                     r,
-                    self.prompt_cap,
-                    self.budget,
+                    self._cap[r] if per_head else self._tcap[r],
+                    "per head" if per_head else "(all layers and heads)",
+                    self._budget[r] if per_head else self._tbudget[r],
                 )
             self.early_compressions[early] += 1
-        self._exact_max[cand] = pool.global_len[req].flatten(1).amax(1).cpu().numpy()
+        after = pool.global_len[req].flatten(1).long()
+        self._exact_max[cand] = after.amax(1).cpu().numpy()
+        self._exact_total[cand] = after.sum(1).cpu().numpy()
         self._left_at_exact[cand] = self._left_ring()[cand]
         self._prompt_end[:] = False
         return int(over.shape[0])
 
-    def _evict_streams(self, r: torch.Tensor, l: torch.Tensor, h: torch.Tensor, exact: np.ndarray) -> None:
-        """Evict from the streams ``(r[s], l[s], h[s])`` (all over budget), in chunks of streams;
-        ``exact [S]`` host bool: cut to the budget exactly, scored by the prompt window (a prompt's end
+    def _levels(self, cand: np.ndarray, glen: torch.Tensor, total_cut: np.ndarray) -> np.ndarray:
+        """``[C]`` per candidate, the highest level ``c`` at which cutting its streams to ``c`` brings
+        their sum within its summed target (:data:`UNBOUNDED` where the sum is within its limit)."""
+        levels = np.full(len(cand), UNBOUNDED, dtype=np.int64)
+        bounded = np.nonzero(self._tbudget[cand] < UNBOUNDED)[0]
+        if not bounded.size:
+            return levels
+        g = glen[torch.as_tensor(bounded, device=glen.device)].flatten(1).cpu().numpy()  # [B, L*H]
+        streams = g.shape[1]
+        targets = self._tbudget[cand[bounded]] - self._lead[cand[bounded]] * streams
+        for i, (row, limit, target) in enumerate(zip(g, total_cut[bounded], targets)):
+            if row.sum() <= limit:
+                continue
+            lo, hi = 0, int(row.max())  # sum(min(row, lo)) <= target < sum(min(row, hi + 1))
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if np.minimum(row, mid).sum() <= target else (lo, mid - 1)
+            levels[bounded[i]] = lo
+        return levels
+
+    def _evict_streams(
+        self, r: torch.Tensor, l: torch.Tensor, h: torch.Tensor, exact: np.ndarray, target: torch.Tensor
+    ) -> None:
+        """Evict from the streams ``(r[s], l[s], h[s])`` (all over budget), in chunks of streams, to at
+        most ``target [S]`` entries (their slot's budget less its lead);
+        ``exact [S]`` host bool: cut to the target exactly, scored by the prompt window (a prompt's end
         or an early compression), else the bottom-ratio rule scored by the decode window (split on the
         host: no device round trip)."""
         pool = self.pool
@@ -307,7 +462,7 @@ class SnapKVEvictor:
             if not idx.size:
                 continue
             sel = torch.as_tensor(idx, device=pool.device)
-            rs, ls, hs = r[sel], l[sel], h[sel]
+            rs, ls, hs, ts = r[sel], l[sel], h[sel], target[sel]
             ng = int(pool.global_len[rs, ls, hs].max())
             window = self.prompt_window if prompt else self.window
             # the torch scores hold [chunk, window, G, keys] float32 logits; the kernel only the keys
@@ -315,7 +470,9 @@ class SnapKVEvictor:
             chunk = max(1, self.max_score_elems // per_stream)
             for s in range(0, rs.numel(), chunk):
                 freed.append(
-                    self._evict_chunk(rs[s : s + chunk], ls[s : s + chunk], hs[s : s + chunk], prompt)
+                    self._evict_chunk(
+                        rs[s : s + chunk], ls[s : s + chunk], hs[s : s + chunk], ts[s : s + chunk], prompt
+                    )
                 )
         pool.release_pages(torch.cat(freed))
         self.stream_triggers[r, l, h] += 1
@@ -324,12 +481,13 @@ class SnapKVEvictor:
         """The last ``window`` queries of streams ``(r[s], l[s], h[s])``: ``q [S, window, G, D]`` and
         their positions ``[S, window]`` (``-1``: empty)."""
         view = self.q_buf.view(*self.q_buf.shape[:3], self.pool.num_kv_heads, self.group, self.pool.head_dim)
+        row = self.row[r]
         if window == self.window:
-            return view[r, l, :, h], self.q_pos[r]
-        pos = self.q_pos[r].amax(1, keepdim=True) - torch.arange(window - 1, -1, -1, device=r.device)
+            return view[row, l, :, h], self.q_pos[row]
+        pos = self.q_pos[row].amax(1, keepdim=True) - torch.arange(window - 1, -1, -1, device=r.device)
         slot = torch.remainder(pos, self.window)
-        q_pos = torch.where(self.q_pos[r].gather(1, slot) == pos, pos, -1)
-        return view[r[:, None], l[:, None], slot, h[:, None]], q_pos
+        q_pos = torch.where(self.q_pos[row].gather(1, slot) == pos, pos, -1)
+        return view[row[:, None], l[:, None], slot, h[:, None]], q_pos
 
     def stream_scores(self, r: torch.Tensor, l: torch.Tensor, h: torch.Tensor, prompt: bool = False):
         """Scores of the global entries of streams ``(r[s], l[s], h[s])``: by the decode window and
@@ -373,16 +531,15 @@ class SnapKVEvictor:
             scores = snapkv_scores(q, q_pos, g_keys, glen, r_keys, r_pos, self.sm_scale, kernel)
         return scores, glen, gpages, g_keys
 
-    def _evict_chunk(self, r, l, h, exact: bool) -> torch.Tensor:
-        """Score and select one chunk of streams (``exact``: cut to ``budget - lead`` as scored by the
-        prompt window; else the bottom-ratio rule), then have the pool compact them; returns the page
-        ids to release."""
+    def _evict_chunk(self, r, l, h, target, exact: bool) -> torch.Tensor:
+        """Score and select one chunk of streams (``exact``: cut to ``target [S]`` as scored by the
+        prompt window; else the bottom-ratio rule, at least down to ``target``), then have the pool
+        compact them; returns the page ids to release."""
         pool = self.pool
         scores, glen, gpages, g_keys = self.stream_scores(r, l, h, prompt=exact)
         S, Ng = scores.shape
         j = torch.arange(Ng, device=pool.device)
         valid = j[None, :] < glen[:, None]
-        target = self.budget - self.lead
         if exact:
             n_evict = glen - target
         else:

@@ -199,10 +199,13 @@ class OfflineTruth:
 
     def logprobs(self, prompt: str, output_ids) -> list[float]:
         """Float32 logprob of each output token given the prompt and the output tokens before it."""
+        return self.logprobs_ids(self.tokenizer.encode(prompt), output_ids)
+
+    def logprobs_ids(self, prompt_ids, output_ids) -> list[float]:
+        """:meth:`logprobs` of a prompt given as token ids."""
         import torch
 
         from evals.harness import teacher_forced_logprobs
 
-        prompt_ids = self.tokenizer.encode(prompt)
         ids = torch.tensor([*prompt_ids, *output_ids], device=self.device)
         return teacher_forced_logprobs(self.backbone, ids, self.policy, len(prompt_ids))
