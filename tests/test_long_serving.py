@@ -17,7 +17,8 @@ import threading
 
 import pytest
 import requests
-from serving_support import OfflineTruth, Server, embedded_model_dir, embedded_plan
+
+from sglang_wgkv.testing.serving import OfflineTruth, Server, embedded_model_dir, embedded_plan
 
 pytestmark = pytest.mark.serving
 
