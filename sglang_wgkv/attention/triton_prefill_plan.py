@@ -1,0 +1,227 @@
+"""Triton work lists of the vertical-slash prefill (same contracts as
+:func:`sglang_wgkv.attention.vertical_slash_plan.build_vertical_slash_plan` and
+:func:`~sglang_wgkv.attention.vertical_slash_plan.compact_admitted`, their torch references).
+
+- :func:`compact_admitted_triton`: each KV head's admitted keys and values, contiguous, in order;
+- :func:`build_vertical_slash_plan_triton`: per query block, the compacted-key range of its dense loop
+  and its band of original keys.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang_wgkv.attention.vertical_slash_plan import VerticalSlashPlan, _exclusive_count, admitted_rank
+
+
+@triton.jit
+def _compact_fwd(
+    K,
+    V,
+    Adm,
+    Dest,
+    KC,
+    VC,
+    num_keys,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_an,
+    stride_ah,
+    stride_dn,
+    stride_dh,
+    stride_ch,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Rows ``BLOCK * pid(0) ..`` of KV head pid(1): each admitted row copied to its compacted row."""
+    head = tl.program_id(1)
+    n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = n < num_keys
+    n64 = n.to(tl.int64)
+    adm = tl.load(Adm + n64 * stride_an + head * stride_ah, mask=valid, other=0) != 0
+    dest = tl.load(Dest + n64 * stride_dn + head * stride_dh, mask=adm, other=0)
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    rows = adm[:, None]
+    out = head * stride_ch + dest[:, None] * HEAD_DIM + d
+    k = tl.load(K + n64[:, None] * stride_kn + head * stride_kh + d, mask=rows)
+    tl.store(KC + out, k, mask=rows)
+    v = tl.load(V + n64[:, None] * stride_vn + head * stride_vh + d, mask=rows)
+    tl.store(VC + out, v, mask=rows)
+
+
+def compact_admitted_triton(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    admitted: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    block: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~sglang_wgkv.attention.vertical_slash_plan.compact_admitted` with one Triton copy: only
+    admitted rows are read and written (the torch version scatters every row, the rejected ones to a
+    scratch row, through a two-index ``index_put``). Same contract and result; k/v rows may be strided
+    but each head's ``D`` values contiguous."""
+    Nk, H, D = k.shape
+    if out is None:
+        out = (k.new_zeros(H, Nk + 1, D), v.new_zeros(H, Nk + 1, D))
+    if Nk == 0:
+        return out
+    if (
+        k.stride(2) != 1
+        or v.stride(2) != 1
+        or any(o.shape != (H, Nk + 1, D) or not o.is_contiguous() for o in out)
+    ):
+        raise ValueError("k/v need contiguous head rows and out two contiguous [Hkv, Nk + 1, D] buffers")
+    dest = admitted_rank(admitted, kv_indptr)
+    adm = admitted.view(torch.uint8)
+    _compact_fwd[(triton.cdiv(Nk, block), H)](
+        k,
+        v,
+        adm,
+        dest,
+        out[0],
+        out[1],
+        Nk,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        adm.stride(0),
+        adm.stride(1),
+        dest.stride(0),
+        dest.stride(1),
+        out[0].stride(0),
+        HEAD_DIM=D,
+        BLOCK=block,
+    )
+    return out
+
+
+@triton.jit
+def _count_le(KPos, lo, hi, x, n_iter):
+    """Index of the first key in ``[lo, hi)`` with position > x (positions non-decreasing there)."""
+    left, right = lo, hi
+    for _ in range(0, n_iter):
+        live = left < right
+        mid = (left + right) // 2
+        pos = tl.load(KPos + mid, mask=live, other=0).to(tl.int64)
+        go_right = live & (pos <= x)
+        right = tl.where(live & (pos > x), mid, right)
+        left = tl.where(go_right, mid + 1, left)
+    return left
+
+
+@triton.jit
+def _plan_kernel(
+    QO,
+    KV,
+    QPos,
+    KPos,
+    Excl,
+    QStart,
+    QEnd,
+    KVStart,
+    BandStart,
+    BandEnd,
+    Vertical,
+    num_seqs,
+    num_q,
+    stride_en,
+    stride_eh,
+    window,
+    block_m,
+    num_heads,
+    n_iter,
+    BLOCK_H: tl.constexpr,
+):
+    """One query block: its sequence (a walk over the sequences' block counts), rows, band and the
+    admitted count per KV head; the same values as the torch ``build_vertical_slash_plan``."""
+    blk = tl.program_id(0).to(tl.int64)
+    seen = blk * 0
+    first = blk * 0
+    found = blk * 0 + num_seqs
+    for b in range(0, num_seqs):
+        nb = (tl.load(QO + b + 1).to(tl.int64) - tl.load(QO + b).to(tl.int64) + block_m - 1) // block_m
+        hit = (found == num_seqs) & (blk >= seen) & (blk < seen + nb)
+        found = tl.where(hit, b, found)
+        first = tl.where(hit, seen, first)
+        seen += nb
+    valid = found < num_seqs
+    b = tl.minimum(found, num_seqs - 1)
+    q_lo = tl.load(QO + b).to(tl.int64)
+    q_hi = tl.load(QO + b + 1).to(tl.int64)
+    q_start = tl.where(valid, q_lo + (blk - first) * block_m, 0)
+    q_end = tl.where(valid, tl.minimum(q_start + block_m, q_hi), 0)
+    has_q = num_q > 0
+    p_lo = tl.load(QPos + tl.minimum(q_start, tl.maximum(num_q - 1, 0)), mask=has_q, other=0).to(tl.int64)
+    p_lo = tl.where(has_q, p_lo, q_start)
+    p_hi = tl.load(QPos + tl.maximum(q_end - 1, 0), mask=has_q, other=0).to(tl.int64)
+    p_hi = tl.where(has_q, p_hi, q_start)
+    lo = tl.load(KV + b).to(tl.int64)
+    hi = tl.load(KV + b + 1).to(tl.int64)
+    band_start = _count_le(KPos, lo, hi, p_lo - window, n_iter)
+    band_end = tl.maximum(_count_le(KPos, lo, hi, p_hi, n_iter), band_start)
+    tl.store(QStart + blk, q_start.to(tl.int32))
+    tl.store(QEnd + blk, q_end.to(tl.int32))
+    tl.store(KVStart + blk, lo.to(tl.int32))
+    tl.store(BandStart + blk, band_start.to(tl.int32))
+    tl.store(BandEnd + blk, band_end.to(tl.int32))
+    hs = tl.arange(0, BLOCK_H)
+    live = hs < num_heads
+    vert = tl.load(Excl + band_start * stride_en + hs * stride_eh, mask=live, other=0) - tl.load(
+        Excl + lo * stride_en + hs * stride_eh, mask=live, other=0
+    )
+    tl.store(Vertical + blk * num_heads + hs, tl.where(valid, vert, 0).to(tl.int32), mask=live)
+
+
+def build_vertical_slash_plan_triton(
+    admitted: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    local_window: int,
+    block_m: int,
+) -> VerticalSlashPlan:
+    """:func:`~sglang_wgkv.attention.vertical_slash_plan.build_vertical_slash_plan` as the admitted-count
+    scan plus one Triton launch (one program per query block; binary searches over its sequence's key
+    positions) instead of some twenty small torch launches, whose launch costs dominated the torch plan
+    (``benchmarks/results/kernels/kernel_prefill_compaction.json``). Same contract and values."""
+    dev = admitted.device
+    B = qo_indptr.numel() - 1
+    Nq, Nk = q_pos.numel(), k_pos.numel()
+    H = admitted.shape[1]
+    NB = -(-Nq // block_m) + B
+    i32 = torch.int32
+    q_start, q_end, kv_start, band_start, band_end = (
+        torch.empty(NB, dtype=i32, device=dev) for _ in range(5)
+    )
+    vertical = torch.empty(NB, H, dtype=i32, device=dev)
+    excl = _exclusive_count(admitted)
+    if NB:
+        _plan_kernel[(NB,)](
+            qo_indptr,
+            kv_indptr,
+            q_pos,
+            k_pos,
+            excl,
+            q_start,
+            q_end,
+            kv_start,
+            band_start,
+            band_end,
+            vertical,
+            B,
+            Nq,
+            excl.stride(0),
+            excl.stride(1),
+            local_window,
+            block_m,
+            H,
+            max(1, (Nk + 1).bit_length()),
+            BLOCK_H=triton.next_power_of_2(max(H, 1)),
+            num_warps=1,
+        )
+    return VerticalSlashPlan(block_m, q_start, q_end, kv_start, band_start, band_end, vertical)
