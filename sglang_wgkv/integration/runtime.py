@@ -32,8 +32,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from sglang_wgkv.integration.capacity import CapacityPlan, ModelShape, physical_pages, plan_capacity
+from sglang_wgkv.integration.kv_dtype import kernels_read_fp8
 from sglang_wgkv.integration.settings import BACKEND_NAME, ServingSettings
 from sglang_wgkv.memory import DualCachePool
+from sglang_wgkv.memory.kv_quant import is_fp8
 
 if TYPE_CHECKING:
     from sglang_wgkv.memory import SnapKVEvictor
@@ -137,13 +139,21 @@ class WGKVRuntime:
         return cls(settings, plan)
 
     @staticmethod
-    def choose_kernels(settings: ServingSettings, device, dtype: torch.dtype) -> bool:
+    def choose_kernels(
+        settings: ServingSettings, device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+    ) -> bool:
         """The one torch/Triton choice: ``kernels`` (raises where they cannot run), ``reference``,
-        or ``auto`` = kernels where they fit (CUDA, fp16/bf16)."""
+        or ``auto`` = kernels where they fit (CUDA, fp16/bf16, a pool of ``kv_dtype`` they read:
+        :mod:`.kv_dtype`; e.g. a checkpoint whose FP8 KV scheme made SGLang's ``auto`` FP8)."""
         fit = kernels_fit(device, dtype)
         if settings.attention == "kernels" and not fit:
             raise ValueError("--wgkv-attention kernels needs a CUDA device and a float16/bfloat16 model")
-        return settings.attention == "kernels" or (settings.attention == "auto" and fit)
+        fp8_blocked = (
+            kv_dtype is not None and is_fp8(kv_dtype) and not kernels_read_fp8(settings.extend_kernels)
+        )
+        if settings.attention == "kernels" and fp8_blocked:
+            raise ValueError(f"--wgkv-attention kernels does not read a {kv_dtype} KV cache yet")
+        return settings.attention == "kernels" or (settings.attention == "auto" and fit and not fp8_blocked)
 
     def build_pools(self, configurator, max_requests: int, max_context_len: int) -> DualCachePool:
         """Build the dual pool (and with ``--kv-budget`` the evictor) for ``max_requests`` request
@@ -172,7 +182,9 @@ class WGKVRuntime:
             raise ValueError(
                 f"rank {par.attn_tp_rank} holds KV heads {self.kv_heads}, its pool {num_kv_heads}"
             )
-        self.use_kernels = self.choose_kernels(self.settings, configurator.device, mc.dtype)
+        self.use_kernels = self.choose_kernels(
+            self.settings, configurator.device, mc.dtype, configurator.kv_cache_dtype
+        )
         self._dual = DualCachePool(
             num_layers=num_layers,
             num_kv_heads=num_kv_heads,
@@ -186,6 +198,7 @@ class WGKVRuntime:
             triton_decode=self.use_kernels,
             triton_extend=self.use_kernels and self.settings.extend_kernels,
             reclaimer=self._reclaim,
+            compute_dtype=mc.dtype,
         )
         config = self.settings.config
         if config.kv_budget is not None:

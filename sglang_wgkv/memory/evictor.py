@@ -169,7 +169,7 @@ class SnapKVEvictor:
         R, L, dev = pool.max_requests, pool.num_layers, pool.device
         self.group = self.num_q_heads // H
         self.q_buf = torch.zeros(
-            R, L, self.window, self.num_q_heads, pool.head_dim, dtype=pool.dtype, device=dev
+            R, L, self.window, self.num_q_heads, pool.head_dim, dtype=pool.compute_dtype, device=dev
         )
         # Position of each window slot's query, shared by the layers: written once per forward
         # (all layers observe the same tokens), read only at step boundaries.
@@ -400,12 +400,14 @@ class SnapKVEvictor:
         r_pos = n[:, None] - 1 - torch.remainder(n[:, None] - 1 - slot, W)  # <0: empty slot
         q, q_pos = self._window_queries(r, l, h, self.prompt_window if prompt else self.window)
         kernel = self.prompt_kernel if prompt else self.kernel_size
+        # scores read dequantized keys (an FP8 pool's); compaction moves the stored ones
+        g_vals, r_vals = pool.read_keys(g_keys, l, q.dtype), pool.read_keys(r_keys, l, q.dtype)
         scores = None
         if self.triton_scores:
             from sglang_wgkv.memory.triton_snapkv import snapkv_scores_triton
 
             try:
-                scores = snapkv_scores_triton(q, q_pos, g_keys, glen, r_keys, r_pos, self.sm_scale, kernel)
+                scores = snapkv_scores_triton(q, q_pos, g_vals, glen, r_vals, r_pos, self.sm_scale, kernel)
                 self._triton_built = True
             except Exception as exc:  # a kernel Triton cannot build here: the reference, for good
                 if self._triton_built:
@@ -417,7 +419,7 @@ class SnapKVEvictor:
                 )
                 self.triton_scores = False
         if scores is None:
-            scores = snapkv_scores(q, q_pos, g_keys, glen, r_keys, r_pos, self.sm_scale, kernel)
+            scores = snapkv_scores(q, q_pos, g_vals, glen, r_vals, r_pos, self.sm_scale, kernel)
         return scores, glen, gpages, g_keys
 
     def _evict_chunk(self, r, l, h, exact: bool) -> torch.Tensor:

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from sglang_wgkv.config import PAGE_SIZE
+from sglang_wgkv.memory.kv_quant import byte_view, quantize
 
 FAR_POSITION = -(2**30)  # position given to global entries: beyond every query's local band
 
@@ -192,10 +193,11 @@ class ExtendStep:
                 )
             else:
                 from_ring = p.cand_from_ring[:, None, None]
-                for pages, new in ((self.k_pages, k), (self.v_pages, v)):
-                    src = torch.where(
-                        from_ring, pages[src_page, slot % PAGE_SIZE], new[p.cand_src].to(pages.dtype)
-                    )
+                for pages, new, scale in ((self.k_pages, k, self.k_scale), (self.v_pages, v, self.v_scale)):
+                    # a ring source keeps its bytes; a new token is quantized here, its only write
+                    fresh = byte_view(quantize(new[p.cand_src], scale[layer], self.dtype))
+                    pages = byte_view(pages)
+                    src = torch.where(from_ring, pages[src_page, slot % PAGE_SIZE], fresh)
                     pages[dest_page, dest % PAGE_SIZE] = src
             self.global_len[p.req, layer] += cnt.to(torch.int32)
             self.left_ring[layer] += p.cand_b.numel()
@@ -208,8 +210,7 @@ class ExtendStep:
             rr = p.req[p.rw_b][:, None]
             slot = p.rw_slot[:, None]
             page = self.page_table[rr, layer, heads, slot // PAGE_SIZE].long()
-            self.k_pages[page, slot % PAGE_SIZE] = k[p.rw_src].to(self.dtype)
-            self.v_pages[page, slot % PAGE_SIZE] = v[p.rw_src].to(self.dtype)
+            self._store_kv(layer, page, slot % PAGE_SIZE, k[p.rw_src], v[p.rw_src])
             self.ring_flag[rr, layer, heads, slot] = admit[p.rw_src]
 
     def extend_inputs(
@@ -250,7 +251,7 @@ class ExtendStep:
         keys, values, k_pos, admitted = [], [], [], []
         for r, S, g_rows, _, n, start, _ in segments:
             if S:  # cached context first: global entries (admitted) and the ring
-                ck, cv, cpos, cadm = self.gather_context(layer, r, S, g_rows // PAGE_SIZE)
+                ck, cv, cpos, cadm = self.gather_context(layer, r, S, g_rows // PAGE_SIZE, dtype)
                 keys.append(ck), values.append(cv), k_pos.append(cpos), admitted.append(cadm)
             keys.append(k[start : start + n]), values.append(v[start : start + n])
             k_pos.append(positions[start : start + n]), admitted.append(admit[start : start + n])
@@ -261,10 +262,13 @@ class ExtendStep:
             torch.cat(admitted),
         )
 
-    def gather_context(self, layer: int, r: int, prefix_len: int, gcols: int | None = None):
+    def gather_context(
+        self, layer: int, r: int, prefix_len: int, gcols: int | None = None, dtype: torch.dtype | None = None
+    ):
         """The cached context of slot ``r`` in ``layer`` before an extend after ``prefix_len`` tokens.
 
-        Returns ``k, v [Nk, H, D]``, ``k_pos [Nk]`` and ``admitted [Nk, H]``, ready for
+        Returns ``k, v [Nk, H, D]`` (read back in ``dtype``, default the pool's ``compute_dtype``:
+        dequantized from an FP8 pool), ``k_pos [Nk]`` and ``admitted [Nk, H]``, ready for
         :func:`~sglang_wgkv.attention.reference.vertical_slash_attention`: global entries (padded to
         the longest head; padding not admitted) at ``FAR_POSITION``, then ring entries in position
         order with their flags. ``gcols``: the global page columns to read, ``ExtendPlan.context_gcols``
@@ -285,7 +289,12 @@ class ExtendStep:
         rv = self.v_pages[rpage, (slot % PAGE_SIZE)[:, None]]
         r_adm = self.ring_flag[r, layer][:, slot].t()
         k_pos = torch.cat([torch.full((gcols * PAGE_SIZE,), FAR_POSITION, device=self.device), pos])
-        return torch.cat([gk, rk]), torch.cat([gv, rv]), k_pos, torch.cat([g_adm, r_adm])
+        return (
+            self.read_keys(torch.cat([gk, rk]), layer, dtype),
+            self.read_values(torch.cat([gv, rv]), layer, dtype),
+            k_pos,
+            torch.cat([g_adm, r_adm]),
+        )
 
     def restore_bound(self, prefix_len: int) -> int:
         """Pages :meth:`restore_snapshot` allocates for a snapshot of ``prefix_len`` tokens: the copied
