@@ -106,6 +106,7 @@ class WGKVRuntime:
             head_dim=model_config.head_dim,
             context_len=model_config.context_len,
             dtype_bytes=torch.empty(0, dtype=configurator.kv_cache_dtype).element_size(),
+            query_bytes=torch.empty(0, dtype=model_config.dtype).element_size(),
         )
         plan = plan_capacity(
             sizes.max_total_num_tokens,
