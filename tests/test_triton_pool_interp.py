@@ -25,3 +25,18 @@ def test_decode_promote_matches_torch_under_interpreter(seed, scan_block):
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     assert res.stdout.startswith(f"ok seed {seed}"), res.stdout
+
+
+FP8_CHECK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "triton_fp8_pool_interp_check.py")
+
+
+@pytest.mark.parametrize("seed,dtype", [(0, "e4m3"), (1, "e5m2")])
+def test_fp8_decode_launches_match_torch_under_interpreter(seed, dtype):
+    """An FP8 pool: the Triton ring write quantizes as the torch one (within the interpreter's FP8
+    rounding), promotion moves the bytes; same tables, lengths, flags and counters."""
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run(
+        [sys.executable, FP8_CHECK, str(seed), dtype], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert res.stdout.startswith(f"ok seed {seed}"), res.stdout

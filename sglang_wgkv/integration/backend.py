@@ -534,7 +534,7 @@ class WGKVAttnBackend(AttentionBackend):
         main = torch.cuda.current_stream(self.device) if side is not None else None
         fork = main.record_event() if side is not None else None
         out = folded_decode(
-            q3.to(self.dual.dtype),
+            q3.to(self.dual.compute_dtype),
             self.dual.k_pages,
             self.dual.v_pages,
             self.dual.page_table,
@@ -551,6 +551,8 @@ class WGKVAttnBackend(AttentionBackend):
             pos=rows.pos,
             window=self.dual.window,
             observe=observe,
+            k_scale=self.dual.k_scale[layer.layer_id],
+            v_scale=self.dual.v_scale[layer.layer_id],
         )
         if side is not None:
             side.wait_event(fork)

@@ -5,9 +5,9 @@
 =====================  ==========================  =============================================
 auto / bf16 / fp16 /   the model's dtype (or the   every path
 bfloat16 / float32     one named)
-fp8_e4m3 / fp8_e5m2    float8_e4m3fn / float8_e5m2  the torch reference (any device) and, where
-                       (per-layer k/v scales,      :data:`FP8_KERNEL_PATHS` says so, the kernels
-                       :mod:`..memory.kv_quant`)
+fp8_e4m3 / fp8_e5m2    float8_e4m3fn / float8_e5m2  the torch reference (any device) and the
+                       (per-layer k/v scales,      kernels path (:data:`FP8_KERNEL_PATHS`), except
+                       :mod:`..memory.kv_quant`)   the opt-in Triton extend launches
 =====================  ==========================  =============================================
 
 Everything else SGLang offers (``mxfp8``, ``nvfp4``, ...) is refused: the pool has no block-scaled
@@ -21,9 +21,10 @@ from sglang_wgkv.memory.kv_quant import FP8_KV_CACHE_DTYPES
 UNQUANTIZED_KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "float16", "float32")
 SERVED_KV_CACHE_DTYPES = UNQUANTIZED_KV_CACHE_DTYPES + tuple(FP8_KV_CACHE_DTYPES)
 
-# The kernels-path launches that read and write an FP8 pool. Empty: FP8 runs on the torch reference
-# attention only, and the launcher refuses it where the kernels path would be chosen.
-FP8_KERNEL_PATHS: frozenset[str] = frozenset()
+# The kernels-path launches that read and write an FP8 pool: the split-KV decode (its fused ring write
+# quantizes), the decode step's promotion and ring write, and the prefill (its context is gathered
+# and dequantized by the pool's torch ops). Not the opt-in Triton extend launches (--wgkv-extend-kernels).
+FP8_KERNEL_PATHS: frozenset[str] = frozenset({"decode", "prefill"})
 
 
 def kernels_read_fp8(extend_kernels: bool) -> bool:
@@ -41,8 +42,8 @@ def kv_cache_dtype_problem(kv_cache_dtype: str | None, *, kernels: bool, extend_
         return f"--kv-cache-dtype {kv_cache_dtype} (the dual pool stores {', '.join(SERVED_KV_CACHE_DTYPES)})"
     if kernels and not kernels_read_fp8(extend_kernels):
         return (
-            f"--kv-cache-dtype {kv_cache_dtype} on the kernels path (its Triton launches do not read "
-            "FP8 pages yet; pass --wgkv-attention reference)"
+            f"--kv-cache-dtype {kv_cache_dtype} with --wgkv-extend-kernels (the Triton extend launches "
+            "do not write FP8 pages; drop --wgkv-extend-kernels)"
         )
     return None
 
