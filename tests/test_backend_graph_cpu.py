@@ -31,7 +31,8 @@ def test_graph_decode_path_matches_eager_reference():
         cwd=os.path.dirname(HERE),
     )
     lines = proc.stdout.strip().splitlines()
-    assert proc.returncode == 0 and lines[-2:] == [
+    assert proc.returncode == 0 and lines[-3:] == [
         "decode gate: DecodeGate OK",
         "decode gate: PrefillGate.admit OK",
+        "decode gate: DecodeGate (float8_e4m3fn pages) OK",
     ], proc.stdout[-3000:] + proc.stderr[-3000:]
