@@ -141,6 +141,16 @@ def run(dtype, seed=0):
             N = sum(lens)
             q, k, v = rand(L, N, HQ, D), rand(L, N, H, D), rand(L, N, H, D)
             admit = torch.rand(L, N, H, generator=gen) < 0.5
+            for layer in range(L):  # the cached context reads back as the once-rounded values
+                for r, S in zip(slots, prefix):
+                    if not S:
+                        continue
+                    got, want = q8.gather_context(layer, r, S), ref.gather_context(layer, r, S)
+                    live = (want[2] != extend_step.FAR_POSITION)[:, None] | want[3]  # [Nk, H]
+                    for x8, xr, scale in ((got[0], want[0], K_SCALE), (got[1], want[1], V_SCALE)):
+                        once = dequantize(quantize(xr, scale[layer], dtype), scale[layer], torch.float32)
+                        if not torch.equal(x8[live], once[live]):
+                            failed.add("extend context over once-rounded values")
             out_ref = extend(ref, slots, prefix, lens, q, k, v, admit)
             out_q8 = extend(q8, slots, prefix, lens, q, k, v, admit)
             compare(out_ref, out_q8, torch.cat([ref.k_pages.flatten(0, 1), k.flatten(0, 2)]),
@@ -220,7 +230,11 @@ def _round_twice(real):  # (only FP8 writes: the float32 pool must keep the exac
             {"k_pages bytes", "v_pages bytes", "decode attention over once-rounded values"},
         ),
         ("write", _round_twice, {"k_pages bytes", "v_pages bytes"}),
-        ("read", _skip_scale, {"decode attention over once-rounded values"}),
+        (
+            "read",
+            _skip_scale,
+            {"decode attention over once-rounded values", "extend context over once-rounded values"},
+        ),
     ],
     ids=["write-without-scale", "write-rounding-twice", "read-without-scale"],
 )
