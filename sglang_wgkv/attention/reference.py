@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from sglang_wgkv.memory.kv_quant import dequantize
+from sglang_wgkv.memory.kv_quant import dequantize, gather
 
 # Attention scores (float32) computed at once by :func:`vertical_slash_attention` (4 MiB; the softmax
 # runs in place on them, so one block is most of what a prefill layer holds on the CPU path). One
@@ -202,6 +202,6 @@ def paged_decode_attention(
     valid_page = col[None, :] < num_pages[:, None]
     pages = torch.where(valid_page, kv_indices[idx.clamp(max=max(kv_indices.numel() - 1, 0))].long(), 0)
     lengths = torch.where(num_pages > 0, (num_pages - 1) * page_size + kv_last_page_len.long(), 0)
-    k = dequantize(k_pages[pages], k_scale, torch.float32).reshape(B, Hkv, max_pages * page_size, D)
-    v = dequantize(v_pages[pages], v_scale, torch.float32).reshape(B, Hkv, max_pages * page_size, D)
+    k = dequantize(gather(k_pages, pages), k_scale, torch.float32).reshape(B, Hkv, max_pages * page_size, D)
+    v = dequantize(gather(v_pages, pages), v_scale, torch.float32).reshape(B, Hkv, max_pages * page_size, D)
     return padded_decode_attention(q, k, v, lengths.view(B, Hkv), sm_scale)

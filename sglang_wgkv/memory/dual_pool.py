@@ -40,7 +40,7 @@ import torch
 from sglang_wgkv.config import PAGE_SIZE, WGKVConfig
 from sglang_wgkv.memory.decode_step import DecodePlan, DecodeStep
 from sglang_wgkv.memory.extend_step import ExtendPlan, ExtendStep
-from sglang_wgkv.memory.kv_quant import byte_view, check_scales, dequantize, is_fp8
+from sglang_wgkv.memory.kv_quant import byte_view, check_scales, dequantize, gather, is_fp8
 from sglang_wgkv.memory.page_allocator import PageAllocator
 from sglang_wgkv.memory.prefix_snapshot import PrefixSnapshot
 
@@ -292,7 +292,7 @@ class DualCachePool(ExtendStep, DecodeStep):
         if gpages is None:
             gpages = self.page_table[r, l, h, R : R + Ng // PAGE_SIZE].long()
         if g_keys is None:
-            g_keys = self.k_pages[gpages.reshape(-1)].reshape(S, Ng, D)  # 1-D: whole-page gather
+            g_keys = gather(self.k_pages, gpages.reshape(-1)).reshape(S, Ng, D)  # 1-D: whole-page gather
         if g_keys.dtype != self.dtype:
             raise ValueError(f"g_keys must be the stored keys ({self.dtype}), got {g_keys.dtype}")
         glen = self.global_len[r, l, h].long()

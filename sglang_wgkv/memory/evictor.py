@@ -84,6 +84,7 @@ import torch
 
 from sglang_wgkv.config import DEFAULT_EVICTOR_WINDOW, DEFAULT_PROMPT_KERNEL, DEFAULT_PROMPT_WINDOW, PAGE_SIZE
 from sglang_wgkv.memory.dual_pool import DualCachePool
+from sglang_wgkv.memory.kv_quant import gather
 from sglang_wgkv.memory.snapkv_score import snapkv_scores
 
 logger = logging.getLogger(__name__)
@@ -393,8 +394,10 @@ class SnapKVEvictor:
         gpages = pool.page_table[r, l, h, R : R + gcols].long()  # [S, gc]
         # a 1-D page index gathers whole pages (PyTorch's vectorized gather; a 2-D index took the
         # element-wise kernel on the H200: 2.4 ms against 0.19 ms for a quarter of the bytes)
-        g_keys = pool.k_pages[gpages.reshape(-1)].reshape(r.numel(), gcols * PAGE_SIZE, D)
-        r_keys = pool.k_pages[pool.page_table[r, l, h, :R].reshape(-1).long()].reshape(r.numel(), W, D)
+        g_keys = gather(pool.k_pages, gpages.reshape(-1)).reshape(r.numel(), gcols * PAGE_SIZE, D)
+        r_keys = gather(pool.k_pages, pool.page_table[r, l, h, :R].reshape(-1).long()).reshape(
+            r.numel(), W, D
+        )
         n = torch.as_tensor(pool.cached_len, device=pool.device)[r]  # [S]
         slot = torch.arange(W, device=pool.device)
         r_pos = n[:, None] - 1 - torch.remainder(n[:, None] - 1 - slot, W)  # <0: empty slot

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from sglang_wgkv.config import PAGE_SIZE
-from sglang_wgkv.memory.kv_quant import byte_view, quantize
+from sglang_wgkv.memory.kv_quant import byte_view, gather, quantize
 
 FAR_POSITION = -(2**30)  # position given to global entries: beyond every query's local band
 
@@ -279,14 +279,14 @@ class ExtendStep:
         if gcols is None:
             gcols = -(-int(glen.max()) // PAGE_SIZE) if H else 0
         pages = self.page_table[r, layer, :, self.ring_cols : self.ring_cols + gcols].long()  # [H, gc]
-        gk = self.k_pages[pages].reshape(H, gcols * PAGE_SIZE, self.head_dim).transpose(0, 1)
-        gv = self.v_pages[pages].reshape(H, gcols * PAGE_SIZE, self.head_dim).transpose(0, 1)
+        gk = gather(self.k_pages, pages).reshape(H, gcols * PAGE_SIZE, self.head_dim).transpose(0, 1)
+        gv = gather(self.v_pages, pages).reshape(H, gcols * PAGE_SIZE, self.head_dim).transpose(0, 1)
         g_adm = torch.arange(gcols * PAGE_SIZE, device=self.device)[:, None] < glen[None, :]
         pos = torch.arange(max(0, prefix_len - W), prefix_len, device=self.device)
         slot = pos % W
         rpage = self.page_table[r, layer, :, (slot // PAGE_SIZE)].long().t()  # [n, H]
-        rk = self.k_pages[rpage, (slot % PAGE_SIZE)[:, None]]
-        rv = self.v_pages[rpage, (slot % PAGE_SIZE)[:, None]]
+        rk = gather(self.k_pages, rpage, (slot % PAGE_SIZE)[:, None])
+        rv = gather(self.v_pages, rpage, (slot % PAGE_SIZE)[:, None])
         r_adm = self.ring_flag[r, layer][:, slot].t()
         k_pos = torch.cat([torch.full((gcols * PAGE_SIZE,), FAR_POSITION, device=self.device), pos])
         return (

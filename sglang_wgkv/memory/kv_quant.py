@@ -65,6 +65,11 @@ def byte_view(pages: torch.Tensor) -> torch.Tensor:
     return pages.view(torch.uint8) if is_fp8(pages.dtype) else pages
 
 
+def gather(pages: torch.Tensor, *index) -> torch.Tensor:
+    """``pages[index]`` with the pages' dtype, gathered through :func:`byte_view`."""
+    return byte_view(pages)[index].view(pages.dtype)
+
+
 def check_scales(scales, num_layers: int, name: str) -> list[float]:
     """``scales`` as ``num_layers`` positive finite floats; ValueError naming ``name`` otherwise."""
     values = [float(s) for s in scales]
