@@ -158,3 +158,18 @@ def test_layer_scales_follow_sglang():
     assert layer_scale(SimpleNamespace(k_scale=0.25, k_scale_float=None), "k") == 0.25
     assert layer_scale(SimpleNamespace(v_scale=torch.tensor(-1.0), v_scale_float=None), "v") == 1.0
     assert layer_scale(SimpleNamespace(k_scale=None, k_scale_float=None), "k") == 1.0
+
+
+def test_capacity_counts_fp8_bytes():
+    """A token of FP8 K/V costs half a bf16 one, so per-slot state (bytes) costs twice the tokens; the
+    evictor's query window stays in the model's dtype."""
+    from sglang_wgkv.integration.capacity import ModelShape, fixed_costs
+
+    shape = dict(num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64, context_len=8192)
+    bf16 = ModelShape(**shape, dtype_bytes=2)
+    fp8 = ModelShape(**shape, dtype_bytes=1, query_bytes=2)
+    assert fp8.token_bytes * 2 == bf16.token_bytes
+    cost_bf16, cost_fp8 = fixed_costs(bf16, 256, 32), fixed_costs(fp8, 256, 32)
+    assert cost_fp8.window_tokens == 2 * cost_bf16.window_tokens
+    assert abs(cost_fp8.slot_tokens - 2 * cost_bf16.slot_tokens) <= 1
+    assert fixed_costs(ModelShape(**shape, dtype_bytes=1), 256, 32).window_tokens == cost_bf16.window_tokens
