@@ -15,7 +15,7 @@ import torch
 from sglang_wgkv.attention.folded_index import build_folded_indices
 from sglang_wgkv.attention.reference import paged_decode_attention, vertical_slash_attention
 from sglang_wgkv.config import PAGE_SIZE, WGKVConfig
-from sglang_wgkv.memory import DualCachePool, decode_step, dual_pool, extend_step, kv_quant
+from sglang_wgkv.memory import DualCachePool, decode_step, extend_step, kv_quant, kv_scales
 from sglang_wgkv.memory.kv_quant import dequantize, mantissa_bits, quantize
 
 pytestmark = pytest.mark.core
@@ -244,7 +244,7 @@ def test_mutations_fail_the_checks(monkeypatch, target, mutation, expect):
         for module in (decode_step, extend_step):
             monkeypatch.setattr(module, "quantize", mutation(kv_quant.quantize))
     else:
-        monkeypatch.setattr(dual_pool, "dequantize", mutation(kv_quant.dequantize))
+        monkeypatch.setattr(kv_scales, "dequantize", mutation(kv_quant.dequantize))
         monkeypatch.setattr("sglang_wgkv.attention.reference.dequantize", mutation(kv_quant.dequantize))
     failed = set(run(dtype))
     assert expect <= failed, failed

@@ -16,8 +16,9 @@ layout.
 
 from __future__ import annotations
 
-from sglang_wgkv.memory.kv_quant import FP8_KV_CACHE_DTYPES
-
+# (names only: the launcher and SGLang's plugin hooks read this module before torch is needed; the
+# dtypes are memory.kv_quant's)
+FP8_KV_CACHE_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 UNQUANTIZED_KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "float16", "float32")
 SERVED_KV_CACHE_DTYPES = UNQUANTIZED_KV_CACHE_DTYPES + tuple(FP8_KV_CACHE_DTYPES)
 

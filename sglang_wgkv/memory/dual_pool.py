@@ -26,8 +26,8 @@ Step protocol (host-known lengths come from the scheduler; nothing here syncs in
   then :meth:`write_decode` per layer before attention reads :meth:`decode_page_rows`.
 
 The pool is the only writer of its state. Its steps live in their own files
-(:mod:`~sglang_wgkv.memory.extend_step`, :mod:`~sglang_wgkv.memory.decode_step`, base classes of
-the pool); what others change goes through methods here: the evictor's compaction
+(:mod:`~sglang_wgkv.memory.extend_step`, :mod:`~sglang_wgkv.memory.decode_step`, and the FP8 scales
+:mod:`~sglang_wgkv.memory.kv_scales`: base classes of the pool); what others change goes through methods here: the evictor's compaction
 (:meth:`compact_global`, :meth:`release_pages`) and prefix snapshots (:meth:`take_snapshot`,
 :meth:`restore_snapshot`, :meth:`release_snapshot`).
 """
@@ -40,7 +40,8 @@ import torch
 from sglang_wgkv.config import PAGE_SIZE, WGKVConfig
 from sglang_wgkv.memory.decode_step import DecodePlan, DecodeStep
 from sglang_wgkv.memory.extend_step import ExtendPlan, ExtendStep
-from sglang_wgkv.memory.kv_quant import byte_view, check_scales, dequantize, gather, is_fp8
+from sglang_wgkv.memory.kv_quant import byte_view, gather, is_fp8
+from sglang_wgkv.memory.kv_scales import KVScales
 from sglang_wgkv.memory.page_allocator import PageAllocator
 from sglang_wgkv.memory.prefix_snapshot import PrefixSnapshot
 
@@ -55,7 +56,7 @@ class PoolIntegrityError(RuntimeError):
     pass
 
 
-class DualCachePool(ExtendStep, DecodeStep):
+class DualCachePool(ExtendStep, DecodeStep, KVScales):
     """Parameters
     ----------
     num_layers, num_kv_heads, head_dim : model attention shape (KV heads of this rank).
@@ -231,40 +232,6 @@ class DualCachePool(ExtendStep, DecodeStep):
     def release_snapshot(self, snap: PrefixSnapshot) -> int:
         """Drop the snapshot's page references; returns the pages returned to the free stack."""
         return self.allocator.free(snap.pages(self.dump_page))
-
-    # -- FP8 scales (memory/kv_quant.py) ---------------------------------------------------------
-    def set_kv_scales(self, k_scale, v_scale) -> None:
-        """The per-layer scales (``[L]`` floats, SGLang's layer ``k_scale`` / ``v_scale``) of an FP8
-        pool; only while it holds no page (stored bytes are relative to the scales they were written
-        with)."""
-        if not self.quantized:
-            raise ValueError(f"a {self.dtype} pool applies no KV scales")
-        k = check_scales(k_scale, self.num_layers, "k_scale")
-        v = check_scales(v_scale, self.num_layers, "v_scale")
-        if self.num_free_pages() != self.allocator.num_pages:
-            raise RuntimeError("KV scales can only be set while the pool holds no page")
-        self.k_scale.copy_(torch.tensor(k, dtype=torch.float32))
-        self.v_scale.copy_(torch.tensor(v, dtype=torch.float32))
-
-    def read_keys(self, stored: torch.Tensor, layer, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Keys gathered from :attr:`k_pages` (``[..., D]``) as values in ``dtype`` (default
-        :attr:`compute_dtype`); ``layer``: an int, or an ``[S]`` tensor of the layer of each leading
-        row."""
-        return dequantize(
-            stored, self._layer_scale(self.k_scale, layer, stored.dim()), dtype or self.compute_dtype
-        )
-
-    def read_values(self, stored: torch.Tensor, layer, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """:meth:`read_keys` for values (:attr:`v_pages`, ``v_scale``)."""
-        return dequantize(
-            stored, self._layer_scale(self.v_scale, layer, stored.dim()), dtype or self.compute_dtype
-        )
-
-    @staticmethod
-    def _layer_scale(scales: torch.Tensor, layer, ndim: int) -> torch.Tensor:
-        if isinstance(layer, torch.Tensor):
-            return scales[layer].view(-1, *([1] * (ndim - 1)))
-        return scales[layer]
 
     # -- eviction (memory/evictor.py) ------------------------------------------------------------
     def compact_global(

@@ -23,9 +23,6 @@ import torch
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
-# SGLang's --kv-cache-dtype names of the FP8 formats the dual pool stores.
-FP8_KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-
 
 def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in FP8_DTYPES
