@@ -126,7 +126,7 @@ def cpu_default_kv_tokens(
     dtype = _option(sglang_argv, "--kv-cache-dtype")
     if dtype in (None, "auto"):
         dtype = _option(sglang_argv, "--dtype")
-    dtype_bytes = 4 if dtype in ("float32", "float") else 2
+    dtype_bytes = 4 if dtype in ("float32", "float") else 1 if dtype in ("fp8_e4m3", "fp8_e5m2") else 2
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if ram_bytes is None else ram_bytes
     return int(ram * CPU_KV_RAM_FRACTION) // (2 * layers * kv_heads * head_dim * dtype_bytes)
 
@@ -271,6 +271,19 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
         )
     except ValueError as e:
         raise ValueError(f"invalid WG-KV option: {e}") from e
+    from sglang_wgkv.integration.kv_dtype import kv_cache_dtype_problem
+
+    on_cuda = device in (None, "cuda")
+    kernels = settings.attention == "kernels" or (
+        settings.attention == "auto"
+        and on_cuda
+        and _option(sglang_argv, "--dtype") not in ("float32", "float")
+    )
+    problem = kv_cache_dtype_problem(
+        _option(sglang_argv, "--kv-cache-dtype"), kernels=kernels, extend_kernels=settings.extend_kernels
+    )
+    if problem:
+        raise ValueError(f"WG-KV does not serve {problem}")
     env[ENV_VAR] = settings.to_env()
     return settings, sglang_argv, env
 

@@ -20,8 +20,11 @@ import copy
 from types import SimpleNamespace
 
 import torch
+from interp_decode_check import pages_match
 from interp_gate_check import make_gates
 
+from sglang_wgkv.attention.folded_index import build_folded_indices
+from sglang_wgkv.attention.reference import paged_decode_attention
 from sglang_wgkv.attention.triton_decode import DecodeConfig
 from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.gate.admission import DeferredGateCheck
@@ -118,7 +121,8 @@ def make_backend(
     return b
 
 
-def build_pool() -> DualCachePool:
+def build_pool(kv_dtype=None) -> DualCachePool:
+    """``kv_dtype``: FP8 pages (per-layer scales) read by the model's DT, else DT pages."""
     pool = DualCachePool(
         L,
         H,
@@ -127,8 +131,11 @@ def build_pool() -> DualCachePool:
         max_requests=5,
         max_context_len=96,
         config=WGKVConfig(local_window=W, tau=0.1),
-        dtype=DT,
+        dtype=kv_dtype or DT,
+        compute_dtype=DT,
     )
+    if pool.quantized:
+        pool.set_kv_scales([0.7, 1.9][:L] + [1.0] * (L - 2), [1.4, 0.6][:L] + [1.0] * (L - 2))
     gen = torch.Generator().manual_seed(0)
     for r in SLOTS:
         pool.alloc_request(r)
@@ -173,12 +180,15 @@ def live_state(pool):
 
 def assert_same(a, b, what):
     for key in a:
+        if key in ("k", "v"):  # FP8 pages: within the interpreter's FP8 rounding (pages_match)
+            assert pages_match(b[key], a[key], exact=False), f"{what}: {key} differs"
+            continue
         same = (a[key] == b[key]).all() if isinstance(a[key], torch.Tensor) else (a[key] == b[key]).all()
         assert bool(same), f"{what}: {key} differs"
 
 
-def main(tensor_core_gate: bool, decode_launch: str = "", evictor_rows: int | None = None):
-    pool_a = build_pool()
+def main(tensor_core_gate: bool, decode_launch: str = "", evictor_rows: int | None = None, kv_dtype=None):
+    pool_a = build_pool(kv_dtype)
     pool_b = copy.deepcopy(pool_a)
     pool_b.triton_decode = True  # the kernels path's pool: Triton promotion and ring write (interpreted)
     a, b = (
@@ -241,7 +251,14 @@ def main(tensor_core_gate: bool, decode_launch: str = "", evictor_rows: int | No
     out_b = run_layers(b, view, junk(q, HQ), junk(k, H), junk(v, H))
     assert_same(live_state(pool_a), live_state(pool_b), "replay vs eager")
     for i in range(L):
-        err = (out_b[i][:B].float() - out_a[i].float()).abs().max().item()
+        want = out_a[i]
+        if kv_dtype is not None:  # over B's own pages: the interpreter may round a new token otherwise
+            rows, num_pages, last, _ = pool_b.decode_page_rows(i)
+            want = paged_decode_attention(
+                q[i].view(B, HQ, D), pool_b.k_pages, pool_b.v_pages, *build_folded_indices(rows, num_pages, last),
+                sm_scale=D**-0.5, k_scale=pool_b.k_scale[i], v_scale=pool_b.v_scale[i],
+            ).view(B, HQ * D)  # fmt: skip
+        err = (out_b[i][:B].float() - want.float()).abs().max().item()
         assert err < 5e-2, f"layer {i}: graph-path output differs from the reference by {err}"
     ev_a, ev_b = a.evictor, b.evictor
     live = torch.tensor(SLOTS[: evictor_rows or len(SLOTS)])
@@ -249,11 +266,13 @@ def main(tensor_core_gate: bool, decode_launch: str = "", evictor_rows: int | No
     assert torch.equal(rows, ev_b.row[live]) and torch.equal(ev_a.q_pos[rows], ev_b.q_pos[rows])
     assert torch.equal(ev_a.q_buf[rows], ev_b.q_buf[rows]) and bool((ev_b.q_pos[rows] >= 0).any())
     pool_b.check_integrity()
-    gate = "PrefillGate.admit" if tensor_core_gate else "DecodeGate"
-    print("decode gate:", gate, "OK" if evictor_rows is None else f"OK, evictor window rows {evictor_rows}")
+    pages = f" ({str(kv_dtype).removeprefix('torch.')} pages)" if kv_dtype else ""
+    rows_note = "" if evictor_rows is None else f", evictor window rows {evictor_rows}"
+    print(f"decode gate: {'PrefillGate.admit' if tensor_core_gate else 'DecodeGate'}{pages} OK{rows_note}")
 
 
 if __name__ == "__main__":
     main(False)
     main(True, decode_launch="block_n=16,num_stages=1,programs_per_sm=2")  # a served non-default shape
     main(False, evictor_rows=2)  # no server budget: windows for bound requests only
+    main(False, kv_dtype=torch.float8_e4m3fn)

@@ -17,6 +17,7 @@ from sglang_wgkv.attention.folded_index import build_folded_indices
 from sglang_wgkv.attention.reference import paged_decode_attention
 from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.memory import DualCachePool
+from sglang_wgkv.memory.kv_quant import is_fp8, mantissa_bits
 
 EMPTY_SLOT = 0  # PoolCase never allocates request slots 0 and 1
 TOL = {torch.float16: (3e-3, 2e-2), torch.bfloat16: (2e-2, 8e-2)}  # (relative norm, max abs)
@@ -62,7 +63,50 @@ CASES = {
         p_admit=0.5,
         launches=[(1, 64), (4, 16)],
     ),
+    # FP8 pages (kv_dtype) read by bf16 / fp16 queries, with per-layer scales (SCALES)
+    "d64_g3_e4m3_bf16": dict(
+        D=64,
+        Hq=9,
+        Hkv=3,
+        dtype=torch.bfloat16,
+        kv_dtype=torch.float8_e4m3fn,
+        W=32,
+        plens=[150, 20],
+        late=1,
+        steps=1,
+        p_admit=0.5,
+        launches=[(1, 64), (3, 16)],
+    ),
+    "d128_g2_e5m2_fp16": dict(
+        D=128,
+        Hq=4,
+        Hkv=2,
+        dtype=torch.float16,
+        kv_dtype=torch.float8_e5m2,
+        W=32,
+        plens=[90, 20],
+        late=0,
+        steps=1,
+        p_admit=0.5,
+        launches=[(2, 32)],
+    ),
 }
+SCALES = ([0.6, 1.7], [1.3, 0.45])  # (k_scale, v_scale) per layer of an FP8 case's pool
+
+
+def pages_match(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
+    """Pages equal bit for bit (the GPU converts to FP8 by round-to-nearest-even, as torch). FP8 pages
+    under Triton's interpreter (``exact`` False): within one ulp, or half of torch's value where torch
+    rounded up to a power of two (the interpreter's conversion drops that carry into the exponent)."""
+    if not is_fp8(a.dtype):
+        return torch.equal(a, b)
+    if exact:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    af, bf = a.float(), b.float()
+    ulp = bf.abs() * 2.0 ** -mantissa_bits(a.dtype) + torch.finfo(a.dtype).smallest_normal
+    power_of_two = (bf != 0) & (torch.frexp(bf).mantissa.abs() == 0.5)
+    lost_carry = power_of_two & (af == bf / 2)
+    return bool((((af - bf).abs() <= ulp) | lost_carry).all())
 
 
 def close(out: torch.Tensor, ref: torch.Tensor, dtype) -> tuple[bool, float, float]:
@@ -93,6 +137,7 @@ class PoolCase:
         num_pages=None,
         max_context=None,
         seed=0,
+        kv_dtype=None,
     ):
         self.gen = torch.Generator(device="cpu").manual_seed(seed)
         self.D, self.Hq, self.Hkv, self.dtype, self.device, self.p_admit = D, Hq, Hkv, dtype, device, p_admit
@@ -108,9 +153,14 @@ class PoolCase:
             max_requests=B + 2,
             max_context_len=max_context,
             config=WGKVConfig(local_window=W),
-            dtype=dtype,
+            dtype=kv_dtype or dtype,
             device=device,
+            compute_dtype=dtype,
         )
+        if self.pool.quantized:
+            self.pool.set_kv_scales(
+                [*SCALES[0], *SCALES[0]][:num_layers], [*SCALES[1], *SCALES[1]][:num_layers]
+            )
         free = self.pool.allocator.free_stack  # pages handed out in random order, as in a used pool
         free.copy_(free[torch.randperm(free.numel(), generator=self.gen).to(device)])
         # Slots out of order, one unused slot in between: the kernel must index rows by slot.
@@ -148,10 +198,16 @@ class PoolCase:
     def query(self):
         return self.randn(len(self.slots), self.Hq, self.D)
 
-    def reference(self, q, layer):
+    def reference(self, q, layer, k_pages=None, v_pages=None):
+        """The reference over the pool's pages (or ``k_pages``/``v_pages`` in the pool's layout)."""
         rows, num_pages, last, _ = self.pool.decode_page_rows(layer)
         indptr, indices, last = build_folded_indices(rows, num_pages, last)
-        return paged_decode_attention(q, self.pool.k_pages, self.pool.v_pages, indptr, indices, last)
+        k_pages = self.pool.k_pages if k_pages is None else k_pages
+        v_pages = self.pool.v_pages if v_pages is None else v_pages
+        return paged_decode_attention(
+            q, k_pages, v_pages, indptr, indices, last,
+            k_scale=self.pool.k_scale[layer], v_scale=self.pool.v_scale[layer],
+        )  # fmt: skip
 
     def kv_lengths(self, layer):
         """``[B, H]`` tokens per stream of the current step (after the write)."""
@@ -174,8 +230,9 @@ def run_case(name: str, device: str = "cpu") -> bool:
 
     c = CASES[name]
     case = PoolCase(
-        c["D"], c["Hq"], c["Hkv"], c["dtype"], c["W"], c["plens"], c["late"], c["p_admit"], device
-    )
+        c["D"], c["Hq"], c["Hkv"], c["dtype"], c["W"], c["plens"], c["late"], c["p_admit"], device,
+        kv_dtype=c.get("kv_dtype"),
+    )  # fmt: skip
     assert not case.pool.global_len[EMPTY_SLOT].any()
     ws = FoldedDecodeWorkspace(
         len(case.slots) + 1, c["Hq"], c["D"], max(s for s, _ in c["launches"]), device, num_kv_heads=c["Hkv"]
@@ -208,6 +265,8 @@ def run_case(name: str, device: str = "cpu") -> bool:
             workspace=ws,
             out=torch.full_like(q, float("nan")),
             config=DecodeConfig(block_n=block_n, fused_merge=fused),
+            k_scale=case.pool.k_scale[layer],
+            v_scale=case.pool.v_scale[layer],
             **extra,
         )
 
@@ -261,9 +320,15 @@ def run_case(name: str, device: str = "cpu") -> bool:
                     for write_new in (False, True):
                         if write_new:
                             q_w, outs, kp, vp, observed = fused_writes.pop((layer, splits, block_n, fused))
-                            ref = torch.cat([case.reference(q_w[:-1], layer), torch.zeros_like(q_w[-1:])])
-                            pages_equal = torch.equal(kp, case.pool.k_pages) and torch.equal(
-                                vp, case.pool.v_pages
+                            # FP8: the output is checked over the pages the kernel wrote (the GPU's
+                            # equal the pool's; the interpreter's may hold a differently rounded token)
+                            own = (kp, vp) if case.pool.quantized else (None, None)
+                            ref = torch.cat(
+                                [case.reference(q_w[:-1], layer, *own), torch.zeros_like(q_w[-1:])]
+                            )
+                            exact = device == "cuda"
+                            pages_equal = pages_match(kp, case.pool.k_pages, exact) and pages_match(
+                                vp, case.pool.v_pages, exact
                             )
                         else:
                             outs = [

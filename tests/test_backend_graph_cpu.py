@@ -26,8 +26,9 @@ GRAPH_RUN = InterpCheck(os.path.join(HERE, "backend_graph_check.py"))
 def test_graph_decode_path_matches_eager_reference(interp_runner):
     proc = interp_runner.result(GRAPH_RUN)
     lines = proc.stdout.strip().splitlines()
-    assert proc.returncode == 0 and lines[-3:] == [
+    assert proc.returncode == 0 and lines[-4:] == [
         "decode gate: DecodeGate OK",
         "decode gate: PrefillGate.admit OK",
         "decode gate: DecodeGate OK, evictor window rows 2",
+        "decode gate: DecodeGate (float8_e4m3fn pages) OK",
     ], proc.stdout[-3000:] + proc.stderr[-3000:]

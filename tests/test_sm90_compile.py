@@ -110,9 +110,9 @@ def _decode_gate_launches(dtype, shape):
         return launches(lambda: gate(0, k, k.clone(), torch.full((B,), 0.1), num_splits=16))
 
 
-def _pool_launches(dtype, shape):
+def _pool_launches(dtype, shape, kv_dtype=None):
     """The decode step's pool kernels: promotion (one-program scan and, past PROMOTE_SCAN_BLOCK items,
-    the blocked scan) and the ring write."""
+    the blocked scan) and the ring write (into ``kv_dtype`` pages, default ``dtype``)."""
     from unittest import mock
 
     from sglang_wgkv.config import WGKVConfig
@@ -127,7 +127,7 @@ def _pool_launches(dtype, shape):
         max_requests=4,
         max_context_len=1024,
         config=WGKVConfig(local_window=256),
-        dtype=dtype,
+        dtype=kv_dtype or dtype,
         triton_decode=False,
     )
     for r in range(3):
@@ -210,3 +210,21 @@ def test_extend_write_kernels_compile_for_sm90():
     assert names == ["_extend_context_kernel", "_extend_move_kernel", "_extend_ring_kernel"], names
     for kernel, bound, options in got:
         assert compile_sm90(kernel, bound, options).metadata.shared <= SM90_MAX_SHARED
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_fp8_decode_kernels_compile_for_sm90(kv_dtype):
+    """With FP8 pages: the split kernel (bf16 queries, FP8 keys and values converted in registers,
+    the fused ring write quantizing with saturation) and the decode step's pool kernels compile for
+    sm_90 within its shared memory; the PTX converts with the hardware's saturating FP8 instructions."""
+    from sglang_wgkv.attention.triton_decode import DecodeConfig
+
+    compiled = compile_sm90(
+        *split_kernel_launch(DecodeConfig(), batch=2, pos=300, splits=16, observe=True, kv_dtype=kv_dtype)
+    )
+    assert compiled.metadata.shared <= SM90_MAX_SHARED
+    fmt = "e4m3" if kv_dtype == torch.float8_e4m3fn else "e5m2"
+    ptx = compiled.asm["ptx"]
+    assert f"satfinite.{fmt}x2" in ptx and f".{fmt}x2" in ptx.replace(f"satfinite.{fmt}x2", "")
+    for kernel, bound, options in _pool_launches(torch.bfloat16, SHAPES["llama8b"], kv_dtype):
+        assert compile_sm90(kernel, bound, options).metadata.shared <= SM90_MAX_SHARED, kernel.fn.__name__

@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from sglang_wgkv.memory.kv_quant import dequantize, gather
+
 # Attention scores (float32) computed at once by :func:`vertical_slash_attention` (4 MiB; the softmax
 # runs in place on them, so one block is most of what a prefill layer holds on the CPU path). Larger
 # blocks are no faster on CPU and glibc keeps freed blocks of their size in its heap, which raises the
@@ -174,6 +176,8 @@ def paged_decode_attention(
     kv_indices: torch.Tensor,
     kv_last_page_len: torch.Tensor,
     sm_scale: float | None = None,
+    k_scale=1.0,
+    v_scale=1.0,
 ) -> torch.Tensor:
     """Decode over the folded-head paged layout (FlashInfer's ``BatchDecodeWithPagedKVCache`` with
     ``num_kv_heads = 1`` and the GQA group as query heads).
@@ -181,8 +185,10 @@ def paged_decode_attention(
     Parameters
     ----------
     q : ``[B, Hq, D]``; sequence ``s = b * Hkv + h`` reads query heads ``h*group .. (h+1)*group-1``.
-    k_pages, v_pages : ``[num_pages, page_size, D]`` physical pool.
+    k_pages, v_pages : ``[num_pages, page_size, D]`` physical pool (FP8 pages are dequantized:
+        ``float(page) * k_scale``, :mod:`~sglang_wgkv.memory.kv_quant`).
     kv_indptr : ``[B*Hkv + 1]``; kv_indices : page ids; kv_last_page_len : ``[B*Hkv]`` (1..page_size).
+    k_scale, v_scale : per-tensor scales of FP8 pages (float or 0-d float32 tensor); ignored otherwise.
     """
     B, Hq, D = q.shape
     S = kv_indptr.numel() - 1
@@ -195,6 +201,6 @@ def paged_decode_attention(
     valid_page = col[None, :] < num_pages[:, None]
     pages = torch.where(valid_page, kv_indices[idx.clamp(max=max(kv_indices.numel() - 1, 0))].long(), 0)
     lengths = torch.where(num_pages > 0, (num_pages - 1) * page_size + kv_last_page_len.long(), 0)
-    k = k_pages[pages].reshape(B, Hkv, max_pages * page_size, D)
-    v = v_pages[pages].reshape(B, Hkv, max_pages * page_size, D)
+    k = dequantize(gather(k_pages, pages), k_scale, torch.float32).reshape(B, Hkv, max_pages * page_size, D)
+    v = dequantize(gather(v_pages, pages), v_scale, torch.float32).reshape(B, Hkv, max_pages * page_size, D)
     return padded_decode_attention(q, k, v, lengths.view(B, Hkv), sm_scale)

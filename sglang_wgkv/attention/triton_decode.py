@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from sglang_wgkv.config import PAGE_SIZE
+from sglang_wgkv.memory.kv_quant import is_fp8
 
 _LOG2E = 1.4426950408889634
 MAX_SPLIT_COUNT = 128
@@ -324,6 +325,8 @@ def _split_kernel(
     Pos,
     ObsQ,
     ObsPos,
+    KScale,
+    VScale,
     stride_qb,
     stride_qh,
     stride_kp,
@@ -370,6 +373,8 @@ def _split_kernel(
     SPLITS_PAD: tl.constexpr,
     BLOCK_S: tl.constexpr,
     PDL: tl.constexpr,
+    QUANT: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     if PDL:  # launched early (programmatic dependent launch): every earlier kernel's writes visible from here
         tl.extra.cuda.gdc_wait()
@@ -434,6 +439,16 @@ def _split_kernel(
     )
     pt_row = PageTable + r * stride_pr + h * stride_ph
     offs_n = tl.arange(0, BLOCK_N)
+    # FP8 pages (QUANT): keys and values are used in stored units (an FP8 value converts exactly to
+    # q's 16-bit dtype); k_scale folds into the logits' scale and v_scale into the output, read from
+    # device scalars so that a captured graph follows them.
+    if QUANT:
+        k_scale = tl.load(KScale)
+        v_scale = tl.load(VScale)
+    else:
+        k_scale = 1.0
+        v_scale = 1.0
+    qk_scale = qk_scale * k_scale
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -442,12 +457,13 @@ def _split_kernel(
     new_tok = (tl.load(Pos + b) % window).to(tl.int32) if WRITE_NEW else -1
     holds_new = (new_tok >= start) & (new_tok < end)
     if WRITE_NEW:
-        kn = tl.load(
-            KNew + b.to(tl.int64) * stride_nb + h * stride_nh + offs_d, mask=holds_new, other=0.0
-        ).to(K.dtype.element_ty)
-        vn = tl.load(
-            VNew + b.to(tl.int64) * stride_vnb + h * stride_vnh + offs_d, mask=holds_new, other=0.0
-        ).to(V.dtype.element_ty)
+        kn = tl.load(KNew + b.to(tl.int64) * stride_nb + h * stride_nh + offs_d, mask=holds_new, other=0.0)
+        vn = tl.load(VNew + b.to(tl.int64) * stride_vnb + h * stride_vnh + offs_d, mask=holds_new, other=0.0)
+        if QUANT:  # quantized once, here (saturating, as kv_quant.quantize)
+            kn = tl.clamp(kn.to(tl.float32) / k_scale, -FP8_MAX, FP8_MAX)
+            vn = tl.clamp(vn.to(tl.float32) / v_scale, -FP8_MAX, FP8_MAX)
+        kn = kn.to(K.dtype.element_ty)
+        vn = vn.to(V.dtype.element_ty)
         new_page = tl.load(pt_row + (new_tok // PAGE) * stride_pc, mask=holds_new, other=0).to(tl.int64)
     for s in range(start, end, BLOCK_N):
         tok = s + offs_n
@@ -460,6 +476,9 @@ def _split_kernel(
         v = tl.load(
             V + page[:, None] * stride_vp + slot * stride_vt + offs_d[None, :], mask=ok[:, None], other=0.0
         )
+        if QUANT:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         qk = _dot(q, tl.trans(k), UPCAST) * qk_scale
         qk = tl.where(ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -486,7 +505,7 @@ def _split_kernel(
     o_ptr = (
         PartO + b.to(tl.int64) * stride_ob + qhead[:, None] * stride_oh + split * stride_os + offs_d[None, :]
     )
-    tl.store(o_ptr, acc / l_i[:, None], mask=row_ok[:, None])
+    tl.store(o_ptr, acc * (v_scale / l_i)[:, None], mask=row_ok[:, None])
     tl.store(
         PartLse + b.to(tl.int64) * stride_lb + qhead * stride_lh + split, m_i + tl.math.log2(l_i), mask=row_ok
     )
@@ -576,7 +595,7 @@ def _merge_kernel(
     )
 
 
-def _check_inputs(q, k_pages, v_pages, page_table, global_len, req, ring_tokens, layer):
+def _check_inputs(q, k_pages, v_pages, page_table, global_len, req, ring_tokens, layer, scales):
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
     B, Hq, D = q.shape
@@ -587,11 +606,17 @@ def _check_inputs(q, k_pages, v_pages, page_table, global_len, req, ring_tokens,
             f"k_pages/v_pages must be [P, {PAGE_SIZE}, {D}], got {tuple(k_pages.shape)}, "
             f"{tuple(v_pages.shape)}"
         )
-    if q.dtype not in (torch.float16, torch.bfloat16) or k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+    pages_ok = k_pages.dtype == v_pages.dtype and (k_pages.dtype == q.dtype or is_fp8(k_pages.dtype))
+    if q.dtype not in (torch.float16, torch.bfloat16) or not pages_ok:
         raise ValueError(
-            f"q/k_pages/v_pages must share dtype float16 or bfloat16, got {q.dtype}, "
-            f"{k_pages.dtype}, {v_pages.dtype}"
+            f"q must be float16 or bfloat16 and k_pages/v_pages share q's dtype or one FP8 dtype, got "
+            f"{q.dtype}, {k_pages.dtype}, {v_pages.dtype}"
         )
+    if is_fp8(k_pages.dtype) and not all(
+        isinstance(t, torch.Tensor) and t.numel() == 1 and t.dtype == torch.float32 and t.device == q.device
+        for t in scales
+    ):
+        raise ValueError("FP8 pages need k_scale and v_scale: one-element float32 tensors on q's device")
     if page_table.dim() != 4 or page_table.dtype != torch.int32:
         raise ValueError(
             f"page_table must be int32 [R, L, H, C], got {page_table.dtype} {tuple(page_table.shape)}"
@@ -633,13 +658,16 @@ def folded_decode(
     pos=None,
     window: int | None = None,
     observe=None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of one layer over the dual-cache pool.
 
     Parameters
     ----------
     q : ``[B, Hq, D]`` float16/bfloat16; query heads ``h*group .. (h+1)*group - 1`` read KV head h.
-    k_pages, v_pages : ``[P, 16, D]`` the pool's pages, q's dtype.
+    k_pages, v_pages : ``[P, 16, D]`` the pool's pages, q's dtype or FP8 (float8_e4m3fn/e5m2, read
+        as ``float(page) * scale``; the fused ring write stores ``fp8(new / scale)``, saturated).
     page_table : ``[R, L, H, C]`` int32; global_len : ``[R, L, H]`` int32 (the pool's tensors).
     req : ``[B]`` request slots; ring_tokens : ``[B]`` ring tokens after this step's write
         (``min(pos + 1, W)``); any integer dtype.
@@ -661,10 +689,13 @@ def folded_decode(
         ``[R, W_obs]`` int64 or None (shared by the layers: give it once per step). Row b's queries
         are stored at ``obs_q[req[b], pos[b] % W_obs]`` (in obs_q's dtype) and ``pos[b]`` at
         ``obs_pos[req[b], pos[b] % W_obs]``, as :meth:`SnapKVEvictor.observe_decode` does.
+    k_scale, v_scale : FP8 pages' per-tensor scales of this layer, one-element float32 device tensors
+        (read by the kernel: a captured graph follows in-place updates); unused otherwise.
 
     Returns ``[B, Hq, D]`` in q's dtype.
     """
-    _check_inputs(q, k_pages, v_pages, page_table, global_len, req, ring_tokens, layer)
+    _check_inputs(q, k_pages, v_pages, page_table, global_len, req, ring_tokens, layer, (k_scale, v_scale))
+    quant = is_fp8(k_pages.dtype)
     B, Hq, D = q.shape
     H = page_table.shape[2]
     cfg = config or DecodeConfig()
@@ -774,6 +805,8 @@ def folded_decode(
         npos,
         xq,
         xp,
+        k_scale if quant else gl,  # placeholders: never read
+        v_scale if quant else gl,
         q.stride(0),
         q.stride(1),
         k_pages.stride(0),
@@ -820,6 +853,8 @@ def folded_decode(
         SPLITS_PAD=splits_pad,
         BLOCK_S=min(splits_pad, _MERGE_TILE // (_MERGE_ROWS * D)),
         PDL="launch_pdl" in options,
+        QUANT=quant,
+        FP8_MAX=torch.finfo(k_pages.dtype).max if quant else 0.0,
         **options,
     )
     if cfg.fused_merge:

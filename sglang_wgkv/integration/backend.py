@@ -63,6 +63,7 @@ from sglang_wgkv.gate import GateConfig, WriteGates, load_gates
 from sglang_wgkv.gate.admission import DeferredGateCheck, admission_flags
 from sglang_wgkv.gate.checkpoint import check_served_window
 from sglang_wgkv.integration.key_capture import PreRopeKeyCapture
+from sglang_wgkv.integration.kv_dtype import model_kv_scales
 from sglang_wgkv.integration.kv_pool import WGKVTokenToKVPool
 from sglang_wgkv.integration.runtime import get_runtime
 from sglang_wgkv.integration.settings import BACKEND_NAME, ServingSettings
@@ -179,6 +180,8 @@ class WGKVAttnBackend(AttentionBackend):
         self.settings = runtime.settings
         self.device = self.dual.device
         self.kv_heads = runtime.kv_heads
+        if self.dual.quantized:  # the checkpoint's per-layer scales, loaded with the model
+            self.dual.set_kv_scales(*model_kv_scales(model_runner.model, self.dual.num_layers))
         self.gates = build_gates(
             self.settings,
             self.dual.num_layers,
@@ -496,7 +499,15 @@ class WGKVAttnBackend(AttentionBackend):
             pages, num_pages, last_len, _ = self.dual.decode_page_rows(layer.layer_id)
             indptr, indices, last = build_folded_indices(pages, num_pages, last_len)
             out = reference.paged_decode_attention(
-                q3, self.dual.k_pages, self.dual.v_pages, indptr, indices, last, sm_scale=layer.scaling
+                q3,
+                self.dual.k_pages,
+                self.dual.v_pages,
+                indptr,
+                indices,
+                last,
+                sm_scale=layer.scaling,
+                k_scale=self.dual.k_scale[layer.layer_id],
+                v_scale=self.dual.v_scale[layer.layer_id],
             )
             return out.reshape(-1, Hq * Dv)
         from sglang_wgkv.attention.triton_decode import folded_decode
@@ -526,7 +537,7 @@ class WGKVAttnBackend(AttentionBackend):
         main = torch.cuda.current_stream(self.device) if side is not None else None
         fork = main.record_event() if side is not None else None
         out = folded_decode(
-            q3.to(self.dual.dtype),
+            q3.to(self.dual.compute_dtype),
             self.dual.k_pages,
             self.dual.v_pages,
             self.dual.page_table,
@@ -543,6 +554,8 @@ class WGKVAttnBackend(AttentionBackend):
             pos=rows.pos,
             window=self.dual.window,
             observe=observe,
+            k_scale=self.dual.k_scale[layer.layer_id],
+            v_scale=self.dual.v_scale[layer.layer_id],
         )
         if side is not None:
             side.wait_event(fork)

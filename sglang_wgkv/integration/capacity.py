@@ -143,7 +143,8 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     context_len: int
-    dtype_bytes: int
+    dtype_bytes: int  # one K or V element in the pool (1 for FP8)
+    query_bytes: int | None = None  # one query element (the model's dtype); default dtype_bytes
 
     @property
     def token_bytes(self) -> int:
@@ -165,7 +166,7 @@ def fixed_costs(shape: ModelShape, local_window: int, evictor_window: int | None
             * evictor_window
             * shape.num_q_heads
             * shape.head_dim
-            * shape.dtype_bytes
+            * (shape.query_bytes or shape.dtype_bytes)  # the evictor's query window: model dtype
             // shape.token_bytes
         )
     return FixedCosts(slot_tokens=-(-slot_bytes // shape.token_bytes), window_tokens=window)

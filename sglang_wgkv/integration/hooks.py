@@ -30,6 +30,7 @@ import math
 
 import msgspec
 
+from sglang_wgkv.integration.kv_dtype import SERVED_KV_CACHE_DTYPES, kv_cache_dtype_problem
 from sglang_wgkv.integration.settings import BACKEND_NAME, GPU_RESERVE_MIB, ServingSettings
 
 logger = logging.getLogger(__name__)
@@ -71,13 +72,19 @@ def prepare_server_args(server_args, *args, **kwargs):
         "--dp-size > 1": server_args.dp_size > 1,
         "--page-size > 1 (SGLang's pages are logical here; the dual pool pages itself)": server_args.page_size
         not in (None, 1),
-        "--kv-cache-dtype other than auto/bf16/fp16/fp32": server_args.kv_cache_dtype
-        not in ("auto", "bfloat16", "float16", "float32"),
+        f"--kv-cache-dtype other than {'/'.join(SERVED_KV_CACHE_DTYPES)}": server_args.kv_cache_dtype
+        not in SERVED_KV_CACHE_DTYPES,
     }
     bad = [flag for flag, on in unsupported.items() if on]
     if bad:
         raise ValueError(f"--attention-backend {BACKEND_NAME} does not support {', '.join(bad)}")
     settings = ServingSettings.from_env()  # (fails here, in the launcher, on a malformed variable)
+    if settings.attention == "kernels":
+        problem = kv_cache_dtype_problem(
+            server_args.kv_cache_dtype, kernels=True, extend_kernels=settings.extend_kernels
+        )
+        if problem:
+            raise ValueError(f"--attention-backend {BACKEND_NAME} does not support {problem}")
     if not server_args.disable_radix_cache:
         from radix_ext.factory import RADIX_BACKEND
 
@@ -89,7 +96,7 @@ def prepare_server_args(server_args, *args, **kwargs):
         server_args.radix_cache_backend = RADIX_BACKEND
         server_args.disable_overlap_schedule = True
     server_args.disable_prefill_cuda_graph = True
-    blocker = settings.decode_graph_blocker(server_args.device, server_args.dtype)
+    blocker = settings.decode_graph_blocker(server_args.device, server_args.dtype, server_args.kv_cache_dtype)
     if blocker:
         logger.info("wgkv: decode CUDA graphs off: %s", blocker)
         server_args.disable_decode_cuda_graph = True

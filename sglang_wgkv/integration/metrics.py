@@ -10,6 +10,7 @@ series                                   type     value
 =======================================  =======  ===============================================
 sglang:wgkv_admitted_fraction            gauge    tokens promoted / tokens that left a ring (all)
 sglang:wgkv_pages_used / _pages_free     gauge    dual-pool pages (16 tokens of one stream each)
+sglang:wgkv_kv_bytes_used                gauge    K/V bytes of the pages in use (FP8: 1 per element)
 sglang:wgkv_ring_tokens                  gauge    ring occupancy of the running requests
 sglang:wgkv_global_tokens                gauge    global-cache tokens of the running requests
 sglang:wgkv_active_requests              gauge    request slots holding dual-pool streams
@@ -26,6 +27,7 @@ GAUGES = {
     "admitted_fraction": "WG-KV: tokens admitted to the global cache / tokens that left a local window.",
     "pages_used": "WG-KV: dual-cache pool pages in use.",
     "pages_free": "WG-KV: dual-cache pool pages free.",
+    "kv_bytes_used": "WG-KV: K/V bytes of the dual-cache pool pages in use.",
     "ring_tokens": "WG-KV: local-window (ring) tokens of the running requests, all layers and KV heads.",
     "global_tokens": "WG-KV: global-cache tokens of the running requests, all layers and KV heads.",
     "active_requests": "WG-KV: requests holding dual-cache streams.",
@@ -66,6 +68,7 @@ class WGKVMetrics:
             "admitted_fraction": math.nan if fraction is None else fraction,
             "pages_used": stats["used_pages"],
             "pages_free": stats["free_pages"],
+            "kv_bytes_used": stats["used_bytes"],
             "ring_tokens": stats["ring_tokens"],
             "global_tokens": stats["global_tokens"],
             "active_requests": stats["active_requests"],

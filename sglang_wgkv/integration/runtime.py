@@ -32,9 +32,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from sglang_wgkv.integration.capacity import CapacityPlan, ModelShape, physical_pages, plan_capacity
+from sglang_wgkv.integration.kv_dtype import kernels_read_fp8
 from sglang_wgkv.integration.settings import BACKEND_NAME, ServingSettings
 from sglang_wgkv.integration.tensor_parallel import counts_heads, rank_kv_heads, tp_usage_reducer
 from sglang_wgkv.memory import DualCachePool
+from sglang_wgkv.memory.kv_quant import is_fp8
 
 if TYPE_CHECKING:
     from sglang_wgkv.memory import SnapKVEvictor
@@ -100,6 +102,7 @@ class WGKVRuntime:
             head_dim=model_config.head_dim,
             context_len=model_config.context_len,
             dtype_bytes=torch.empty(0, dtype=configurator.kv_cache_dtype).element_size(),
+            query_bytes=torch.empty(0, dtype=model_config.dtype).element_size(),
         )
         plan = plan_capacity(
             sizes.max_total_num_tokens,
@@ -136,13 +139,21 @@ class WGKVRuntime:
         return cls(settings, plan, chunk_tokens=server_args.chunked_prefill_size)
 
     @staticmethod
-    def choose_kernels(settings: ServingSettings, device, dtype: torch.dtype) -> bool:
+    def choose_kernels(
+        settings: ServingSettings, device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+    ) -> bool:
         """The one torch/Triton choice: ``kernels`` (raises where they cannot run), ``reference``,
-        or ``auto`` = kernels where they fit (CUDA, fp16/bf16)."""
+        or ``auto`` = kernels where they fit (CUDA, fp16/bf16, a pool of ``kv_dtype`` they read:
+        :mod:`.kv_dtype`; e.g. a checkpoint whose FP8 KV scheme made SGLang's ``auto`` FP8)."""
         fit = kernels_fit(device, dtype)
         if settings.attention == "kernels" and not fit:
             raise ValueError("--wgkv-attention kernels needs a CUDA device and a float16/bfloat16 model")
-        return settings.attention == "kernels" or (settings.attention == "auto" and fit)
+        fp8_blocked = (
+            kv_dtype is not None and is_fp8(kv_dtype) and not kernels_read_fp8(settings.extend_kernels)
+        )
+        if settings.attention == "kernels" and fp8_blocked:
+            raise ValueError(f"--wgkv-attention kernels does not read a {kv_dtype} KV cache yet")
+        return settings.attention == "kernels" or (settings.attention == "auto" and fit and not fp8_blocked)
 
     def build_pools(self, configurator, max_requests: int, max_context_len: int) -> DualCachePool:
         """Build the dual pool (and with ``--kv-budget`` the evictor) for ``max_requests`` request
@@ -171,7 +182,9 @@ class WGKVRuntime:
             raise ValueError(
                 f"rank {par.attn_tp_rank} holds KV heads {self.kv_heads}, its pool {num_kv_heads}"
             )
-        self.use_kernels = self.choose_kernels(self.settings, configurator.device, mc.dtype)
+        self.use_kernels = self.choose_kernels(
+            self.settings, configurator.device, mc.dtype, configurator.kv_cache_dtype
+        )
         self._dual = DualCachePool(
             num_layers=num_layers,
             num_kv_heads=num_kv_heads,
@@ -185,6 +198,7 @@ class WGKVRuntime:
             triton_decode=self.use_kernels,
             triton_extend=self.use_kernels and self.settings.extend_kernels,
             reclaimer=self._reclaim,
+            compute_dtype=mc.dtype,
         )
         config = self.settings.config
         from sglang_wgkv.memory import SnapKVEvictor

@@ -80,14 +80,23 @@ class ServingSettings:
         if self.extend_kernels and self.attention == "reference":
             raise ValueError("extend_kernels needs the kernels path (attention 'kernels' or 'auto')")
 
-    def decode_graph_blocker(self, device: str | None, dtype: str | None = None) -> str | None:
-        """Why the ``wgkv`` decode cannot run under SGLang's CUDA graphs with SGLang's ``--device`` and
-        ``--dtype`` (None: auto-detected), or None when it can (kernels path on CUDA)."""
+    def decode_graph_blocker(
+        self, device: str | None, dtype: str | None = None, kv_cache_dtype: str | None = None
+    ) -> str | None:
+        """Why the ``wgkv`` decode cannot run under SGLang's CUDA graphs with SGLang's ``--device``,
+        ``--dtype`` (None: auto-detected) and ``--kv-cache-dtype``, or None when it can (kernels path
+        on CUDA)."""
         import torch
+
+        from sglang_wgkv.integration.kv_dtype import FP8_KV_CACHE_DTYPES, kernels_read_fp8
 
         if device not in (None, "cuda") or (device is None and not torch.cuda.is_available()):
             return f"device {device or 'cpu'}"
-        if self.attention == "reference" or (self.attention == "auto" and dtype in ("float32", "float")):
+        if (
+            self.attention == "reference"
+            or (self.attention == "auto" and dtype in ("float32", "float"))
+            or (kv_cache_dtype in FP8_KV_CACHE_DTYPES and not kernels_read_fp8(self.extend_kernels))
+        ):
             return "the reference attention syncs with the host every layer"
         return None
 

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from sglang_wgkv.config import PAGE_SIZE
+from sglang_wgkv.memory.kv_quant import byte_view, quantize
 
 
 @dataclass
@@ -135,7 +136,7 @@ class DecodeStep:
         dest_col = torch.where(flag, self.ring_cols + glen // PAGE_SIZE, self.dump_col)
         dest_page = self.page_table[r4, L, H, dest_col].long()
         src_page = self.page_table[r4, L, H, slot // PAGE_SIZE].long()
-        for pages in (self.k_pages, self.v_pages):
+        for pages in (byte_view(self.k_pages), byte_view(self.v_pages)):  # bytes: no second rounding
             pages[dest_page, glen % PAGE_SIZE] = pages[src_page, slot % PAGE_SIZE]
         self.global_len[req] += flag.to(torch.int32)
         self.left_ring += (pos >= W).sum()
@@ -147,8 +148,7 @@ class DecodeStep:
         if p is None:
             raise RuntimeError("write_decode without begin_decode")
         page = p.ring_page[:, layer]
-        self.k_pages[page, p.ring_off] = k.to(self.dtype)
-        self.v_pages[page, p.ring_off] = v.to(self.dtype)
+        self._store_kv(layer, page, p.ring_off, k, v)
         self.ring_flag[p.req[:, None], layer, self._heads[None, :], (p.pos % self.window)[:, None]] = admit
 
     def write_decode_rows(
@@ -174,10 +174,14 @@ class DecodeStep:
         slot = pos % self.window
         page = self.page_table[req[:, None], layer, self._heads[None, :], (slot // PAGE_SIZE)[:, None]].long()
         off = (slot % PAGE_SIZE)[:, None]
-        self.k_pages[page, off] = k.to(self.dtype)
-        self.v_pages[page, off] = v.to(self.dtype)
+        self._store_kv(layer, page, off, k, v)
         if admit is not None:
             self.write_decode_flags(layer, req, pos, admit)
+
+    def _store_kv(self, layer: int, page, off, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``k, v`` quantized once (:func:`~sglang_wgkv.memory.kv_quant.quantize`) into ``[page, off]``."""
+        byte_view(self.k_pages)[page, off] = byte_view(quantize(k, self.k_scale[layer], self.dtype))
+        byte_view(self.v_pages)[page, off] = byte_view(quantize(v, self.v_scale[layer], self.dtype))
 
     def write_decode_flags(
         self, layer: int, req: torch.Tensor, pos: torch.Tensor, admit: torch.Tensor

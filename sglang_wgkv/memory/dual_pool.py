@@ -26,8 +26,8 @@ Step protocol (host-known lengths come from the scheduler; nothing here syncs in
   then :meth:`write_decode` per layer before attention reads :meth:`decode_page_rows`.
 
 The pool is the only writer of its state. Its steps live in their own files
-(:mod:`~sglang_wgkv.memory.extend_step`, :mod:`~sglang_wgkv.memory.decode_step`, base classes of
-the pool); what others change goes through methods here: the evictor's compaction
+(:mod:`~sglang_wgkv.memory.extend_step`, :mod:`~sglang_wgkv.memory.decode_step`, and the FP8 scales
+:mod:`~sglang_wgkv.memory.kv_scales`: base classes of the pool); what others change goes through methods here: the evictor's compaction
 (:meth:`compact_global`, :meth:`release_pages`) and prefix snapshots (:meth:`take_snapshot`,
 :meth:`restore_snapshot`, :meth:`release_snapshot`).
 """
@@ -40,6 +40,8 @@ import torch
 from sglang_wgkv.config import PAGE_SIZE, WGKVConfig
 from sglang_wgkv.memory.decode_step import DecodePlan, DecodeStep
 from sglang_wgkv.memory.extend_step import ExtendPlan, ExtendStep
+from sglang_wgkv.memory.kv_quant import byte_view, gather, is_fp8
+from sglang_wgkv.memory.kv_scales import KVScales
 from sglang_wgkv.memory.page_allocator import PageAllocator
 from sglang_wgkv.memory.prefix_snapshot import PrefixSnapshot
 
@@ -54,7 +56,7 @@ class PoolIntegrityError(RuntimeError):
     pass
 
 
-class DualCachePool(ExtendStep, DecodeStep):
+class DualCachePool(ExtendStep, DecodeStep, KVScales):
     """Parameters
     ----------
     num_layers, num_kv_heads, head_dim : model attention shape (KV heads of this rank).
@@ -73,6 +75,10 @@ class DualCachePool(ExtendStep, DecodeStep):
         in with ``--wgkv-extend-kernels``).
     reclaimer : ``fn(worst_case)`` that releases pages it can spare (a prefix cache dropping
         snapshots) before a step's reserve gives up; it must not allocate.
+    dtype : what the pages store; an FP8 dtype (:mod:`~sglang_wgkv.memory.kv_quant`) quantizes
+        K/V once when written with the per-layer ``k_scale`` / ``v_scale`` (:meth:`set_kv_scales`,
+        1.0 until set), and every read dequantizes.
+    compute_dtype : the dtype reads dequantize into (the model's); default: ``dtype``, float32 for FP8.
     """
 
     def __init__(
@@ -89,6 +95,7 @@ class DualCachePool(ExtendStep, DecodeStep):
         triton_decode: bool | None = None,
         triton_extend: bool = False,
         reclaimer=None,
+        compute_dtype: torch.dtype | None = None,
     ):
         self.config = config
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
@@ -96,6 +103,14 @@ class DualCachePool(ExtendStep, DecodeStep):
         self.window = config.local_window
         self.device = torch.device(device)
         self.dtype = dtype
+        self.quantized = is_fp8(dtype)
+        self.compute_dtype = compute_dtype or (torch.float32 if self.quantized else dtype)
+        # [L] float32 per-tensor scales of each layer (device tensors: kernels and captured CUDA
+        # graphs read them by pointer); only an FP8 pool's differ from 1.0
+        self.k_scale = torch.ones(num_layers, dtype=torch.float32, device=self.device)
+        self.v_scale = torch.ones(num_layers, dtype=torch.float32, device=self.device)
+        if self.quantized and triton_extend:
+            raise ValueError("the Triton extend launches (triton_extend) do not write FP8 pages")
         self.triton_decode = self.device.type == "cuda" if triton_decode is None else triton_decode
         self.triton_extend = triton_extend
         self.allocator = PageAllocator(num_pages, self.device, reclaimer=reclaimer)
@@ -171,8 +186,8 @@ class DualCachePool(ExtendStep, DecodeStep):
         L, H = self.num_layers, self.num_kv_heads
         copies = self.allocator.alloc(L * H * ring_used).view(L, H, ring_used)
         src = self.page_table[r, :, :, :ring_used].long()
-        self.k_pages[copies] = self.k_pages[src]
-        self.v_pages[copies] = self.v_pages[src]
+        for pages in (byte_view(self.k_pages), byte_view(self.v_pages)):
+            pages[copies] = pages[src]
         rows = self.page_table[r].clone()
         rows[:, :, :ring_used] = copies.to(rows.dtype)
         glob = rows[:, :, self.ring_cols : self.dump_col]
@@ -194,16 +209,16 @@ class DualCachePool(ExtendStep, DecodeStep):
         self.allocator.ensure(L * H * ring_used + n_partial)
         rows = snap.rows.clone()
         ring = self.allocator.alloc(L * H * ring_used).view(L, H, ring_used)
-        self.k_pages[ring] = self.k_pages[snap.rows[:, :, :ring_used].long()]
-        self.v_pages[ring] = self.v_pages[snap.rows[:, :, :ring_used].long()]
+        for pages in (byte_view(self.k_pages), byte_view(self.v_pages)):
+            pages[ring] = pages[snap.rows[:, :, :ring_used].long()]
         rows[:, :, :ring_used] = ring.to(rows.dtype)
         last_col = R + (glen - 1).clamp(min=0) // PAGE_SIZE  # [L, H]
         if n_partial:
             fresh = self.allocator.alloc(n_partial)
             li, hi = torch.nonzero(partial, as_tuple=True)
             old = snap.rows[li, hi, last_col[li, hi]].long()
-            self.k_pages[fresh] = self.k_pages[old]
-            self.v_pages[fresh] = self.v_pages[old]
+            for pages in (byte_view(self.k_pages), byte_view(self.v_pages)):
+                pages[fresh] = pages[old]
             rows[li, hi, last_col[li, hi]] = fresh.to(rows.dtype)
         shared = snap.rows[:, :, R:].clone()
         if n_partial:
@@ -234,7 +249,8 @@ class DualCachePool(ExtendStep, DecodeStep):
 
         keep : ``[S, Ng]`` bool over the first ``Ng`` (a multiple of 16) global entries (entries past
             a stream's length are ignored); gpages ``[S, Ng / 16]`` and g_keys ``[S, Ng, D]``: the
-            streams' global pages and keys when the caller already gathered them.
+            streams' global pages and keys as stored (the pool's dtype: an FP8 pool's bytes are
+            moved, never re-quantized) when the caller already gathered them.
         Pages shared with another owner (refcount > 1, e.g. a prefix snapshot) are copied before
         being rewritten.
         """
@@ -243,7 +259,9 @@ class DualCachePool(ExtendStep, DecodeStep):
         if gpages is None:
             gpages = self.page_table[r, l, h, R : R + Ng // PAGE_SIZE].long()
         if g_keys is None:
-            g_keys = self.k_pages[gpages.reshape(-1)].reshape(S, Ng, D)  # 1-D: whole-page gather
+            g_keys = gather(self.k_pages, gpages.reshape(-1)).reshape(S, Ng, D)  # 1-D: whole-page gather
+        if g_keys.dtype != self.dtype:
+            raise ValueError(f"g_keys must be the stored keys ({self.dtype}), got {g_keys.dtype}")
         glen = self.global_len[r, l, h].long()
         valid = torch.arange(Ng, device=self.device)[None, :] < glen[:, None]
         keep = keep & valid
@@ -262,13 +280,13 @@ class DualCachePool(ExtendStep, DecodeStep):
         if n_shared:
             self.allocator.free(gpages[shared])  # drop our reference: the other owner keeps them
             out_pages[shared] = self.allocator.alloc(n_shared)
-        g_vals = self.v_pages[gpages.reshape(-1)].reshape(S, -1, D)
+        g_vals = byte_view(self.v_pages)[gpages.reshape(-1)].reshape(S, -1, D)
         dest_page = torch.where(
             keep, out_pages.gather(1, torch.clamp(dest, min=0) // PAGE_SIZE), self.dump_page
         )
         dest_off = torch.clamp(dest, min=0) % PAGE_SIZE
-        self.k_pages[dest_page, dest_off] = g_keys
-        self.v_pages[dest_page, dest_off] = g_vals
+        byte_view(self.k_pages)[dest_page, dest_off] = byte_view(g_keys)
+        byte_view(self.v_pages)[dest_page, dest_off] = g_vals
         self.page_table[r[:, None], l[:, None], h[:, None], R + col[None, :]] = torch.where(
             col[None, :] < new_cols[:, None], out_pages, self.dump_page
         ).to(torch.int32)
@@ -338,6 +356,7 @@ class DualCachePool(ExtendStep, DecodeStep):
             "used_pages": used,
             "total_pages": self.allocator.num_pages,
             "used_bytes": used * self.page_bytes,
+            "kv_dtype": str(self.dtype).removeprefix("torch."),
             "global_tokens_per_layer_head": glen.sum(0).tolist() if act.numel() else [],
             "global_tokens": int(glen.sum()),
             "ring_tokens": int(ring.sum()) * self.num_layers * self.num_kv_heads,

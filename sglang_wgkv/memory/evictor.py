@@ -43,6 +43,7 @@ import torch
 
 from sglang_wgkv.config import DEFAULT_EVICTOR_WINDOW, DEFAULT_PROMPT_KERNEL, DEFAULT_PROMPT_WINDOW, PAGE_SIZE
 from sglang_wgkv.memory.dual_pool import DualCachePool
+from sglang_wgkv.memory.kv_quant import gather
 from sglang_wgkv.memory.snapkv_score import snapkv_scores
 
 logger = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ class SnapKVEvictor:
         # the slots without one write into and nothing reads
         n_rows = R if self.rows is None else self.rows + 1
         self.q_buf = torch.zeros(
-            n_rows, L, self.window, self.num_q_heads, pool.head_dim, dtype=pool.dtype, device=dev
+            n_rows, L, self.window, self.num_q_heads, pool.head_dim, dtype=pool.compute_dtype, device=dev
         )
         # Position of each window slot's query, shared by the layers: written once per forward
         # (all layers observe the same tokens), read only at step boundaries.
@@ -504,19 +505,23 @@ class SnapKVEvictor:
         gpages = pool.page_table[r, l, h, R : R + gcols].long()  # [S, gc]
         # a 1-D page index gathers whole pages (PyTorch's vectorized gather; a 2-D index takes the
         # element-wise kernel, over ten times slower on a GPU)
-        g_keys = pool.k_pages[gpages.reshape(-1)].reshape(r.numel(), gcols * PAGE_SIZE, D)
-        r_keys = pool.k_pages[pool.page_table[r, l, h, :R].reshape(-1).long()].reshape(r.numel(), W, D)
+        g_keys = gather(pool.k_pages, gpages.reshape(-1)).reshape(r.numel(), gcols * PAGE_SIZE, D)
+        r_keys = gather(pool.k_pages, pool.page_table[r, l, h, :R].reshape(-1).long()).reshape(
+            r.numel(), W, D
+        )
         n = torch.as_tensor(pool.cached_len, device=pool.device)[r]  # [S]
         slot = torch.arange(W, device=pool.device)
         r_pos = n[:, None] - 1 - torch.remainder(n[:, None] - 1 - slot, W)  # <0: empty slot
         q, q_pos = self._window_queries(r, l, h, self.prompt_window if prompt else self.window)
         kernel = self.prompt_kernel if prompt else self.kernel_size
+        # scores read dequantized keys (an FP8 pool's); compaction moves the stored ones
+        g_vals, r_vals = pool.read_keys(g_keys, l, q.dtype), pool.read_keys(r_keys, l, q.dtype)
         scores = None
         if self.triton_scores:
             from sglang_wgkv.memory.triton_snapkv import snapkv_scores_triton
 
             try:
-                scores = snapkv_scores_triton(q, q_pos, g_keys, glen, r_keys, r_pos, self.sm_scale, kernel)
+                scores = snapkv_scores_triton(q, q_pos, g_vals, glen, r_vals, r_pos, self.sm_scale, kernel)
                 self._triton_built = True
             except Exception as exc:  # a kernel Triton cannot build here: the reference, for good
                 if self._triton_built:
@@ -528,7 +533,7 @@ class SnapKVEvictor:
                 )
                 self.triton_scores = False
         if scores is None:
-            scores = snapkv_scores(q, q_pos, g_keys, glen, r_keys, r_pos, self.sm_scale, kernel)
+            scores = snapkv_scores(q, q_pos, g_vals, glen, r_vals, r_pos, self.sm_scale, kernel)
         return scores, glen, gpages, g_keys
 
     def _evict_chunk(self, r, l, h, target, exact: bool) -> torch.Tensor:

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from sglang_wgkv.config import FAR_POSITION, PAGE_SIZE
+from sglang_wgkv.memory.kv_quant import byte_view, gather, quantize
 
 
 def context_rows(prefix_len: int, gcols: int, window: int) -> tuple[int, int]:
@@ -190,10 +191,11 @@ class ExtendStep:
                 )
             else:
                 from_ring = p.cand_from_ring[:, None, None]
-                for pages, new in ((self.k_pages, k), (self.v_pages, v)):
-                    src = torch.where(
-                        from_ring, pages[src_page, slot % PAGE_SIZE], new[p.cand_src].to(pages.dtype)
-                    )
+                for pages, new, scale in ((self.k_pages, k, self.k_scale), (self.v_pages, v, self.v_scale)):
+                    # a ring source keeps its bytes; a new token is quantized here, its only write
+                    fresh = byte_view(quantize(new[p.cand_src], scale[layer], self.dtype))
+                    pages = byte_view(pages)
+                    src = torch.where(from_ring, pages[src_page, slot % PAGE_SIZE], fresh)
                     pages[dest_page, dest % PAGE_SIZE] = src
             self.global_len[p.req, layer] += cnt.to(torch.int32)
             self.left_ring[layer] += p.cand_b.numel()
@@ -206,8 +208,7 @@ class ExtendStep:
             rr = p.req[p.rw_b][:, None]
             slot = p.rw_slot[:, None]
             page = self.page_table[rr, layer, heads, slot // PAGE_SIZE].long()
-            self.k_pages[page, slot % PAGE_SIZE] = k[p.rw_src].to(self.dtype)
-            self.v_pages[page, slot % PAGE_SIZE] = v[p.rw_src].to(self.dtype)
+            self._store_kv(layer, page, slot % PAGE_SIZE, k[p.rw_src], v[p.rw_src])
             self.ring_flag[rr, layer, heads, slot] = admit[p.rw_src]
 
     def extend_inputs(
@@ -248,7 +249,7 @@ class ExtendStep:
         keys, values, k_pos, admitted = [], [], [], []
         for r, S, g_rows, _, n, start, _ in segments:
             if S:  # cached context first: global entries (admitted) and the ring
-                ck, cv, cpos, cadm = self.gather_context(layer, r, S, g_rows // PAGE_SIZE)
+                ck, cv, cpos, cadm = self.gather_context(layer, r, S, g_rows // PAGE_SIZE, dtype)
                 keys.append(ck), values.append(cv), k_pos.append(cpos), admitted.append(cadm)
             keys.append(k[start : start + n]), values.append(v[start : start + n])
             k_pos.append(positions[start : start + n]), admitted.append(admit[start : start + n])
@@ -259,10 +260,13 @@ class ExtendStep:
             torch.cat(admitted),
         )
 
-    def gather_context(self, layer: int, r: int, prefix_len: int, gcols: int | None = None):
+    def gather_context(
+        self, layer: int, r: int, prefix_len: int, gcols: int | None = None, dtype: torch.dtype | None = None
+    ):
         """The cached context of slot ``r`` in ``layer`` before an extend after ``prefix_len`` tokens.
 
-        Returns ``k, v [Nk, H, D]``, ``k_pos [Nk]`` and ``admitted [Nk, H]``, ready for
+        Returns ``k, v [Nk, H, D]`` (read back in ``dtype``, default the pool's ``compute_dtype``:
+        dequantized from an FP8 pool), ``k_pos [Nk]`` and ``admitted [Nk, H]``, ready for
         :func:`~sglang_wgkv.attention.reference.vertical_slash_attention`: global entries (padded to
         the longest head; padding not admitted) at ``FAR_POSITION``, then ring entries in position
         order with their flags. ``gcols``: the global page columns to read, ``ExtendPlan.context_gcols``
@@ -273,17 +277,22 @@ class ExtendStep:
         if gcols is None:
             gcols = -(-int(glen.max()) // PAGE_SIZE) if H else 0
         pages = self.page_table[r, layer, :, self.ring_cols : self.ring_cols + gcols].long()  # [H, gc]
-        gk = self.k_pages[pages].reshape(H, gcols * PAGE_SIZE, self.head_dim).transpose(0, 1)
-        gv = self.v_pages[pages].reshape(H, gcols * PAGE_SIZE, self.head_dim).transpose(0, 1)
+        gk = gather(self.k_pages, pages).reshape(H, gcols * PAGE_SIZE, self.head_dim).transpose(0, 1)
+        gv = gather(self.v_pages, pages).reshape(H, gcols * PAGE_SIZE, self.head_dim).transpose(0, 1)
         g_adm = torch.arange(gcols * PAGE_SIZE, device=self.device)[:, None] < glen[None, :]
         pos = torch.arange(max(0, prefix_len - W), prefix_len, device=self.device)
         slot = pos % W
         rpage = self.page_table[r, layer, :, (slot // PAGE_SIZE)].long().t()  # [n, H]
-        rk = self.k_pages[rpage, (slot % PAGE_SIZE)[:, None]]
-        rv = self.v_pages[rpage, (slot % PAGE_SIZE)[:, None]]
+        rk = gather(self.k_pages, rpage, (slot % PAGE_SIZE)[:, None])
+        rv = gather(self.v_pages, rpage, (slot % PAGE_SIZE)[:, None])
         r_adm = self.ring_flag[r, layer][:, slot].t()
         k_pos = torch.cat([torch.full((gcols * PAGE_SIZE,), FAR_POSITION, device=self.device), pos])
-        return torch.cat([gk, rk]), torch.cat([gv, rv]), k_pos, torch.cat([g_adm, r_adm])
+        return (
+            self.read_keys(torch.cat([gk, rk]), layer, dtype),
+            self.read_values(torch.cat([gv, rv]), layer, dtype),
+            k_pos,
+            torch.cat([g_adm, r_adm]),
+        )
 
     def restore_bound(self, prefix_len: int) -> int:
         """Pages :meth:`restore_snapshot` allocates for a snapshot of ``prefix_len`` tokens: the copied

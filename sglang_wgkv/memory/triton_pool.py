@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from sglang_wgkv.config import PAGE_SIZE
+from sglang_wgkv.memory.kv_quant import byte_view
 
 PROMOTE_SCAN_BLOCK = (
     1024  # promotion items per block (a power of two): one program below it, a grid of blocks above
@@ -80,6 +81,8 @@ def _decode_write_kernel(
     Admit,
     Req,
     Pos,
+    KScale,
+    VScale,
     layer,
     window,
     stride_kb,
@@ -94,6 +97,8 @@ def _decode_write_kernel(
     HEAD_DIM: tl.constexpr,
     WRITE_KV: tl.constexpr,
     WRITE_FLAG: tl.constexpr,
+    QUANT: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -105,8 +110,13 @@ def _decode_write_kernel(
         page = tl.load(PageTable + row + slot // 16).to(tl.int64)
         dst = (page * 16 + slot % 16) * HEAD_DIM + d
         src = b * stride_kb + h * stride_kh + d
-        tl.store(KPages + dst, tl.load(K + src).to(KPages.dtype.element_ty))
-        tl.store(VPages + dst, tl.load(V + src).to(VPages.dtype.element_ty))
+        k = tl.load(K + src)
+        v = tl.load(V + src)
+        if QUANT:  # FP8 pages: quantized once, here (saturating, as kv_quant.quantize)
+            k = tl.clamp(k.to(tl.float32) / tl.load(KScale + layer), -FP8_MAX, FP8_MAX)
+            v = tl.clamp(v.to(tl.float32) / tl.load(VScale + layer), -FP8_MAX, FP8_MAX)
+        tl.store(KPages + dst, k.to(KPages.dtype.element_ty))
+        tl.store(VPages + dst, v.to(VPages.dtype.element_ty))
     if WRITE_FLAG:
         flag = tl.load(Admit + b * stride_ab + h)
         tl.store(RingFlag + r * stride_fr + layer * stride_fl + h * stride_fh + slot, flag)
@@ -135,6 +145,8 @@ def prefill_write(pool, r: int, layer: int, k: torch.Tensor, v: torch.Tensor, ad
     """
     n, H, D = k.shape
     W = pool.window
+    if pool.quantized:
+        raise ValueError("prefill_write does not write FP8 pages (the served path uses write_extend)")
     if v.shape != k.shape or admit.shape != (n, H) or H != pool.num_kv_heads or D != pool.head_dim:
         raise ValueError(
             f"k/v [n, {pool.num_kv_heads}, {pool.head_dim}] and admit [n, H] expected, got "
@@ -235,6 +247,8 @@ def decode_write(
         adm,
         req,
         pos,
+        pool.k_scale,
+        pool.v_scale,
         layer,
         pool.window,
         kk.stride(0) if k is not None else 0,
@@ -249,6 +263,8 @@ def decode_write(
         HEAD_DIM=D,
         WRITE_KV=k is not None,
         WRITE_FLAG=admit is not None,
+        QUANT=pool.quantized,
+        FP8_MAX=torch.finfo(pool.dtype).max if pool.quantized else 0.0,
         num_warps=1,
     )
 
@@ -546,8 +562,8 @@ def decode_promote(
         flags,
         pool.global_len,
         pool.page_table,
-        pool.k_pages,
-        pool.v_pages,
+        byte_view(pool.k_pages),  # promotion moves bytes: an FP8 token is never rounded twice
+        byte_view(pool.v_pages),
         *plan,
         LH,
         W,

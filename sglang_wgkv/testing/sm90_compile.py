@@ -86,11 +86,13 @@ def split_kernel_launch(
     splits: int | None = None,
     fused_write: bool = True,
     observe: bool = False,
+    kv_dtype=None,
 ):
     """The decode split kernel's launch as the served step makes it at Llama-3.1-8B's layer shape (bf16,
     W_local 256; ``config`` a ``DecodeConfig``), captured: ``(kernel, args, options)``. Captured on CPU
     tensors, the launch lacks what only CUDA launches ask for (PDL, the register cap): the options are
-    ``config.launch_options("cuda")`` here, as the CUDA launch sets them."""
+    ``config.launch_options("cuda")`` here, as the CUDA launch sets them. ``kv_dtype``: the pages'
+    dtype (an FP8 one with its scales), bf16 when None."""
     import torch
 
     from sglang_wgkv.attention import triton_decode as td
@@ -98,7 +100,11 @@ def split_kernel_launch(
 
     B, Hq, H, D, R, W = batch, 32, 8, 128, batch + 1, 256
     bf = dict(dtype=torch.bfloat16)
-    q, pages = torch.zeros(B, Hq, D, **bf), torch.zeros(16, PAGE_SIZE, D, **bf)
+    q, pages = torch.zeros(B, Hq, D, **bf), torch.zeros(16, PAGE_SIZE, D, dtype=kv_dtype or torch.bfloat16)
+    if kv_dtype is not None:
+        extra_scales = dict(k_scale=torch.ones(()), v_scale=torch.ones(()))
+    else:
+        extra_scales = {}
     page_table, global_len = (
         torch.zeros(R, 2, H, 8, dtype=torch.int32),
         torch.zeros(R, 2, H, dtype=torch.int32),
@@ -106,10 +112,10 @@ def split_kernel_launch(
     req, positions = torch.arange(1, B + 1), torch.full((B,), pos)
     ring = torch.clamp(positions + 1, max=W)
     splits = splits or td.choose_num_splits(B, H, 131072, "cpu")
-    extra = {}
+    extra = dict(extra_scales)
     if fused_write:
         new_k = torch.zeros(B, H, D, **bf)
-        extra = dict(new_k=new_k, new_v=new_k.clone(), pos=positions, window=W)
+        extra.update(new_k=new_k, new_v=new_k.clone(), pos=positions, window=W)
     if observe:
         extra["observe"] = (torch.zeros(R, 32, Hq, D, **bf), torch.zeros(R, 32, dtype=torch.int64))
     ws = td.FoldedDecodeWorkspace(B, Hq, D, splits, "cpu", num_kv_heads=H)
