@@ -29,6 +29,7 @@ def load_plugin() -> None:
     from sglang_wgkv.integration import (
         hooks,
         metrics,
+        mixed_batches,
         overcommit,
         prefill_guard,
         request_control,
@@ -71,6 +72,11 @@ def load_plugin() -> None:
             "sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem",
             overcommit.check_decode_mem,
             HookType.AFTER,
+        ),
+        (
+            "sglang.srt.managers.scheduler.Scheduler._get_new_batch_prefill_raw",
+            mixed_batches.schedule_prefill,
+            HookType.AROUND,
         ),
         (
             "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
