@@ -88,3 +88,38 @@ def test_mixed_forwards_give_the_greedy_outputs_of_separate_ones(servers):
     assert stats["tokens_left_ring"] > 0 and 0 < stats["admitted_fraction"] < 1
     # the budget bounded every mixed forward's prefill share (SGLang's own: 128 less the decode rows)
     assert 0 < stats["mixed_prefill_tokens_max"] <= BUDGET
+
+
+@pytest.fixture
+def bounded(tmp_path):
+    """A mixed server with the SnapKV evictor (``--kv-budget 16``: streams past the ring are cut)."""
+    gates = save_head_gates(tmp_path / "gates", [30.0, 30.0, 30.0], 32)
+    srv = Server(
+        [
+            "--chunked-prefill-size",
+            "128",
+            "--wgkv-local-window",
+            "32",
+            "--wgkv-gates",
+            str(gates),
+            "--kv-budget",
+            "16",
+            "--wgkv-forward-tokens",
+            str(BUDGET),
+            "--disable-radix-cache",
+        ],
+        tmp_path / "bounded.log",
+    )
+    try:
+        yield srv.wait_healthy()
+    finally:
+        srv.stop()
+
+
+def test_mixed_forwards_with_the_evictor(bounded):
+    """Prompts prefilled beside decoding requests are compressed at their end and the decoding ones
+    evicted from: every request completes, the pool's idle check passes."""
+    out = _traffic(bounded)
+    assert all(len(ids) == (64 if key[0] == "short" else 16) for key, ids in out.items())
+    stats = bounded.wait_idle_checked()
+    assert stats["mixed_forwards"] > 0 and stats["eviction_triggers_total"] > 0
