@@ -15,6 +15,9 @@ WG-KV options (all others go to SGLang unchanged)::
                                   ones; the scheduler admits and retracts by the physical pool's free pages
                                   (not with --kv-budget). Default on CUDA without --kv-budget:
                                   settings.DEFAULT_GPU_OVERCOMMIT (4); on CPU: off (dense-equivalent)
+    --wgkv-forward-tokens T       while requests decode, a forward carries them all and at most T tokens in all
+                                  (prefill share at least T/4), with --enable-mixed-chunk; 0: off (SGLang's own
+                                  chunks). Default on CUDA: settings.DEFAULT_GPU_FORWARD_TOKENS (2048); CPU: off
     --wgkv-attention IMPL         auto (kernels on CUDA), reference (torch) or kernels; the kernels' decode
                                   runs under SGLang's decode CUDA graphs (off with --disable-decode-cuda-graph;
                                   always off on CPU and with reference)
@@ -40,6 +43,7 @@ from sglang_wgkv.embedded_model import SHIPPED_GATES
 from sglang_wgkv.integration.settings import (
     ATTENTION_IMPLS,
     BACKEND_NAME,
+    DEFAULT_GPU_FORWARD_TOKENS,
     DEFAULT_GPU_OVERCOMMIT,
     ENV_VAR,
     ServingSettings,
@@ -58,6 +62,7 @@ WGKV_FLAGS = (
     "--wgkv-overcommit",
     "--wgkv-decode-launch",
     "--wgkv-extend-kernels",
+    "--wgkv-forward-tokens",
 )
 
 
@@ -77,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--wgkv-overcommit", type=float, default=None)
     parser.add_argument("--wgkv-decode-launch", default="")
     parser.add_argument("--wgkv-extend-kernels", action="store_true")
+    parser.add_argument("--wgkv-forward-tokens", type=int, default=None)
     parser.add_argument("--disable-wgkv", action="store_true")
     return parser
 
@@ -259,6 +265,13 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
     overcommit = ours.wgkv_overcommit
     if overcommit is None and device != "cpu" and config.kv_budget is None:
         overcommit = DEFAULT_GPU_OVERCOMMIT  # admit by the post-admission footprint (settings.py)
+    forward_tokens = ours.wgkv_forward_tokens
+    if forward_tokens is None and device != "cpu":
+        forward_tokens = DEFAULT_GPU_FORWARD_TOKENS  # decodes ride in every forward (mixed_batches.py)
+    if forward_tokens == 0:
+        forward_tokens = None
+    elif forward_tokens is not None and "--enable-mixed-chunk" not in sglang_argv:
+        sglang_argv += ["--enable-mixed-chunk"]
     try:
         settings = ServingSettings(
             config=config,
@@ -268,6 +281,7 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
             overcommit=overcommit,
             decode_launch=ours.wgkv_decode_launch,
             extend_kernels=ours.wgkv_extend_kernels,
+            forward_tokens=forward_tokens,
         )
     except ValueError as e:
         raise ValueError(f"invalid WG-KV option: {e}") from e

@@ -5,6 +5,11 @@ Per forward (``init_forward_metadata``, once for all layers):
 * extend: :meth:`DualCachePool.begin_extend` with the batch's request slots, prefix and extend
   lengths (chunked prefill continues a slot; a new or retracted request starts at prefix 0);
 * decode: :meth:`DualCachePool.begin_decode` (ring pages, lazy promotion of every layer's victim);
+* mixed (``--enable-mixed-chunk``: prefill chunks, then the running requests as one-token extends):
+  :meth:`DualCachePool.begin_mixed`, the prefill rows extending and the decode rows decoding
+  (:mod:`~sglang_wgkv.memory.mixed_step` says why); each layer runs the extend path on the first rows
+  and the decode path on the rest. SGLang captures no mixed batch (``ForwardMode.is_cuda_graph``),
+  so their decode rows run eagerly;
 * with ``--kv-budget``: first, :meth:`SnapKVEvictor.maybe_evict` (the step boundary), and every layer
   hands its queries to the evictor's observation window; an extend declares which of its requests
   finish their prompt (:meth:`SnapKVEvictor.mark_extend`: prompt-end scoring), from the host
@@ -114,12 +119,29 @@ def record_batch_slots(result, cls, batch, model_runner, *args, **kwargs):
         # Kept on the backend: the batch the model runner hands to init_forward_metadata may be a
         # copy without our attributes (seen on the CPU engine).
         backend.batch_prompt_ends = None
+        backend.batch_decode_rows = mixed_decode_rows(batch)
         if batch.forward_mode.is_extend():
+            prefill = batch.reqs[: len(batch.reqs) - backend.batch_decode_rows]
             backend.batch_prompt_ends = (
-                slots,
-                [req.extend_range.end >= len(req.full_untruncated_fill_ids) for req in batch.reqs],
+                slots[: len(prefill)],
+                [req.extend_range.end >= len(req.full_untruncated_fill_ids) for req in prefill],
             )
     return None
+
+
+def mixed_decode_rows(batch) -> int:
+    """The decode rows of a MIXED batch (0 for other modes): SGLang's ``mix_with_running`` appends the
+    running requests after the prefill requests and keeps them as ``decoding_reqs``."""
+    if not batch.forward_mode.is_mixed():
+        return 0
+    decoding = batch.decoding_reqs or []
+    tail = batch.reqs[len(batch.reqs) - len(decoding) :]
+    if not decoding or len(decoding) >= len(batch.reqs) or any(a is not b for a, b in zip(tail, decoding)):
+        raise RuntimeError(
+            f"a mixed batch of {len(batch.reqs)} requests whose {len(decoding)} decoding requests are "
+            "not its last rows"
+        )
+    return len(decoding)
 
 
 def build_gates(
@@ -194,7 +216,8 @@ class WGKVAttnBackend(AttentionBackend):
         self.generator = None
         if self.config.random_admission is not None:
             self.generator = torch.Generator(device=self.device).manual_seed(self.settings.seed)
-        self._extend = None  # (slots, prefix_lens, extend_lens) of the current extend forward
+        self._extend = None  # (slots, prefix_lens, extend_lens) of the current extend forward's prefill rows
+        self._mixed_split = None  # a mixed forward: its packed prefill rows (then its decode rows)
         self._indptrs = None  # (qo_indptr [B + 1], kv_indptr [L, B + 1]) on the device, per extend forward
         self._gate_check = DeferredGateCheck(self.dual.num_layers, self.device)  # prefill gate values
         self.use_kernels = runtime.use_kernels  # the runtime's one torch/Triton choice
@@ -230,6 +253,7 @@ class WGKVAttnBackend(AttentionBackend):
         self._rows: _DecodeRows | None = None  # the current decode step
         self.batch_slots: list[int] | None = None  # record_batch_slots
         self.batch_prompt_ends: tuple[list[int], list[bool]] | None = None  # record_batch_slots (extend)
+        self.batch_decode_rows = 0  # record_batch_slots: the decode rows ending a mixed batch
         self._graph: _DecodeRows | None = None  # [max_bs] static buffers (init_cuda_graph_state)
         self._graph_launch = {}  # captured batch size -> (num_splits, FoldedDecodeWorkspace)
 
@@ -246,51 +270,90 @@ class WGKVAttnBackend(AttentionBackend):
             return
         self._gate_check.poll()
         host_slots = self._host_slots(forward_batch)
+        split = len(host_slots) - self._decode_rows_of(forward_batch, host_slots)  # prefill rows first
         if self.evictor is not None:  # step boundary: bound what the previous forward admitted
             if mode.is_extend():  # whose prompts go on (or start from a restored prefix): not decoding
-                self.evictor.open_prompts(host_slots)
+                self.evictor.open_prompts(host_slots[:split])
             self.evictor.maybe_evict()
         slots = forward_batch.req_pool_indices
+        self._extend, self._rows, self._mixed_split = None, None, None
         if mode.is_decode():
-            self._extend = None
             host = (forward_batch.seq_lens_cpu - 1).tolist()
             plan = self.dual.begin_decode(
                 host_slots, host, req_slots_dev=slots, seq_lens_dev=forward_batch.seq_lens - 1
             )
-            self._rows = _DecodeRows(
-                plan.req,
-                plan.pos,
-                plan.ring_tokens,
-                self.req_pool.slot_tau[slots][:, None],
-                self._draw_uniform(len(host)),
+            self._rows = self._decode_step_rows(plan, slots, host)
+        elif mode.is_mixed():
+            prefix, extend = (
+                list(forward_batch.extend_prefix_lens_cpu),
+                list(forward_batch.extend_seq_lens_cpu),
             )
-            if self.use_kernels:
-                from sglang_wgkv.attention.triton_decode import choose_num_splits
-
-                self._rows.num_splits = choose_num_splits(
-                    len(host),
-                    self.dual.num_kv_heads,
-                    max(host) + 1,
-                    self.device,
-                    self.decode_launch.programs_per_sm,
-                )
-                self._rows.gate_splits = self.decode_gate.num_splits(
-                    len(host) * self.dual.num_kv_heads, self._sms
-                )
-        elif mode.is_extend() and not mode.is_mixed():
+            if any(n != 1 for n in extend[split:]):
+                raise RuntimeError(f"a mixed batch's decode rows extend by {extend[split:]} tokens, not 1")
+            # a decode row is a one-token extend to SGLang; here it decodes (memory/mixed_step.py)
+            self._extend = (host_slots[:split], prefix[:split], extend[:split])
+            plan, dec_plan = self.dual.begin_mixed(
+                *self._extend,
+                host_slots[split:],
+                prefix[split:],
+                dec_slots_dev=slots[split:],
+                dec_lens_dev=forward_batch.seq_lens[split:] - 1,
+            )
+            self._plan_extend_rows(plan, slots[:split], forward_batch.extend_seq_lens[:split])
+            self._rows = self._decode_step_rows(dec_plan, slots[split:], prefix[split:])
+            self._mixed_split = sum(extend[:split])
+        elif mode.is_extend():
             prefix, extend = forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
             self._extend = (host_slots, list(prefix), list(extend))
-            self._rows = None
             plan = self.dual.begin_extend(*self._extend)
-            self._indptrs = self._extend_indptrs(plan)
-            declared = self.batch_prompt_ends
-            if self.evictor is not None and declared is not None and declared[0] == self._extend[0]:
-                self.evictor.mark_extend(*declared)
-            self._row_tau = torch.repeat_interleave(
-                self.req_pool.slot_tau[slots], forward_batch.extend_seq_lens, output_size=sum(extend)
-            )[:, None]
+            self._plan_extend_rows(plan, slots, forward_batch.extend_seq_lens)
         else:
             raise NotImplementedError(f"the {BACKEND_NAME} backend does not run forward mode {mode.name}")
+
+    def _decode_rows_of(self, forward_batch: ForwardBatch, host_slots: list[int]) -> int:
+        """The decode rows ending a MIXED batch, as :func:`record_batch_slots` recorded them; 0 otherwise."""
+        if not forward_batch.forward_mode.is_mixed():
+            return 0
+        if self.batch_slots != host_slots or not self.batch_decode_rows:
+            raise RuntimeError(
+                f"a mixed forward of request slots {host_slots}, but the last ForwardBatch built "
+                f"recorded {self.batch_slots} with {self.batch_decode_rows} decode rows"
+            )
+        return self.batch_decode_rows
+
+    def _plan_extend_rows(self, plan, slots: torch.Tensor, extend_lens: torch.Tensor) -> None:
+        """The per-layer inputs of an extend plan's rows: indptrs, admission thresholds, and the
+        evictor's prompt-end declaration. slots, extend_lens ``[B]`` on the device."""
+        self._indptrs = self._extend_indptrs(plan)
+        declared = self.batch_prompt_ends
+        if self.evictor is not None and declared is not None and declared[0] == self._extend[0]:
+            self.evictor.mark_extend(*declared)
+        self._row_tau = torch.repeat_interleave(
+            self.req_pool.slot_tau[slots], extend_lens, output_size=sum(self._extend[2])
+        )[:, None]
+
+    def _decode_step_rows(self, plan, slots: torch.Tensor, host_pos: list[int]) -> _DecodeRows:
+        """One eager decode step's rows (a decode forward's, or a mixed forward's decode rows):
+        ``slots`` ``[B]`` on the device, ``host_pos`` the positions being decoded."""
+        rows = _DecodeRows(
+            plan.req,
+            plan.pos,
+            plan.ring_tokens,
+            self.req_pool.slot_tau[slots][:, None],
+            self._draw_uniform(len(host_pos)),
+        )
+        if self.use_kernels:
+            from sglang_wgkv.attention.triton_decode import choose_num_splits
+
+            rows.num_splits = choose_num_splits(
+                len(host_pos),
+                self.dual.num_kv_heads,
+                max(host_pos) + 1,
+                self.device,
+                self.decode_launch.programs_per_sm,
+            )
+            rows.gate_splits = self.decode_gate.num_splits(len(host_pos) * self.dual.num_kv_heads, self._sms)
+        return rows
 
     def _extend_indptrs(self, plan):
         """``qo_indptr [B + 1]`` and ``kv_indptr [L, B + 1]`` of the extend forward, built on the host
@@ -404,7 +467,7 @@ class WGKVAttnBackend(AttentionBackend):
                 self.decode_gate.num_splits(bs * self.dual.num_kv_heads, self._sms),
             )
         splits, workspace, gate_splits = self._graph_launch[bs]
-        self._extend = None
+        self._extend, self._mixed_split = None, None
         self._rows = _DecodeRows(
             g.req[:bs], g.pos[:bs], g.ring[:bs], g.tau[:bs], uniform, splits, workspace, gate_splits
         )
@@ -413,12 +476,12 @@ class WGKVAttnBackend(AttentionBackend):
     def _admit(
         self,
         layer: RadixAttention,
+        k_pre: torch.Tensor,
         k: torch.Tensor,
         tau: torch.Tensor,
         check: bool,
         uniform: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        k_pre = self.capture.take(k)
         gate = self.prefill_gate if self.prefill_gate is not None else self.gates
         g = gate(layer.layer_id, k_pre, k)
         if check:
@@ -449,14 +512,27 @@ class WGKVAttnBackend(AttentionBackend):
         save_kv_cache: bool = True,
         **kwargs,
     ):
+        """An extend forward's layer; a mixed forward's (SGLang calls this for MIXED too): its packed
+        prefill rows through the extend path, then its decode rows through the decode path."""
         self._check_layer(layer, save_kv_cache)
         Hq, H, D, Dv = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim
         q3, k3, v3 = q.view(-1, Hq, D), k.view(-1, H, D), v.view(-1, H, Dv)
-        admit = self._admit(layer, k3, self._row_tau, check=True)
+        k_pre = self.capture.take(k3)
+        n = self._mixed_split
+        if n is None:
+            return self._extend_rows(q3, k3, v3, k_pre, layer, forward_batch.positions).reshape(-1, Hq * Dv)
+        ext = self._extend_rows(q3[:n], k3[:n], v3[:n], k_pre[:n], layer, forward_batch.positions[:n])
+        dec = self._decode_rows(q3[n:], k3[n:], v3[n:], k_pre[n:], layer)
+        return torch.cat([ext.reshape(-1, Hq * Dv), dec.to(ext.dtype).reshape(-1, Hq * Dv)])
+
+    def _extend_rows(self, q3, k3, v3, k_pre, layer: RadixAttention, positions) -> torch.Tensor:
+        """q3 ``[N, Hq, D]``, k3, v3, k_pre ``[N, H, D]``, positions ``[N]``: the extend plan's packed
+        rows in ``layer``; returns ``[N, Hq, Dv]``."""
+        admit = self._admit(layer, k_pre, k3, self._row_tau, check=True)
         if self.evictor is not None:
             self.evictor.observe_extend(layer.layer_id, q3)
         keys, values, k_pos, admitted = self.dual.extend_inputs(
-            layer.layer_id, k3, v3, admit, forward_batch.positions, q.dtype
+            layer.layer_id, k3, v3, admit, positions, q3.dtype
         )
         qo_indptr, kv_indptr = self._indptrs
         out = self._prefill(
@@ -466,7 +542,7 @@ class WGKVAttnBackend(AttentionBackend):
             admitted,
             qo_indptr,
             kv_indptr[layer.layer_id],
-            forward_batch.positions,
+            positions,
             k_pos,
             self.config.local_window,
             sm_scale=layer.scaling,
@@ -474,7 +550,7 @@ class WGKVAttnBackend(AttentionBackend):
         self.dual.write_extend(layer.layer_id, k3, v3, admit)
         if layer.layer_id == self.dual.num_layers - 1:
             self._gate_check.end_forward()
-        return out.reshape(-1, Hq * Dv)
+        return out
 
     def forward_decode(
         self,
@@ -489,16 +565,22 @@ class WGKVAttnBackend(AttentionBackend):
         self._check_layer(layer, save_kv_cache)
         Hq, H, D, Dv = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim
         k3, v3 = k.view(-1, H, D), v.view(-1, H, Dv)
-        q3 = q.reshape(-1, Hq, D)
+        out = self._decode_rows(q.reshape(-1, Hq, D), k3, v3, self.capture.take(k3), layer)
+        return out.to(q.dtype).reshape(-1, Hq * Dv)
+
+    def _decode_rows(self, q3, k3, v3, k_pre, layer: RadixAttention) -> torch.Tensor:
+        """q3 ``[B, Hq, D]``, k3, v3, k_pre ``[B, H, D]``: the decode step's rows (:attr:`_rows`) in
+        ``layer``; returns ``[B, Hq, Dv]`` (the pool's dtype on the kernels path)."""
+        H = k3.shape[1]
         rows = self._rows
         if not self.use_kernels:
-            admit = self._admit(layer, k3, rows.tau, check=False, uniform=rows.uniform)
+            admit = self._admit(layer, k_pre, k3, rows.tau, check=False, uniform=rows.uniform)
             if self.evictor is not None:
                 self.evictor.observe_decode(layer.layer_id, q3)
             self.dual.write_decode(layer.layer_id, k3, v3, admit)
             pages, num_pages, last_len, _ = self.dual.decode_page_rows(layer.layer_id)
             indptr, indices, last = build_folded_indices(pages, num_pages, last_len)
-            out = reference.paged_decode_attention(
+            return reference.paged_decode_attention(
                 q3,
                 self.dual.k_pages,
                 self.dual.v_pages,
@@ -509,7 +591,6 @@ class WGKVAttnBackend(AttentionBackend):
                 k_scale=self.dual.k_scale[layer.layer_id],
                 v_scale=self.dual.v_scale[layer.layer_id],
             )
-            return out.reshape(-1, Hq * Dv)
         from sglang_wgkv.attention.triton_decode import folded_decode
 
         observe = None
@@ -520,7 +601,6 @@ class WGKVAttnBackend(AttentionBackend):
         elif self.evictor is not None:  # window rows of bounded requests only: indexed through the slots
             self.evictor.observe_decode_rows(layer.layer_id, rows.req, rows.pos, q3)
         uniform = rows.uniform[:, layer.layer_id] if rows.uniform is not None else None
-        k_pre = self.capture.take(k3)
         if k3.stride(2) != 1:  # the fused ring write reads rows contiguous in head_dim
             k3 = k3.contiguous()
         if v3.stride(2) != 1:
@@ -572,7 +652,7 @@ class WGKVAttnBackend(AttentionBackend):
             self.dual.write_decode_flags(layer.layer_id, rows.req, rows.pos, admit)
         if side is not None:
             main.wait_stream(side)
-        return out.to(q.dtype).reshape(-1, Hq * Dv)
+        return out
 
     def support_triton(self):
         return False

@@ -17,6 +17,7 @@ utils.common.support_triton                             AROUND  False on CPU (SG
 model_executor.forward_batch_info.ForwardBatch.init_new AFTER   host copy of the batch's request slots
 managers.scheduler.Scheduler.init_req_max_new_tokens   AFTER   overcommit: 400 for a request that can't run
 managers.schedule_batch.ScheduleBatch.check_decode_mem  AFTER   overcommit: the dual pool holds the step
+...scheduler.Scheduler._get_new_batch_prefill_raw       AROUND  mixed_batches: mixing, forward budget
 managers.schedule_policy.PrefillAdder.add_one_req       AROUND  prefill_guard: overcommit / bounded prompts
 managers.schedule_policy.PrefillAdder.add_chunked_req   AROUND  prefill_guard: the chunked prompt counts
 ======================================================  ======  ==========================================
@@ -64,7 +65,6 @@ def prepare_server_args(server_args, *args, **kwargs):
     server_args.attention_backend = BACKEND_NAME
     unsupported = {
         "--speculative-algorithm": server_args.speculative_algorithm is not None,
-        "--enable-mixed-chunk": server_args.enable_mixed_chunk,
         "--enable-two-batch-overlap": server_args.enable_two_batch_overlap,
         "--enable-pdmux": server_args.enable_pdmux,
         "--enable-hierarchical-cache": server_args.enable_hierarchical_cache,

@@ -22,7 +22,8 @@ Guard. Before every forward SGLang checks memory in two places, and both also ch
   the request waits: the batch is closed (``OTHER``) when the request would fit in a batch of its
   own, else the adder reports ``NO_TOKEN`` (SGLang then tries no prefill until a request leaves). A chunked request in flight is always
   continued (SGLang requires it); nothing but the requests of the same prefill batches allocates
-  while it is chunked (no mixed chunks), and those were admitted only within the reserve of its whole
+  while it is chunked (a pass mixes in the running decodes only when the pool holds their step
+  too, :mod:`~.mixed_batches`), and those were admitted only within the reserve of its whole
   prompt, so its later chunks fit.
 
 Hence ``PoolExhausted`` cannot happen in a forward. Why not catch ``PoolExhausted`` in the backend

@@ -30,6 +30,7 @@ def load_plugin() -> None:
         hooks,
         long_requests,
         metrics,
+        mixed_batches,
         overcommit,
         prefill_guard,
         request_control,
@@ -72,6 +73,11 @@ def load_plugin() -> None:
             "sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem",
             overcommit.check_decode_mem,
             HookType.AFTER,
+        ),
+        (
+            "sglang.srt.managers.scheduler.Scheduler._get_new_batch_prefill_raw",
+            mixed_batches.schedule_prefill,
+            HookType.AROUND,
         ),
         (
             "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",

@@ -27,6 +27,12 @@ ATTENTION_IMPLS = ("auto", "reference", "kernels")
 # their post-admission footprint up to 4x a dense pool's (25% admitted fills the pool exactly).
 DEFAULT_GPU_OVERCOMMIT = 4.0
 
+# The launcher's forward token budget on CUDA (--wgkv-forward-tokens, integration/mixed_batches.py): while
+# requests decode, a forward carries them all and at most this many tokens in all (a prefill share of
+# at least a quarter of it); with mixed batches on. Near the smallest forward whose matmuls still fill
+# an H200 for an 8B model, a quarter of SGLang's 8,192-token chunk there (docs/mixed-traffic.md).
+DEFAULT_GPU_FORWARD_TOKENS = 2048
+
 # MiB of GPU memory by which the wgkv backend lowers SGLang's own choice of --mem-fraction-static (none
 # given; hooks.reserve_gpu_memory), for what it holds outside the static pool: SGLang sets nothing aside
 # for prefill CUDA graphs, which wgkv turns off, and the allocator arrays over overcommit's larger logical
@@ -54,6 +60,10 @@ class ServingSettings:
         ``DecodeConfig.parse``'s spec (``""``: its defaults); for measuring launch shapes in service.
     extend_kernels : the kernels path's pool moves a prefill chunk's rows with Triton launches
         (``DualCachePool(triton_extend=True)``); off by default until they have run on a GPU.
+    forward_tokens : while requests decode, a forward's tokens (prefill share + decode rows,
+        :class:`~sglang_wgkv.integration.mixed_batches.ForwardBudget`); None: SGLang's own chunk
+        sizes. The launcher's default on CUDA: :data:`DEFAULT_GPU_FORWARD_TOKENS`, with
+        ``--enable-mixed-chunk``.
     """
 
     config: WGKVConfig = field(default_factory=WGKVConfig)
@@ -63,6 +73,7 @@ class ServingSettings:
     overcommit: float | None = None
     decode_launch: str = ""
     extend_kernels: bool = False
+    forward_tokens: int | None = None
 
     def __post_init__(self):
         if self.attention not in ATTENTION_IMPLS:
@@ -77,6 +88,10 @@ class ServingSettings:
             from sglang_wgkv.attention.triton_decode import DecodeConfig
 
             DecodeConfig.parse(self.decode_launch)  # ValueError naming the field
+        if self.forward_tokens is not None:
+            from sglang_wgkv.integration.mixed_batches import ForwardBudget
+
+            ForwardBudget(self.forward_tokens)  # ValueError naming the bound
         if self.extend_kernels and self.attention == "reference":
             raise ValueError("extend_kernels needs the kernels path (attention 'kernels' or 'auto')")
 
@@ -110,6 +125,7 @@ class ServingSettings:
                 "overcommit": self.overcommit,
                 "decode_launch": self.decode_launch,
                 "extend_kernels": self.extend_kernels,
+                "forward_tokens": self.forward_tokens,
             }
         )
 
@@ -129,6 +145,7 @@ class ServingSettings:
                 overcommit=data.get("overcommit"),
                 decode_launch=data.get("decode_launch", ""),
                 extend_kernels=bool(data.get("extend_kernels", False)),
+                forward_tokens=data.get("forward_tokens"),
             )
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"malformed {ENV_VAR}={raw!r}: {e}") from e

@@ -36,6 +36,20 @@ class DecodeStep:
         steps = ((seq_lens < W) & (seq_lens % PAGE_SIZE == 0)) | (seq_lens >= W)
         return self.num_layers * self.num_kv_heads * int(steps.sum())
 
+    def check_decode_rows(self, req_slots, seq_lens) -> tuple[np.ndarray, np.ndarray]:
+        """``(req_slots, seq_lens)`` as int64 arrays; ValueError unless every slot is allocated at
+        cached length ``seq_lens[b]`` below ``max_context_len`` (nothing is modified)."""
+        req_slots, seq_lens = np.asarray(req_slots, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64)
+        if not self.active[req_slots].all():
+            raise ValueError(f"request slots {req_slots[~self.active[req_slots]].tolist()} are not allocated")
+        if not np.array_equal(self.cached_len[req_slots], seq_lens):
+            raise ValueError(
+                f"seq_lens {seq_lens.tolist()} != cached lengths {self.cached_len[req_slots].tolist()}"
+            )
+        if (seq_lens >= self.max_context_len).any():
+            raise ValueError(f"decode beyond max_context_len {self.max_context_len}")
+        return req_slots, seq_lens
+
     def begin_decode(
         self,
         req_slots,
@@ -55,16 +69,8 @@ class DecodeStep:
         plus three small ``torch.empty``), the only other device work being the
         ring-page allocation of a request whose ring crosses a page boundary (``seq_len < W``).
         """
-        req_slots, seq_lens = np.asarray(req_slots, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64)
+        req_slots, seq_lens = self.check_decode_rows(req_slots, seq_lens)
         W, LH = self.window, self.num_layers * self.num_kv_heads
-        if not self.active[req_slots].all():
-            raise ValueError(f"request slots {req_slots[~self.active[req_slots]].tolist()} are not allocated")
-        if not np.array_equal(self.cached_len[req_slots], seq_lens):
-            raise ValueError(
-                f"seq_lens {seq_lens.tolist()} != cached lengths {self.cached_len[req_slots].tolist()}"
-            )
-        if (seq_lens >= self.max_context_len).any():
-            raise ValueError(f"decode beyond max_context_len {self.max_context_len}")
         new_ring = (seq_lens < W) & (seq_lens % PAGE_SIZE == 0)
         promoting = int((seq_lens >= W).sum())
         ring_total = LH * int(new_ring.sum())

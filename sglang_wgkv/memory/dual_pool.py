@@ -24,6 +24,8 @@ Step protocol (host-known lengths come from the scheduler; nothing here syncs in
   :meth:`write_extend` per layer (after that layer's attention read :meth:`gather_context`).
 * decode: :meth:`begin_decode` once per step (allocates, promotes the ring victims of every layer),
   then :meth:`write_decode` per layer before attention reads :meth:`decode_page_rows`.
+* mixed (prefill chunks and decode rows in one forward): :meth:`begin_mixed`, then both of the above
+  per layer (:mod:`~sglang_wgkv.memory.mixed_step`).
 
 The pool is the only writer of its state. Its steps live in their own files
 (:mod:`~sglang_wgkv.memory.extend_step`, :mod:`~sglang_wgkv.memory.decode_step`, and the FP8 scales
@@ -42,6 +44,7 @@ from sglang_wgkv.memory.decode_step import DecodePlan, DecodeStep
 from sglang_wgkv.memory.extend_step import ExtendPlan, ExtendStep
 from sglang_wgkv.memory.kv_quant import byte_view, gather, is_fp8
 from sglang_wgkv.memory.kv_scales import KVScales
+from sglang_wgkv.memory.mixed_step import MixedStep
 from sglang_wgkv.memory.page_allocator import PageAllocator
 from sglang_wgkv.memory.prefix_snapshot import PrefixSnapshot
 
@@ -56,7 +59,7 @@ class PoolIntegrityError(RuntimeError):
     pass
 
 
-class DualCachePool(ExtendStep, DecodeStep, KVScales):
+class DualCachePool(ExtendStep, DecodeStep, MixedStep, KVScales):
     """Parameters
     ----------
     num_layers, num_kv_heads, head_dim : model attention shape (KV heads of this rank).
@@ -140,6 +143,9 @@ class DualCachePool(ExtendStep, DecodeStep, KVScales):
         self._ref_holders = []
         self._extend: ExtendPlan | None = None
         self._decode: DecodePlan | None = None
+        # Mixed forwards run, and the most prefill tokens one of them carried (MixedStep).
+        self.mixed_forwards = 0
+        self.mixed_prefill_tokens_max = 0
 
     # -- request lifecycle ----------------------------------------------------------------------
     def alloc_request(self, r: int) -> None:
@@ -363,6 +369,8 @@ class DualCachePool(ExtendStep, DecodeStep, KVScales):
             "tokens_left_ring": int(left),
             "tokens_promoted": int(self.promoted.sum().item()),
             "admitted_fraction": (self.promoted.sum().item() / left) if left else None,
+            "mixed_forwards": self.mixed_forwards,
+            "mixed_prefill_tokens_max": self.mixed_prefill_tokens_max,
             "admitted_fraction_per_layer_head": (
                 self.promoted.double() / self.left_ring.clamp(min=1)
             ).tolist(),

@@ -23,6 +23,8 @@ Call protocol (the attention backend; every call is cheap when nothing is evicte
     evictor.mark_extend(slots, ends)  |
     per layer: evictor.observe_extend |   per layer: evictor.observe_decode(layer, q)
                (layer, q)             |     (or the split kernel, into evictor.decode_window(layer))
+    (a mixed forward, SGLang's --enable-mixed-chunk: the left column for its prefill rows, with
+    pool.begin_mixed; its decode rows are observed as in the right column)
     ... forward ends ...
     evictor.maybe_evict()             # at a step boundary: after the last layer, or before the
                                       # next begin_* (outside a CUDA graph)
@@ -173,8 +175,10 @@ class SnapKVEvictor:
         self._exact_max = np.zeros(R, dtype=np.int64)
         self._left_at_exact = np.zeros(R, dtype=np.int64)
         self._triton_built = False  # the Triton score kernel has run once (later failures are raised)
-        self._plan = None  # the pool plan the cached (req, src, slot) index was built for
-        self._plan_idx = None
+        # (pool plan, index) per step kind: the extend plan's (req, src, slot) and the decode plan's
+        # slots, each built once per plan (a mixed forward observes both in every layer)
+        self._extend_idx = (None, None)
+        self._decode_idx = (None, None)
 
     # -- per-slot state -------------------------------------------------------------------------
     def _refresh_slots(self) -> None:
@@ -308,13 +312,13 @@ class SnapKVEvictor:
         plan = self.pool._extend
         if plan is None:
             raise RuntimeError("observe_extend without pool.begin_extend")
-        if self._plan is not plan:
+        if self._extend_idx[0] is not plan:
             self._refresh_slots()
             req, src, pos = self._extend_index(plan)
             row = self.row[req]
             self.q_pos[row, pos % self.window] = pos
-            self._plan, self._plan_idx = plan, (row, src, pos % self.window)
-        req, src, slot = self._plan_idx
+            self._extend_idx = (plan, (row, src, pos % self.window))
+        req, src, slot = self._extend_idx[1]
         if src.numel():
             self.q_buf[req, layer, slot] = q[src].to(self.q_buf.dtype)
 
@@ -339,11 +343,11 @@ class SnapKVEvictor:
         plan = self.pool._decode
         if plan is None:
             raise RuntimeError("observe_decode without pool.begin_decode")
-        if self._plan is not plan:
+        if self._decode_idx[0] is not plan:
             row, slot = self.row[plan.req], plan.pos % self.window
             self.q_pos[row, slot] = plan.pos
-            self._plan, self._plan_idx = plan, (row, slot)
-        row, slot = self._plan_idx
+            self._decode_idx = (plan, (row, slot))
+        row, slot = self._decode_idx[1]
         self.q_buf[row, layer, slot] = q.to(self.q_buf.dtype)
 
     def observe_decode_rows(self, layer: int, req: torch.Tensor, pos: torch.Tensor, q: torch.Tensor) -> None:

@@ -1,0 +1,126 @@
+"""Mixed batches served (SGLang's ``--enable-mixed-chunk``): decode rows in the same forward as a
+prefill chunk give the greedy outputs of separate forwards, and the forward token budget
+(``--wgkv-forward-tokens``) bounds a mixed forward's prefill share.
+
+Two real CPU float32 servers with per-head gates at W_local = 32 (KV head 0 admits nothing, heads 1
+and 2 everything, so a decode row's admission decides what later queries see on head 0): ``mixed``
+(64-token forward budget, which turns mixed chunks on; no radix cache, so SGLang's overlap scheduler
+is on, as in the served benchmarks) and ``separate`` (SGLang's own scheduling, no mixed batch).
+Short requests decode while long prompts (several chunks) arrive, so the mixed server runs forwards
+of both; the pool counts them.
+"""
+
+import json
+import threading
+
+import pytest
+import requests
+
+from sglang_wgkv.testing.serving import Server, long_prompt, save_head_gates
+
+pytestmark = pytest.mark.serving
+
+BUDGET = 64
+SHORT = ["The capital of France is", "Write a haiku about the sea.\n", "List three colors:"]
+LONG = [long_prompt(25, seed=1), long_prompt(30, seed=2)]  # ~300-360 tokens: several 128-token chunks
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serving_mixed")
+    gates = save_head_gates(tmp / "gates", [-30.0, 30.0, 30.0], 32)
+    common = ["--chunked-prefill-size", "128", "--wgkv-local-window", "32", "--wgkv-gates", str(gates)]
+    mixed = Server(
+        [*common, "--wgkv-forward-tokens", str(BUDGET), "--disable-radix-cache"], tmp / "mixed.log"
+    )
+    separate = Server(common, tmp / "separate.log")
+    try:
+        yield mixed.wait_healthy(), separate.wait_healthy()
+    finally:
+        mixed.stop()
+        separate.stop()
+
+
+def _stream(server, prompt, max_new_tokens, first_token: threading.Event, out: dict, key):
+    body = {
+        "text": prompt,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
+    }
+    last = None
+    with requests.post(server.url + "/generate", json=body, stream=True, timeout=900) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith(b"data:") and line != b"data: [DONE]":
+                last = json.loads(line[len(b"data:") :])
+                first_token.set()
+    out[key] = last["output_ids"]
+
+
+def _traffic(server) -> dict:
+    """Short requests decoding 64 tokens; once they decode, the long prompts arrive (16 tokens each)."""
+    out, threads = {}, []
+    decoding = [threading.Event() for _ in SHORT]
+    for i, prompt in enumerate(SHORT):
+        threads.append(
+            threading.Thread(target=_stream, args=(server, prompt, 64, decoding[i], out, ("short", i)))
+        )
+        threads[-1].start()
+    for event in decoding:
+        assert event.wait(300), "a short request produced no token"
+    for i, prompt in enumerate(LONG):
+        threads.append(
+            threading.Thread(target=_stream, args=(server, prompt, 16, threading.Event(), out, ("long", i)))
+        )
+        threads[-1].start()
+    for t in threads:
+        t.join(900)
+    assert len(out) == len(SHORT) + len(LONG)
+    return out
+
+
+def test_mixed_forwards_give_the_greedy_outputs_of_separate_ones(servers):
+    mixed, separate = servers
+    got, want = _traffic(mixed), _traffic(separate)
+    assert got == want
+    stats, plain = mixed.wait_idle_checked(), separate.wait_idle_checked()
+    assert stats["mixed_forwards"] > 0, "no mixed batch ran: the test did not exercise decode rows"
+    assert plain["mixed_forwards"] == 0
+    assert stats["tokens_left_ring"] > 0 and 0 < stats["admitted_fraction"] < 1
+    # the budget bounded every mixed forward's prefill share (SGLang's own: 128 less the decode rows)
+    assert 0 < stats["mixed_prefill_tokens_max"] <= BUDGET
+
+
+@pytest.fixture
+def bounded(tmp_path):
+    """A mixed server with the SnapKV evictor (``--kv-budget 16``: streams past the ring are cut)."""
+    gates = save_head_gates(tmp_path / "gates", [30.0, 30.0, 30.0], 32)
+    srv = Server(
+        [
+            "--chunked-prefill-size",
+            "128",
+            "--wgkv-local-window",
+            "32",
+            "--wgkv-gates",
+            str(gates),
+            "--kv-budget",
+            "16",
+            "--wgkv-forward-tokens",
+            str(BUDGET),
+            "--disable-radix-cache",
+        ],
+        tmp_path / "bounded.log",
+    )
+    try:
+        yield srv.wait_healthy()
+    finally:
+        srv.stop()
+
+
+def test_mixed_forwards_with_the_evictor(bounded):
+    """Prompts prefilled beside decoding requests are compressed at their end and the decoding ones
+    evicted from: every request completes, the pool's idle check passes."""
+    out = _traffic(bounded)
+    assert all(len(ids) == (64 if key[0] == "short" else 16) for key, ids in out.items())
+    stats = bounded.wait_idle_checked()
+    assert stats["mixed_forwards"] > 0 and stats["eviction_triggers_total"] > 0
