@@ -30,6 +30,7 @@ it runs.
 import inspect
 import os
 import re
+import signal
 import sys
 
 import pytest
@@ -98,8 +99,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def pytest_configure(config):
     config.pluginmanager.register(ModuleOrder(), "wgkv_module_order")
+    # SIGTERM (a `timeout` wrapper, CI) as an interrupt: fixtures tear down and stop their servers,
+    # which run in sessions of their own and would outlive the test process
+    signal.signal(signal.SIGTERM, _interrupt)
 
 
 class ModuleOrder:
