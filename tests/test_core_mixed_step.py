@@ -7,13 +7,13 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
-from pool_driver import run_decode, run_extend
 from test_core_pool_stateful import EXHAUSTED, MAXLEN, PoolMachine, _keys
 
 from sglang_wgkv.attention.folded_index import build_folded_indices
 from sglang_wgkv.attention.reference import paged_decode_attention, vertical_slash_attention
 from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.memory import DualCachePool, PoolExhausted
+from sglang_wgkv.testing.pool_driver import run_decode, run_extend
 
 pytestmark = pytest.mark.core
 MIXED_RUNS = []  # mixed steps that ran: the test checks the rule was exercised

@@ -13,10 +13,6 @@ import random
 import sys
 
 import torch  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from interp_decode_check import pages_match  # noqa: E402
 
 from sglang_wgkv.config import WGKVConfig  # noqa: E402
