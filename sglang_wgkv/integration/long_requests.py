@@ -29,7 +29,7 @@ request's), and the forward goes on. Either way the request's pages never exceed
 reserve, plus the capped global part), which is what the overcommit prefill guard reserves for it
 instead of its dense prompt (:mod:`.overcommit`). A request that needs a bound but cannot get one
 even with the whole pool free (W_local per stream on average would not fit) gets a 400 before any
-work (:func:`check_request_length`), as does a request with admission off that is longer than the
+work (:func:`~sglang_wgkv.integration.overcommit.check_request_length`), as does a request with admission off that is longer than the
 dense-equivalent pool (it keeps every token, so it must fit densely).
 
 Window rows: a server without ``--kv-budget`` keeps query windows for :data:`LONG_REQUEST_ROWS`
@@ -191,37 +191,6 @@ def length_error(
             f"{BOUND_SLACK_PAGES + 1} pages, more than the pool's {room_pages * PAGE_SIZE // streams} "
             f"tokens; lower --chunked-prefill-size or raise the KV memory"
         )
-    return None
-
-
-def check_request_length(result, scheduler, req, *args, **kwargs):
-    """AFTER ``Scheduler.init_req_max_new_tokens`` (each new request, before SGLang's length check):
-    on an overcommit plan, a request longer than the dense-equivalent pool that cannot run
-    (:func:`length_error`) is aborted with a 400 before any work."""
-    from sglang_wgkv.integration.overcommit import guarded_runtime
-    from sglang_wgkv.integration.request_control import RequestAdmission
-
-    runtime = guarded_runtime(getattr(scheduler.tp_worker.model_runner, "token_to_kv_pool", None))
-    if runtime is None or req.to_finish is not None:
-        return None
-    try:
-        admission = RequestAdmission.of_request(req)
-    except ValueError:
-        return None  # the tokenizer manager already refused it
-    dual, plan = runtime.dual, runtime.plan
-    streams = dual.num_layers * dual.num_kv_heads
-    prompt = len(req.origin_input_ids)
-    error = length_error(
-        length=prompt + (req.sampling_params.max_new_tokens or 0),
-        admission=admission.admission,
-        dense_limit=plan.max_request_tokens,
-        local_window=dual.window,
-        chunk_tokens=request_chunk(runtime.chunk_tokens, prompt),
-        room_pages=dual.allocator.num_pages - streams,  # alone: less one decode step
-        streams=streams,
-    )
-    if error is not None:
-        req.set_finish_with_abort(error)
     return None
 
 

@@ -54,6 +54,7 @@ import logging
 
 from sglang_wgkv.integration.long_requests import (
     WGKV_BOUND,
+    length_error,
     pool_bound,
     release_row,
     request_chunk,
@@ -170,3 +171,31 @@ def add_chunked_req(original, adder, req):
         need = _extend_bound(pool.dual, req, chunk=pool.runtime.chunk_tokens)
         adder.wgkv_reserved_pages = getattr(adder, "wgkv_reserved_pages", 0) + need
     return original(adder, req)
+
+
+def check_request_length(result, scheduler, req, *args, **kwargs):
+    """AFTER ``Scheduler.init_req_max_new_tokens`` (each new request, before SGLang's length check):
+    on an overcommit plan, a request longer than the dense-equivalent pool that cannot run
+    (:func:`length_error`) is aborted with a 400 before any work."""
+    runtime = guarded_runtime(getattr(scheduler.tp_worker.model_runner, "token_to_kv_pool", None))
+    if runtime is None or req.to_finish is not None:
+        return None
+    try:
+        admission = RequestAdmission.of_request(req)
+    except ValueError:
+        return None  # the tokenizer manager already refused it
+    dual, plan = runtime.dual, runtime.plan
+    streams = dual.num_layers * dual.num_kv_heads
+    prompt = len(req.origin_input_ids)
+    error = length_error(
+        length=prompt + (req.sampling_params.max_new_tokens or 0),
+        admission=admission.admission,
+        dense_limit=plan.max_request_tokens,
+        local_window=dual.window,
+        chunk_tokens=request_chunk(runtime.chunk_tokens, prompt),
+        room_pages=dual.allocator.num_pages - streams,  # alone: less one decode step
+        streams=streams,
+    )
+    if error is not None:
+        req.set_finish_with_abort(error)
+    return None

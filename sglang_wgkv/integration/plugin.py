@@ -28,7 +28,6 @@ def load_plugin() -> None:
     from radix_ext import factory as radix_factory
     from sglang_wgkv.integration import (
         hooks,
-        long_requests,
         metrics,
         mixed_batches,
         overcommit,
@@ -66,7 +65,7 @@ def load_plugin() -> None:
         ),
         (
             "sglang.srt.managers.scheduler.Scheduler.init_req_max_new_tokens",
-            long_requests.check_request_length,
+            overcommit.check_request_length,
             HookType.AFTER,
         ),
         (
