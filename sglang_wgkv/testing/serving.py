@@ -27,8 +27,10 @@ class Server(ServerProcess):
     """One ``sglang_wgkv.launch_server`` process with the test settings; ``url`` once
     :meth:`wait_healthy` returned."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict | None = None, base_args=BASE_ARGS):
-        port = free_port()
+    def __init__(
+        self, args: list[str], log_path: Path, env: dict | None = None, base_args=BASE_ARGS, port: int = 0
+    ):
+        port = port or free_port()
         full_env = {**os.environ, "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", **(env or {})}
         super().__init__(
             [*LAUNCHER, *base_args, "--port", str(port), *args], log_path, port=port, env=full_env, cwd=REPO
