@@ -9,9 +9,9 @@ starts:
 ==============================  =========================================================================
 check                           refused when
 ==============================  =========================================================================
-each worker URL                 no answer within ``--worker-startup-timeout-secs``; ``/server_info``
-                                answered, but not with an SGLang server's JSON (``version`` and
-                                ``model_path``); ``/health`` not 200 by the deadline
+each worker URL                 not http(s); no answer within ``--worker-startup-timeout-secs``;
+                                ``/server_info`` answered, but not with an SGLang server's JSON
+                                (``version`` and ``model_path``); ``/health`` not 200 by the deadline
 the workers agree               different ``model_path``; WG-KV servers mixed with dense ones; WG-KV
                                 servers with different admission settings (τ, W_local, random
                                 admission, ``--kv-budget``): one request's answer would depend on the
@@ -21,7 +21,8 @@ the routing mode                ``--pd-disaggregation`` with WG-KV workers (the 
                                 :data:`SERVED_POLICIES`
 ==============================  =========================================================================
 
-With ``--service-discovery`` the workers are not known at start-up; nothing is checked.
+With ``--service-discovery`` the workers are not known at start-up, and workers added later through
+the router's own API are not seen here: neither is checked.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ def probe_worker(url: str, deadline: float) -> WorkerInfo:
     ``deadline`` (``time.monotonic()``) when it has not answered."""
     import requests
 
+    if not url.startswith(("http://", "https://")):
+        raise RouterSetupError(f"{url} is not an http:// or https:// URL")
     last = "no answer"
     info = None
     while True:

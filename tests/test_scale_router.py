@@ -154,6 +154,21 @@ def test_misspelled_field_and_the_routers_own_body_rules(cluster):
 
 # The frontend runs select in a worker thread, which re-raises the router's refusal there.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_per_request_settings_pass_the_router_on_completions_only(cluster):
+    off = {"custom_params": {"wgkv": {"admission": False}}}
+    completion = requests.post(
+        cluster.url + "/v1/completions",
+        json={"model": "m", "prompt": "Once upon a time", "max_tokens": 2, **GREEDY, **off},
+        timeout=300,
+    )
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["usage"]["wgkv"]["admission"] is False
+    body = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 2, **GREEDY, **off}}
+    assert generate(cluster.workers[0].url, body).json()["meta_info"]["wgkv"][-1]["admission"] is False
+    # The router's typed sampling parameters have no custom_params: dropped, the server's settings apply.
+    assert generate(cluster.url, body).json()["meta_info"]["wgkv"][-1]["admission"] is True
+
+
 def test_frontend_program_through_the_router(cluster):
     from evals.frontend_programs import run_program
 
@@ -224,14 +239,37 @@ def _send(url: str, prompt: str, results: list, i: int) -> None:
         results[i] = ("client", repr(e)[:300])
 
 
+def _stream(url: str, prompt: str, results: list, i: int) -> None:
+    """A streamed request: ("stream", its last data line, whether [DONE] came, the client's error)."""
+    body = {
+        "text": prompt,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 48, "ignore_eos": True, **GREEDY},
+    }
+    last, done, error = None, False, None
+    try:
+        with requests.post(url + "/generate", json=body, stream=True, timeout=240) as r:
+            for line in r.iter_lines():
+                if line == b"data: [DONE]":
+                    done = True
+                elif line.startswith(b"data:"):
+                    last = line
+    except requests.RequestException as e:
+        error = repr(e)[:200]
+    results[i] = ("stream", last[-200:] if last else None, done, error)
+
+
 def test_worker_killed_under_load_then_restarted(cluster):
     survivor, victim = cluster.workers
     for w in cluster.workers:
         flush_cache(w)
-    n = 6
+    n = 8  # the last two streamed
     results: list = [None] * n
     threads = [
-        threading.Thread(target=_send, args=(cluster.url, f"Story {i}. {long_prompt(3, seed=i)}", results, i))
+        threading.Thread(
+            target=_send if i < n - 2 else _stream,
+            args=(cluster.url, f"Story {i}. {long_prompt(3, seed=i)}", results, i),
+        )
         for i in range(n)
     ]
     for t in threads:
@@ -246,9 +284,12 @@ def test_worker_killed_under_load_then_restarted(cluster):
         t.join(timeout=300)
     assert not any(t.is_alive() for t in threads), f"requests hung: {results}"
     print(f"\nin flight when a worker was killed: {results}")
-    for status, text in results:
+    for status, text in results[: n - 2]:  # answered, or a 5xx with a message: never an empty success
         assert status == 200 or (isinstance(status, int) and status >= 500 and text), (status, text)
-    assert any(status == 200 for status, _ in results)
+    assert any(status == 200 for status, _ in results[: n - 2])
+    for _, last, done, error in results[n - 2 :]:  # complete, or visibly not: no [DONE] after a cut
+        complete = last is not None and b'"completion_tokens":48' in last
+        assert complete == done or (error and not done), results[n - 2 :]
 
     cluster.wait_workers(healthy={survivor.url}, timeout=30)
     after = [

@@ -133,6 +133,9 @@ def test_launcher_refuses_urls_that_are_no_sglang_server(web_server, capsys):
     err = launch(capsys, "--worker-urls", url, "--worker-startup-timeout-secs", "30")
     assert "has no 'version' and 'model_path'" in err
 
+    err = launch(capsys, "--worker-urls", "127.0.0.1:30001", "--worker-startup-timeout-secs", "30")
+    assert "refused: 127.0.0.1:30001 is not an http:// or https:// URL" in err
+
     silent = f"http://127.0.0.1:{free_port()}"
     err = launch(capsys, "--worker-urls", silent, "--worker-startup-timeout-secs", "2")
     assert f"refused: {silent} did not answer as a healthy SGLang server in time (ConnectionError)" in err

@@ -25,7 +25,7 @@ BASE_DTYPE_BYTES = 4  # BASE_ARGS' float32: the pool's per-slot state costs half
 
 class Server(ServerProcess):
     """One ``sglang_wgkv.launch_server`` process with the test settings; ``url`` once
-    :meth:`wait_healthy` returned."""
+    :meth:`wait_healthy` returned. ``port`` 0: a free one (another: e.g. a restart on the same URL)."""
 
     def __init__(
         self, args: list[str], log_path: Path, env: dict | None = None, base_args=BASE_ARGS, port: int = 0
