@@ -137,6 +137,16 @@ def test_generate_and_openai_routes_through_the_router(cluster):
     assert completion.json()["usage"]["completion_tokens"] == 4
 
 
+def test_what_the_router_asks_of_workers(cluster):
+    flushed = requests.post(cluster.url + "/flush_cache", timeout=60)
+    assert flushed.status_code == 200 and flushed.json()["workers_flushed"] == 2, flushed.text
+    loads = requests.get(cluster.url + "/get_loads", timeout=60)  # each worker's /get_load
+    assert loads.status_code == 200
+    assert sorted(w["worker"] for w in loads.json()["workers"]) == sorted(w.url for w in cluster.workers)
+    models = requests.get(cluster.url + "/v1/models", timeout=60)
+    assert models.status_code == 200 and models.json()["data"], models.text
+
+
 def test_misspelled_field_and_the_routers_own_body_rules(cluster):
     worker = cluster.workers[0]
     typo = {"text": "Hi", "sampling_param": {"max_new_tokens": 2}}
