@@ -8,12 +8,12 @@ KV budget of one server between them (``--kv-tokens``: the one-server run's pool
 budget its capacity plan starts from). Workers that share a GPU (``--gpus 0,0``) start one after the
 other, each measuring the memory the one before left; each holds its own copy of the weights.
 
-    python benchmarks/router_speed.py run --server wgkv --workers 2 --gpus 0,0 --kv-tokens 218482 --out-dir $OUT
-    python benchmarks/router_speed.py run --server upstream --workers 2 --gpus 0,0 --kv-tokens 218482 --out-dir $OUT
+    python -m benchmarks.router_speed run --server wgkv --workers 2 --gpus 0,0 --kv-tokens 218482 --out-dir $OUT
+    python -m benchmarks.router_speed run --server upstream --workers 2 --gpus 0,0 --kv-tokens 218482 --out-dir $OUT
 
 Writes ``part.router.<server>.<workers>x.<tag>.json``: bench_serving's JSON line, the commands and each
-worker's capacity, to set beside ``served_speed.py run --server <server> --workloads W3`` of the same
-lease (the one-server number).
+worker's capacity, to set beside ``python -m benchmarks.served_speed --server <server> --workloads W3``
+of the same lease (the one-server number).
 """
 
 from __future__ import annotations
@@ -27,30 +27,19 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: this checkout's packages
-
-from benchmarks.served_speed import (  # noqa: E402
-    TP_ENV,
-    WORKLOADS,
-    bench_command,
-    environment,
-    model_dir,
-    run_bench,
-    server_command,
-    server_state,
-    wait_gpu_idle,
-)
-from sglang_wgkv.server_process import ServerProcess, free_port  # noqa: E402
+from benchmarks import served_workloads as sw
+from benchmarks.served_speed import environment, model_dir, run_bench, server_state, wait_gpu_idle
+from sglang_wgkv.server_process import ServerProcess, free_port
 
 ROUTER_POLICY = "cache_aware"
 
 
-def worker_commands(a, model: Path, ports: list[int]) -> list[list[str]]:
+def worker_commands(a, ws: sw.WorkloadSet, config: str, model: Path, ports: list[int]) -> list[list[str]]:
     """One server command per worker: the workload's, with its share of the KV budget."""
-    w = WORKLOADS[a.workload]
+    w = ws[a.workload]
     share = ["--max-total-tokens", str(a.kv_tokens // a.workers)] if a.kv_tokens else []
     return [
-        [*server_command(a.server, w, model, port, a.upstream_backend, a.tp, a.wgkv_extra), *share]
+        [*sw.server_command(ws, a.server, config, w, model, port, a.tp), *shlex.split(a.wgkv_extra), *share]
         for port in ports
     ]
 
@@ -96,22 +85,29 @@ def run(a) -> None:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    w = WORKLOADS[a.workload]
+    ws = sw.load(Path(a.workloads_file))
+    w = ws[a.workload]
+    config = a.baseline if a.server == "upstream" else a.wgkv_config
+    body = w.wgkv_request if a.server == "wgkv" else None
+    if body:  # the router's typed /generate body has no custom_params (docs/scale-out.md)
+        raise SystemExit(f"{w.name} sends custom_params.wgkv, which the router drops on /generate")
     model = model_dir(Path(a.model_dir))
     gpus = a.gpus.split(",") if a.gpus else []
     if gpus and len(gpus) != a.workers:
         raise SystemExit(f"--gpus lists {len(gpus)} GPUs for {a.workers} workers")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(TP_ENV if a.tp > 1 else {})}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **w.env, **(sw.TP_ENV if a.tp > 1 else {})}
     if a.server == "upstream":
         env["SGLANG_PLUGINS"] = "none"
     ports = [free_port() for _ in range(a.workers)]
-    commands = worker_commands(a, model, ports)
+    commands = worker_commands(a, ws, config, model, ports)
     part = {
+        "kind": "router_part",
         "server": a.server,
+        "config": config,
         "workers": a.workers,
         "gpus": gpus,
         "kv_tokens": a.kv_tokens,
-        "workload": w.id,
+        "workload": w.name,
         "policy": ROUTER_POLICY,
         "environment": environment(),
         "worker_commands": [shlex.join(c) for c in commands],
@@ -143,15 +139,12 @@ def run(a) -> None:
         router = ServerProcess(rcmd, out_dir / "router.log", port=router_port, env=env, cwd="/tmp")
         router.wait_healthy(300, path="/health", probe_timeout_s=10)
         wait_router(router.url, a.workers, 300)
-        body = w.request_body if a.server == "wgkv" else None
-        warm = bench_command(
-            w, router.url, out_dir / "warmup.jsonl", 7, a.workers, 16, body, min(w.input_len, 8192)
-        )
+        warm = sw.bench_command(w, router.url, out_dir / "warmup.jsonl", 7, None, sw.warmup_client(w))
         run_bench(warm, out_dir / "warmup.jsonl", a.bench_timeout)
-        out_file = out_dir / f"bench.router.{a.server}.{a.workers}x.{w.id}.jsonl"
-        timed = bench_command(w, router.url, out_file, 1, w.prompts, w.output_len, body)
+        out_file = out_dir / f"bench.router.{a.server}.{a.workers}x.{w.name}.jsonl"
+        timed = sw.bench_command(w, router.url, out_file, 1, None)
         part["bench_command"] = shlex.join(timed)
-        part["result"] = run_bench(timed, out_file, a.bench_timeout)
+        part["result"] = run_bench(timed, out_file, max(a.bench_timeout, w.bench_timeout_s))
         part["worker_states"] = [server_state(srv.url) for srv in workers]
     except Exception as exc:  # recorded with whatever ran
         part["error"] = f"{type(exc).__name__}: {exc}"[-4000:]
@@ -185,8 +178,10 @@ def main(argv=None) -> None:
     r.add_argument(
         "--kv-tokens", type=int, default=0, help="the KV budget split between the workers (0: none)"
     )
-    r.add_argument("--workload", default="W3", choices=sorted(WORKLOADS))
-    r.add_argument("--upstream-backend", default="flashinfer")
+    r.add_argument("--workload", default="W3")
+    r.add_argument("--workloads-file", default=str(sw.WORKLOADS_JSON))
+    r.add_argument("--baseline", default="fa3", help="upstream: a baseline of the workloads file")
+    r.add_argument("--wgkv-config", default="bf16", help="wgkv: a configuration of the workloads file")
     r.add_argument("--tp", type=int, default=1)
     r.add_argument("--wgkv-extra", default="")
     r.add_argument("--out-dir", required=True)

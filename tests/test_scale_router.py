@@ -17,9 +17,9 @@ import time
 
 import pytest
 import requests
-from serving_support import Server, flush_cache, long_prompt, shipped_gates_at
 
 from sglang_wgkv.server_process import ServerProcess, free_port
+from sglang_wgkv.testing.serving import Server, flush_cache, long_prompt, shipped_gates_at
 
 pytestmark = [pytest.mark.serving, pytest.mark.scale]
 
