@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up the project in .venv (repo root): sglang 0.5.17 + this package (editable, with test extras)
-# + the embedded model package. Idempotent: reinstalls only when pyproject.toml or this script change.
+# Set up the project in .venv (repo root): sglang 0.5.17 + this package (editable, with test extras,
+# which include the router extra: sglang-router) + the embedded model package.
+# Idempotent: reinstalls only when pyproject.toml or this script change.
 #
 #   bash scripts/setup.sh            # then .venv/bin/python -m sglang_wgkv.launch_server / -m pytest
 #

@@ -26,6 +26,7 @@ before uvicorn starts), because two of its answers happen where no hook reaches:
 
 * unknown top-level keys (``{"txt": ...}``, ``{"sampling_param": ...}``): the HTTP layer builds the
   request dataclass and drops them, so a typo silently ran with defaults. Now a 400 naming them.
+  The fields SGLang's own clients add (:data:`CLIENT_FIELDS`, the router's ``model``) pass.
   The OpenAI endpoints keep SGLang's pydantic semantics (unknown keys ignored, as the OpenAI
   clients' ``extra_body`` and other servers' extensions rely on).
 * ``"stream": true``: SGLang sends the 200 headers before tokenizing and reports a rejected request
@@ -104,6 +105,9 @@ def check_request(manager, obj, input_ids, *args, **kwargs):
 
 
 GENERATE_PATH = "/generate"
+# Top-level /generate fields that SGLang's own clients send though GenerateReqInput has none: the
+# router (sglang-router) forwards every body with ``model`` (its model id, or null); SGLang ignores it.
+CLIENT_FIELDS = frozenset({"model"})
 
 
 def json_object(body: bytes) -> dict | None:
@@ -240,6 +244,6 @@ def install_generate_checks(*args, **kwargs):
     from sglang.srt.entrypoints import http_server
     from sglang.srt.managers.io_struct import GenerateReqInput
 
-    fields = frozenset(f.name for f in dataclasses.fields(GenerateReqInput))
+    fields = frozenset(f.name for f in dataclasses.fields(GenerateReqInput)) | CLIENT_FIELDS
     http_server.app.add_middleware(GenerateBodyChecks, fields=fields)
     return None

@@ -25,10 +25,12 @@ BASE_DTYPE_BYTES = 4  # BASE_ARGS' float32: the pool's per-slot state costs half
 
 class Server(ServerProcess):
     """One ``sglang_wgkv.launch_server`` process with the test settings; ``url`` once
-    :meth:`wait_healthy` returned."""
+    :meth:`wait_healthy` returned. ``port`` 0: a free one (another: e.g. a restart on the same URL)."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict | None = None, base_args=BASE_ARGS):
-        port = free_port()
+    def __init__(
+        self, args: list[str], log_path: Path, env: dict | None = None, base_args=BASE_ARGS, port: int = 0
+    ):
+        port = port or free_port()
         full_env = {**os.environ, "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", **(env or {})}
         super().__init__(
             [*LAUNCHER, *base_args, "--port", str(port), *args], log_path, port=port, env=full_env, cwd=REPO
