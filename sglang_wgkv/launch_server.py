@@ -203,7 +203,7 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
         raise ValueError(
             "--dtype float32 is not served on CUDA: SGLang 0.5.17's CUDA RMSNorm "
             "(sgl_kernel.rmsnorm) has no float32 kernel, and the server would die at its first "
-            "forward (H200, 2026-12-04); use bfloat16 or float16 there"
+            "forward; use bfloat16 or float16 there"
         )
     backend = _option(sglang_argv, "--attention-backend")
 
