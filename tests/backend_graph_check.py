@@ -23,9 +23,9 @@ import torch
 from interp_decode_check import pages_match
 from interp_gate_check import make_gates
 
+from sglang_wgkv.attention.decode_config import DecodeConfig
 from sglang_wgkv.attention.folded_index import build_folded_indices
 from sglang_wgkv.attention.reference import paged_decode_attention
-from sglang_wgkv.attention.triton_decode import DecodeConfig
 from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.gate.admission import DeferredGateCheck
 from sglang_wgkv.gate.triton_gate import DecodeGate

@@ -243,7 +243,7 @@ def test_launcher_fills_in_defaults(monkeypatch):
 def test_decode_launch_spec(monkeypatch):
     """--wgkv-decode-launch: the split kernel's launch shape for in-service measurements, parsed and
     checked by the launcher, handed to the schedulers with the other settings; defaults when absent."""
-    from sglang_wgkv.attention.triton_decode import DecodeConfig, choose_num_splits
+    from sglang_wgkv.attention.decode_config import DecodeConfig, choose_num_splits
     from sglang_wgkv.launch_server import resolve
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -226,7 +226,7 @@ class WGKVAttnBackend(AttentionBackend):
         self.prefill_gate = None  # the Triton prefill gate; None: the torch gate (self.gates)
         self.decode_launch = None  # the split kernel's launch shape (kernels path)
         if self.use_kernels:
-            from sglang_wgkv.attention.triton_decode import DecodeConfig
+            from sglang_wgkv.attention.decode_config import DecodeConfig
             from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
             from sglang_wgkv.gate.triton_gate import DecodeGate
             from sglang_wgkv.gate.triton_prefill_gate import DECODE_MIN_ROWS, checked_prefill_gate
@@ -343,7 +343,7 @@ class WGKVAttnBackend(AttentionBackend):
             self._draw_uniform(len(host_pos)),
         )
         if self.use_kernels:
-            from sglang_wgkv.attention.triton_decode import choose_num_splits
+            from sglang_wgkv.attention.decode_config import choose_num_splits
 
             rows.num_splits = choose_num_splits(
                 len(host_pos),
@@ -414,7 +414,7 @@ class WGKVAttnBackend(AttentionBackend):
         """Decode-graph capture (``in_capture``: every row is padding) or replay preparation: the real
         rows' step (:meth:`DualCachePool.begin_decode`, evictor boundary) into the static buffers,
         padded rows pointed at :data:`SCRATCH_SLOT`."""
-        from sglang_wgkv.attention.triton_decode import FoldedDecodeWorkspace, choose_num_splits
+        from sglang_wgkv.attention.decode_config import FoldedDecodeWorkspace, choose_num_splits
 
         if not forward_batch.forward_mode.is_decode():
             raise NotImplementedError(f"the {BACKEND_NAME} backend captures decode graphs only")
