@@ -375,7 +375,7 @@ def test_server_accepts_official_qwen3_gates_and_checks_the_model(tmp_path):
     import json
 
     from sglang_wgkv.gate import GateConfig, WriteGates
-    from sglang_wgkv.integration.backend import build_gates
+    from sglang_wgkv.integration.served_gates import build_gates
     from sglang_wgkv.launch_server import check_gates
 
     L, H, D = 2, 2, 32
