@@ -30,7 +30,8 @@ def test_split_capacity_reserves_slack_per_request_slot():
 def test_capacity_plan_counts_per_slot_state():
     """The page-table rows, ring flags and (with --kv-budget) evictor windows of every request slot
     come out of SGLang's KV budget: physical pages + that state = the budget."""
-    from sglang_wgkv.integration.capacity import ModelShape, fixed_costs, plan_capacity
+    from sglang_wgkv.integration.capacity import plan_capacity
+    from sglang_wgkv.integration.slot_costs import ModelShape, fixed_costs
 
     shape = ModelShape(
         num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64, context_len=8192, dtype_bytes=2
