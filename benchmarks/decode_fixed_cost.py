@@ -67,10 +67,12 @@ class _NoLaunch:
 
 
 def variant_fn(name, pool, q, out, splits, td, cfg=None):
+    from sglang_wgkv.attention.decode_config import DecodeConfig, FoldedDecodeWorkspace
+
     B, L = q.shape[0], pool.page_table.shape[1]
-    ws = td.FoldedDecodeWorkspace(B, HQ, D, splits, "cuda", num_kv_heads=HKV)
+    ws = FoldedDecodeWorkspace(B, HQ, D, splits, "cuda", num_kv_heads=HKV)
     if cfg is None:
-        cfg = td.DecodeConfig(
+        cfg = DecodeConfig(
             fused_merge=name not in ("two_launch", "split_only"), pdl=name == "fused_write_pdl"
         )
     extra = {}
@@ -129,12 +131,13 @@ def main():
         "--min-gain", type=float, default=0.03, help="the best spec's least gain over the default"
     )
     args = ap.parse_args()
+    from sglang_wgkv.attention import decode_config as dc
     from sglang_wgkv.attention import triton_decode as td
 
     configs = [""] + [c for c in args.configs if c != ""] if args.configs else []
-    launch = {c: td.DecodeConfig.parse(c) for c in configs}
+    launch = {c: dc.DecodeConfig.parse(c) for c in configs}
     launch_splits = {
-        c: td.choose_num_splits(1, HKV, 131072, "cuda", cfg.programs_per_sm) for c, cfg in launch.items()
+        c: dc.choose_num_splits(1, HKV, 131072, "cuda", cfg.programs_per_sm) for c, cfg in launch.items()
     }
 
     deadline = Deadline(args.deadline)
@@ -150,7 +153,7 @@ def main():
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, HQ, D, device="cuda", dtype=DT)
     out = torch.empty_like(q)
-    splits = td.choose_num_splits(1, HKV, 131072, "cuda")
+    splits = dc.choose_num_splits(1, HKV, 131072, "cuda")
     results["default_splits"] = splits
     for n in args.lengths:
         if deadline.left() < 20:

@@ -210,7 +210,7 @@ class WGKVEngine(Engine):
         self.admit = None
         self.prefill_config = prefill_config
         if decode == "triton":
-            from sglang_wgkv.attention.triton_decode import FoldedDecodeWorkspace, choose_num_splits
+            from sglang_wgkv.attention.decode_config import FoldedDecodeWorkspace, choose_num_splits
 
             cols = self.pool.page_table.shape[-1]
             self.num_splits = choose_num_splits(1, HKV, cols * 16, DEVICE)

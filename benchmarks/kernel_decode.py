@@ -105,7 +105,8 @@ def graph_ms(fn, inner: int = 20, reps: int = 7) -> float:
 
 
 def triton_fn(pool, q, out, splits, cfg):
-    from sglang_wgkv.attention.triton_decode import FoldedDecodeWorkspace, folded_decode
+    from sglang_wgkv.attention.decode_config import FoldedDecodeWorkspace
+    from sglang_wgkv.attention.triton_decode import folded_decode
 
     B, L = q.shape[0], pool.page_table.shape[1]
     ws = FoldedDecodeWorkspace(B, HQ, D, splits, "cuda", num_kv_heads=HKV)
@@ -132,7 +133,7 @@ def triton_fn(pool, q, out, splits, cfg):
 
 def sweep(args, results, gen):
     """Launch shapes at batch 1, 128K tokens, 75% rejection (or the first given length)."""
-    from sglang_wgkv.attention.triton_decode import MAX_SPLIT_COUNT, DecodeConfig, choose_num_splits
+    from sglang_wgkv.attention.decode_config import MAX_SPLIT_COUNT, DecodeConfig, choose_num_splits
 
     n = 131072 if 131072 in args.lengths else args.lengths[0]
     glen = global_lengths(1, 1, n, 0.75, gen)
@@ -192,7 +193,7 @@ def sweep(args, results, gen):
 def run(args, deadline, results, path, best):
     import flashinfer
 
-    from sglang_wgkv.attention.triton_decode import DecodeConfig, choose_num_splits
+    from sglang_wgkv.attention.decode_config import DecodeConfig, choose_num_splits
 
     gen = torch.Generator().manual_seed(0)
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")

@@ -65,12 +65,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/kernels")
     args = ap.parse_args()
-    from sglang_wgkv.attention import triton_decode as td
+    from sglang_wgkv.attention import decode_config as dc
 
-    splits = td.choose_num_splits(1, 8, 131072, "cpu")
+    splits = dc.choose_num_splits(1, 8, 131072, "cpu")
     rows = []
     for block_n, warps, stages, write, fused, maxnreg in CONFIGS:
-        cfg = td.DecodeConfig(
+        cfg = dc.DecodeConfig(
             block_n=block_n, num_warps=warps, num_stages=stages, fused_merge=fused, maxnreg=maxnreg
         )
         kernel, bound, options = split_kernel_launch(cfg, splits=splits, fused_write=write)
@@ -98,9 +98,9 @@ def main():
             "shape": {"batch": 1, "Hq": 32, "Hkv": 8, "head_dim": 128, "splits": splits, "dtype": "bfloat16"},
             "rows": rows,
             "served_default": {
-                "block_n": td.DecodeConfig.block_n,
-                "num_warps": td.DecodeConfig.num_warps,
-                "num_stages": td.DecodeConfig.num_stages,
+                "block_n": dc.DecodeConfig.block_n,
+                "num_warps": dc.DecodeConfig.num_warps,
+                "num_stages": dc.DecodeConfig.num_stages,
             },
         },
         "sm90_registers",

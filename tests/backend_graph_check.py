@@ -23,14 +23,15 @@ import torch
 from interp_decode_check import pages_match
 from interp_gate_check import make_gates
 
+from sglang_wgkv.attention.decode_config import DecodeConfig
 from sglang_wgkv.attention.folded_index import build_folded_indices
 from sglang_wgkv.attention.reference import paged_decode_attention
-from sglang_wgkv.attention.triton_decode import DecodeConfig
 from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.gate.admission import DeferredGateCheck
 from sglang_wgkv.gate.triton_gate import DecodeGate
 from sglang_wgkv.gate.triton_prefill_gate import PrefillGate
-from sglang_wgkv.integration.backend import SCRATCH_SLOT, WGKVAttnBackend, _DecodeRows
+from sglang_wgkv.integration.backend import WGKVAttnBackend
+from sglang_wgkv.integration.decode_rows import SCRATCH_SLOT, DecodeRows
 from sglang_wgkv.memory import DualCachePool
 from sglang_wgkv.memory.evictor import SnapKVEvictor
 
@@ -244,7 +245,7 @@ def main(tensor_core_gate: bool, decode_launch: str = "", evictor_rows: int | No
     )
     b.batch_slots = list(SLOTS)
     b.init_forward_metadata_out_graph(view)
-    rows: _DecodeRows = b._rows
+    rows: DecodeRows = b._rows
     assert rows.req.tolist() == SLOTS + [SCRATCH_SLOT] * 2
     assert torch.equal(rows.tau[:B, 0], torch.tensor([TAU[r] for r in SLOTS]))
     junk = lambda t, n: torch.cat([t, torch.randn(L, BS - B, n * D, generator=gen).to(DT)], 1)  # noqa: E731

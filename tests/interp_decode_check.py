@@ -226,7 +226,8 @@ def run_case(name: str, device: str = "cpu") -> bool:
     must then equal the pool's, bit for bit. Those launches also record the queries in an observation
     window (``observe``, W_obs = W / 2; positions in layer 0 only), which must equal the evictor's
     torch record (``q_buf[req, pos % W_obs] = q``, ``q_pos[req, pos % W_obs] = pos``)."""
-    from sglang_wgkv.attention.triton_decode import DecodeConfig, FoldedDecodeWorkspace, folded_decode
+    from sglang_wgkv.attention.decode_config import DecodeConfig, FoldedDecodeWorkspace
+    from sglang_wgkv.attention.triton_decode import folded_decode
 
     c = CASES[name]
     case = PoolCase(

@@ -37,7 +37,7 @@ def _launch(case, q, layer, **kwargs):
 @pytest.mark.parametrize("kv_dtype", FP8, ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_launch"])
 def test_gpu_fp8_decode_matches_reference(kv_dtype, fused):
-    from sglang_wgkv.attention.triton_decode import DecodeConfig
+    from sglang_wgkv.attention.decode_config import DecodeConfig
 
     case = PoolCase(
         128, 32, 8, torch.bfloat16, 256, [6000, 300, 2500, 40], 1, 0.5, "cuda", seed=7, kv_dtype=kv_dtype
@@ -55,7 +55,7 @@ def test_gpu_fp8_decode_matches_reference(kv_dtype, fused):
 def test_gpu_fp8_decode_under_cuda_graph_follows_scales():
     """A captured FP8 decode replays correctly, and after the scales change in place (the tensors
     the kernel reads), the replay uses the new ones: no scale was baked into the graph."""
-    from sglang_wgkv.attention.triton_decode import FoldedDecodeWorkspace, choose_num_splits
+    from sglang_wgkv.attention.decode_config import FoldedDecodeWorkspace, choose_num_splits
 
     case = PoolCase(
         128, 32, 8, torch.bfloat16, 256, [3000, 700], 0, 0.5, "cuda", num_layers=1, seed=3,

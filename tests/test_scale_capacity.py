@@ -81,7 +81,7 @@ def test_bounded_split_lets_the_longest_prompt_run(budget, chunk, cap):
 
 
 def test_prompt_rule_table():
-    from sglang_wgkv.integration.capacity import PromptRule
+    from sglang_wgkv.integration.prompt_rule import PromptRule
 
     # W_local 256, budget 512 (a slot: 256 + 512 + 32), cap 512 + 1024, chunk 2048, 10 slots, 100 spare
     rule = PromptRule(
@@ -107,7 +107,8 @@ def test_prompt_excess_covers_every_chunk_of_the_pool(w_pages, b_tokens, chunk_p
     import torch
 
     from sglang_wgkv.config import PAGE_SIZE, WGKVConfig
-    from sglang_wgkv.integration.capacity import PromptRule, request_bound_tokens
+    from sglang_wgkv.integration.capacity import request_bound_tokens
+    from sglang_wgkv.integration.prompt_rule import PromptRule
     from sglang_wgkv.memory import DualCachePool
 
     W, C = PAGE_SIZE * w_pages, data.draw(st.integers(1, PAGE_SIZE * chunk_pages))

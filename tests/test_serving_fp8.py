@@ -164,7 +164,7 @@ def test_layer_scales_follow_sglang():
 def test_capacity_counts_fp8_bytes():
     """A token of FP8 K/V costs half a bf16 one, so per-slot state (bytes) costs twice the tokens; the
     evictor's query window stays in the model's dtype."""
-    from sglang_wgkv.integration.capacity import ModelShape, fixed_costs
+    from sglang_wgkv.integration.slot_costs import ModelShape, fixed_costs
 
     shape = dict(num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64, context_len=8192)
     bf16 = ModelShape(**shape, dtype_bytes=2)

@@ -145,7 +145,7 @@ def test_schedule_prefill_unmixes_a_chunk_the_pool_cannot_hold_with_decodes():
 
 
 def test_mixed_batch_decode_rows_are_its_decoding_tail():
-    from sglang_wgkv.integration.backend import mixed_decode_rows
+    from sglang_wgkv.integration.batch_slots import mixed_decode_rows
 
     class Mode:
         def __init__(self, mixed):

@@ -30,7 +30,8 @@ def test_split_capacity_reserves_slack_per_request_slot():
 def test_capacity_plan_counts_per_slot_state():
     """The page-table rows, ring flags and (with --kv-budget) evictor windows of every request slot
     come out of SGLang's KV budget: physical pages + that state = the budget."""
-    from sglang_wgkv.integration.capacity import ModelShape, fixed_costs, plan_capacity
+    from sglang_wgkv.integration.capacity import plan_capacity
+    from sglang_wgkv.integration.slot_costs import ModelShape, fixed_costs
 
     shape = ModelShape(
         num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64, context_len=8192, dtype_bytes=2
@@ -243,7 +244,7 @@ def test_launcher_fills_in_defaults(monkeypatch):
 def test_decode_launch_spec(monkeypatch):
     """--wgkv-decode-launch: the split kernel's launch shape for in-service measurements, parsed and
     checked by the launcher, handed to the schedulers with the other settings; defaults when absent."""
-    from sglang_wgkv.attention.triton_decode import DecodeConfig, choose_num_splits
+    from sglang_wgkv.attention.decode_config import DecodeConfig, choose_num_splits
     from sglang_wgkv.launch_server import resolve
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -375,7 +376,7 @@ def test_server_accepts_official_qwen3_gates_and_checks_the_model(tmp_path):
     import json
 
     from sglang_wgkv.gate import GateConfig, WriteGates
-    from sglang_wgkv.integration.backend import build_gates
+    from sglang_wgkv.integration.served_gates import build_gates
     from sglang_wgkv.launch_server import check_gates
 
     L, H, D = 2, 2, 32

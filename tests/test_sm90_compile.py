@@ -20,7 +20,7 @@ def test_decode_split_kernel_compiles_for_sm90(pdl):
     """The decode split kernel as the served step launches it (Llama-3.1-8B's GQA group of 4, bf16,
     fused merge, fused ring write, the evictor's observation window), with and without programmatic
     dependent launch: with it the PTX waits on the grid dependency (griddepcontrol.wait)."""
-    from sglang_wgkv.attention.triton_decode import DecodeConfig
+    from sglang_wgkv.attention.decode_config import DecodeConfig
 
     compiled = compile_sm90(
         *split_kernel_launch(DecodeConfig(pdl=pdl), batch=2, pos=300, splits=16, observe=True)
@@ -33,7 +33,7 @@ def test_decode_split_kernel_compiles_for_sm90(pdl):
 def test_decode_split_kernel_register_cap():
     """``--wgkv-decode-launch maxnreg=N`` reaches the compiled kernel: the PTX carries the cap (ptxas
     then allocates at most N registers per thread); without it, no cap."""
-    from sglang_wgkv.attention.triton_decode import DecodeConfig
+    from sglang_wgkv.attention.decode_config import DecodeConfig
 
     capped = compile_sm90(*split_kernel_launch(DecodeConfig(block_n=16, maxnreg=128)))
     assert ".maxnreg 128" in capped.asm["ptx"]
@@ -170,7 +170,7 @@ def test_compile_takes_the_launch_specialization():
     import re
 
     from benchmarks.sm90_registers import ptxas_stats
-    from sglang_wgkv.attention.triton_decode import DecodeConfig
+    from sglang_wgkv.attention.decode_config import DecodeConfig
 
     ptx = compile_sm90(*split_kernel_launch(DecodeConfig())).asm["ptx"]
     copies = re.findall(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], (0x[0-9a-f]+)", ptx)
@@ -217,7 +217,7 @@ def test_fp8_decode_kernels_compile_for_sm90(kv_dtype):
     """With FP8 pages: the split kernel (bf16 queries, FP8 keys and values converted in registers,
     the fused ring write quantizing with saturation) and the decode step's pool kernels compile for
     sm_90 within its shared memory; the PTX converts with the hardware's saturating FP8 instructions."""
-    from sglang_wgkv.attention.triton_decode import DecodeConfig
+    from sglang_wgkv.attention.decode_config import DecodeConfig
 
     compiled = compile_sm90(
         *split_kernel_launch(DecodeConfig(), batch=2, pos=300, splits=16, observe=True, kv_dtype=kv_dtype)

@@ -17,7 +17,8 @@ import os
 import pytest
 
 from sglang_wgkv.testing.server_pool import shared_server
-from sglang_wgkv.testing.soak import CPU_SERVER_ARGS, MIX, Soak, SoakConfig
+from sglang_wgkv.testing.soak import CPU_SERVER_ARGS, Soak, SoakConfig
+from sglang_wgkv.testing.soak_jobs import MIX
 
 pytestmark = pytest.mark.serving
 

@@ -58,12 +58,8 @@ def test_interpreted_decode_matches_reference(interpreted_rows, name):
 
 @pytest.mark.core
 def test_choose_num_splits_and_validation():
-    from sglang_wgkv.attention.triton_decode import (
-        MAX_SPLIT_COUNT,
-        FoldedDecodeWorkspace,
-        choose_num_splits,
-        folded_decode,
-    )
+    from sglang_wgkv.attention.decode_config import MAX_SPLIT_COUNT, FoldedDecodeWorkspace, choose_num_splits
+    from sglang_wgkv.attention.triton_decode import folded_decode
 
     # Batch 1 x 8 heads at long context: several programs per SM; large batches: few splits.
     assert choose_num_splits(1, 8, 131072) >= 32
@@ -120,7 +116,8 @@ GPU_CASES = [
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_launch"])
 @pytest.mark.parametrize("case_args", GPU_CASES, ids=lambda c: f"d{c[0]}_hq{c[1]}_hkv{c[2]}_{str(c[3])[6:]}")
 def test_gpu_decode_matches_reference(case_args, fused):
-    from sglang_wgkv.attention.triton_decode import DecodeConfig, folded_decode
+    from sglang_wgkv.attention.decode_config import DecodeConfig
+    from sglang_wgkv.attention.triton_decode import folded_decode
 
     D, Hq, Hkv, dtype, W, plens, late, p = case_args
     case = PoolCase(D, Hq, Hkv, dtype, W, plens, late, p, "cuda", num_layers=2, seed=D + Hq)
@@ -168,7 +165,8 @@ def test_gpu_interpreter_cases_compiled(name):
 @requires_cuda
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_launch"])
 def test_gpu_decode_batch16_long_streams(fused):
-    from sglang_wgkv.attention.triton_decode import DecodeConfig, choose_num_splits, folded_decode
+    from sglang_wgkv.attention.decode_config import DecodeConfig, choose_num_splits
+    from sglang_wgkv.attention.triton_decode import folded_decode
 
     plens = [8000, 1, 4000, 600, 12000, 33, 256, 257, 3000, 7000, 100, 2048, 5000, 64, 9000, 1500]
     case = PoolCase(128, 32, 8, torch.bfloat16, 256, plens, 0, 0.6, "cuda", num_layers=1, seed=16)
@@ -199,7 +197,8 @@ def test_gpu_fused_merge_back_to_back_launches():
     between two, so the partials change every launch: each output equals the first of its query bit for
     bit (every launch's counters start at zero, the last split of a stream reads only this launch's
     partials), and matches the reference."""
-    from sglang_wgkv.attention.triton_decode import FoldedDecodeWorkspace, folded_decode
+    from sglang_wgkv.attention.decode_config import FoldedDecodeWorkspace
+    from sglang_wgkv.attention.triton_decode import folded_decode
 
     case = PoolCase(
         128, 32, 8, torch.bfloat16, 256, [6000, 3000, 800, 40], 1, 0.6, "cuda", num_layers=1, seed=11
@@ -238,7 +237,8 @@ def test_gpu_pdl_launch_reads_what_the_kernel_before_wrote():
     kernel before it - here the copy that writes its query - drains; it must read that kernel's output.
     Forty launches, each right after a copy of a different query into one buffer, in eager launches and
     in one CUDA graph: every output equals the launch without PDL bit for bit."""
-    from sglang_wgkv.attention.triton_decode import DecodeConfig, FoldedDecodeWorkspace, folded_decode
+    from sglang_wgkv.attention.decode_config import DecodeConfig, FoldedDecodeWorkspace
+    from sglang_wgkv.attention.triton_decode import folded_decode
 
     case = PoolCase(
         128, 32, 8, torch.bfloat16, 256, [6000, 3000, 800, 40], 1, 0.6, "cuda", num_layers=1, seed=13
@@ -310,12 +310,8 @@ def test_gpu_decode_cuda_graph_replay_after_pool_changes(dtype, fused):
     """Capture one decode (all layers) with static buffers, decode more steps (more global tokens,
     new pages, a ring page crossing), replay, compare each layer with the reference; a second replay
     repeats the first bit for bit (the fused merge's counters start from zero on every replay)."""
-    from sglang_wgkv.attention.triton_decode import (
-        DecodeConfig,
-        FoldedDecodeWorkspace,
-        choose_num_splits,
-        folded_decode,
-    )
+    from sglang_wgkv.attention.decode_config import DecodeConfig, FoldedDecodeWorkspace, choose_num_splits
+    from sglang_wgkv.attention.triton_decode import folded_decode
 
     D, Hq, Hkv, L = 128, 32, 8, 2
     case = PoolCase(

@@ -13,7 +13,11 @@ Per forward (``init_forward_metadata``, once for all layers):
 * with ``--kv-budget``: first, :meth:`SnapKVEvictor.maybe_evict` (the step boundary), and every layer
   hands its queries to the evictor's observation window; an extend declares which of its requests
   finish their prompt (:meth:`SnapKVEvictor.mark_extend`: prompt-end scoring), from the host
-  ``extend_range`` of each request that :func:`record_batch_slots` records on the backend.
+  ``extend_range`` of each request that :func:`~sglang_wgkv.integration.batch_slots.record_batch_slots` records on the backend.
+
+The decode layer lives in :mod:`~sglang_wgkv.integration.decode_layer`, the CUDA-graph hooks in
+:mod:`~sglang_wgkv.integration.decode_graphs`, the served gates in
+:mod:`~sglang_wgkv.integration.served_gates`.
 
 Per layer (``forward_extend`` / ``forward_decode``): the gate scores the new keys from the captured
 pre-RoPE key and the post-RoPE key, admission flags follow (``g >= tau`` or random), attention runs
@@ -32,30 +36,11 @@ values into their ring slots), and beside it, on a side stream, gate + admission
 :data:`~sglang_wgkv.gate.triton_prefill_gate.DECODE_MIN_ROWS` (row, KV head) pairs a step, the
 prefill gate's tensor-core launch, :meth:`PrefillGate.admit`) and the flags' write.
 
-CUDA graphs (decode only, kernels path). SGLang's decode graph runner calls
-``init_forward_metadata_out_graph`` eagerly before capture (``in_capture=True``) and before every
-replay; per-layer work reads the step's rows from static device buffers (:class:`_DecodeRows`
-views of ``[max_bs]`` tensors). Replay preparation runs the step's host bookkeeping and
-:meth:`DualCachePool.begin_decode` (ring pages, promotion) for the real rows and points the padded
-rows at :data:`SCRATCH_SLOT`, SGLang's padding request row (index 0, never given to a request), whose
-page-table rows are all dump pages: their K/V land on the dump page, their flags and (``--kv-budget``)
-queries in state of a slot nobody owns. Capture and SGLang's warm-up runs see only padded rows, so
-they cannot touch a live request. Random admission draws the step's ``[B, L, H]`` uniforms eagerly
-with its own generator (nothing random is recorded in the graph). The evictor's per-layer
-observation indexes the static rows (captured); its step-boundary eviction runs in replay
-preparation, outside the graph.
-
-Host request slots: SGLang's ForwardBatch has no host copy of ``req_pool_indices``;
-:func:`record_batch_slots` (a ``ForwardBatch.init_new`` hook) records ``[req.req_pool_idx for req in
-batch.reqs]`` on the batch and on the backend, so no step reads the device tensor back
-(a batch built elsewhere, e.g. a unit test's, falls back to ``.tolist()``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -63,15 +48,16 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from sglang_wgkv.attention import reference
-from sglang_wgkv.attention.folded_index import build_folded_indices
-from sglang_wgkv.gate import GateConfig, WriteGates, load_gates
 from sglang_wgkv.gate.admission import DeferredGateCheck, admission_flags
-from sglang_wgkv.gate.checkpoint import check_served_window
+from sglang_wgkv.integration.decode_graphs import DecodeGraphs
+from sglang_wgkv.integration.decode_layer import DecodeLayer
+from sglang_wgkv.integration.decode_rows import DecodeRows
 from sglang_wgkv.integration.key_capture import PreRopeKeyCapture
 from sglang_wgkv.integration.kv_dtype import model_kv_scales
 from sglang_wgkv.integration.kv_pool import WGKVTokenToKVPool
 from sglang_wgkv.integration.runtime import get_runtime
-from sglang_wgkv.integration.settings import BACKEND_NAME, ServingSettings
+from sglang_wgkv.integration.served_gates import build_gates
+from sglang_wgkv.integration.settings import BACKEND_NAME
 from sglang_wgkv.memory.extend_step import context_rows, to_device
 
 if TYPE_CHECKING:
@@ -81,109 +67,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# SGLang's request row 0 pads CUDA-graph batches and is never allocated to a request.
-SCRATCH_SLOT = 0
 
-
-@dataclass
-class _DecodeRows:
-    """One decode step's rows, read by every layer (views of static buffers under CUDA graphs).
-
-    req, pos : ``[B]`` int64 request slot and position of the token being decoded;
-    ring : ``[B]`` int64 ring tokens after this step's write (``min(pos + 1, W)``);
-    tau : ``[B, 1]`` float32 admission threshold; uniform : ``[B, L, H]`` random-admission draws or None;
-    num_splits, workspace : :func:`folded_decode` launch parameters (kernels path);
-    gate_splits : slices of the gate's hidden width per (row, head) (:class:`DecodeGate`, kernels path).
-    """
-
-    req: torch.Tensor
-    pos: torch.Tensor
-    ring: torch.Tensor
-    tau: torch.Tensor
-    uniform: torch.Tensor | None
-    num_splits: int | None = None
-    workspace: object = None
-    gate_splits: int = 1
-
-
-def record_batch_slots(result, cls, batch, model_runner, *args, **kwargs):
-    """AFTER ``ForwardBatch.init_new``: the batch's host request slots, on the batch
-    (``wgkv_req_slots``) and on a wgkv backend (``batch_slots``: CUDA-graph replay sees only a view
-    of the batch). The scheduler builds each ForwardBatch right before running it."""
-    backend = getattr(model_runner, "attn_backend", None)
-    if isinstance(backend, WGKVAttnBackend):
-        slots = [req.req_pool_idx for req in batch.reqs]
-        result.wgkv_req_slots = slots
-        backend.batch_slots = slots
-        # SGLang truncates a chunked prompt's extend range; the last chunk reaches the full length.
-        # Kept on the backend: the batch the model runner hands to init_forward_metadata may be a
-        # copy without our attributes (seen on the CPU engine).
-        backend.batch_prompt_ends = None
-        backend.batch_decode_rows = mixed_decode_rows(batch)
-        if batch.forward_mode.is_extend():
-            prefill = batch.reqs[: len(batch.reqs) - backend.batch_decode_rows]
-            backend.batch_prompt_ends = (
-                slots[: len(prefill)],
-                [req.extend_range.end >= len(req.full_untruncated_fill_ids) for req in prefill],
-            )
-    return None
-
-
-def mixed_decode_rows(batch) -> int:
-    """The decode rows of a MIXED batch (0 for other modes): SGLang's ``mix_with_running`` appends the
-    running requests after the prefill requests and keeps them as ``decoding_reqs``."""
-    if not batch.forward_mode.is_mixed():
-        return 0
-    decoding = batch.decoding_reqs or []
-    tail = batch.reqs[len(batch.reqs) - len(decoding) :]
-    if not decoding or len(decoding) >= len(batch.reqs) or any(a is not b for a, b in zip(tail, decoding)):
-        raise RuntimeError(
-            f"a mixed batch of {len(batch.reqs)} requests whose {len(decoding)} decoding requests are "
-            "not its last rows"
-        )
-    return len(decoding)
-
-
-def build_gates(
-    settings: ServingSettings,
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    device,
-    heads: list[int] | None = None,
-) -> WriteGates:
-    """The checkpoint at ``settings.gates_path`` or fresh (admit-all) gates; checked against the model
-    (``num_kv_heads``: all of its KV heads) and the served W_local, then cut to ``heads`` (a
-    tensor-parallel rank's) if given.
-
-    Raises ValueError naming the file and the mismatch.
-    """
-    config = settings.config
-    if settings.gates_path is None:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(settings.seed)
-            gates = WriteGates(
-                GateConfig(
-                    num_layers=num_layers,
-                    num_kv_heads=num_kv_heads,
-                    head_dim=head_dim,
-                    tau=config.tau,
-                    local_window=config.local_window,
-                )
-            )
-    else:
-        gates = load_gates(settings.gates_path)
-        check_served_window(settings.gates_path, gates.config, config.local_window)
-        try:
-            gates.check_model(num_layers, num_kv_heads, head_dim)
-        except ValueError as e:
-            raise ValueError(f"{settings.gates_path}: {e}") from e
-    if heads is not None and list(heads) != list(range(num_kv_heads)):
-        gates = gates.select_heads(heads)
-    return gates.to(device).eval().requires_grad_(False)
-
-
-class WGKVAttnBackend(AttentionBackend):
+class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
     """SGLang attention backend ``wgkv`` (registered by :mod:`sglang_wgkv.integration.plugin`)."""
 
     def __init__(self, model_runner: ModelRunner):
@@ -226,7 +111,7 @@ class WGKVAttnBackend(AttentionBackend):
         self.prefill_gate = None  # the Triton prefill gate; None: the torch gate (self.gates)
         self.decode_launch = None  # the split kernel's launch shape (kernels path)
         if self.use_kernels:
-            from sglang_wgkv.attention.triton_decode import DecodeConfig
+            from sglang_wgkv.attention.decode_config import DecodeConfig
             from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
             from sglang_wgkv.gate.triton_gate import DecodeGate
             from sglang_wgkv.gate.triton_prefill_gate import DECODE_MIN_ROWS, checked_prefill_gate
@@ -250,11 +135,11 @@ class WGKVAttnBackend(AttentionBackend):
         self.req_pool = model_runner.req_to_token_pool  # per-slot tau (request_control)
         self.num_q_heads = model_runner.model_config.get_num_attention_heads(par.attn_tp_size)
         self._row_tau = None  # [tokens, 1] admission threshold of each extend row
-        self._rows: _DecodeRows | None = None  # the current decode step
+        self._rows: DecodeRows | None = None  # the current decode step
         self.batch_slots: list[int] | None = None  # record_batch_slots
         self.batch_prompt_ends: tuple[list[int], list[bool]] | None = None  # record_batch_slots (extend)
         self.batch_decode_rows = 0  # record_batch_slots: the decode rows ending a mixed batch
-        self._graph: _DecodeRows | None = None  # [max_bs] static buffers (init_cuda_graph_state)
+        self._graph: DecodeRows | None = None  # [max_bs] static buffers (init_cuda_graph_state)
         self._graph_launch = {}  # captured batch size -> (num_splits, FoldedDecodeWorkspace)
 
     # -- per forward ----------------------------------------------------------------------------
@@ -311,7 +196,7 @@ class WGKVAttnBackend(AttentionBackend):
             raise NotImplementedError(f"the {BACKEND_NAME} backend does not run forward mode {mode.name}")
 
     def _decode_rows_of(self, forward_batch: ForwardBatch, host_slots: list[int]) -> int:
-        """The decode rows ending a MIXED batch, as :func:`record_batch_slots` recorded them; 0 otherwise."""
+        """The decode rows ending a MIXED batch, as :func:`~sglang_wgkv.integration.batch_slots.record_batch_slots` recorded them; 0 otherwise."""
         if not forward_batch.forward_mode.is_mixed():
             return 0
         if self.batch_slots != host_slots or not self.batch_decode_rows:
@@ -332,10 +217,10 @@ class WGKVAttnBackend(AttentionBackend):
             self.req_pool.slot_tau[slots], extend_lens, output_size=sum(self._extend[2])
         )[:, None]
 
-    def _decode_step_rows(self, plan, slots: torch.Tensor, host_pos: list[int]) -> _DecodeRows:
+    def _decode_step_rows(self, plan, slots: torch.Tensor, host_pos: list[int]) -> DecodeRows:
         """One eager decode step's rows (a decode forward's, or a mixed forward's decode rows):
         ``slots`` ``[B]`` on the device, ``host_pos`` the positions being decoded."""
-        rows = _DecodeRows(
+        rows = DecodeRows(
             plan.req,
             plan.pos,
             plan.ring_tokens,
@@ -343,7 +228,7 @@ class WGKVAttnBackend(AttentionBackend):
             self._draw_uniform(len(host_pos)),
         )
         if self.use_kernels:
-            from sglang_wgkv.attention.triton_decode import choose_num_splits
+            from sglang_wgkv.attention.decode_config import choose_num_splits
 
             rows.num_splits = choose_num_splits(
                 len(host_pos),
@@ -383,94 +268,6 @@ class WGKVAttnBackend(AttentionBackend):
         if out is None:
             return torch.rand(shape, device=self.device, generator=self.generator)
         return torch.rand(shape, device=self.device, generator=self.generator, out=out)
-
-    # -- CUDA graphs (decode) -------------------------------------------------------------------
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
-        if not self.use_kernels:
-            raise ValueError(
-                f"the {BACKEND_NAME} reference attention syncs with the host every layer and cannot "
-                "run under CUDA graphs: pass --wgkv-attention kernels (CUDA, fp16/bf16) or "
-                "--disable-decode-cuda-graph"
-            )
-        if self.dual.active[SCRATCH_SLOT]:
-            raise RuntimeError(f"request slot {SCRATCH_SLOT} (CUDA-graph padding) is held by a request")
-        i64 = dict(dtype=torch.int64, device=self.device)
-        self._graph = _DecodeRows(
-            req=torch.full((max_bs,), SCRATCH_SLOT, **i64),
-            pos=torch.zeros(max_bs, **i64),
-            ring=torch.ones(max_bs, **i64),
-            tau=torch.zeros(max_bs, 1, dtype=torch.float32, device=self.device),
-            uniform=(
-                torch.zeros(max_bs, self.dual.num_layers, self.dual.num_kv_heads, device=self.device)
-                if self.config.random_admission is not None
-                else None
-            ),
-        )
-
-    def get_cuda_graph_seq_len_fill_value(self):
-        return 1
-
-    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
-        """Decode-graph capture (``in_capture``: every row is padding) or replay preparation: the real
-        rows' step (:meth:`DualCachePool.begin_decode`, evictor boundary) into the static buffers,
-        padded rows pointed at :data:`SCRATCH_SLOT`."""
-        from sglang_wgkv.attention.triton_decode import FoldedDecodeWorkspace, choose_num_splits
-
-        if not forward_batch.forward_mode.is_decode():
-            raise NotImplementedError(f"the {BACKEND_NAME} backend captures decode graphs only")
-        g, bs = self._graph, forward_batch.batch_size
-        raw = 0 if in_capture else bs - forward_batch.num_padding
-        if raw:
-            slots = self.batch_slots
-            if slots is None or len(slots) != raw:
-                raise RuntimeError(
-                    f"CUDA-graph replay of {raw} requests, but the last ForwardBatch built "
-                    f"recorded request slots {slots}"
-                )
-            if self.evictor is not None:
-                self.evictor.maybe_evict()
-            plan = self.dual.begin_decode(
-                slots,
-                (forward_batch.seq_lens_cpu[:raw] - 1).tolist(),
-                req_slots_dev=forward_batch.req_pool_indices[:raw],
-                seq_lens_dev=forward_batch.seq_lens[:raw] - 1,
-            )
-            g.req[:raw].copy_(plan.req)
-            g.pos[:raw].copy_(plan.pos)
-            g.ring[:raw].copy_(plan.ring_tokens)
-            g.tau[:raw, 0].copy_(self.req_pool.slot_tau[plan.req])
-        g.req[raw:bs].fill_(SCRATCH_SLOT)
-        g.pos[raw:bs].zero_()
-        g.ring[raw:bs].fill_(1)
-        g.tau[raw:bs].zero_()
-        uniform = None
-        if g.uniform is not None:
-            uniform = self._draw_uniform(bs, out=g.uniform[:bs]) if raw else g.uniform[:bs].zero_()
-        if bs not in self._graph_launch:
-            splits = choose_num_splits(
-                bs,
-                self.dual.num_kv_heads,
-                self.dual.max_context_len,
-                self.device,
-                self.decode_launch.programs_per_sm,
-            )
-            self._graph_launch[bs] = (
-                splits,
-                FoldedDecodeWorkspace(
-                    bs,
-                    self.num_q_heads,
-                    self.dual.head_dim,
-                    splits,
-                    self.device,
-                    num_kv_heads=self.dual.num_kv_heads,
-                ),
-                self.decode_gate.num_splits(bs * self.dual.num_kv_heads, self._sms),
-            )
-        splits, workspace, gate_splits = self._graph_launch[bs]
-        self._extend, self._mixed_split = None, None
-        self._rows = _DecodeRows(
-            g.req[:bs], g.pos[:bs], g.ring[:bs], g.tau[:bs], uniform, splits, workspace, gate_splits
-        )
 
     # -- per layer ------------------------------------------------------------------------------
     def _admit(
@@ -567,92 +364,6 @@ class WGKVAttnBackend(AttentionBackend):
         k3, v3 = k.view(-1, H, D), v.view(-1, H, Dv)
         out = self._decode_rows(q.reshape(-1, Hq, D), k3, v3, self.capture.take(k3), layer)
         return out.to(q.dtype).reshape(-1, Hq * Dv)
-
-    def _decode_rows(self, q3, k3, v3, k_pre, layer: RadixAttention) -> torch.Tensor:
-        """q3 ``[B, Hq, D]``, k3, v3, k_pre ``[B, H, D]``: the decode step's rows (:attr:`_rows`) in
-        ``layer``; returns ``[B, Hq, Dv]`` (the pool's dtype on the kernels path)."""
-        H = k3.shape[1]
-        rows = self._rows
-        if not self.use_kernels:
-            admit = self._admit(layer, k_pre, k3, rows.tau, check=False, uniform=rows.uniform)
-            if self.evictor is not None:
-                self.evictor.observe_decode(layer.layer_id, q3)
-            self.dual.write_decode(layer.layer_id, k3, v3, admit)
-            pages, num_pages, last_len, _ = self.dual.decode_page_rows(layer.layer_id)
-            indptr, indices, last = build_folded_indices(pages, num_pages, last_len)
-            return reference.paged_decode_attention(
-                q3,
-                self.dual.k_pages,
-                self.dual.v_pages,
-                indptr,
-                indices,
-                last,
-                sm_scale=layer.scaling,
-                k_scale=self.dual.k_scale[layer.layer_id],
-                v_scale=self.dual.v_scale[layer.layer_id],
-            )
-        from sglang_wgkv.attention.triton_decode import folded_decode
-
-        observe = None
-        if self.evictor is not None and self.evictor.identity_rows:
-            # the split kernel records the queries (and, in layer 0, positions)
-            obs_q, obs_pos = self.evictor.decode_window(layer.layer_id)
-            observe = (obs_q, obs_pos if layer.layer_id == 0 else None)
-        elif self.evictor is not None:  # window rows of bounded requests only: indexed through the slots
-            self.evictor.observe_decode_rows(layer.layer_id, rows.req, rows.pos, q3)
-        uniform = rows.uniform[:, layer.layer_id] if rows.uniform is not None else None
-        if k3.stride(2) != 1:  # the fused ring write reads rows contiguous in head_dim
-            k3 = k3.contiguous()
-        if v3.stride(2) != 1:
-            v3 = v3.contiguous()
-        # The gate and the flags it decides run on a side stream, beside this layer's attention: the
-        # attention reads the new token's key and value (and writes them into their ring slot: the
-        # program that holds the slot reads them from k3 / v3) but not its flag, which only the next
-        # step's promotion reads. The split kernel is launched first, the side stream forking from
-        # the point before it, so that in a captured graph its programs are issued ahead of the
-        # gate's (which take the SMs it leaves); the main stream joins the side stream after it, so
-        # the graph forks and joins within the layer. (One stream where there is none: the Triton
-        # interpreter on CPU.)
-        side = self._gate_stream
-        main = torch.cuda.current_stream(self.device) if side is not None else None
-        fork = main.record_event() if side is not None else None
-        out = folded_decode(
-            q3.to(self.dual.compute_dtype),
-            self.dual.k_pages,
-            self.dual.v_pages,
-            self.dual.page_table,
-            self.dual.global_len,
-            rows.req,
-            rows.ring,
-            layer.layer_id,
-            sm_scale=layer.scaling,
-            num_splits=rows.num_splits,
-            workspace=rows.workspace,
-            config=self.decode_launch,
-            new_k=k3,
-            new_v=v3,
-            pos=rows.pos,
-            window=self.dual.window,
-            observe=observe,
-            k_scale=self.dual.k_scale[layer.layer_id],
-            v_scale=self.dual.v_scale[layer.layer_id],
-        )
-        if side is not None:
-            side.wait_event(fork)
-        random_p = self.config.random_admission if uniform is not None else None
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            if (
-                self.prefill_gate is not None and k3.shape[0] * H >= self._tensor_core_gate_rows
-            ):  # tensor cores
-                admit = self.prefill_gate.admit(layer.layer_id, k_pre, k3, rows.tau, uniform, random_p)
-            else:
-                admit = self.decode_gate(
-                    layer.layer_id, k_pre, k3, rows.tau, uniform, random_p, rows.gate_splits
-                )
-            self.dual.write_decode_flags(layer.layer_id, rows.req, rows.pos, admit)
-        if side is not None:
-            main.wait_stream(side)
-        return out
 
     def support_triton(self):
         return False

@@ -5,7 +5,7 @@ SGLang's logical token slots carry no K/V here and are what the scheduler admits
 the dual pool's 16-token pages hold the K/V (:mod:`~sglang_wgkv.integration.kv_pool`). The physical
 pool must never run out while the logical one has room. Budgets are in *dense tokens* (the K and V of
 one token in every layer and KV head of this rank); the per-slot state (page-table rows, ring flags,
-the evictor's query windows: :class:`FixedCosts`) comes out of the same budget. The splits, written
+the evictor's query windows: :class:`~sglang_wgkv.integration.slot_costs.FixedCosts`) comes out of the same budget. The splits, written
 out with their reasons in docs/design.md ("The capacity plan")::
 
     mode        when                                  rule
@@ -19,7 +19,7 @@ out with their reasons in docs/design.md ("The capacity plan")::
 
 Bounded mode: a prompt holds up to ``W_local + prompt_cap + C`` per stream until its end is scored
 (``prompt_cap = 16 ceil(B/16) + P``, :func:`prompt_reserve`; ``C`` = ``chunked_prefill_size``), paid
-from the pages of free slots (:class:`PromptRule`, :mod:`~sglang_wgkv.integration.prefill_guard`)::
+from the pages of free slots (:class:`~sglang_wgkv.integration.prompt_rule.PromptRule`, :mod:`~sglang_wgkv.integration.prefill_guard`)::
 
     sum over the batch's prompts of excess <= (R - running - batch) x S + spare
 
@@ -36,6 +36,8 @@ import math
 from dataclasses import dataclass, replace
 
 from sglang_wgkv.config import DEFAULT_PROMPT_WINDOW, PAGE_SIZE
+from sglang_wgkv.integration.prompt_rule import PromptRule
+from sglang_wgkv.integration.slot_costs import ModelShape, fixed_costs
 
 SLACK_TOKENS = 4 * PAGE_SIZE
 # At most this fraction of the budget goes to per-request slack; past it, fewer request slots.
@@ -46,44 +48,6 @@ MAX_RESTORE_FRACTION = 0.125
 MAX_WINDOW_FRACTION = 0.25
 # At most this fraction of the budget is reserved for the prompt being prefilled (bounded split).
 MAX_PROMPT_FRACTION = 0.25
-
-
-@dataclass(frozen=True)
-class PromptRule:
-    """What a prompt may hold while it is prefilled in bounded mode and where that room comes from
-    (module docstring), in tokens per stream.
-
-    local_window : W_local.
-    slot_tokens : ``S``, the pages one request slot holds between steps (ring + budget + 2 pages).
-    cap : ``prompt_cap``, the global entries a stream keeps until its prompt ends (budget + ``P``).
-    chunk_tokens : ``C``, SGLang's ``chunked_prefill_size`` (new tokens of one extend at most).
-    requests : ``R``, the request slots.
-    spare_tokens : the dual pool's pages beyond ``R x S``.
-    """
-
-    local_window: int
-    slot_tokens: int
-    cap: int
-    chunk_tokens: int
-    requests: int
-    spare_tokens: int
-
-    def excess_tokens(self, prompt_len: int) -> int:
-        """Tokens per stream beyond ``slot_tokens`` that a prompt of ``prompt_len`` tokens (prefix
-        included) may hold while it is prefilled: at a boundary, or within an extend of up to
-        ``chunk_tokens`` new tokens with what its step reserves. A chunk starts from at most ``cap``
-        global entries and adds at most its own tokens, so the global part stays within
-        ``min(prompt_len - W_local, cap + C)``; on top of the ring and those pages, one page for the
-        two partial pages (the chunk's and the cache's) and the two that ``begin_extend`` reserves
-        (:meth:`~sglang_wgkv.memory.DualCachePool.extend_bound`)."""
-        held_global = min(max(0, prompt_len - self.local_window), self.cap + self.chunk_tokens)
-        held = self.local_window + PAGE_SIZE * (-(-held_global // PAGE_SIZE) + 3)
-        return max(0, held - self.slot_tokens)
-
-    def room(self, holding: int) -> int:
-        """Tokens per stream of the pages no request slot's bound covers while ``holding`` requests
-        (running, and in the prefill batch) hold a slot: the other slots' and the spare pages."""
-        return (self.requests - holding) * self.slot_tokens + self.spare_tokens
 
 
 @dataclass(frozen=True)
@@ -116,60 +80,6 @@ class CapacityPlan:
     def prompt_cap(self) -> int | None:
         """Bounded only: global tokens per stream a prompt may keep while it is prefilled."""
         return None if self.prompt is None else self.prompt.cap
-
-
-@dataclass(frozen=True)
-class FixedCosts:
-    """Per-request-slot memory of the WG-KV state besides pages, in dense tokens (rounded up).
-
-    slot_tokens : page-table row, ring flags, global lengths of one slot (every layer and head).
-    window_tokens : the evictor's query window of one slot (0 without ``--kv-budget``).
-    """
-
-    slot_tokens: int
-    window_tokens: int = 0
-
-    @property
-    def per_slot(self) -> int:
-        return self.slot_tokens + self.window_tokens
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The attention shape of this rank's share of the model and the served context."""
-
-    num_layers: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    context_len: int
-    dtype_bytes: int  # one K or V element in the pool (1 for FP8)
-    query_bytes: int | None = None  # one query element (the model's dtype); default dtype_bytes
-
-    @property
-    def token_bytes(self) -> int:
-        """One dense token: K and V of every layer and KV head."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
-
-
-def fixed_costs(shape: ModelShape, local_window: int, evictor_window: int | None) -> FixedCosts:
-    """:class:`FixedCosts` of one request slot of a dual pool serving ``shape`` with W_local
-    ``local_window``; ``evictor_window`` queries per (slot, layer) when the evictor is on."""
-    streams = shape.num_layers * shape.num_kv_heads
-    cols = local_window // PAGE_SIZE + max(0, math.ceil((shape.context_len - local_window) / PAGE_SIZE)) + 1
-    # page_table int32 + ring_flag bool + global_len int32 + evictor stream counters int64
-    slot_bytes = streams * (4 * cols + local_window + 4 + 8)
-    window = 0
-    if evictor_window:
-        window = -(
-            -shape.num_layers
-            * evictor_window
-            * shape.num_q_heads
-            * shape.head_dim
-            * (shape.query_bytes or shape.dtype_bytes)  # the evictor's query window: model dtype
-            // shape.token_bytes
-        )
-    return FixedCosts(slot_tokens=-(-slot_bytes // shape.token_bytes), window_tokens=window)
 
 
 def restore_reserve(budget_tokens: int, max_requests: int, local_window: int) -> tuple[int, int]:

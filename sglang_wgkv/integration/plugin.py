@@ -35,7 +35,7 @@ def load_plugin() -> None:
         request_control,
         request_validation,
     )
-    from sglang_wgkv.integration.backend import record_batch_slots
+    from sglang_wgkv.integration.batch_slots import record_batch_slots
 
     register_attention_backend(BACKEND_NAME)(create_wgkv_backend)
     radix_factory.register()

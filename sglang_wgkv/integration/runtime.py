@@ -31,9 +31,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sglang_wgkv.integration.capacity import CapacityPlan, ModelShape, physical_pages, plan_capacity
+from sglang_wgkv.integration.capacity import CapacityPlan, physical_pages, plan_capacity
 from sglang_wgkv.integration.kv_dtype import kernels_read_fp8
 from sglang_wgkv.integration.settings import BACKEND_NAME, ServingSettings
+from sglang_wgkv.integration.slot_costs import ModelShape
 from sglang_wgkv.integration.tensor_parallel import counts_heads, rank_kv_heads, tp_usage_reducer
 from sglang_wgkv.memory import DualCachePool
 from sglang_wgkv.memory.kv_quant import is_fp8

@@ -85,7 +85,7 @@ class ServingSettings:
                 "overcommit and kv_budget exclude each other (kv_budget has its own bounded split)"
             )
         if self.decode_launch:
-            from sglang_wgkv.attention.triton_decode import DecodeConfig
+            from sglang_wgkv.attention.decode_config import DecodeConfig
 
             DecodeConfig.parse(self.decode_launch)  # ValueError naming the field
         if self.forward_tokens is not None:

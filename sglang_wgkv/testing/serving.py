@@ -146,7 +146,8 @@ def embedded_plan(budget_tokens: int, dtype_bytes: int = BASE_DTYPE_BYTES, **opt
     ``dtype_bytes`` KV dtype (default: the float32 of :data:`BASE_ARGS`; the per-slot state is
     counted in dense tokens of that dtype); ``options``: plan_capacity's keywords (local_window,
     kv_budget, ...)."""
-    from sglang_wgkv.integration.capacity import ModelShape, plan_capacity
+    from sglang_wgkv.integration.capacity import plan_capacity
+    from sglang_wgkv.integration.slot_costs import ModelShape
 
     shape = ModelShape(
         num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64, context_len=8192, dtype_bytes=dtype_bytes

@@ -95,6 +95,7 @@ def split_kernel_launch(
     dtype (an FP8 one with its scales), bf16 when None."""
     import torch
 
+    from sglang_wgkv.attention import decode_config as dc
     from sglang_wgkv.attention import triton_decode as td
     from sglang_wgkv.config import PAGE_SIZE
 
@@ -111,14 +112,14 @@ def split_kernel_launch(
     )
     req, positions = torch.arange(1, B + 1), torch.full((B,), pos)
     ring = torch.clamp(positions + 1, max=W)
-    splits = splits or td.choose_num_splits(B, H, 131072, "cpu")
+    splits = splits or dc.choose_num_splits(B, H, 131072, "cpu")
     extra = dict(extra_scales)
     if fused_write:
         new_k = torch.zeros(B, H, D, **bf)
         extra.update(new_k=new_k, new_v=new_k.clone(), pos=positions, window=W)
     if observe:
         extra["observe"] = (torch.zeros(R, 32, Hq, D, **bf), torch.zeros(R, 32, dtype=torch.int64))
-    ws = td.FoldedDecodeWorkspace(B, Hq, D, splits, "cpu", num_kv_heads=H)
+    ws = dc.FoldedDecodeWorkspace(B, Hq, D, splits, "cpu", num_kv_heads=H)
     with device_checks_off():
         # the split kernel is the first launch (a merge kernel follows it where not config.fused_merge)
         (kernel, bound, options), *_ = launches(

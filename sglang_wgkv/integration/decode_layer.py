@@ -1,0 +1,107 @@
+"""One layer of a decode step in the ``wgkv`` backend: the torch reference (gate, ring write, paged
+attention) or the kernels (the folded split-KV decode with its fused ring write, and beside it, on a
+side stream, gate + admission and the flags' write)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+import torch
+
+from sglang_wgkv.attention import reference
+from sglang_wgkv.attention.folded_index import build_folded_indices
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+
+class DecodeLayer:
+    """Per-layer decode of :class:`~sglang_wgkv.integration.backend.WGKVAttnBackend` (a mixin: the
+    backend owns the pool ``dual``, the step's rows ``_rows``, the gates, the evictor and ``_admit``)."""
+
+    def _decode_rows(self, q3, k3, v3, k_pre, layer: RadixAttention) -> torch.Tensor:
+        """q3 ``[B, Hq, D]``, k3, v3, k_pre ``[B, H, D]``: the decode step's rows (:attr:`_rows`) in
+        ``layer``; returns ``[B, Hq, Dv]`` (the pool's dtype on the kernels path)."""
+        H = k3.shape[1]
+        rows = self._rows
+        if not self.use_kernels:
+            admit = self._admit(layer, k_pre, k3, rows.tau, check=False, uniform=rows.uniform)
+            if self.evictor is not None:
+                self.evictor.observe_decode(layer.layer_id, q3)
+            self.dual.write_decode(layer.layer_id, k3, v3, admit)
+            pages, num_pages, last_len, _ = self.dual.decode_page_rows(layer.layer_id)
+            indptr, indices, last = build_folded_indices(pages, num_pages, last_len)
+            return reference.paged_decode_attention(
+                q3,
+                self.dual.k_pages,
+                self.dual.v_pages,
+                indptr,
+                indices,
+                last,
+                sm_scale=layer.scaling,
+                k_scale=self.dual.k_scale[layer.layer_id],
+                v_scale=self.dual.v_scale[layer.layer_id],
+            )
+        from sglang_wgkv.attention.triton_decode import folded_decode
+
+        observe = None
+        if self.evictor is not None and self.evictor.identity_rows:
+            # the split kernel records the queries (and, in layer 0, positions)
+            obs_q, obs_pos = self.evictor.decode_window(layer.layer_id)
+            observe = (obs_q, obs_pos if layer.layer_id == 0 else None)
+        elif self.evictor is not None:  # window rows of bounded requests only: indexed through the slots
+            self.evictor.observe_decode_rows(layer.layer_id, rows.req, rows.pos, q3)
+        uniform = rows.uniform[:, layer.layer_id] if rows.uniform is not None else None
+        if k3.stride(2) != 1:  # the fused ring write reads rows contiguous in head_dim
+            k3 = k3.contiguous()
+        if v3.stride(2) != 1:
+            v3 = v3.contiguous()
+        # The gate and the flags it decides run on a side stream, beside this layer's attention: the
+        # attention reads the new token's key and value (and writes them into their ring slot: the
+        # program that holds the slot reads them from k3 / v3) but not its flag, which only the next
+        # step's promotion reads. The split kernel is launched first, the side stream forking from
+        # the point before it, so that in a captured graph its programs are issued ahead of the
+        # gate's (which take the SMs it leaves); the main stream joins the side stream after it, so
+        # the graph forks and joins within the layer. (One stream where there is none: the Triton
+        # interpreter on CPU.)
+        side = self._gate_stream
+        main = torch.cuda.current_stream(self.device) if side is not None else None
+        fork = main.record_event() if side is not None else None
+        out = folded_decode(
+            q3.to(self.dual.compute_dtype),
+            self.dual.k_pages,
+            self.dual.v_pages,
+            self.dual.page_table,
+            self.dual.global_len,
+            rows.req,
+            rows.ring,
+            layer.layer_id,
+            sm_scale=layer.scaling,
+            num_splits=rows.num_splits,
+            workspace=rows.workspace,
+            config=self.decode_launch,
+            new_k=k3,
+            new_v=v3,
+            pos=rows.pos,
+            window=self.dual.window,
+            observe=observe,
+            k_scale=self.dual.k_scale[layer.layer_id],
+            v_scale=self.dual.v_scale[layer.layer_id],
+        )
+        if side is not None:
+            side.wait_event(fork)
+        random_p = self.config.random_admission if uniform is not None else None
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            if (
+                self.prefill_gate is not None and k3.shape[0] * H >= self._tensor_core_gate_rows
+            ):  # tensor cores
+                admit = self.prefill_gate.admit(layer.layer_id, k_pre, k3, rows.tau, uniform, random_p)
+            else:
+                admit = self.decode_gate(
+                    layer.layer_id, k_pre, k3, rows.tau, uniform, random_p, rows.gate_splits
+                )
+            self.dual.write_decode_flags(layer.layer_id, rows.req, rows.pos, admit)
+        if side is not None:
+            main.wait_stream(side)
+        return out

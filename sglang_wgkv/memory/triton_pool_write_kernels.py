@@ -1,0 +1,105 @@
+"""Triton kernels of the pool's writes: a prefill's tokens into ring and global pages, a decode step's
+token into its ring slot.
+
+Launched by :func:`~sglang_wgkv.memory.triton_pool.prefill_write` and
+:func:`~sglang_wgkv.memory.triton_pool.decode_write` (which validate and launch); torch reference:
+``DualCachePool.write_extend`` / ``write_decode``.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _prefill_write_kernel(
+    K,
+    V,
+    KPages,
+    VPages,
+    PageRow,
+    Admit,
+    Rank,
+    GlobalLen,
+    n_tokens,
+    leaving,
+    window,
+    ring_cols,
+    stride_kn,
+    stride_kh,
+    stride_an,
+    stride_ph,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    h = tl.program_id(1)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, HEAD_DIM)
+    valid = t < n_tokens
+    in_ring = t >= leaving
+    flag = tl.load(Admit + t.to(tl.int64) * stride_an + h, mask=valid & ~in_ring, other=0) != 0
+    g = tl.load(GlobalLen + h) + tl.load(
+        Rank + t.to(tl.int64) * stride_an + h, mask=valid & ~in_ring, other=0
+    )
+    slot = t % window
+    col = tl.where(in_ring, slot // 16, ring_cols + g // 16)
+    off = tl.where(in_ring, slot % 16, g % 16)
+    write = valid & (in_ring | flag)
+    page = tl.load(PageRow + h * stride_ph + col, mask=write, other=0).to(tl.int64)
+    src = t.to(tl.int64)[:, None] * stride_kn + h * stride_kh + d[None, :]
+    dst = (page * 16 + off)[:, None] * HEAD_DIM + d[None, :]
+    k = tl.load(K + src, mask=write[:, None])
+    tl.store(KPages + dst, k.to(KPages.dtype.element_ty), mask=write[:, None])
+    v = tl.load(V + src, mask=write[:, None])
+    tl.store(VPages + dst, v.to(VPages.dtype.element_ty), mask=write[:, None])
+
+
+@triton.jit
+def _decode_write_kernel(
+    K,
+    V,
+    KPages,
+    VPages,
+    PageTable,
+    RingFlag,
+    Admit,
+    Req,
+    Pos,
+    KScale,
+    VScale,
+    layer,
+    window,
+    stride_kb,
+    stride_kh,
+    stride_pr,
+    stride_pl,
+    stride_ph,
+    stride_fr,
+    stride_fl,
+    stride_fh,
+    stride_ab,
+    HEAD_DIM: tl.constexpr,
+    WRITE_KV: tl.constexpr,
+    WRITE_FLAG: tl.constexpr,
+    QUANT: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, HEAD_DIM)
+    r = tl.load(Req + b).to(tl.int64)
+    slot = tl.load(Pos + b).to(tl.int64) % window
+    if WRITE_KV:
+        row = r * stride_pr + layer * stride_pl + h * stride_ph
+        page = tl.load(PageTable + row + slot // 16).to(tl.int64)
+        dst = (page * 16 + slot % 16) * HEAD_DIM + d
+        src = b * stride_kb + h * stride_kh + d
+        k = tl.load(K + src)
+        v = tl.load(V + src)
+        if QUANT:  # FP8 pages: quantized once, here (saturating, as kv_quant.quantize)
+            k = tl.clamp(k.to(tl.float32) / tl.load(KScale + layer), -FP8_MAX, FP8_MAX)
+            v = tl.clamp(v.to(tl.float32) / tl.load(VScale + layer), -FP8_MAX, FP8_MAX)
+        tl.store(KPages + dst, k.to(KPages.dtype.element_ty))
+        tl.store(VPages + dst, v.to(VPages.dtype.element_ty))
+    if WRITE_FLAG:
+        flag = tl.load(Admit + b * stride_ab + h)
+        tl.store(RingFlag + r * stride_fr + layer * stride_fl + h * stride_fh + slot, flag)
