@@ -309,3 +309,34 @@ def extend_step(d: dict) -> list[str]:
         for r in d["rows"]
     ]
     return lines + table(["cached prefix", "chunk", "torch ms", "Triton ms", "speedup"], rows)
+
+
+def chunked_prefill_host(d: dict) -> list[str]:
+    """``benchmarks/chunked_prefill_host.py``: one prefill chunk's host plan and gathers at growing context."""
+    s = d["settings"]
+    rows = [
+        [
+            r["context_tokens"],
+            f(r["median_chunk_ms"]),
+            r["plan_device_index_elems"],
+            r["plan_host_entries"],
+            r["gathered_rows_per_layer"],
+            r["max_global_per_head"],
+            f(r["rss_mib_over_start"], 1),
+        ]
+        for r in d["samples"]
+    ]
+    head = (
+        f"Command: {cmd(d['command'])}. Chunk {s['chunk']} tokens, admission {s['admit']}, "
+        f"kv_budget {s['kv_budget']}, {s['layers']} layers x {s['kv_heads']} KV heads (CPU, timings noisy)."
+    )
+    header = [
+        "context",
+        "chunk ms",
+        "plan index elems",
+        "host entries",
+        "rows gathered/layer",
+        "max global/head",
+        "RSS MiB over start",
+    ]
+    return [head, "", *table(header, rows), ""]

@@ -30,6 +30,7 @@ from benchmarks.render_accuracy import (
     trigger_runs,
 )
 from benchmarks.render_kernels import (
+    chunked_prefill_host,
     decode_fixed_cost,
     evictor_step,
     extend_step,
@@ -61,6 +62,7 @@ SECTIONS = (
     ("accuracy", "Accuracy and gate training (accuracy/)"),
     ("constrained", "SGLang's frontend programs, constrained decoding (constrained/)"),
     ("reliability", "Reliability: mixed-request soaks (reliability/)"),
+    ("long_context", "Long contexts: one prefill chunk's host cost (long_context/)"),
 )
 # kind (the result file's "kind" field) -> renderer; the writer of each kind is named beside it.
 RENDERERS = {
@@ -93,6 +95,7 @@ RENDERERS = {
     "trigger_runs": trigger_runs,  # evals/served.py radix restore
     "prompt_window": prompt_window,  # evals/prompt_window.py
     "agreement": agreement,  # evals/agreement.py
+    "chunked_prefill_host": chunked_prefill_host,  # chunked_prefill_host.py
 }
 __all__ = ["RENDERERS", "SECTIONS", "clean_path", "render", "renderer"]
 

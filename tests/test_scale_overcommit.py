@@ -17,7 +17,9 @@ from sglang_wgkv.testing.serving import embedded_plan
 
 pytestmark = pytest.mark.scale
 
-BUDGET = 512  # --max-total-tokens: dense tokens of KV memory
+BUDGET = (
+    536  # --max-total-tokens: 4 slots beside the one evictor window row a server keeps for bounded requests
+)
 FACTOR = 2.0
 W_LOCAL = 16
 
