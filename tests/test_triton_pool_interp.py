@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from sglang_wgkv.testing.interp import InterpCheck, assert_seed_ok, run_interp_check
+from sglang_wgkv.testing.interp import InterpCheck, assert_seed_ok
 
 CPU_ONLY = pytest.mark.skipif(
     torch.cuda.is_available(),
@@ -37,10 +37,17 @@ def test_decode_promote_matches_torch_under_interpreter(run, case):
 FP8_CHECK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "triton_fp8_pool_interp_check.py")
 
 
-@pytest.mark.parametrize("seed,dtype", [(0, "e4m3"), (1, "e5m2")])
-def test_fp8_decode_launches_match_torch_under_interpreter(seed, dtype):
+FP8_CASES = ["0/e4m3", "1/e5m2"]  # SEED/DTYPE
+FP8_RUN = InterpCheck(FP8_CHECK, tuple(FP8_CASES))
+
+
+@pytest.fixture(scope="module")
+def fp8_run(interp_runner):
+    return interp_runner.result(FP8_RUN)
+
+
+@pytest.mark.parametrize("case", FP8_CASES)
+def test_fp8_decode_launches_match_torch_under_interpreter(fp8_run, case):
     """An FP8 pool: the Triton ring write quantizes as the torch one (within the interpreter's FP8
     rounding), promotion moves the bytes; same tables, lengths, flags and counters."""
-    res = run_interp_check(FP8_CHECK, seed, dtype, timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
-    assert res.stdout.startswith(f"ok seed {seed}"), res.stdout
+    assert_seed_ok(fp8_run, case)

@@ -2,8 +2,8 @@
 ``test_triton_pool_interp.py``, and imported by ``test_gpu_fp8.py`` (compiled, CUDA): an FP8 pool's Triton decode launches (promotion, which moves bytes,
 and the ring write, which quantizes) against the same pool on torch ops, on CPU.
 
-``python tests/triton_fp8_pool_interp_check.py SEED DTYPE`` (DTYPE ``e4m3`` or ``e5m2``) exits
-non-zero on the first difference: page tables, lengths, flags and counters equal; page contents
+``python tests/triton_fp8_pool_interp_check.py SEED/DTYPE...`` (DTYPE ``e4m3`` or ``e5m2``) prints a
+line per case and exits non-zero if any differs: page tables, lengths, flags and counters equal; page contents
 equal within the interpreter's FP8 rounding (:func:`interp_decode_check.pages_match`: bit for bit on
 a GPU).
 """
@@ -13,10 +13,11 @@ import random
 import sys
 
 import torch  # noqa: E402
-from interp_decode_check import pages_match  # noqa: E402
+from interp_decode_check import pages_match
 
 from sglang_wgkv.config import WGKVConfig  # noqa: E402
 from sglang_wgkv.memory import DualCachePool  # noqa: E402
+from sglang_wgkv.testing.interp import check_seeds  # noqa: E402
 
 L, H, D, W, R, CTX = 2, 3, 16, 32, 4, 160
 DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -40,7 +41,7 @@ def check_same(a, b, where, exact):
             raise AssertionError(f"{where}: {name} differs beyond FP8 rounding")
 
 
-def main(seed: int, dtype: torch.dtype, device: str = "cpu") -> None:
+def main(seed: int, dtype: torch.dtype, device: str = "cpu") -> str:
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     ref, tri = make_pool(dtype, False, device), make_pool(dtype, True, device)
@@ -68,9 +69,15 @@ def main(seed: int, dtype: torch.dtype, device: str = "cpu") -> None:
         check_same(ref, tri, f"seed {seed} step {step}", exact=device == "cuda")
     if int(ref.promoted.sum()) == 0:
         raise AssertionError("no promotion ran")
-    print(f"ok seed {seed} {dtype}: {int(ref.promoted.sum())} promotions")
+    return f"{dtype}: {int(ref.promoted.sum())} promotions"
+
+
+def run(case: str) -> str:
+    """``SEED/DTYPE`` (DTYPE ``e4m3`` or ``e5m2``)."""
+    seed, _, dtype = case.partition("/")
+    return main(int(seed), DTYPES[dtype])
 
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    main(int(sys.argv[1]), DTYPES[sys.argv[2]])
+    sys.exit(check_seeds(run, sys.argv[1:]))
