@@ -77,7 +77,7 @@ def make_backend(
     (:meth:`PrefillGate.admit`; served from ``DECODE_MIN_ROWS`` (row, head) pairs a step);
     ``decode_launch``: the split kernel's launch shape (``--wgkv-decode-launch``); ``evictor_rows``:
     an evictor without a server budget whose window has that many rows (the first slots are bound),
-    observed through :meth:`SnapKVEvictor.observe_decode_rows` instead of the split kernel."""
+    which the split kernel writes through the evictor's slot-to-row map."""
     b = object.__new__(WGKVAttnBackend)
     slot_tau = torch.full((pool.max_requests,), pool.config.tau)
     for r, t in TAU.items():

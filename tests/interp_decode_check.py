@@ -225,7 +225,8 @@ def run_case(name: str, device: str = "cpu") -> bool:
     ``write_decode``: its output must match the reference after that write, and its copy of the pages
     must then equal the pool's, bit for bit. Those launches also record the queries in an observation
     window (``observe``, W_obs = W / 2; positions in layer 0 only), which must equal the evictor's
-    torch record (``q_buf[req, pos % W_obs] = q``, ``q_pos[req, pos % W_obs] = pos``)."""
+    torch record (``q_buf[row, pos % W_obs] = q``, ``q_pos[row, pos % W_obs] = pos``; ``row = req``,
+    or a rotation of the slots given as ``obs_row`` in the two-launch runs)."""
     from sglang_wgkv.attention.decode_config import DecodeConfig, FoldedDecodeWorkspace
     from sglang_wgkv.attention.triton_decode import folded_decode
 
@@ -282,14 +283,21 @@ def run_case(name: str, device: str = "cpu") -> bool:
         pos = torch.cat([case.plan.pos, case.plan.pos.new_zeros(1)])
         v_wide = torch.cat([v, v[:1]]).repeat(1, 1, 2)  # new_v [B, H, D] with row stride 2 * D
         new = (torch.cat([k, k[:1]]), v_wide[..., : c["D"]], pos, c["W"])
-        obs_ref = window_buffers()
-        obs_ref[0][req, pos % w_obs] = q
-        if layer == 0:
-            obs_ref[1][req, pos % w_obs] = pos
+        # the two-launch runs map slots to window rows through a rotation (the evictor's rows
+        # without a row per slot), the fused runs write row = slot
+        rotation = torch.roll(torch.arange(R, device=device), 1)
+        obs_refs = {}
+        for row_map in (None, rotation):
+            ref = obs_refs[row_map is None] = window_buffers()
+            at = req if row_map is None else row_map[req]
+            ref[0][at, pos % w_obs] = q
+            if layer == 0:
+                ref[1][at, pos % w_obs] = pos
         for splits, block_n in c["launches"]:
             for fused in (True, False):
                 kp, vp = case.pool.k_pages.clone(), case.pool.v_pages.clone()
                 obs_q, obs_pos = window_buffers()
+                obs_ref = obs_refs[fused]
                 outs = [
                     launch(
                         q,
@@ -302,7 +310,7 @@ def run_case(name: str, device: str = "cpu") -> bool:
                         kp,
                         vp,
                         new,
-                        observe=(obs_q, obs_pos if layer == 0 else None),
+                        observe=(obs_q, obs_pos if layer == 0 else None, None if fused else rotation),
                     )
                     for _ in range(2)
                 ]

@@ -149,11 +149,13 @@ def folded_decode(
         (rounded to the pages' dtype), not from the pages, and the program that holds it writes it
         there: the pool afterwards equals ``write_decode_rows`` + this call without them. The slot
         must lie within the stream (``pos % window < ring_tokens``: true for ``min(pos + 1, window)``).
-    observe : ``(obs_q, obs_pos)``, with the ring write: the evictor's observation window of this
-        layer, ``obs_q`` ``[R, W_obs, Hq, D]`` (last dim contiguous) and its positions ``obs_pos``
-        ``[R, W_obs]`` int64 or None (shared by the layers: give it once per step). Row b's queries
-        are stored at ``obs_q[req[b], pos[b] % W_obs]`` (in obs_q's dtype) and ``pos[b]`` at
-        ``obs_pos[req[b], pos[b] % W_obs]``, as :meth:`SnapKVEvictor.observe_decode` does.
+    observe : ``(obs_q, obs_pos)`` or ``(obs_q, obs_pos, obs_row)``, with the ring write: the
+        evictor's observation window of this layer, ``obs_q`` ``[N, W_obs, Hq, D]`` (last dim
+        contiguous) and its positions ``obs_pos`` ``[N, W_obs]`` int64 or None (shared by the layers:
+        give it once per step); ``obs_row`` ``[R]`` int64, the window row of each request slot
+        (default: the slot itself). Row b's queries are stored at ``obs_q[row, pos[b] % W_obs]`` (in
+        obs_q's dtype) and ``pos[b]`` at ``obs_pos[row, pos[b] % W_obs]``, ``row = obs_row[req[b]]``,
+        as :meth:`SnapKVEvictor.observe_decode` does.
     k_scale, v_scale : FP8 pages' per-tensor scales of this layer, one-element float32 device tensors
         (read by the kernel: a captured graph follows in-place updates); unused otherwise.
 
@@ -223,7 +225,7 @@ def folded_decode(
             raise ValueError(
                 f"pos must be [{B}] on q's device and window >= 1, got {tuple(pos.shape)}, {window}"
             )
-    obs_q, obs_pos = observe if observe is not None else (None, None)
+    obs_q, obs_pos, obs_row = (*observe, None)[:3] if observe is not None else (None, None, None)
     if observe is not None:
         if not write_new:
             raise ValueError("observe needs the ring write's pos (new_k, new_v, pos, window)")
@@ -241,6 +243,12 @@ def folded_decode(
             raise ValueError(
                 f"obs_pos must be int64 {tuple(obs_q.shape[:2])}, got {obs_pos.dtype} {tuple(obs_pos.shape)}"
             )
+        if obs_row is not None and (
+            obs_row.dim() != 1 or obs_row.dtype != torch.int64 or obs_row.device != q.device
+        ):
+            raise ValueError(
+                f"obs_row must be int64 [R] on q's device, got {obs_row.dtype} {tuple(obs_row.shape)}"
+            )
     if B == 0:
         return out
     group = Hq // H
@@ -253,6 +261,7 @@ def folded_decode(
     nk, nv, npos = (new_k, new_v, pos) if write_new else (q, q, req)  # placeholders: never read
     xq = obs_q if obs_q is not None else q.unsqueeze(0)  # placeholders: never written
     xp = obs_pos if obs_pos is not None else req.view(1, -1)
+    xr = obs_row if obs_row is not None else req  # placeholder: never read
     _split_kernel[(B * H, num_splits)](
         q,
         k_pages,
@@ -270,6 +279,7 @@ def folded_decode(
         npos,
         xq,
         xp,
+        xr,
         k_scale if quant else gl,  # placeholders: never read
         v_scale if quant else gl,
         q.stride(0),
@@ -313,6 +323,7 @@ def folded_decode(
         WRITE_NEW=write_new,
         OBSERVE=obs_q is not None,
         OBSERVE_POS=obs_pos is not None,
+        OBS_ROWS=obs_row is not None,
         FUSED=cfg.fused_merge,
         MERGE_ROWS=_MERGE_ROWS,
         SPLITS_PAD=splits_pad,

@@ -37,6 +37,7 @@ def _split_kernel(
     Pos,
     ObsQ,
     ObsPos,
+    ObsRow,
     KScale,
     VScale,
     stride_qb,
@@ -80,6 +81,7 @@ def _split_kernel(
     WRITE_NEW: tl.constexpr,
     OBSERVE: tl.constexpr,
     OBSERVE_POS: tl.constexpr,
+    OBS_ROWS: tl.constexpr,
     FUSED: tl.constexpr,
     MERGE_ROWS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
@@ -99,6 +101,9 @@ def _split_kernel(
         if split == 0:  # the evictor's window: this stream's queries (and, once per row, the position)
             p = tl.load(Pos + b)
             oslot = (p % obs_window).to(tl.int64)
+            orow = r  # the slot's window row: the slot itself, or the evictor's map
+            if OBS_ROWS:
+                orow = tl.load(ObsRow + r).to(tl.int64)
             oheads = h * GROUP + tl.arange(0, GROUP_PAD)
             od = tl.arange(0, HEAD_DIM)
             ok = (tl.arange(0, GROUP_PAD) < GROUP)[:, None]
@@ -106,13 +111,13 @@ def _split_kernel(
                 Q + b.to(tl.int64) * stride_qb + oheads[:, None] * stride_qh + od[None, :], mask=ok, other=0.0
             )
             tl.store(
-                ObsQ + r * stride_xr + oslot * stride_xw + oheads[:, None] * stride_xh + od[None, :],
+                ObsQ + orow * stride_xr + oslot * stride_xw + oheads[:, None] * stride_xh + od[None, :],
                 oq.to(ObsQ.dtype.element_ty),
                 mask=ok,
             )
             if OBSERVE_POS:
                 if h == 0:
-                    tl.store(ObsPos + r * stride_yr + oslot, p.to(ObsPos.dtype.element_ty))
+                    tl.store(ObsPos + orow * stride_yr + oslot, p.to(ObsPos.dtype.element_ty))
     used = tl.cdiv(n, tl.maximum(chunk, 1))  # non-empty splits
     start = split * chunk
     end = tl.minimum(start + chunk, n)

@@ -46,12 +46,9 @@ class DecodeLayer:
         from sglang_wgkv.attention.triton_decode import folded_decode
 
         observe = None
-        if self.evictor is not None and self.evictor.identity_rows:
-            # the split kernel records the queries (and, in layer 0, positions)
-            obs_q, obs_pos = self.evictor.decode_window(layer.layer_id)
-            observe = (obs_q, obs_pos if layer.layer_id == 0 else None)
-        elif self.evictor is not None:  # window rows of bounded requests only: indexed through the slots
-            self.evictor.observe_decode_rows(layer.layer_id, rows.req, rows.pos, q3)
+        if self.evictor is not None:  # the split kernel records the queries (and, in layer 0, positions)
+            obs_q, obs_pos, obs_row = self.evictor.decode_window(layer.layer_id)
+            observe = (obs_q, obs_pos if layer.layer_id == 0 else None, obs_row)
         uniform = rows.uniform[:, layer.layer_id] if rows.uniform is not None else None
         if k3.stride(2) != 1:  # the fused ring write reads rows contiguous in head_dim
             k3 = k3.contiguous()

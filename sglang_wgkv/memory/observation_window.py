@@ -59,21 +59,11 @@ class ObservationWindow:
         row, slot = self._decode_idx[1]
         self.q_buf[row, layer, slot] = q.to(self.q_buf.dtype)
 
-    def observe_decode_rows(self, layer: int, req: torch.Tensor, pos: torch.Tensor, q: torch.Tensor) -> None:
-        """:meth:`observe_decode` with the step's rows given (``req``, ``pos`` ``[B]`` int64 device
-        tensors, e.g. static CUDA-graph buffers): device indexing only, so it can be captured. The
-        kernels path's observation where the decode kernel cannot write it (window rows != slots)."""
-        row, slot = self.row[req], pos % self.window
-        if layer == 0:
-            self.q_pos[row, slot] = pos
-        self.q_buf[row, layer, slot] = q.to(self.q_buf.dtype)
-
-    def decode_window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The window buffers the decode kernel writes in place of :meth:`observe_decode` (device
         indexing only, so it can be captured; a graph's padded rows point at a slot no request owns):
-        ``layer``'s queries ``[R, window, Hq, D]`` and the positions ``[R, window]`` (shared by the
-        layers). Row b of a step goes to slot ``pos[b] % window`` of ``req[b]``, as there. Only
-        with one window row per slot (:attr:`identity_rows`; else :meth:`observe_decode_rows`)."""
-        if not self.identity_rows:
-            raise RuntimeError("decode_window needs one window row per request slot (rows=None)")
-        return self.q_buf[:, layer], self.q_pos
+        ``layer``'s queries ``[N, window, Hq, D]``, the positions ``[N, window]`` (shared by the
+        layers) and the window row of each request slot ``[R]`` (None with one row per slot,
+        :attr:`identity_rows`; unbound slots point at the scratch row nothing reads). Row b of a step
+        goes to slot ``pos[b] % window`` of its request's row, as there."""
+        return self.q_buf[:, layer], self.q_pos, None if self.identity_rows else self.row

@@ -118,7 +118,11 @@ def split_kernel_launch(
         new_k = torch.zeros(B, H, D, **bf)
         extra.update(new_k=new_k, new_v=new_k.clone(), pos=positions, window=W)
     if observe:
-        extra["observe"] = (torch.zeros(R, 32, Hq, D, **bf), torch.zeros(R, 32, dtype=torch.int64))
+        extra["observe"] = (
+            torch.zeros(R + 1, 32, Hq, D, **bf),
+            torch.zeros(R + 1, 32, dtype=torch.int64),
+            torch.full((R,), R, dtype=torch.int64),  # every slot on the scratch row: the evictor's map
+        )
     ws = dc.FoldedDecodeWorkspace(B, Hq, D, splits, "cpu", num_kv_heads=H)
     with device_checks_off():
         # the split kernel is the first launch (a merge kernel follows it where not config.fused_merge)
