@@ -154,10 +154,12 @@ def _split_kernel(
         mask=row_ok[:, None],
         other=0.0,
     )
+    if QUANT:  # the dots run in fp16: FP8 converts to it in one instruction per two values, to bf16 in two
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     pt_row = PageTable + r * stride_pr + h * stride_ph
     offs_n = tl.arange(0, BLOCK_N)
     # FP8 pages (QUANT): keys and values are used in stored units (an FP8 value converts exactly to
-    # q's 16-bit dtype); k_scale folds into the logits' scale and v_scale into the output, read from
+    # fp16); k_scale folds into the logits' scale and v_scale into the output, read from
     # device scalars so that a captured graph follows them.
     if QUANT:
         k_scale = tl.load(KScale)
