@@ -50,5 +50,5 @@ def test_float32_server_equals_offline_harness(tmp_path):
         assert _max_error(truth, p, b) <= TOLERANCE, p[:40]
     # the tolerance separates the served window from one key more or less
     for window in (W_LOCAL - 1, W_LOCAL + 1):
-        off = OfflineTruth(model_dir, gates, window)
+        off = truth.with_window(window)
         assert max(_max_error(off, p, a) for p, a in zip(PROMPTS, alone)) > 10 * TOLERANCE, window

@@ -213,6 +213,16 @@ class OfflineTruth:
             load_gates(gates_dir, device), DEFAULT_TAU if tau is None else tau, local_window
         )
 
+    def with_window(self, local_window: int) -> OfflineTruth:
+        """The same truth (model, gates, tau) under another W_local, without loading the model again."""
+        import copy
+
+        from evals.policies import WGKVAdmission
+
+        other = copy.copy(self)
+        other.policy = WGKVAdmission(self.policy.gates, self.policy.tau, local_window)
+        return other
+
     def logprobs(self, prompt: str, output_ids) -> list[float]:
         """Float32 logprob of each output token given the prompt and the output tokens before it."""
         return self.logprobs_ids(self.tokenizer.encode(prompt), output_ids)
