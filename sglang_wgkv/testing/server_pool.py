@@ -121,6 +121,10 @@ class ServerPool:
             entry.server.stop()
             raise
 
+    def start_ahead(self) -> None:
+        """Start the next planned server now (before its module's lease), if the rules allow one."""
+        self._prefetch()
+
     def _prefetch(self) -> None:
         if sum(e.leases for e in self._entries.values()) > 1:
             return  # two servers in use already: a third would crowd the cores and the memory
