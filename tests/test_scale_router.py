@@ -137,7 +137,11 @@ def test_generate_and_openai_routes_through_the_router(cluster):
 
 
 def test_what_the_router_asks_of_workers(cluster):
-    flushed = requests.post(cluster.url + "/flush_cache", timeout=60)
+    for _ in range(60):  # a worker refuses a flush until its scheduler saw its last batch end
+        flushed = requests.post(cluster.url + "/flush_cache", timeout=60)
+        if flushed.status_code == 200 and flushed.json()["workers_flushed"] == 2:
+            break
+        time.sleep(0.5)
     assert flushed.status_code == 200 and flushed.json()["workers_flushed"] == 2, flushed.text
     loads = requests.get(cluster.url + "/get_loads", timeout=60)  # each worker's /get_load
     assert loads.status_code == 200
