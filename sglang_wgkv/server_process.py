@@ -55,9 +55,14 @@ class ServerProcess:
         )
 
     def wait_healthy(
-        self, timeout_s: float, *, path: str = "/health_generate", probe_timeout_s: float = 60.0
+        self,
+        timeout_s: float,
+        *,
+        path: str = "/health_generate",
+        probe_timeout_s: float = 60.0,
+        poll_s: float = 2.0,
     ) -> float:
-        """Poll ``path`` every 2 s until it answers 200 (``/health_generate`` runs a one-token
+        """Poll ``path`` every ``poll_s`` seconds until it answers 200 (``/health_generate`` runs a one-token
         generation: the scheduler is up, not only the HTTP server). Returns the seconds since the
         process started. Raises RuntimeError if the process exits, TimeoutError after ``timeout_s``
         (both with the log's tail)."""
@@ -72,7 +77,7 @@ class ServerProcess:
                     return time.perf_counter() - self.started
             except requests.RequestException:
                 pass
-            time.sleep(2)
+            time.sleep(poll_s)
         raise TimeoutError(
             f"server not healthy after {timeout_s:.0f} s (log: {self.log_path}):\n{self.log_tail()}"
         )

@@ -46,6 +46,7 @@ RUNS_INTERPRETER = re.compile(
 )
 CALLED_NAME = re.compile(r"\b([A-Za-z_]\w*)\(")
 PLAN_KEY = pytest.StashKey[list]()
+AHEAD_KEY = pytest.StashKey[str]()  # the module beside which the pool's first server starts
 RUNNER_KEY = pytest.StashKey[InterpRunner]()
 
 
@@ -159,6 +160,9 @@ def _group_modules_by_shared_server(config, items) -> None:
         groups.setdefault(group, []).append(path)
     order = sorted(groups, key=lambda group: group[0])  # stable: file order within each kind
     items[:] = [item for group in order for path in groups[group] for item in modules[path]]
+    before_pool = [path for group in order if group[0] < 3 for path in groups[group]]
+    if before_pool and any(group[0] == 3 for group in order):
+        config.stash[AHEAD_KEY] = before_pool[-1]
     plan, leased = [], set()  # one lease per module and server, in the order the modules take them
     for item in items:
         for args in _shared_servers(item):
@@ -178,6 +182,13 @@ def _skipped_outright(item) -> bool:
 def interp_runner(request):
     """The session's background interpreter checks (started after collection)."""
     return request.config.stash[RUNNER_KEY]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _first_pooled_server_ahead(request):
+    """Beside the last module before the pooled ones, the pool starts its first server."""
+    if request.node.nodeid.split("::")[0] == request.config.stash.get(AHEAD_KEY, None):
+        request.getfixturevalue("server_pool").start_ahead()
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,10 @@ from sglang_wgkv.testing.serving import REPO
 
 pytestmark = pytest.mark.serving
 
-server = shared_server("--kv-budget", "64", "--wgkv-local-window", "32", "--wgkv-gates", ShippedGates(32))
+# the radix tests' server (shared): the shipped gates at W_local 32
+server = shared_server(
+    "--wgkv-local-window", "32", "--chunked-prefill-size", "64", "--wgkv-gates", ShippedGates(32)
+)
 
 
 def test_eval_cli_runs_against_the_server(server, tmp_path):

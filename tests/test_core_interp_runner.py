@@ -52,6 +52,30 @@ def test_close_ends_running_checks(script):
     assert time.monotonic() - start < 30
 
 
+STAMP = """
+import pathlib, sys, time
+pathlib.Path(sys.argv[1]).write_text(str(time.monotonic()))
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_one_check_at_a_time_and_one_more_while_a_result_is_awaited(tmp_path):
+    path = tmp_path / "stamp.py"
+    path.write_text(STAMP)
+    runner = InterpRunner()
+    try:
+        first, second, third = (InterpCheck(str(path), (str(tmp_path / name), "3")) for name in "abc")
+        for check in (first, second, third):
+            runner.submit(check)
+        time.sleep(1.5)
+        assert (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # the test process runs
+        runner.result(third)  # waiting: the second runs beside the first, then the third
+        started = {name: float((tmp_path / name).read_text()) for name in "abc"}
+        assert started["b"] - started["a"] < 2.5 and started["c"] - started["a"] < 5
+    finally:
+        runner.close()
+
+
 def test_seed_lines_and_verdicts():
     class Run:
         stdout = "ok seed 1: 3 pages\nFAIL seed 2/8: SystemExit: differs\nnoise\n"

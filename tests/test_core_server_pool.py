@@ -57,6 +57,18 @@ def test_plan_prefetches_the_next_server_and_stops_each_after_its_last_lease(tmp
     pool.close()
 
 
+def test_one_server_waits_ahead_at_a_time(tmp_path):
+    events = []
+    pool = _pool(tmp_path, [("a",), ("a",), ("b",), ("c",)], events)
+    with pool.lease(("a",), "m1"):
+        assert events == [("start", "a"), ("start", "b")]
+    with pool.lease(("a",), "m2"):
+        assert ("start", "c") not in events  # b, started for a later module, still waits
+    with pool.lease(("b",), "m3"):
+        assert events[-1] == ("start", "c")
+    pool.close()
+
+
 def test_two_leased_servers_prefetch_no_third(tmp_path):
     events = []
     pool = _pool(tmp_path, [("a",), ("b",), ("c",)], events)

@@ -1,6 +1,6 @@
 """One request longer than the dense pool, and per-request budgets, in a real CPU server
-(``integration/long_requests.py``): the embedded model and its shipped gates, a KV budget of 4096
-dense tokens (a dense-equivalent pool of 2869) under overcommit, and a ~6K-token passkey prompt.
+(``integration/long_requests.py``): the embedded model and its shipped gates, a KV budget of 2048
+dense tokens (a dense-equivalent pool of 1469) under overcommit, and a ~3K-token passkey prompt.
 
 * the long prompt completes beside a short request, answers as the full cache does (its output
   logprobs equal the float32 offline harness's, which holds every admitted token), and the short
@@ -18,49 +18,44 @@ import threading
 import pytest
 import requests
 
-from sglang_wgkv.testing.serving import OfflineTruth, Server, embedded_model_dir, embedded_plan
+from sglang_wgkv.testing.server_pool import shared_server
+from sglang_wgkv.testing.serving import OfflineTruth, embedded_model_dir, embedded_plan
 
 pytestmark = pytest.mark.serving
 
-BUDGET = 4096  # --max-total-tokens
-FACTOR = 3.0  # logical pool 3 x 2869 >= the context: SGLang's own length limit is the context
+BUDGET = 2048  # --max-total-tokens
+FACTOR = 3.0  # a logical pool of 4407 tokens: SGLang's own length limit lies past the passkey prompt
 CHUNK = 512
 W_LOCAL = 256
 PLAN = embedded_plan(BUDGET, local_window=W_LOCAL, overcommit=FACTOR)
+RANDOM_TOKENS = 1000  # the budgeted pair: both fit the physical pool when only one is bounded
+PASSKEY_TOKENS = 3000  # past the dense-equivalent pool and the budget, as the long test needs
 TOLERANCE = 1e-3  # float32 against float32 (tests/test_served_matches_offline.py)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = Server(
-        [
-            "--max-total-tokens",
-            str(BUDGET),
-            "--wgkv-overcommit",
-            str(FACTOR),
-            "--chunked-prefill-size",
-            str(CHUNK),
-            "--disable-radix-cache",
-            "--log-level",
-            "info",
-        ],
-        tmp_path_factory.mktemp("long") / "server.log",
-    )
-    try:
-        yield srv.wait_healthy()
-    finally:
-        srv.stop()
+# a pooled server of its own arguments (started ahead, while the modules before this one run)
+server = shared_server(
+    "--max-total-tokens",
+    str(BUDGET),
+    "--wgkv-overcommit",
+    str(FACTOR),
+    "--chunked-prefill-size",
+    str(CHUNK),
+    "--disable-radix-cache",
+    "--log-level",
+    "info",
+)
 
 
 @pytest.fixture(scope="module")
 def passkey():
-    """``(prompt ids, key)``: a ~6K-token passkey prompt of the RULER builder (evals/ruler.py)."""
+    """``(prompt ids, key)``: a ~3K-token passkey prompt of the RULER builder (evals/ruler.py)."""
     from transformers import AutoTokenizer
 
     from evals.ruler import _Builder
 
     tok = AutoTokenizer.from_pretrained(embedded_model_dir())
-    sample = _Builder(tok, []).passkey(random.Random(7), 6000)
+    sample = _Builder(tok, []).passkey(random.Random(7), PASSKEY_TOKENS)
     return sample["prompt"], tok.decode(sample["answer"])
 
 
@@ -97,7 +92,7 @@ def test_bad_kv_budget_is_a_400(server, bad, why):
 
 def test_budgeted_request_is_held_to_its_budget_beside_an_unbudgeted_one(server):
     rng = random.Random(1)
-    prompts = [[rng.randrange(1000, 30000) for _ in range(1200)] for _ in range(2)]
+    prompts = [[rng.randrange(1000, 30000) for _ in range(RANDOM_TOKENS)] for _ in range(2)]
     outs = _post(
         server,
         {

@@ -25,8 +25,12 @@ def _serving_memory():
 # the 6K-token prompt runs in the soak tier; the default run sends a shorter one through the same phases
 @pytest.mark.server
 @pytest.mark.parametrize("long_tokens", [1500, pytest.param(6000, marks=pytest.mark.soak)])
-def test_default_server_survives_the_mixed_workload(tmp_path, long_tokens):
+def test_default_server_survives_the_mixed_workload(tmp_path, long_tokens, monkeypatch):
     from sglang_wgkv.launch_server import CPU_KV_RAM_FRACTION
+    from sglang_wgkv.testing.serving import QUIET_STOP_ENV
+
+    for name, value in QUIET_STOP_ENV.items():  # the server inherits the environment
+        monkeypatch.setenv(name, value)
 
     result = _serving_memory().measure(
         ["--sleep-on-idle"],

@@ -1,7 +1,8 @@
 """Two WG-KV servers behind SGLang's router (``sglang-router``, cache-aware policy), started through
 ``python -m sglang_wgkv.launch_router``: requests, prefix caching across workers, a worker killed
-under load and restarted. One module-scoped cluster (two CPU servers of the radix tests' settings
-and the router); the fault test runs last and restarts the worker it kills.
+under load and restarted. One module-scoped cluster (two CPU servers of the radix tests' settings,
+one of them their shared server, and the router); the fault test runs last and restarts the worker
+it kills, the one of this module.
 
 What the router itself does to requests (``docs/scale-out.md``) is pinned here too, so that the
 document stays true when the router changes: its typed ``/generate`` body adds ``model`` and drops
@@ -19,17 +20,14 @@ import pytest
 import requests
 
 from sglang_wgkv.server_process import ServerProcess, free_port
+from sglang_wgkv.testing.server_pool import ShippedGates, shared_server
 from sglang_wgkv.testing.serving import Server, flush_cache, long_prompt, shipped_gates_at
 
 pytestmark = [pytest.mark.serving, pytest.mark.scale]
 
 LOCAL_WINDOW = 32
-WORKER_ARGS = [
-    "--wgkv-local-window",
-    str(LOCAL_WINDOW),
-    "--chunked-prefill-size",
-    "64",
-]
+WORKER_ARGS = ["--wgkv-local-window", str(LOCAL_WINDOW), "--chunked-prefill-size", "64"]
+survivor = shared_server(*WORKER_ARGS, "--wgkv-gates", ShippedGates(LOCAL_WINDOW))
 # Health checks every second, one failure marks a worker down, one success brings it back.
 ROUTER_ARGS = [
     "--policy",
@@ -49,12 +47,13 @@ GREEDY = {"temperature": 0}
 
 
 class Cluster:
-    def __init__(self, tmp):
+    """The router over ``survivor`` (the radix tests' shared server) and a worker of the same settings
+    started here, the one the fault test kills and restarts."""
+
+    def __init__(self, tmp, survivor: Server):
         self.tmp = tmp
         self.worker_args = [*WORKER_ARGS, "--wgkv-gates", str(shipped_gates_at(tmp / "gates", LOCAL_WINDOW))]
-        self.workers = [Server(self.worker_args, tmp / f"worker{i}.log") for i in range(2)]
-        for w in self.workers:
-            w.wait_healthy()
+        self.workers = [survivor, Server(self.worker_args, tmp / "worker1.log").wait_healthy()]
         port = free_port()
         urls = [w.url for w in self.workers]
         command = [
@@ -73,7 +72,7 @@ class Cluster:
             env=dict(os.environ),
             cwd=tmp,
         )
-        self.router.wait_healthy(120, path="/health")
+        self.router.wait_healthy(120, path="/health", poll_s=0.25)
         self.wait_workers(healthy=set(urls))
 
     @property
@@ -97,13 +96,12 @@ class Cluster:
 
     def stop(self):
         self.router.stop()
-        for w in self.workers:
-            w.stop()
+        self.workers[1].stop()  # the pool stops the survivor
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("router"))
+def cluster(tmp_path_factory, survivor):
+    c = Cluster(tmp_path_factory.mktemp("router"), survivor)
     try:
         yield c
     finally:
@@ -139,7 +137,11 @@ def test_generate_and_openai_routes_through_the_router(cluster):
 
 
 def test_what_the_router_asks_of_workers(cluster):
-    flushed = requests.post(cluster.url + "/flush_cache", timeout=60)
+    for _ in range(60):  # a worker refuses a flush until its scheduler saw its last batch end
+        flushed = requests.post(cluster.url + "/flush_cache", timeout=60)
+        if flushed.status_code == 200 and flushed.json()["workers_flushed"] == 2:
+            break
+        time.sleep(0.5)
     assert flushed.status_code == 200 and flushed.json()["workers_flushed"] == 2, flushed.text
     loads = requests.get(cluster.url + "/get_loads", timeout=60)  # each worker's /get_load
     assert loads.status_code == 200

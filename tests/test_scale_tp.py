@@ -2,18 +2,20 @@
 one slice of the gates per rank, against the same server at TP=1.
 
 The gates make the ranks differ (KV head 0 never admits, heads 1-2 always, W_local = 16), so a rank
-running another head's gate, or a pool holding the wrong head, changes the greedy tokens. The two
-servers run one after the other (two cores).
+running another head's gate, or a pool holding the wrong head, changes the greedy tokens. The TP=1
+server comes from the session's pool; the TP=3 one starts after it answered (two cores).
 """
 
 import pytest
 
-from sglang_wgkv.testing.serving import Server, long_prompt, save_head_gates
+from sglang_wgkv.testing.server_pool import HeadGates, shared_server
+from sglang_wgkv.testing.serving import Server, long_prompt
 
 pytestmark = pytest.mark.scale
 
 W_LOCAL = 16
 PROMPTS = [long_prompt(10, seed=s) for s in range(2)] + ["The capital of France is"]
+HEAD_GATES = HeadGates((-30.0, 30.0, 30.0), W_LOCAL)
 
 
 def test_rank_kv_heads():
@@ -43,38 +45,38 @@ def test_select_heads_matches_full_gates():
         )
 
 
-def _run(tmp, gates, tp: int) -> tuple[list, list]:
+# the TP=1 side: a pooled server (started ahead, while the modules before this one run)
+tp1_server = shared_server("--wgkv-local-window", str(W_LOCAL), "--wgkv-gates", HEAD_GATES)
+
+
+def _outputs(srv) -> tuple[list, list]:
+    outs = srv.generate(PROMPTS, max_new_tokens=12)
+    stats = srv.wait_idle_checked()
+    assert stats["active_requests"] == 0 and stats["global_tokens"] == 0  # rank 0's pool, idle-checked
+    return [o["output_ids"] for o in outs], [o["meta_info"]["wgkv"][-1] for o in outs]
+
+
+def _tp3_outputs(tmp) -> tuple[list, list]:
     # SGLang's CPU engine wants one core set per rank when there are more ranks than NUMA nodes (it
     # binds threads to them only with AMX/arm64 kernels; here they are just a label per rank). The
     # venv's CUDA build of torch ships libnccl, which SGLang would then try to use on the CPU: point
     # it at no library so the TP group falls back to torch.distributed over gloo.
-    env = (
-        {
-            "SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(r % 2) for r in range(tp)),
-            "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2",
-        }
-        if tp > 1
-        else None
-    )
+    env = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1|0", "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2"}
+    gates = HEAD_GATES.save(tmp / "gates")
     srv = Server(
-        ["--wgkv-local-window", str(W_LOCAL), "--wgkv-gates", str(gates), "--tp-size", str(tp)],
-        tmp / f"server_tp{tp}.log",
+        ["--wgkv-local-window", str(W_LOCAL), "--wgkv-gates", str(gates), "--tp-size", "3"],
+        tmp / "server_tp3.log",
         env=env,
     )
     try:
-        srv.wait_healthy()
-        outs = srv.generate(PROMPTS, max_new_tokens=12)
-        stats = srv.wait_idle_checked()
-        assert stats["active_requests"] == 0 and stats["global_tokens"] == 0  # rank 0's pool, idle-checked
-        return [o["output_ids"] for o in outs], [o["meta_info"]["wgkv"][-1] for o in outs]
+        return _outputs(srv.wait_healthy())
     finally:
         srv.stop()
 
 
-def test_tp3_greedy_equals_tp1(tmp_path):
-    save_head_gates(tmp_path / "gates", [-30.0, 30.0, 30.0], W_LOCAL)
-    ids1, usage1 = _run(tmp_path, tmp_path / "gates", tp=1)
-    ids3, usage3 = _run(tmp_path, tmp_path / "gates", tp=3)
+def test_tp3_greedy_equals_tp1(tp1_server, tmp_path):
+    ids1, usage1 = _outputs(tp1_server)
+    ids3, usage3 = _tp3_outputs(tmp_path)
     assert ids3 == ids1
     for u1, u3 in zip(usage1, usage3):  # rank 0 holds head 0 only; usage is reduced over the ranks
         assert u3["admitted_fraction"] == pytest.approx(u1["admitted_fraction"])

@@ -12,11 +12,14 @@ window, so the tolerance below tells the semantics apart.
 
 import pytest
 
-from sglang_wgkv.testing.gpu_serving_cases import HEAD_BIAS, NEW_TOKENS, PROMPTS, W_LOCAL, common_args
-from sglang_wgkv.testing.serving import OfflineTruth, Server, embedded_model_dir, save_head_gates
+from sglang_wgkv.testing.gpu_serving_cases import HEAD_BIAS, PROMPTS, SERVER_SETTINGS, W_LOCAL
+from sglang_wgkv.testing.server_pool import HeadGates, shared_server
+from sglang_wgkv.testing.serving import OfflineTruth, embedded_model_dir, save_head_gates
 
 pytestmark = pytest.mark.serving
 TOLERANCE = 1e-3  # float32 against float32; a bf16 path lies ~0.1 from it (benchmarks/logprob_floor.py)
+# the GPU test's 48 halved: the ~50-token prompt still crosses W_local = 64 while decoding
+NEW_TOKENS = 24
 
 
 def _greedy(server, prompts):
@@ -31,24 +34,33 @@ def _max_error(truth, prompt, run) -> float:
     return max(abs(a - b) for a, b in zip(lps, truth.logprobs(prompt, ids)))
 
 
-def test_float32_server_equals_offline_harness(tmp_path):
-    model_dir = embedded_model_dir()
+# the GPU comparison's server settings on the launcher's default model (the embedded one), in float32
+# on the reference path; pooled: it starts while the modules before this one run
+server = shared_server(
+    *SERVER_SETTINGS,
+    "--wgkv-gates",
+    HeadGates(tuple(HEAD_BIAS), W_LOCAL),
+    "--dtype",
+    "float32",
+    "--wgkv-attention",
+    "reference",
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return embedded_model_dir()  # skips before the server is leased when the GGUF is not installed
+
+
+def test_float32_server_equals_offline_harness(model_dir, server, tmp_path):
     gates = save_head_gates(tmp_path / "gates", HEAD_BIAS, W_LOCAL)
-    server = Server(
-        [*common_args(model_dir, gates), "--dtype", "float32", "--wgkv-attention", "reference"],
-        tmp_path / "server.log",
-    )
-    try:
-        server.wait_healthy()
-        alone = [_greedy(server, [p])[0] for p in PROMPTS]
-        batched = _greedy(server, PROMPTS)  # one concurrent batch of four lengths
-    finally:
-        server.stop()
+    alone = [_greedy(server, [p])[0] for p in PROMPTS]
+    batched = _greedy(server, PROMPTS)  # one concurrent batch of four lengths
     truth = OfflineTruth(model_dir, gates, W_LOCAL)
     for p, a, b in zip(PROMPTS, alone, batched):
         assert _max_error(truth, p, a) <= TOLERANCE, p[:40]
         assert _max_error(truth, p, b) <= TOLERANCE, p[:40]
     # the tolerance separates the served window from one key more or less
     for window in (W_LOCAL - 1, W_LOCAL + 1):
-        off = OfflineTruth(model_dir, gates, window)
+        off = truth.with_window(window)
         assert max(_max_error(off, p, a) for p, a in zip(PROMPTS, alone)) > 10 * TOLERANCE, window

@@ -1,8 +1,9 @@
 """The real SGLang server with the wgkv backend on CPU: APIs, frontend programs, concurrency with
 aborts, pool exhaustion, over-long prompts, and the idle invariants after all of it.
 
-One server for the module: W_local 32 and 128-token prefill chunks, so ordinary prompts leave the
-ring, get promoted, and are prefilled in several chunks that read the cached context back.
+One server for the module (the equivalence tests' all-admit one): W_local 32 and 128-token prefill
+chunks, so ordinary prompts leave the ring, get promoted, and are prefilled in several chunks that
+read the cached context back.
 """
 
 import threading
@@ -11,13 +12,16 @@ import time
 import pytest
 import requests
 
-from sglang_wgkv.testing.server_pool import shared_server
+from sglang_wgkv.testing.server_pool import HeadGates, shared_server
 from sglang_wgkv.testing.serving import long_prompt, stream_generate
 
 pytestmark = pytest.mark.serving
 
 
-server = shared_server("--wgkv-local-window", "32", "--chunked-prefill-size", "128", "--wgkv-gates", "fresh")
+# the equivalence tests' all-admit server (shared; sigmoid(30) = 1 on every KV head)
+server = shared_server(
+    "--chunked-prefill-size", "128", "--wgkv-local-window", "32", "--wgkv-gates", HeadGates((30.0, 30.0, 30.0), 32)
+)  # fmt: skip
 
 
 def test_native_generate(server):
@@ -73,7 +77,7 @@ def test_long_prompt_is_chunked_and_promoted(server):
     left = after["tokens_left_ring"] - before["tokens_left_ring"]
     promoted = after["tokens_promoted"] - before["tokens_promoted"]
     # In each of the 30 x 3 (layer, head) streams, every cached token but the last W_local = 32 left
-    # the ring (the last generated token is never cached); fresh gates admit all of them. The
+    # the ring (the last generated token is never cached); the gates admit all of them. The
     # overlap scheduler may run one more decode step before it sees the request finished.
     cached = out["meta_info"]["prompt_tokens"] + 24 - 1
     assert left in (30 * 3 * (cached - 32), 30 * 3 * (cached + 1 - 32))

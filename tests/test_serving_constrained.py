@@ -16,12 +16,13 @@ import torch
 
 from evals.frontend_programs import PROGRAMS, constraint_violation, run_programs, server_healthy
 from sglang_wgkv.integration import constrained
-from sglang_wgkv.testing.serving import Server
+from sglang_wgkv.testing.server_pool import shared_server
 
 pytestmark = pytest.mark.serving
 
-# Launcher defaults but a test-sized pool: the point is the default grammar backend and scheduler.
-DEFAULT_CONFIG = ("--max-total-tokens", "4096", "--log-level", "warning", "--sleep-on-idle")
+# Launcher defaults (SGLang's dtype over the test servers' float32) but a test-sized pool: the point is
+# the default grammar backend and scheduler. Pooled: it starts while the modules before this one run.
+server = shared_server("--dtype", "auto", "--max-total-tokens", "4096")
 # The programs' own limits go up to 512 tokens; every constrained step is masked the same way, so a few
 # tokens per generation show the mechanics (benchmarks/results/constrained/ ran with the same cap).
 MAX_NEW_TOKENS = 8
@@ -143,15 +144,6 @@ def test_probe_reports_a_mask_that_blocks_nothing():
 
     backend = SimpleNamespace(get_cached_or_future_value=lambda key, reasoning: (Grammar(), True))
     assert "blocked 0 of 64" in constrained.probe_mask_path(backend, 64, torch.device("cpu"))
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = Server([], tmp_path_factory.mktemp("constrained") / "server.log", base_args=DEFAULT_CONFIG)
-    try:
-        yield srv.wait_healthy()
-    finally:
-        srv.stop()
 
 
 def test_frontend_programs_on_the_default_cpu_server(server):

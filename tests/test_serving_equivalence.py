@@ -10,7 +10,7 @@ tokens' logprobs within 1e-3 (float32 summation-order noise; measured ~1e-5).
 import pytest
 
 from sglang_wgkv.testing.server_pool import HeadGates, shared_server
-from sglang_wgkv.testing.serving import long_prompt
+from sglang_wgkv.testing.serving import flush_cache, long_prompt
 
 pytestmark = pytest.mark.serving
 
@@ -37,6 +37,7 @@ dense_server = shared_server("--chunked-prefill-size", "128", "--disable-wgkv")
 
 @pytest.fixture(scope="module")
 def servers(wgkv_server, dense_server):
+    flush_cache(wgkv_server)  # shared with tests/test_serving_api.py: no prefix of its requests
     return wgkv_server, dense_server
 
 

@@ -14,14 +14,15 @@ import time
 import pytest
 import requests
 
-from sglang_wgkv.testing.serving import Server, long_prompt, shipped_gates_at
+from sglang_wgkv.testing.server_pool import ShippedGates, shared_server
+from sglang_wgkv.testing.serving import long_prompt
 
 pytestmark = pytest.mark.serving
 
 PROMPTS = [
     "The capital of France is",
-    long_prompt(18),  # ~230 tokens: two chunks
-    long_prompt(45, seed=3),  # ~560 tokens: five chunks
+    long_prompt(18),  # ~230 tokens: four chunks
+    long_prompt(45, seed=3),  # ~560 tokens: nine chunks
 ]
 NEW_TOKENS = 24
 LEADING_AGREEMENT = 6  # tokens every prompt's FP8 output must share with the float32 one
@@ -29,20 +30,16 @@ OVERALL_AGREEMENT = 0.6  # fraction of all tokens in the common greedy prefixes
 HEAD_DIM = 64  # the embedded model's
 
 
+# the radix tests' server (shared): W_local 32, 64-token chunks, the shipped gates; the FP8 one differs
+# only in its KV dtype (and exports metrics)
+COMMON = ("--wgkv-local-window", "32", "--chunked-prefill-size", "64", "--wgkv-gates", ShippedGates(32))
+full_server = shared_server(*COMMON)
+fp8_server = shared_server(*COMMON, "--kv-cache-dtype", "fp8_e4m3", "--enable-metrics")
+
+
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serving_fp8")
-    common = [
-        "--chunked-prefill-size", "128", "--wgkv-local-window", "32",
-        "--wgkv-gates", str(shipped_gates_at(tmp / "gates", 32)),
-    ]  # fmt: skip
-    fp8 = Server([*common, "--kv-cache-dtype", "fp8_e4m3", "--enable-metrics"], tmp / "fp8.log")
-    full = Server(common, tmp / "float32.log")
-    try:
-        yield fp8.wait_healthy(), full.wait_healthy()
-    finally:
-        fp8.stop()
-        full.stop()
+def servers(full_server, fp8_server):
+    return fp8_server, full_server
 
 
 def _common_prefix(a, b) -> int:

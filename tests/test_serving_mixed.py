@@ -16,7 +16,9 @@ import threading
 import pytest
 import requests
 
-from sglang_wgkv.testing.serving import Server, long_prompt, save_head_gates
+from sglang_wgkv.testing.server_pool import shared_server
+from sglang_wgkv.testing.serving import Server, flush_cache, long_prompt, save_head_gates
+from sglang_wgkv.testing.soak import CPU_SERVER_ARGS
 
 pytestmark = pytest.mark.serving
 
@@ -25,20 +27,16 @@ SHORT = ["The capital of France is", "Write a haiku about the sea.\n", "List thr
 LONG = [long_prompt(25, seed=1), long_prompt(30, seed=2)]  # ~300-360 tokens: several 128-token chunks
 
 
+# ``separate`` is the reliability tests' server (shared; it also exports metrics); ``mixed`` adds the
+# forward budget and turns the radix cache off
+separate_server = shared_server(*CPU_SERVER_ARGS)
+mixed_server = shared_server(*CPU_SERVER_ARGS, "--wgkv-forward-tokens", str(BUDGET), "--disable-radix-cache")
+
+
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serving_mixed")
-    gates = save_head_gates(tmp / "gates", [-30.0, 30.0, 30.0], 32)
-    common = ["--chunked-prefill-size", "128", "--wgkv-local-window", "32", "--wgkv-gates", str(gates)]
-    mixed = Server(
-        [*common, "--wgkv-forward-tokens", str(BUDGET), "--disable-radix-cache"], tmp / "mixed.log"
-    )
-    separate = Server(common, tmp / "separate.log")
-    try:
-        yield mixed.wait_healthy(), separate.wait_healthy()
-    finally:
-        mixed.stop()
-        separate.stop()
+def servers(separate_server, mixed_server):
+    flush_cache(separate_server)  # outputs computed afresh, as on the mixed server
+    return mixed_server, separate_server
 
 
 def _stream(server, prompt, max_new_tokens, first_token: threading.Event, out: dict, key):

@@ -28,26 +28,26 @@ SERVER_ARGS = {
 }
 
 
+# What every server of this comparison shares beside its model and gates.
+SERVER_SETTINGS = (
+    "--max-total-tokens",
+    "40000",
+    "--mem-fraction-static",
+    "0.3",
+    "--sampling-backend",
+    "pytorch",
+    "--log-level",
+    "info",
+    "--decode-log-interval",
+    "4",
+    "--wgkv-local-window",
+    str(W_LOCAL),
+)
+
+
 def common_args(model_dir: str, gates_dir) -> list[str]:
     """What every server of this comparison shares (gates saved with HEAD_BIAS and W_LOCAL)."""
-    return [
-        "--model-path",
-        model_dir,
-        "--max-total-tokens",
-        "40000",
-        "--mem-fraction-static",
-        "0.3",
-        "--sampling-backend",
-        "pytorch",
-        "--log-level",
-        "info",
-        "--decode-log-interval",
-        "4",
-        "--wgkv-local-window",
-        str(W_LOCAL),
-        "--wgkv-gates",
-        str(gates_dir),
-    ]
+    return ["--model-path", model_dir, *SERVER_SETTINGS, "--wgkv-gates", str(gates_dir)]
 
 
 def agree(got, want, prompt):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,14 +81,17 @@ class InterpCheck:
 
 class InterpRunner:
     """Runs interpreter checks in background threads, ``workers`` at a time in submission order (the
-    checks are single-threaded, the test process keeps the other core); :meth:`result` waits for one,
-    :meth:`close` ends the ones still running."""
+    checks are single-threaded, the test process keeps the other core), one more while the test
+    process waits in :meth:`result` (its core is free then); :meth:`close` ends the ones still
+    running."""
 
     def __init__(self, workers: int = 1):
-        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="interp")
+        self._executor = ThreadPoolExecutor(max_workers=workers + 1, thread_name_prefix="interp")
         self._futures: dict[InterpCheck, Future] = {}
         self._running: set[subprocess.Popen] = set()
         self._closed = False
+        self._slots = threading.Condition()
+        self._allowed, self._active = workers, 0
 
     def submit(self, check: InterpCheck) -> None:
         if check not in self._futures:
@@ -95,9 +99,30 @@ class InterpRunner:
 
     def result(self, check: InterpCheck) -> subprocess.CompletedProcess:
         self.submit(check)
-        return self._futures[check].result()
+        future = self._futures[check]
+        if future.done():
+            return future.result()
+        with self._slots:
+            self._allowed += 1
+            self._slots.notify_all()
+        try:
+            return future.result()
+        finally:
+            with self._slots:
+                self._allowed -= 1
 
     def _run(self, check: InterpCheck) -> subprocess.CompletedProcess:
+        with self._slots:
+            self._slots.wait_for(lambda: self._active < self._allowed or self._closed)
+            self._active += 1
+        try:
+            return self._run_process(check)
+        finally:
+            with self._slots:
+                self._active -= 1
+                self._slots.notify_all()
+
+    def _run_process(self, check: InterpCheck) -> subprocess.CompletedProcess:
         command = [sys.executable, check.script, *check.args]
         proc = subprocess.Popen(
             command, env=interp_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -116,7 +141,9 @@ class InterpRunner:
         return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
     def close(self) -> None:
-        self._closed = True
+        with self._slots:
+            self._closed = True
+            self._slots.notify_all()
         for future in self._futures.values():
             future.cancel()
         for proc in list(self._running):

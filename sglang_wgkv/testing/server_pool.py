@@ -79,8 +79,8 @@ class ServerPool:
 
     ``plan``: the argument lists in the order the session's modules will lease them, one entry per
     module lease. A server is stopped when its last planned lease ends (at once when it has none), and
-    while at most one server is leased the next planned one is started in the background: its start-up
-    (mostly imports, on one core) overlaps the current module's requests.
+    while at most one server is leased and none waits unleased, the next planned one is started in the
+    background: its start-up (mostly imports, on one core) overlaps the current module's requests.
     """
 
     def __init__(self, root: Path, plan: Sequence[Sequence[ServerArg]] = (), launch=Server):
@@ -121,9 +121,15 @@ class ServerPool:
             entry.server.stop()
             raise
 
+    def start_ahead(self) -> None:
+        """Start the next planned server now (before its module's lease), if the rules allow one."""
+        self._prefetch()
+
     def _prefetch(self) -> None:
         if sum(e.leases for e in self._entries.values()) > 1:
             return  # two servers in use already: a third would crowd the cores and the memory
+        if any(not e.leases for e in self._entries.values()):
+            return  # one server waits ahead already: more would hold the memory of idle servers
         upcoming = next(((k, args) for k, args in self._plan if k not in self._entries), None)
         if upcoming is not None:
             self._entries[upcoming[0]] = self._start(*upcoming)

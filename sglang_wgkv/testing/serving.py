@@ -19,7 +19,15 @@ from sglang_wgkv.server_process import LAUNCHER, ServerProcess, free_port
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = float(os.environ.get("WGKV_TEST_STARTUP_TIMEOUT", "420"))
 # --sleep-on-idle: an idle scheduler otherwise busy-polls a whole core (two servers share 2 cores).
-BASE_ARGS = ("--dtype", "float32", "--max-total-tokens", "2048", "--log-level", "warning", "--sleep-on-idle")
+# --skip-server-warmup: wait_healthy's /health_generate runs a generation of its own.
+BASE_ARGS = (
+    "--dtype", "float32", "--max-total-tokens", "2048", "--log-level", "warning", "--sleep-on-idle",
+    "--skip-server-warmup",
+)  # fmt: skip
+# Stopping a server kills its scheduler, which SGLang's launcher takes for a crash: without these it
+# sleeps 5 s for py-spy and CUDA core dumps before it exits.
+QUIET_STOP_ENV = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
+HEALTH_POLL_S = 0.25
 BASE_DTYPE_BYTES = 4  # BASE_ARGS' float32: the pool's per-slot state costs half as many tokens as in bf16
 
 
@@ -31,13 +39,18 @@ class Server(ServerProcess):
         self, args: list[str], log_path: Path, env: dict | None = None, base_args=BASE_ARGS, port: int = 0
     ):
         port = port or free_port()
-        full_env = {**os.environ, "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", **(env or {})}
+        full_env = {
+            **os.environ,
+            "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
+            **QUIET_STOP_ENV,
+            **(env or {}),
+        }
         super().__init__(
             [*LAUNCHER, *base_args, "--port", str(port), *args], log_path, port=port, env=full_env, cwd=REPO
         )
 
     def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> Server:
-        super().wait_healthy(timeout)
+        super().wait_healthy(timeout, poll_s=HEALTH_POLL_S)
         return self
 
     # -- API helpers ----------------------------------------------------------------------------
@@ -199,6 +212,16 @@ class OfflineTruth:
         self.policy = WGKVAdmission(
             load_gates(gates_dir, device), DEFAULT_TAU if tau is None else tau, local_window
         )
+
+    def with_window(self, local_window: int) -> OfflineTruth:
+        """The same truth (model, gates, tau) under another W_local, without loading the model again."""
+        import copy
+
+        from evals.policies import WGKVAdmission
+
+        other = copy.copy(self)
+        other.policy = WGKVAdmission(self.policy.gates, self.policy.tau, local_window)
+        return other
 
     def logprobs(self, prompt: str, output_ids) -> list[float]:
         """Float32 logprob of each output token given the prompt and the output tokens before it."""
