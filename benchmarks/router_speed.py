@@ -13,7 +13,7 @@ other, each measuring the memory the one before left; each holds its own copy of
 
 Writes ``part.router.<server>.<workers>x.<tag>.json``: bench_serving's JSON line, the commands and each
 worker's capacity, to set beside ``python -m benchmarks.served_speed --server <server> --workloads W3``
-of the same lease (the one-server number).
+run on the same machine (the one-server number).
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import json
 import os
 import shlex
 import signal
-import sys
 import time
 from pathlib import Path
 
 from benchmarks import served_workloads as sw
 from benchmarks.served_speed import environment, model_dir, run_bench, server_state, wait_gpu_idle
+from sglang_wgkv import launch_router
 from sglang_wgkv.server_process import ServerProcess, free_port
 
 ROUTER_POLICY = "cache_aware"
@@ -41,24 +41,6 @@ def worker_commands(a, ws: sw.WorkloadSet, config: str, model: Path, ports: list
     return [
         [*sw.server_command(ws, a.server, config, w, model, port, a.tp), *shlex.split(a.wgkv_extra), *share]
         for port in ports
-    ]
-
-
-def router_command(port: int, worker_urls: list[str]) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "sglang_wgkv.launch_router",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--policy",
-        ROUTER_POLICY,
-        "--worker-urls",
-        *worker_urls,
-        "--log-level",
-        "warn",
     ]
 
 
@@ -134,7 +116,9 @@ def run(a) -> None:
             srv.wait_healthy(a.startup_timeout, path="/health", probe_timeout_s=10) for srv in workers
         ]
         router_port = free_port()
-        rcmd = router_command(router_port, [srv.url for srv in workers])
+        rcmd = launch_router.command(
+            router_port, [srv.url for srv in workers], "--policy", ROUTER_POLICY, "--log-level", "warn"
+        )
         part["router_command"] = shlex.join(rcmd)
         router = ServerProcess(rcmd, out_dir / "router.log", port=router_port, env=env, cwd="/tmp")
         router.wait_healthy(300, path="/health", probe_timeout_s=10)

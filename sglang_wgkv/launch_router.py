@@ -156,6 +156,22 @@ def worker_urls(router_args) -> list[str]:
     return [u.rstrip("/") for u in urls]
 
 
+def command(port: int, worker_urls: list[str], *router_args: str) -> list[str]:
+    """This launcher on ``127.0.0.1:port`` in front of ``worker_urls``, with the router's own arguments."""
+    return [
+        sys.executable,
+        "-m",
+        "sglang_wgkv.launch_router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        *worker_urls,
+        *router_args,
+    ]
+
+
 def check_setup(argv: list[str]) -> list[WorkerInfo]:
     """Parse ``argv`` with the router's own parser and run every check; the workers checked."""
     from sglang_router.launch_router import parse_router_args

@@ -12,13 +12,13 @@ unknown fields, and it refuses a batched ``text``.
 import json
 import os
 import signal
-import sys
 import threading
 import time
 
 import pytest
 import requests
 
+from sglang_wgkv import launch_router
 from sglang_wgkv.server_process import ServerProcess, free_port
 from sglang_wgkv.testing.server_pool import ShippedGates, shared_server
 from sglang_wgkv.testing.serving import Server, flush_cache, long_prompt, shipped_gates_at
@@ -56,17 +56,8 @@ class Cluster:
         self.workers = [survivor, Server(self.worker_args, tmp / "worker1.log").wait_healthy()]
         port = free_port()
         urls = [w.url for w in self.workers]
-        command = [
-            sys.executable,
-            "-m",
-            "sglang_wgkv.launch_router",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ]
         self.router = ServerProcess(
-            [*command, "--worker-urls", *urls, *ROUTER_ARGS],
+            launch_router.command(port, urls, *ROUTER_ARGS),
             tmp / "router.log",
             port=port,
             env=dict(os.environ),
