@@ -17,6 +17,7 @@ import pytest
 import torch
 from test_serving_mixed import LONG, SHORT, _stream
 
+from sglang_wgkv.testing.gpu_serving_cases import HEAD_BIAS, SERVER_ARGS, TIE_GAP, W_LOCAL, common_args
 from sglang_wgkv.testing.serving import OfflineTruth, Server, embedded_model_dir, long_prompt, save_head_gates
 
 pytestmark = [
@@ -25,10 +26,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device)"),
 ]
 
-W_LOCAL = 64
 BUDGET = 64
-TIE_GAP = 0.3  # float32 logprobs of the two diverging tokens this close: a near-tie
-HEAD_BIAS = [-30.0, 30.0, 30.0]
 PROMPTS = [*SHORT, *LONG, long_prompt(45, seed=3)]
 
 
@@ -40,30 +38,10 @@ def gates_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(gates_dir):
     common = [
-        "--model-path",
-        embedded_model_dir(),
-        "--dtype",
-        "bfloat16",
-        "--max-total-tokens",
-        "40000",
-        "--mem-fraction-static",
-        "0.3",
-        "--sampling-backend",
-        "pytorch",
-        "--log-level",
-        "info",
-        "--decode-log-interval",
-        "4",
+        *common_args(embedded_model_dir(), gates_dir),
+        *SERVER_ARGS["kernels"],
         "--chunked-prefill-size",
         "128",
-        "--cuda-graph-max-bs-decode",
-        "8",
-        "--wgkv-attention",
-        "kernels",
-        "--wgkv-local-window",
-        str(W_LOCAL),
-        "--wgkv-gates",
-        str(gates_dir),
     ]
     started = {
         name: Server([*common, "--wgkv-forward-tokens", tokens], gates_dir.parent / f"{name}.log")
