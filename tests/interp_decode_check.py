@@ -286,10 +286,11 @@ def run_case(name: str, device: str = "cpu") -> bool:
         # the two-launch runs map slots to window rows through a rotation (the evictor's rows
         # without a row per slot), the fused runs write row = slot
         rotation = torch.roll(torch.arange(R, device=device), 1)
+        row_map = {True: None, False: rotation}  # by fused
         obs_refs = {}
-        for row_map in (None, rotation):
-            ref = obs_refs[row_map is None] = window_buffers()
-            at = req if row_map is None else row_map[req]
+        for fused, rows_of in row_map.items():
+            ref = obs_refs[fused] = window_buffers()
+            at = req if rows_of is None else rows_of[req]
             ref[0][at, pos % w_obs] = q
             if layer == 0:
                 ref[1][at, pos % w_obs] = pos
@@ -310,7 +311,7 @@ def run_case(name: str, device: str = "cpu") -> bool:
                         kp,
                         vp,
                         new,
-                        observe=(obs_q, obs_pos if layer == 0 else None, None if fused else rotation),
+                        observe=(obs_q, obs_pos if layer == 0 else None, row_map[fused]),
                     )
                     for _ in range(2)
                 ]
