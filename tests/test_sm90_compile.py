@@ -217,7 +217,7 @@ def test_fp8_decode_kernels_compile_for_sm90(kv_dtype):
     """With FP8 pages: the split kernel (bf16 queries taken to fp16, FP8 keys and values converted to
     fp16 in registers, the fused ring write quantizing with saturation) and the decode step's pool
     kernels compile for sm_90 within its shared memory; the PTX converts with the hardware's
-    saturating FP8 instructions."""
+    saturating FP8 instructions and IEEE division."""
     from sglang_wgkv.attention.decode_config import DecodeConfig
 
     compiled = compile_sm90(
@@ -229,5 +229,10 @@ def test_fp8_decode_kernels_compile_for_sm90(kv_dtype):
     assert f"satfinite.{fmt}x2" in ptx and f".{fmt}x2" in ptx.replace(f"satfinite.{fmt}x2", "")
     # keys and values go FP8 -> fp16 (two per instruction) straight into fp16 dots, no bf16 step
     assert "cvt.bf16.f16" not in ptx and "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
+    # quantizing divides as torch does (IEEE), so the stored bytes equal kv_quant.quantize's
+    assert "div.rn.f32" in ptx
     for kernel, bound, options in _pool_launches(torch.bfloat16, SHAPES["llama8b"], kv_dtype):
-        assert compile_sm90(kernel, bound, options).metadata.shared <= SM90_MAX_SHARED, kernel.fn.__name__
+        pool_kernel = compile_sm90(kernel, bound, options)
+        assert pool_kernel.metadata.shared <= SM90_MAX_SHARED, kernel.fn.__name__
+        if "satfinite" in pool_kernel.asm["ptx"]:  # the ring write: it quantizes
+            assert "div.full.f32" not in pool_kernel.asm["ptx"], kernel.fn.__name__

@@ -178,9 +178,9 @@ def _split_kernel(
     if WRITE_NEW:
         kn = tl.load(KNew + b.to(tl.int64) * stride_nb + h * stride_nh + offs_d, mask=holds_new, other=0.0)
         vn = tl.load(VNew + b.to(tl.int64) * stride_vnb + h * stride_vnh + offs_d, mask=holds_new, other=0.0)
-        if QUANT:  # quantized once, here (saturating, as kv_quant.quantize)
-            kn = tl.clamp(kn.to(tl.float32) / k_scale, -FP8_MAX, FP8_MAX)
-            vn = tl.clamp(vn.to(tl.float32) / v_scale, -FP8_MAX, FP8_MAX)
+        if QUANT:  # quantized once, here (saturating, as kv_quant.quantize; div_rn: IEEE division as torch's)
+            kn = tl.clamp(tl.math.div_rn(kn.to(tl.float32), k_scale), -FP8_MAX, FP8_MAX)
+            vn = tl.clamp(tl.math.div_rn(vn.to(tl.float32), v_scale), -FP8_MAX, FP8_MAX)
         kn = kn.to(K.dtype.element_ty)
         vn = vn.to(V.dtype.element_ty)
         new_page = tl.load(pt_row + (new_tok // PAGE) * stride_pc, mask=holds_new, other=0).to(tl.int64)

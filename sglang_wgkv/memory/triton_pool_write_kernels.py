@@ -96,8 +96,9 @@ def _decode_write_kernel(
         k = tl.load(K + src)
         v = tl.load(V + src)
         if QUANT:  # FP8 pages: quantized once, here (saturating, as kv_quant.quantize)
-            k = tl.clamp(k.to(tl.float32) / tl.load(KScale + layer), -FP8_MAX, FP8_MAX)
-            v = tl.clamp(v.to(tl.float32) / tl.load(VScale + layer), -FP8_MAX, FP8_MAX)
+            # div_rn: IEEE division as torch's; compiled `/` is approximate and moves FP8 roundings
+            k = tl.clamp(tl.math.div_rn(k.to(tl.float32), tl.load(KScale + layer)), -FP8_MAX, FP8_MAX)
+            v = tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.load(VScale + layer)), -FP8_MAX, FP8_MAX)
         tl.store(KPages + dst, k.to(KPages.dtype.element_ty))
         tl.store(VPages + dst, v.to(VPages.dtype.element_ty))
     if WRITE_FLAG:
