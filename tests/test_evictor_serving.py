@@ -8,19 +8,22 @@ import pytest
 from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.testing.server_pool import shared_server
 from sglang_wgkv.testing.serving import long_prompt
+from sglang_wgkv.testing.short_model import SHORT_LAYERS, ShortModel
 
 pytestmark = pytest.mark.evictor
 
 W_LOCAL = 16
 KV_BUDGET = 16
 CHUNK = 64
-STREAMS = 30 * 3  # the embedded model: 30 layers x 3 KV heads
+STREAMS = SHORT_LAYERS * 3  # the servers' model: the embedded one's first layers, 3 KV heads
 # What a stream is cut to when the evictor looks: the budget less its lead (memory/evictor.py).
 KEEP = KV_BUDGET - WGKVConfig(kv_budget=KV_BUDGET).evictor_lead
 
 
 # fresh gates admit every token; --max-total-tokens 2048 (BASE_ARGS): prompt_cap 16 + 512
 server = shared_server(
+    "--model-path",
+    ShortModel(),
     "--wgkv-gates",
     "fresh",
     "--wgkv-local-window",
@@ -68,6 +71,8 @@ def test_prompt_past_the_cap_is_compressed_early_and_logged(server):
 
 
 radix_server = shared_server(
+    "--model-path",
+    ShortModel(),
     "--wgkv-gates",
     "fresh",
     "--wgkv-local-window",

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from sglang_wgkv.testing.server_pool import shared_server
 from sglang_wgkv.testing.serving import embedded_plan, long_prompt
+from sglang_wgkv.testing.short_model import SHORT_LAYERS, ShortModel
 
 pytestmark = pytest.mark.scale
 
@@ -23,7 +24,7 @@ KV_BUDGET = 16
 CHUNK = 128
 N_REQUESTS = 10
 OUT = 8
-STREAMS = 30 * 3  # the embedded model: 30 layers x 3 KV heads
+STREAMS = SHORT_LAYERS * 3  # the servers' model: the embedded one's first layers, 3 KV heads
 
 
 def test_bounded_split_arithmetic():
@@ -142,6 +143,8 @@ def test_prompt_excess_covers_every_chunk_of_the_pool(w_pages, b_tokens, chunk_p
 
 # fresh gates admit every token: the evictor alone bounds each stream
 server = shared_server(
+    "--model-path",
+    ShortModel(),  # capacity plans in tokens are the full model's
     "--max-total-tokens",
     str(BUDGET),
     "--wgkv-gates",
@@ -194,6 +197,8 @@ TIGHT = {"budget": 1800, "w_local": 64, "chunk": 256}
 
 
 tight_server = shared_server(
+    "--model-path",
+    ShortModel(),
     "--max-total-tokens",
     str(TIGHT["budget"]),
     "--wgkv-gates",

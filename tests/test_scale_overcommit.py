@@ -14,6 +14,7 @@ from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.memory import DualCachePool
 from sglang_wgkv.testing.server_pool import HeadGates, shared_server
 from sglang_wgkv.testing.serving import embedded_plan
+from sglang_wgkv.testing.short_model import SHORT_LAYERS, ShortModel
 
 pytestmark = pytest.mark.scale
 
@@ -154,10 +155,12 @@ def test_decode_worst_case_matches_begin_decode():
 
 
 server = shared_server(
+    "--model-path",
+    ShortModel(),  # capacity plans in tokens are the full model's
     "--max-total-tokens",
     str(BUDGET),
     "--wgkv-gates",
-    HeadGates((30.0, -30.0, -30.0), W_LOCAL),  # 1 of 3 heads admits
+    HeadGates((30.0, -30.0, -30.0), W_LOCAL, SHORT_LAYERS),  # 1 of 3 heads admits
     "--wgkv-local-window",
     str(W_LOCAL),
     "--wgkv-overcommit",

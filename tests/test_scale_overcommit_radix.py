@@ -9,6 +9,7 @@ import requests
 
 from sglang_wgkv.testing.server_pool import HeadGates, shared_server
 from sglang_wgkv.testing.serving import flush_cache
+from sglang_wgkv.testing.short_model import SHORT_LAYERS, ShortModel
 
 pytestmark = pytest.mark.scale
 
@@ -17,10 +18,12 @@ PREFIX, SUFFIX, OUT, CHUNK = 120, 24, 6, 64
 
 
 server = shared_server(
+    "--model-path",
+    ShortModel(),
     "--max-total-tokens",
     "512",
     "--wgkv-gates",
-    HeadGates((30.0, -30.0, -30.0), W_LOCAL),  # 1 of 3 heads admits
+    HeadGates((30.0, -30.0, -30.0), W_LOCAL, SHORT_LAYERS),  # 1 of 3 heads admits
     "--wgkv-local-window",
     str(W_LOCAL),
     "--wgkv-overcommit",

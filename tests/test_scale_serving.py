@@ -13,6 +13,7 @@ import requests
 
 from sglang_wgkv.testing.server_pool import HeadGates, shared_server
 from sglang_wgkv.testing.serving import long_prompt
+from sglang_wgkv.testing.short_model import SHORT_LAYERS, ShortModel
 
 pytestmark = pytest.mark.scale
 
@@ -46,10 +47,12 @@ def test_request_admission_parse():
 
 
 server = shared_server(
+    "--model-path",
+    ShortModel(),
     "--wgkv-local-window",
     str(W_LOCAL),
     "--wgkv-gates",
-    HeadGates((-30.0, 30.0, 30.0), W_LOCAL),
+    HeadGates((-30.0, 30.0, 30.0), W_LOCAL, SHORT_LAYERS),
     "--kv-budget",
     str(KV_BUDGET),
     "--enable-metrics",

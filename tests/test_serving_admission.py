@@ -11,17 +11,20 @@ import torch
 
 from sglang_wgkv.testing.server_pool import HeadGates, shared_server
 from sglang_wgkv.testing.serving import long_prompt
+from sglang_wgkv.testing.short_model import SHORT_LAYERS, ShortModel
 
 pytestmark = pytest.mark.serving
 
 W_LOCAL = 16
-LAYERS, HEADS = 30, 3
+LAYERS, HEADS = SHORT_LAYERS, 3  # the servers' model: the embedded one's first layers
 KV_BUDGET = 48
 
 
 # no prefix cache: the page counts below are of the running request alone (snapshots of earlier
 # prompts sharing its prefix would be restored and counted too)
 random_server = shared_server(
+    "--model-path",
+    ShortModel(),
     "--wgkv-local-window",
     str(W_LOCAL),
     "--wgkv-random-admission",
@@ -36,7 +39,7 @@ def test_random_rejection_keeps_serving(random_server):
     prompts = [long_prompt(20, seed=i) for i in range(6)]
     outs = random_server.generate(prompts, max_new_tokens=32, sampling_params={"ignore_eos": True})
     assert [o["meta_info"]["completion_tokens"] for o in outs] == [32] * 6
-    assert all(o["text"].strip() for o in outs)
+    assert all(o["text"] for o in outs)  # detokenized (the short model may answer in whitespace)
     stats = random_server.wait_idle_checked()
     assert stats["tokens_left_ring"] > 6 * LAYERS * HEADS * 200
     assert 0.23 < stats["admitted_fraction"] < 0.27
@@ -84,10 +87,12 @@ def test_cache_sizes_reflect_rejection(random_server):
 # KV head 0 never admits, heads 1-2 always; its lifetime admitted fraction per head is read below, so
 # no other module shares it (tests/test_scale_serving.py sends tau 0 and admission-off requests)
 gated_server = shared_server(
+    "--model-path",
+    ShortModel(),
     "--wgkv-local-window",
     str(W_LOCAL),
     "--wgkv-gates",
-    HeadGates((-30.0, 30.0, 30.0), W_LOCAL),
+    HeadGates((-30.0, 30.0, 30.0), W_LOCAL, SHORT_LAYERS),
     "--kv-budget",
     str(KV_BUDGET),
 )
@@ -95,7 +100,7 @@ gated_server = shared_server(
 
 def test_gate_checkpoint_decides_per_head(gated_server):
     out = gated_server.generate(long_prompt(20), max_new_tokens=16)
-    assert out["text"].strip()
+    assert out["text"]
     stats = gated_server.wait_idle_checked()
     per_head = torch.tensor(stats["admitted_fraction_per_layer_head"])
     assert torch.equal(per_head, torch.tensor([[0.0, 1.0, 1.0]] * LAYERS, dtype=per_head.dtype))
@@ -111,7 +116,7 @@ def test_kv_budget_bounds_each_admitting_head(gated_server):
     admitting = glob[:, 1:]
     assert admitting.max() <= KV_BUDGET + 1 and admitting.min() >= 0.8 * KV_BUDGET
     out = gated_server.generate(long_prompt(30, seed=2), max_new_tokens=16)
-    assert out["text"].strip()
+    assert out["text"]
 
 
 def test_kv_budget_holds_for_concurrent_requests(gated_server):

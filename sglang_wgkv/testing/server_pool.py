@@ -33,32 +33,41 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sglang_wgkv.testing.serving import Server, save_head_gates, shipped_gates_at
+from sglang_wgkv.testing.short_model import ShortModel
 
 
 @dataclass(frozen=True)
 class HeadGates:
     """``--wgkv-gates`` of :func:`~sglang_wgkv.testing.serving.save_head_gates`: per-KV-head fixed biases
-    (+30 admits every token, -30 none) declared for ``local_window``."""
+    (+30 admits every token, -30 none) declared for ``local_window``, for a model of ``num_layers``."""
 
     head_bias: tuple[float, ...]
     local_window: int
+    num_layers: int = 30
 
     def save(self, path: Path) -> Path:
-        return save_head_gates(path, list(self.head_bias), self.local_window)
+        return save_head_gates(path, list(self.head_bias), self.local_window, num_layers=self.num_layers)
+
+    def as_arg(self, folder: Path) -> str:
+        return str(self.save(folder / "gates"))
 
 
 @dataclass(frozen=True)
 class ShippedGates:
     """``--wgkv-gates`` of :func:`~sglang_wgkv.testing.serving.shipped_gates_at`: the embedded model's
-    trained gates declared for ``local_window``."""
+    trained gates declared for ``local_window`` (``num_layers``: its first layers' only)."""
 
     local_window: int
+    num_layers: int | None = None
 
     def save(self, path: Path) -> Path:
-        return shipped_gates_at(path, self.local_window)
+        return shipped_gates_at(path, self.local_window, self.num_layers)
+
+    def as_arg(self, folder: Path) -> str:
+        return str(self.save(folder / "gates"))
 
 
-ServerArg = str | int | float | HeadGates | ShippedGates
+ServerArg = str | int | float | HeadGates | ShippedGates | ShortModel
 
 
 def server_key(args: Sequence[ServerArg]) -> str:
@@ -138,9 +147,7 @@ class ServerPool:
         """Launch (not awaited: :meth:`lease` waits until it is healthy)."""
         folder = self.root / key
         folder.mkdir(parents=True, exist_ok=True)
-        command = [
-            str(a.save(folder / "gates")) if isinstance(a, HeadGates | ShippedGates) else str(a) for a in args
-        ]
+        command = [a.as_arg(folder) if hasattr(a, "as_arg") else str(a) for a in args]
         return _Entry(self.launch(command, folder / "server.log"))
 
     def close(self) -> None:

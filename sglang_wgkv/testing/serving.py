@@ -137,19 +137,29 @@ def long_prompt(n_items: int, seed: int = 0) -> str:
     return " ".join(items) + " Which item mentions a river first?"
 
 
-def shipped_gates_at(path: Path, local_window: int) -> Path:
+def shipped_gates_at(path: Path, local_window: int, num_layers: int | None = None) -> Path:
     """A copy of the shipped embedded-model gates (trained with W_local = 256) declared for
     ``local_window``: the server refuses a checkpoint trained for another window, and the CPU tests
-    run the trained gates with small windows so that prompts of a few hundred tokens leave the ring."""
+    run the trained gates with small windows so that prompts of a few hundred tokens leave the ring.
+    ``num_layers``: only the first layers' gates (for :mod:`~sglang_wgkv.testing.short_model`)."""
+    import dataclasses
     import json
     import shutil
 
     from sglang_wgkv.embedded_model import SHIPPED_GATES
+    from sglang_wgkv.gate import WriteGates, load_gates, save_gates
     from sglang_wgkv.gate.checkpoint import CONFIG_FILE
 
     shutil.copytree(SHIPPED_GATES, path)
     config = json.loads((path / CONFIG_FILE).read_text())
     (path / CONFIG_FILE).write_text(json.dumps({**config, "local_window": local_window}, indent=2) + "\n")
+    if num_layers is not None:
+        full = load_gates(path)
+        cut = WriteGates(dataclasses.replace(full.config, num_layers=num_layers))
+        for mine, theirs in zip(cut.layers, full.layers):
+            mine.load_state_dict(theirs.state_dict())
+        shutil.rmtree(path)
+        save_gates(cut, path)
     return path
 
 
