@@ -2,7 +2,7 @@
 prefill chunk give the greedy outputs of separate forwards, and the forward token budget
 (``--wgkv-forward-tokens``) bounds a mixed forward's prefill share.
 
-Two real CPU float32 servers with per-head gates at W_local = 32 (KV head 0 admits nothing, heads 1
+Two real CPU float32 servers (the short model of ``sglang_wgkv.testing.short_model``) with per-head gates at W_local = 32 (KV head 0 admits nothing, heads 1
 and 2 everything, so a decode row's admission decides what later queries see on head 0): ``mixed``
 (64-token forward budget, which turns mixed chunks on; no radix cache, so SGLang's overlap scheduler
 is on, as in the served benchmarks) and ``separate`` (SGLang's own scheduling, no mixed batch).
@@ -18,6 +18,7 @@ import requests
 
 from sglang_wgkv.testing.server_pool import shared_server
 from sglang_wgkv.testing.serving import Server, flush_cache, long_prompt, save_head_gates
+from sglang_wgkv.testing.short_model import SHORT_LAYERS, ShortModel
 from sglang_wgkv.testing.soak import CPU_SERVER_ARGS
 
 pytestmark = pytest.mark.serving
@@ -92,9 +93,11 @@ def test_mixed_forwards_give_the_greedy_outputs_of_separate_ones(servers):
 @pytest.fixture
 def bounded(tmp_path):
     """A mixed server with the SnapKV evictor (``--kv-budget 16``: streams past the ring are cut)."""
-    gates = save_head_gates(tmp_path / "gates", [30.0, 30.0, 30.0], 32)
+    gates = save_head_gates(tmp_path / "gates", [30.0, 30.0, 30.0], 32, num_layers=SHORT_LAYERS)
     srv = Server(
         [
+            "--model-path",
+            ShortModel().as_arg(tmp_path),
             "--chunked-prefill-size",
             "128",
             "--wgkv-local-window",

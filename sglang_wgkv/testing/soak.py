@@ -33,20 +33,23 @@ import requests
 
 from sglang_wgkv.testing.server_pool import HeadGates
 from sglang_wgkv.testing.serving import long_prompt
+from sglang_wgkv.testing.short_model import SHORT_LAYERS, ShortModel
 from sglang_wgkv.testing.soak_jobs import MIX, SoakJobs
 
 # The CPU soak's server (tests/test_soak.py, also tests/test_serving_reliability.py's), over the test
 # servers' 2048-token budget: W_local 32 and 128-token chunks, so prompts leave the ring and get promoted
 # and pressure batches (4 x ~490 tokens) outgrow the 1536 logical tokens and retract; KV head 0 admits
-# nothing, heads 1-2 everything.
+# nothing, heads 1-2 everything; the short model (a forward ~5x cheaper; no job reads what it answers).
 CPU_SERVER_ARGS = (
+    "--model-path",
+    ShortModel(),
     "--wgkv-local-window",
     "32",
     "--chunked-prefill-size",
     "128",
     "--enable-metrics",
     "--wgkv-gates",
-    HeadGates((-30.0, 30.0, 30.0), 32),
+    HeadGates((-30.0, 30.0, 30.0), 32, SHORT_LAYERS),
 )
 PROBES = ["The capital of France is", long_prompt(6, seed=11)]
 
