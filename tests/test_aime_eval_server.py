@@ -1,6 +1,7 @@
-"""evals/aime25.py end to end against the real CPU server (embedded SmolLM2, wgkv backend) on the
+"""evals/aime25.py end to end against the real CPU server (wgkv backend) on the
 shipped sample: the OpenAI request it sends (chat template, top_k in the extra body) is accepted and
-every sample is scored. The 135M model is not expected to solve anything; accuracy is not asserted."""
+every sample is scored. The server runs the short model (the embedded one's first layers): nothing is
+expected to be solved; accuracy is not asserted."""
 
 import json
 import subprocess
@@ -10,13 +11,15 @@ import pytest
 
 from sglang_wgkv.testing.server_pool import ShippedGates, shared_server
 from sglang_wgkv.testing.serving import REPO
+from sglang_wgkv.testing.short_model import SHORT_LAYERS, ShortModel
 
 pytestmark = pytest.mark.serving
 
 # the radix tests' server (shared): the shipped gates at W_local 32
 server = shared_server(
-    "--wgkv-local-window", "32", "--chunked-prefill-size", "64", "--wgkv-gates", ShippedGates(32)
-)
+    "--model-path", ShortModel(), "--wgkv-local-window", "32", "--chunked-prefill-size", "64",
+    "--wgkv-gates", ShippedGates(32, SHORT_LAYERS),
+)  # fmt: skip
 
 
 def test_eval_cli_runs_against_the_server(server, tmp_path):

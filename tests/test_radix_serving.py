@@ -17,6 +17,7 @@ import requests
 
 from sglang_wgkv.testing.server_pool import ShippedGates, shared_server
 from sglang_wgkv.testing.serving import flush_cache, long_prompt
+from sglang_wgkv.testing.short_model import SHORT_LAYERS, ShortModel
 
 pytestmark = [pytest.mark.serving, pytest.mark.radix]
 
@@ -24,8 +25,9 @@ NEW_TOKENS = 6
 
 
 server = shared_server(
-    "--wgkv-local-window", "32", "--chunked-prefill-size", "64", "--wgkv-gates", ShippedGates(32)
-)
+    "--model-path", ShortModel(), "--wgkv-local-window", "32", "--chunked-prefill-size", "64",
+    "--wgkv-gates", ShippedGates(32, SHORT_LAYERS),
+)  # fmt: skip
 
 
 def _run(server, prompts, cold: bool):

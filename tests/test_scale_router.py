@@ -22,12 +22,20 @@ from sglang_wgkv import launch_router
 from sglang_wgkv.server_process import ServerProcess, free_port
 from sglang_wgkv.testing.server_pool import ShippedGates, shared_server
 from sglang_wgkv.testing.serving import Server, flush_cache, long_prompt, shipped_gates_at
+from sglang_wgkv.testing.short_model import SHORT_LAYERS, ShortModel
 
 pytestmark = [pytest.mark.serving, pytest.mark.scale]
 
 LOCAL_WINDOW = 32
-WORKER_ARGS = ["--wgkv-local-window", str(LOCAL_WINDOW), "--chunked-prefill-size", "64"]
-survivor = shared_server(*WORKER_ARGS, "--wgkv-gates", ShippedGates(LOCAL_WINDOW))
+WORKER_ARGS = [
+    "--model-path",
+    ShortModel(),
+    "--wgkv-local-window",
+    str(LOCAL_WINDOW),
+    "--chunked-prefill-size",
+    "64",
+]
+survivor = shared_server(*WORKER_ARGS, "--wgkv-gates", ShippedGates(LOCAL_WINDOW, SHORT_LAYERS))
 # Health checks every second, one failure marks a worker down, one success brings it back.
 ROUTER_ARGS = [
     "--policy",
@@ -52,7 +60,9 @@ class Cluster:
 
     def __init__(self, tmp, survivor: Server):
         self.tmp = tmp
-        self.worker_args = [*WORKER_ARGS, "--wgkv-gates", str(shipped_gates_at(tmp / "gates", LOCAL_WINDOW))]
+        gates = shipped_gates_at(tmp / "gates", LOCAL_WINDOW, SHORT_LAYERS)
+        self.worker_args = [*(str(a) if isinstance(a, str) else a.as_arg(tmp) for a in WORKER_ARGS)]
+        self.worker_args += ["--wgkv-gates", str(gates)]
         self.workers = [survivor, Server(self.worker_args, tmp / "worker1.log").wait_healthy()]
         port = free_port()
         urls = [w.url for w in self.workers]

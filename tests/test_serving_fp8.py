@@ -1,6 +1,6 @@
 """``--kv-cache-dtype fp8_e4m3`` served through WG-KV on CPU (float32 model, reference attention).
 
-Two servers with the shipped gates at W_local = 32 (prompts leave the ring, are promoted, and
+Two servers of the short model (its shipped gates) at W_local = 32 (prompts leave the ring, are promoted, and
 chunked prefill reads the cached context back from the pool), one storing FP8 pages, one float32.
 FP8 rounds every cached K/V once (relative error up to 1/16), so greedy outputs may part after a
 while; generating past end-of-sequence, they must agree on a leading stretch of every prompt and on
@@ -16,6 +16,7 @@ import requests
 
 from sglang_wgkv.testing.server_pool import ShippedGates, shared_server
 from sglang_wgkv.testing.serving import long_prompt
+from sglang_wgkv.testing.short_model import SHORT_LAYERS, ShortModel
 
 pytestmark = pytest.mark.serving
 
@@ -32,7 +33,10 @@ HEAD_DIM = 64  # the embedded model's
 
 # the radix tests' server (shared): W_local 32, 64-token chunks, the shipped gates; the FP8 one differs
 # only in its KV dtype (and exports metrics)
-COMMON = ("--wgkv-local-window", "32", "--chunked-prefill-size", "64", "--wgkv-gates", ShippedGates(32))
+COMMON = (
+    "--model-path", ShortModel(), "--wgkv-local-window", "32", "--chunked-prefill-size", "64",
+    "--wgkv-gates", ShippedGates(32, SHORT_LAYERS),
+)  # fmt: skip
 full_server = shared_server(*COMMON)
 fp8_server = shared_server(*COMMON, "--kv-cache-dtype", "fp8_e4m3", "--enable-metrics")
 
