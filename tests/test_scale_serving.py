@@ -46,6 +46,8 @@ def test_request_admission_parse():
             RequestAdmission.parse(bad)
 
 
+# --decode-log-interval 1: SGLang's stats (which carry our series) then publish as soon as the server
+# is idle (a running-requests gauge above 0 is stale then) instead of after its 30-s idle interval
 server = shared_server(
     "--model-path",
     ShortModel(),
@@ -56,6 +58,8 @@ server = shared_server(
     "--kv-budget",
     str(KV_BUDGET),
     "--enable-metrics",
+    "--decode-log-interval",
+    "1",
 )
 
 

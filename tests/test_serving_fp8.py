@@ -38,7 +38,11 @@ COMMON = (
     "--wgkv-gates", ShippedGates(32, SHORT_LAYERS),
 )  # fmt: skip
 full_server = shared_server(*COMMON)
-fp8_server = shared_server(*COMMON, "--kv-cache-dtype", "fp8_e4m3", "--enable-metrics")
+# --decode-log-interval 1: SGLang's stats (which carry our series) then publish as soon as the server
+# is idle (a running-requests gauge above 0 is stale then) instead of after its 30-s idle interval
+fp8_server = shared_server(
+    *COMMON, "--kv-cache-dtype", "fp8_e4m3", "--enable-metrics", "--decode-log-interval", "1"
+)
 
 
 @pytest.fixture(scope="module")
