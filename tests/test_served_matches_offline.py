@@ -1,5 +1,5 @@
-"""The served float32 reference path against the offline harness, token by token: the embedded SmolLM2
-with the GPU test's gates (head 0 admits nothing, heads 1-2 everything, W_local 64) through a real CPU
+"""The served float32 reference path against the offline harness, token by token: the short model
+(``sglang_wgkv.testing.short_model``: the embedded SmolLM2's first layers) with the GPU test's gates (head 0 admits nothing, heads 1-2 everything, W_local 64) through a real CPU
 server, greedy, and the same tokens teacher-forced through ``sglang_wgkv.testing.serving.OfflineTruth``
 (``evals.harness.teacher_forced_logprobs``: key j visible to query i iff i - j < W_local or admitted).
 
@@ -15,6 +15,7 @@ import pytest
 from sglang_wgkv.testing.gpu_serving_cases import HEAD_BIAS, PROMPTS, SERVER_SETTINGS, W_LOCAL
 from sglang_wgkv.testing.server_pool import HeadGates, shared_server
 from sglang_wgkv.testing.serving import OfflineTruth, embedded_model_dir, save_head_gates
+from sglang_wgkv.testing.short_model import SHORT_LAYERS, ShortModel, short_model_dir
 
 pytestmark = pytest.mark.serving
 TOLERANCE = 1e-3  # float32 against float32; a bf16 path lies ~0.1 from it (benchmarks/logprob_floor.py)
@@ -34,12 +35,14 @@ def _max_error(truth, prompt, run) -> float:
     return max(abs(a - b) for a, b in zip(lps, truth.logprobs(prompt, ids)))
 
 
-# the GPU comparison's server settings on the launcher's default model (the embedded one), in float32
-# on the reference path; pooled: it starts while the modules before this one run
+# the GPU comparison's server settings on the short model, in float32 on the reference path; pooled:
+# it starts while the modules before this one run
 server = shared_server(
+    "--model-path",
+    ShortModel(),
     *SERVER_SETTINGS,
     "--wgkv-gates",
-    HeadGates(tuple(HEAD_BIAS), W_LOCAL),
+    HeadGates(tuple(HEAD_BIAS), W_LOCAL, SHORT_LAYERS),
     "--dtype",
     "float32",
     "--wgkv-attention",
@@ -49,11 +52,12 @@ server = shared_server(
 
 @pytest.fixture(scope="module")
 def model_dir():
-    return embedded_model_dir()  # skips before the server is leased when the GGUF is not installed
+    embedded_model_dir()  # skips before the server is leased when the GGUF is not installed
+    return short_model_dir(SHORT_LAYERS)
 
 
 def test_float32_server_equals_offline_harness(model_dir, server, tmp_path):
-    gates = save_head_gates(tmp_path / "gates", HEAD_BIAS, W_LOCAL)
+    gates = save_head_gates(tmp_path / "gates", HEAD_BIAS, W_LOCAL, num_layers=SHORT_LAYERS)
     alone = [_greedy(server, [p])[0] for p in PROMPTS]
     batched = _greedy(server, PROMPTS)  # one concurrent batch of four lengths
     truth = OfflineTruth(model_dir, gates, W_LOCAL)
