@@ -1,4 +1,4 @@
-"""Tensor parallelism on CPU (gloo): the embedded model's 3 KV heads on 3 ranks, one dual pool and
+"""Tensor parallelism on CPU (gloo): the short model's 3 KV heads (the embedded model's first layers) on 3 ranks, one dual pool and
 one slice of the gates per rank, against the same server at TP=1.
 
 The gates make the ranks differ (KV head 0 never admits, heads 1-2 always, W_local = 16), so a rank
@@ -10,12 +10,13 @@ import pytest
 
 from sglang_wgkv.testing.server_pool import HeadGates, shared_server
 from sglang_wgkv.testing.serving import Server, long_prompt
+from sglang_wgkv.testing.short_model import SHORT_LAYERS, ShortModel
 
 pytestmark = pytest.mark.scale
 
 W_LOCAL = 16
 PROMPTS = [long_prompt(10, seed=s) for s in range(2)] + ["The capital of France is"]
-HEAD_GATES = HeadGates((-30.0, 30.0, 30.0), W_LOCAL)
+HEAD_GATES = HeadGates((-30.0, 30.0, 30.0), W_LOCAL, SHORT_LAYERS)
 
 
 def test_rank_kv_heads():
@@ -46,7 +47,9 @@ def test_select_heads_matches_full_gates():
 
 
 # the TP=1 side: a pooled server (started ahead, while the modules before this one run)
-tp1_server = shared_server("--wgkv-local-window", str(W_LOCAL), "--wgkv-gates", HEAD_GATES)
+tp1_server = shared_server(
+    "--model-path", ShortModel(), "--wgkv-local-window", str(W_LOCAL), "--wgkv-gates", HEAD_GATES
+)
 
 
 def _outputs(srv) -> tuple[list, list]:
@@ -64,7 +67,16 @@ def _tp3_outputs(tmp) -> tuple[list, list]:
     env = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1|0", "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2"}
     gates = HEAD_GATES.save(tmp / "gates")
     srv = Server(
-        ["--wgkv-local-window", str(W_LOCAL), "--wgkv-gates", str(gates), "--tp-size", "3"],
+        [
+            "--model-path",
+            ShortModel().as_arg(tmp),
+            "--wgkv-local-window",
+            str(W_LOCAL),
+            "--wgkv-gates",
+            str(gates),
+            "--tp-size",
+            "3",
+        ],
         tmp / "server_tp3.log",
         env=env,
     )
