@@ -11,6 +11,7 @@ import pytest
 
 from sglang_wgkv.testing.server_pool import HeadGates, shared_server
 from sglang_wgkv.testing.serving import flush_cache, long_prompt
+from sglang_wgkv.testing.short_model import SHORT_LAYERS, ShortModel
 
 pytestmark = pytest.mark.serving
 
@@ -23,16 +24,12 @@ PROMPTS = [
 ]
 
 
-# sigmoid(30) = 1: every token admitted
+# sigmoid(30) = 1: every token admitted; both on the short model (the embedded one's first layers)
 wgkv_server = shared_server(
-    "--chunked-prefill-size",
-    "128",
-    "--wgkv-local-window",
-    "32",
-    "--wgkv-gates",
-    HeadGates((30.0, 30.0, 30.0), 32),
-)
-dense_server = shared_server("--chunked-prefill-size", "128", "--disable-wgkv")
+    "--model-path", ShortModel(), "--chunked-prefill-size", "128", "--wgkv-local-window", "32",
+    "--wgkv-gates", HeadGates((30.0, 30.0, 30.0), 32, SHORT_LAYERS),
+)  # fmt: skip
+dense_server = shared_server("--model-path", ShortModel(), "--chunked-prefill-size", "128", "--disable-wgkv")
 
 
 @pytest.fixture(scope="module")
