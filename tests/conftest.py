@@ -19,10 +19,10 @@ soak       (set by the test file: long runs)                    ``slow``; left o
 
 ``pytest -q`` runs everything but ``soak``; ``pytest -m "not slow"`` is the development tier.
 
-Modules run in four blocks: plain, with interpreter checks, with servers of their own, with
-``shared_server`` fixtures (modules sharing arguments one after another). The interpreter checks
+Modules run in four blocks: plain, with servers of their own, with ``shared_server`` fixtures
+(modules sharing arguments one after another), with interpreter checks. The interpreter checks
 (:class:`~sglang_wgkv.testing.interp.InterpCheck` constants of the selected modules) start after
-collection and run one at a time in the background; the session's
+collection and run one at a time in the background through the blocks before theirs; the session's
 :class:`~sglang_wgkv.testing.server_pool.ServerPool` starts each planned server while the module before
 it runs.
 """
@@ -48,6 +48,9 @@ CALLED_NAME = re.compile(r"\b([A-Za-z_]\w*)\(")
 PLAN_KEY = pytest.StashKey[list]()
 AHEAD_KEY = pytest.StashKey[str]()  # the module beside which the pool's first server starts
 RUNNER_KEY = pytest.StashKey[InterpRunner]()
+# Module blocks in run order. The interpreter modules come last: their checks run in the background
+# through the server modules (whose waits leave a core idle), so the results are ready when read.
+PLAIN, OWN_SERVERS, POOLED, INTERPRETER = range(4)
 
 
 def _fixture_functions(item):
@@ -142,8 +145,8 @@ def _start_interpreter_checks(config, items) -> None:
 
 def _group_modules_by_shared_server(config, items) -> None:
     """Reorder whole modules (their items stay together and in order, so module fixtures start once):
-    modules without servers or interpreter checks first, then those reading interpreter checks, those
-    starting their own servers, those taking shared servers (modules sharing one adjacent); record the
+    modules without servers or interpreter checks first, then those starting their own servers, those
+    taking shared servers (modules sharing one adjacent), those reading interpreter checks; record the
     order of the leases as the pool's plan."""
     modules: dict[str, list] = {}
     for item in items:
@@ -152,16 +155,18 @@ def _group_modules_by_shared_server(config, items) -> None:
     for path, module_items in modules.items():
         keys = [server_key(args) for item in module_items for args in _shared_servers(item)]
         if keys:
-            group = (3, keys[0])
+            group = (POOLED, keys[0])
         elif any(item.get_closest_marker("server") for item in module_items):
-            group = (2, path)
-        else:  # interpreter modules after the rest: their checks run in the background meanwhile
-            group = (int(any(item.get_closest_marker("interp") for item in module_items)), path)
+            group = (OWN_SERVERS, path)
+        elif any(item.get_closest_marker("interp") for item in module_items):
+            group = (INTERPRETER, path)
+        else:
+            group = (PLAIN, path)
         groups.setdefault(group, []).append(path)
     order = sorted(groups, key=lambda group: group[0])  # stable: file order within each kind
     items[:] = [item for group in order for path in groups[group] for item in modules[path]]
-    before_pool = [path for group in order if group[0] < 3 for path in groups[group]]
-    if before_pool and any(group[0] == 3 for group in order):
+    before_pool = [path for group in order if group[0] < POOLED for path in groups[group]]
+    if before_pool and any(group[0] == POOLED for group in order):
         config.stash[AHEAD_KEY] = before_pool[-1]
     plan, leased = [], set()  # one lease per module and server, in the order the modules take them
     for item in items:
