@@ -69,13 +69,15 @@ def test_one_server_waits_ahead_at_a_time(tmp_path):
     pool.close()
 
 
-def test_two_leased_servers_prefetch_no_third(tmp_path):
+def test_two_leased_servers_prefetch_a_third_three_none(tmp_path):
     events = []
-    pool = _pool(tmp_path, [("a",), ("b",), ("c",)], events)
+    pool = _pool(tmp_path, [("a",), ("b",), ("c",), ("d",), ("e",)], events)
     with pool.lease(("a",), "m"), pool.lease(("b",), "m"):
-        assert ("start", "c") not in events
+        assert ("start", "c") in events
+        with pool.lease(("c",), "m"):
+            assert ("start", "d") not in events
     pool.close()
-    assert all(("stop", name) in events for name in "ab")
+    assert all(("stop", name) in events for name in "abc")
 
 
 def test_an_unplanned_lease_stops_at_its_end_and_a_dead_server_is_not_restarted(tmp_path):

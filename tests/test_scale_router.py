@@ -319,15 +319,18 @@ def test_worker_killed_under_load_then_restarted(cluster):
     cluster.workers[1] = restarted
     restarted.wait_healthy()
     cluster.wait_workers(healthy={survivor.url, restarted.url}, timeout=60)
-    served_before = restarted.wgkv_stats()["requests_released"]
+    # cache_aware sends a prompt that matches no worker's prefixes to the worker with the smallest
+    # prefix tree: distinct prompts grow the survivor's until the restarted worker's is smaller.
+    # "started" counts a request once its slot is allocated (released may lag the response).
+    served_before = restarted.wgkv_stats()["requests_started"]
     served = 0
-    for i in range(8):
+    for i in range(24):
         r = generate(
             cluster.url,
-            {"text": f"Rejoin {i}: {long_prompt(2, seed=30 + i)}", "sampling_params": {"max_new_tokens": 2}},
+            {"text": f"{i} Rejoin: {long_prompt(4, seed=30 + i)}", "sampling_params": {"max_new_tokens": 2}},
         )
         assert r.status_code == 200, r.text
-        served = restarted.wgkv_stats()["requests_released"] - served_before
+        served = restarted.wgkv_stats()["requests_started"] - served_before
         if served:
             break
     assert served, "the restarted worker got no request"

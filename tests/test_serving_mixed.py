@@ -16,8 +16,8 @@ import threading
 import pytest
 import requests
 
-from sglang_wgkv.testing.server_pool import shared_server
-from sglang_wgkv.testing.serving import Server, flush_cache, long_prompt, save_head_gates
+from sglang_wgkv.testing.server_pool import HeadGates, shared_server
+from sglang_wgkv.testing.serving import flush_cache, long_prompt
 from sglang_wgkv.testing.short_model import SHORT_LAYERS, ShortModel
 from sglang_wgkv.testing.soak import CPU_SERVER_ARGS
 
@@ -90,32 +90,12 @@ def test_mixed_forwards_give_the_greedy_outputs_of_separate_ones(servers):
     assert 0 < stats["mixed_prefill_tokens_max"] <= BUDGET
 
 
-@pytest.fixture
-def bounded(tmp_path):
-    """A mixed server with the SnapKV evictor (``--kv-budget 16``: streams past the ring are cut)."""
-    gates = save_head_gates(tmp_path / "gates", [30.0, 30.0, 30.0], 32, num_layers=SHORT_LAYERS)
-    srv = Server(
-        [
-            "--model-path",
-            ShortModel().as_arg(tmp_path),
-            "--chunked-prefill-size",
-            "128",
-            "--wgkv-local-window",
-            "32",
-            "--wgkv-gates",
-            str(gates),
-            "--kv-budget",
-            "16",
-            "--wgkv-forward-tokens",
-            str(BUDGET),
-            "--disable-radix-cache",
-        ],
-        tmp_path / "bounded.log",
-    )
-    try:
-        yield srv.wait_healthy()
-    finally:
-        srv.stop()
+# a mixed server with the SnapKV evictor (``--kv-budget 16``: streams past the ring are cut); pooled
+bounded = shared_server(
+    "--model-path", ShortModel(), "--chunked-prefill-size", "128", "--wgkv-local-window", "32",
+    "--wgkv-gates", HeadGates((30.0, 30.0, 30.0), 32, SHORT_LAYERS), "--kv-budget", "16",
+    "--wgkv-forward-tokens", str(BUDGET), "--disable-radix-cache",
+)  # fmt: skip
 
 
 def test_mixed_forwards_with_the_evictor(bounded):

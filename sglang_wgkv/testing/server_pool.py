@@ -68,6 +68,8 @@ class ShippedGates:
 
 
 ServerArg = str | int | float | HeadGates | ShippedGates | ShortModel
+# A module leasing two servers (a pair it compares) still lets the next planned one start beside them.
+MAX_LEASED_TO_PREFETCH = 2
 
 
 def server_key(args: Sequence[ServerArg]) -> str:
@@ -88,8 +90,9 @@ class ServerPool:
 
     ``plan``: the argument lists in the order the session's modules will lease them, one entry per
     module lease. A server is stopped when its last planned lease ends (at once when it has none), and
-    while at most one server is leased and none waits unleased, the next planned one is started in the
-    background: its start-up (mostly imports, on one core) overlaps the current module's requests.
+    while at most :data:`MAX_LEASED_TO_PREFETCH` servers are leased and none waits unleased, the next
+    planned one is started in the background: its start-up (mostly imports, on one core) overlaps the
+    current module's requests.
     """
 
     def __init__(self, root: Path, plan: Sequence[Sequence[ServerArg]] = (), launch=Server):
@@ -135,8 +138,8 @@ class ServerPool:
         self._prefetch()
 
     def _prefetch(self) -> None:
-        if sum(e.leases for e in self._entries.values()) > 1:
-            return  # two servers in use already: a third would crowd the cores and the memory
+        if sum(e.leases for e in self._entries.values()) > MAX_LEASED_TO_PREFETCH:
+            return  # more servers in use would crowd the cores and the memory
         if any(not e.leases for e in self._entries.values()):
             return  # one server waits ahead already: more would hold the memory of idle servers
         upcoming = next(((k, args) for k, args in self._plan if k not in self._entries), None)
