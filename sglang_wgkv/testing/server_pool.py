@@ -70,6 +70,9 @@ class ShippedGates:
 ServerArg = str | int | float | HeadGates | ShippedGates | ShortModel
 # A module leasing two servers (a pair it compares) still lets the next planned one start beside them.
 MAX_LEASED_TO_PREFETCH = 2
+# Servers started ahead and not yet leased: a start is mostly imports, which fill the cores' idle time
+# while the running module waits on its own server.
+MAX_WAITING_AHEAD = 2
 
 
 def server_key(args: Sequence[ServerArg]) -> str:
@@ -90,8 +93,8 @@ class ServerPool:
 
     ``plan``: the argument lists in the order the session's modules will lease them, one entry per
     module lease. A server is stopped when its last planned lease ends (at once when it has none), and
-    while at most :data:`MAX_LEASED_TO_PREFETCH` servers are leased and none waits unleased, the next
-    planned one is started in the background: its start-up (mostly imports, on one core) overlaps the
+    while at most :data:`MAX_LEASED_TO_PREFETCH` servers are leased and fewer than
+    :data:`MAX_WAITING_AHEAD` wait unleased, the next planned ones are started in the background: its start-up (mostly imports, on one core) overlaps the
     current module's requests.
     """
 
@@ -140,10 +143,11 @@ class ServerPool:
     def _prefetch(self) -> None:
         if sum(e.leases for e in self._entries.values()) > MAX_LEASED_TO_PREFETCH:
             return  # more servers in use would crowd the cores and the memory
-        if any(not e.leases for e in self._entries.values()):
-            return  # one server waits ahead already: more would hold the memory of idle servers
-        upcoming = next(((k, args) for k, args in self._plan if k not in self._entries), None)
-        if upcoming is not None:
+        # more idle servers would hold memory and cores the running module needs
+        while sum(not e.leases for e in self._entries.values()) < MAX_WAITING_AHEAD:
+            upcoming = next(((k, args) for k, args in self._plan if k not in self._entries), None)
+            if upcoming is None:
+                return
             self._entries[upcoming[0]] = self._start(*upcoming)
 
     def _start(self, key: str, args: Sequence[ServerArg]) -> _Entry:
