@@ -211,13 +211,15 @@ def test_more_concurrent_requests_than_dense(server):
 
 
 def test_physical_exhaustion_retracts_and_recovers(server):
-    """Admission off (every token kept): a 96-token request holds 540 pages of the 2767 (90 streams x
-    6) and takes 90 more every 16 decoded tokens (global pages at decode steps 1, 17, 33, 49). The
-    prefill guard admits at least 3 of the 5 requests (4 slots; a request needs its 720-page prompt
-    worst case + one decode step of every running request); how many more depends on when they reach
-    the scheduler. With 3 running, 12 page crossings by step 49 leave 67 free pages < the 270 the next
-    step may need, so the decode guard makes SGLang retract a request (earlier with 4), which frees its
-    pages and runs again later. The logical pool (748 tokens >= 4 x 160) alone would never retract."""
+    """Admission off (every token kept). Pages per (layer, KV head) stream, as the plan scales them
+    with the layer count: the pool has ~30.7 per stream, a 96-token request holds 6 in each of its
+    streams and takes 1 more every 16 decoded tokens (global pages at decode steps 1, 17, 33, 49). The
+    prefill guard admits at least 3 of the 5 requests (4 slots; a request needs its 8-page prompt worst
+    case + one decode step of every running request); how many more depends on when they reach the
+    scheduler. With 3 running, 12 page crossings by step 49 leave ~0.7 free pages per stream < the 3
+    the next step may need, so the decode guard makes SGLang retract a request (earlier with 4), which
+    frees its pages and runs again later. The logical pool (748 tokens >= 4 x 160) alone would never
+    retract."""
     log = server.log_path
     retractions = log.read_text(errors="replace").count("Retract requests")
     stats = _run_together_and_alone(server, _prompts(5, 96, seed=2), 64, admission=False)
