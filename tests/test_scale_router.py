@@ -20,7 +20,7 @@ import requests
 
 from sglang_wgkv import launch_router
 from sglang_wgkv.server_process import ServerProcess, free_port
-from sglang_wgkv.testing.server_pool import ShippedGates, shared_server
+from sglang_wgkv.testing.server_pool import ShippedGates, command_args, shared_server
 from sglang_wgkv.testing.serving import Server, flush_cache, long_prompt, shipped_gates_at
 from sglang_wgkv.testing.short_model import SHORT_LAYERS, ShortModel
 
@@ -61,7 +61,7 @@ class Cluster:
     def __init__(self, tmp, survivor: Server):
         self.tmp = tmp
         gates = shipped_gates_at(tmp / "gates", LOCAL_WINDOW, SHORT_LAYERS)
-        self.worker_args = [*(str(a) if isinstance(a, str) else a.as_arg(tmp) for a in WORKER_ARGS)]
+        self.worker_args = command_args(WORKER_ARGS, tmp)
         self.worker_args += ["--wgkv-gates", str(gates)]
         self.workers = [survivor, Server(self.worker_args, tmp / "worker1.log").wait_healthy()]
         port = free_port()

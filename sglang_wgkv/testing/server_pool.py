@@ -75,6 +75,11 @@ MAX_LEASED_TO_PREFETCH = 2
 MAX_WAITING_AHEAD = 2
 
 
+def command_args(args: Sequence[ServerArg], folder: Path) -> list[str]:
+    """The command-line strings of ``args``; gate specs and models are written under ``folder``."""
+    return [a.as_arg(folder) if hasattr(a, "as_arg") else str(a) for a in args]
+
+
 def server_key(args: Sequence[ServerArg]) -> str:
     """A stable name of an argument list (gate specs included): equal arguments, one server."""
     text = json.dumps([a if isinstance(a, str) else repr(a) for a in args])
@@ -94,8 +99,8 @@ class ServerPool:
     ``plan``: the argument lists in the order the session's modules will lease them, one entry per
     module lease. A server is stopped when its last planned lease ends (at once when it has none), and
     while at most :data:`MAX_LEASED_TO_PREFETCH` servers are leased and fewer than
-    :data:`MAX_WAITING_AHEAD` wait unleased, the next planned ones are started in the background: its start-up (mostly imports, on one core) overlaps the
-    current module's requests.
+    :data:`MAX_WAITING_AHEAD` wait unleased, the next planned ones are started in the background: their
+    start-ups (mostly imports) overlap the current module's requests.
     """
 
     def __init__(self, root: Path, plan: Sequence[Sequence[ServerArg]] = (), launch=Server):
@@ -154,7 +159,7 @@ class ServerPool:
         """Launch (not awaited: :meth:`lease` waits until it is healthy)."""
         folder = self.root / key
         folder.mkdir(parents=True, exist_ok=True)
-        command = [a.as_arg(folder) if hasattr(a, "as_arg") else str(a) for a in args]
+        command = command_args(args, folder)
         return _Entry(self.launch(command, folder / "server.log"))
 
     def close(self) -> None:
