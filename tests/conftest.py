@@ -20,11 +20,11 @@ soak       (set by the test file: long runs)                    ``slow``; left o
 ``pytest -q`` runs everything but ``soak``; ``pytest -m "not slow"`` is the development tier.
 
 Modules run in four blocks: plain, with servers of their own, with ``shared_server`` fixtures
-(modules sharing arguments one after another), with interpreter checks. The interpreter checks
-(:class:`~sglang_wgkv.testing.interp.InterpCheck` constants of the selected modules) start after
-collection and run one at a time in the background through the blocks before theirs; the session's
-:class:`~sglang_wgkv.testing.server_pool.ServerPool` starts each planned server while the module before
-it runs.
+(modules sharing a server, directly or through another module, one after another), with interpreter
+checks. The interpreter checks (:class:`~sglang_wgkv.testing.interp.InterpCheck` constants of the
+selected modules) start after collection and run one at a time in the background through the blocks
+before theirs; the session's :class:`~sglang_wgkv.testing.server_pool.ServerPool` starts each planned
+server while the module before it runs.
 """
 
 import inspect
@@ -151,11 +151,11 @@ def _group_modules_by_shared_server(config, items) -> None:
     modules: dict[str, list] = {}
     for item in items:
         modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    component = _modules_sharing_servers(modules)
     groups: dict[tuple, list[str]] = {}
     for path, module_items in modules.items():
-        keys = [server_key(args) for item in module_items for args in _shared_servers(item)]
-        if keys:
-            group = (POOLED, keys[0])
+        if path in component:
+            group = (POOLED, component[path])
         elif any(item.get_closest_marker("server") for item in module_items):
             group = (OWN_SERVERS, path)
         elif any(item.get_closest_marker("interp") for item in module_items):
@@ -176,6 +176,33 @@ def _group_modules_by_shared_server(config, items) -> None:
                 leased.add(lease)
                 plan.append(args)
     config.stash[PLAN_KEY] = plan
+
+
+def _modules_sharing_servers(modules: dict[str, list]) -> dict[str, str]:
+    """``{module: its group}`` for the modules taking shared servers: modules that share a server,
+    directly or through others, are one group (named by its first module), so they run one after
+    another and no server waits idle between its users."""
+    group: dict[str, str] = {}
+    first_user: dict[str, str] = {}  # server key -> the first module taking it
+
+    def find(path: str) -> str:
+        while group[path] != path:
+            path = group[path]
+        return path
+
+    for path, module_items in modules.items():
+        keys = [server_key(args) for item in module_items for args in _shared_servers(item)]
+        if not keys:
+            continue
+        group[path] = path
+        for key in keys:
+            other = first_user.setdefault(key, path)
+            root, other_root = find(path), find(other)
+            if root != other_root:  # the earlier module names the joined group
+                group[max(root, other_root, key=list(modules).index)] = min(
+                    root, other_root, key=list(modules).index
+                )
+    return {path: find(path) for path in group}
 
 
 def _skipped_outright(item) -> bool:

@@ -1,15 +1,18 @@
-"""Tensor parallelism on CPU (gloo): the short model's 3 KV heads (the embedded model's first layers) on 3 ranks, one dual pool and
-one slice of the gates per rank, against the same server at TP=1.
+"""Tensor parallelism on CPU (gloo): the short model's 3 KV heads (the embedded model's first layers)
+on 3 ranks, one dual pool, one slice of the gates and one evictor per rank, against the same server at
+TP=1.
 
 The gates make the ranks differ (KV head 0 never admits, heads 1-2 always, W_local = 16), so a rank
-running another head's gate, or a pool holding the wrong head, changes the greedy tokens. The TP=1
-server comes from the session's pool; the TP=3 one starts after it answered (two cores).
+running another head's gate, or a pool holding the wrong head, changes the greedy tokens; with
+``--kv-budget`` each rank's evictor cuts its admitting head, and a rank scoring with another head's
+queries changes them too. The TP=1 server comes from the session's pool; the TP=3 one starts after it
+answered (two cores).
 """
 
 import pytest
 
 from sglang_wgkv.testing.server_pool import HeadGates, shared_server
-from sglang_wgkv.testing.serving import Server, long_prompt
+from sglang_wgkv.testing.serving import Server, flush_cache, long_prompt
 from sglang_wgkv.testing.short_model import SHORT_LAYERS, ShortModel
 
 pytestmark = pytest.mark.scale
@@ -46,10 +49,13 @@ def test_select_heads_matches_full_gates():
         )
 
 
-# the TP=1 side: a pooled server (started ahead, while the modules before this one run)
+# the TP=1 side: test_scale_serving's server (its metrics flags beside); --kv-budget makes the evictor
+# cut the admitting heads on each rank
+KV_BUDGET = 48
 tp1_server = shared_server(
-    "--model-path", ShortModel(), "--wgkv-local-window", str(W_LOCAL), "--wgkv-gates", HEAD_GATES
-)
+    "--model-path", ShortModel(), "--wgkv-local-window", str(W_LOCAL), "--wgkv-gates", HEAD_GATES,
+    "--kv-budget", str(KV_BUDGET), "--enable-metrics", "--decode-log-interval", "1",
+)  # fmt: skip
 
 
 def _outputs(srv) -> tuple[list, list]:
@@ -74,6 +80,8 @@ def _tp3_outputs(tmp) -> tuple[list, list]:
             str(W_LOCAL),
             "--wgkv-gates",
             str(gates),
+            "--kv-budget",
+            str(KV_BUDGET),
             "--tp-size",
             "3",
         ],
@@ -87,10 +95,13 @@ def _tp3_outputs(tmp) -> tuple[list, list]:
 
 
 def test_tp3_greedy_equals_tp1(tp1_server, tmp_path):
+    flush_cache(tp1_server)  # shared: no prefix of another module's requests
     ids1, usage1 = _outputs(tp1_server)
     ids3, usage3 = _tp3_outputs(tmp_path)
     assert ids3 == ids1
     for u1, u3 in zip(usage1, usage3):  # rank 0 holds head 0 only; usage is reduced over the ranks
         assert u3["admitted_fraction"] == pytest.approx(u1["admitted_fraction"])
         assert u3["mean_kv_tokens_per_head"] == pytest.approx(u1["mean_kv_tokens_per_head"])
+        assert u3["evicted_tokens"] == u1["evicted_tokens"]
     assert usage1[0]["admitted_fraction"] == pytest.approx(2 / 3)
+    assert usage1[0]["evicted_tokens"] > 0  # the long prompts' admitting heads were cut to the budget

@@ -20,33 +20,6 @@ LAYERS, HEADS = SHORT_LAYERS, 3  # the servers' model: the embedded one's first 
 KV_BUDGET = 48
 
 
-# no prefix cache: the page counts below are of the running request alone (snapshots of earlier
-# prompts sharing its prefix would be restored and counted too)
-random_server = shared_server(
-    "--model-path",
-    ShortModel(),
-    "--wgkv-local-window",
-    str(W_LOCAL),
-    "--wgkv-random-admission",
-    "0.25",
-    "--disable-radix-cache",
-    "--wgkv-gates",
-    "fresh",
-)
-
-
-def test_random_rejection_keeps_serving(random_server):
-    prompts = [long_prompt(20, seed=i) for i in range(6)]
-    outs = random_server.generate(prompts, max_new_tokens=32, sampling_params={"ignore_eos": True})
-    assert [o["meta_info"]["completion_tokens"] for o in outs] == [32] * 6
-    assert all(o["text"] for o in outs)  # detokenized (the short model may answer in whitespace)
-    stats = random_server.wait_idle_checked()
-    assert stats["tokens_left_ring"] > 6 * LAYERS * HEADS * 200
-    assert 0.23 < stats["admitted_fraction"] < 0.27
-    per_head = torch.tensor(stats["admitted_fraction_per_layer_head"])
-    assert per_head.shape == (LAYERS, HEADS) and per_head.min() > 0.1 and per_head.max() < 0.4
-
-
 def _stats_mid_generation(server, prompt, at_tokens=10, max_new_tokens=40):
     """Server stats and the request's meta_info when it has streamed ``at_tokens`` tokens."""
     seen = {}
@@ -70,22 +43,8 @@ def _stats_mid_generation(server, prompt, at_tokens=10, max_new_tokens=40):
     return seen["stats"], seen["meta"]
 
 
-def test_cache_sizes_reflect_rejection(random_server):
-    """Mid-generation, each (layer, head) holds W_local ring tokens plus ~25% of the older ones."""
-    stats, meta = _stats_mid_generation(random_server, long_prompt(40))
-    assert stats["active_requests"] == 1
-    # cached tokens lie between prompt + 9 and prompt + 11 (the scheduler runs slightly ahead)
-    older = meta["prompt_tokens"] + 9 - W_LOCAL
-    glob = torch.tensor(stats["global_tokens_per_layer_head"], dtype=torch.float64)
-    assert glob.shape == (LAYERS, HEADS)
-    assert 0.18 < glob.mean().item() / older < 0.32
-    assert glob.max().item() < 0.5 * older
-    dense_pages = LAYERS * HEADS * -(-(older + W_LOCAL) // 16)
-    assert stats["used_pages"] < 0.5 * dense_pages
-
-
-# KV head 0 never admits, heads 1-2 always; its lifetime admitted fraction per head is read below, so
-# no other module shares it (tests/test_scale_serving.py sends tau 0 and admission-off requests)
+# KV head 0 never admits, heads 1-2 always: test_scale_serving's server (its metrics flags beside), whose
+# admission counters are read as differences around the request
 gated_server = shared_server(
     "--model-path",
     ShortModel(),
@@ -95,14 +54,25 @@ gated_server = shared_server(
     HeadGates((-30.0, 30.0, 30.0), W_LOCAL, SHORT_LAYERS),
     "--kv-budget",
     str(KV_BUDGET),
+    "--enable-metrics",
+    "--decode-log-interval",
+    "1",
 )
 
 
+def _admission_counts(server) -> torch.Tensor:
+    stats = server.wgkv_stats()
+    return torch.tensor([stats["tokens_left_ring_per_layer_head"], stats["tokens_promoted_per_layer_head"]])
+
+
 def test_gate_checkpoint_decides_per_head(gated_server):
+    before = _admission_counts(gated_server)
     out = gated_server.generate(long_prompt(20), max_new_tokens=16)
     assert out["text"]
-    stats = gated_server.wait_idle_checked()
-    per_head = torch.tensor(stats["admitted_fraction_per_layer_head"])
+    gated_server.wait_idle_checked()
+    left, promoted = _admission_counts(gated_server) - before
+    assert left.shape == (LAYERS, HEADS) and left.min() > 0
+    per_head = promoted.double() / left
     assert torch.equal(per_head, torch.tensor([[0.0, 1.0, 1.0]] * LAYERS, dtype=per_head.dtype))
 
 
@@ -131,3 +101,44 @@ def test_kv_budget_holds_for_concurrent_requests(gated_server):
         assert 0 < usage["max_global_tokens_per_head"] <= KV_BUDGET + 1
         assert usage["eviction_triggers"] > 0
     gated_server.wait_idle_checked()
+
+
+# no prefix cache: the page counts below are of the running request alone (snapshots of earlier
+# prompts sharing its prefix would be restored and counted too)
+random_server = shared_server(
+    "--model-path",
+    ShortModel(),
+    "--wgkv-local-window",
+    str(W_LOCAL),
+    "--wgkv-random-admission",
+    "0.25",
+    "--disable-radix-cache",
+    "--wgkv-gates",
+    "fresh",
+)
+
+
+def test_random_rejection_keeps_serving(random_server):
+    prompts = [long_prompt(20, seed=i) for i in range(6)]
+    outs = random_server.generate(prompts, max_new_tokens=32, sampling_params={"ignore_eos": True})
+    assert [o["meta_info"]["completion_tokens"] for o in outs] == [32] * 6
+    assert all(o["text"] for o in outs)  # detokenized (the short model may answer in whitespace)
+    stats = random_server.wait_idle_checked()
+    assert stats["tokens_left_ring"] > 6 * LAYERS * HEADS * 200
+    assert 0.23 < stats["admitted_fraction"] < 0.27
+    per_head = torch.tensor(stats["admitted_fraction_per_layer_head"])
+    assert per_head.shape == (LAYERS, HEADS) and per_head.min() > 0.1 and per_head.max() < 0.4
+
+
+def test_cache_sizes_reflect_rejection(random_server):
+    """Mid-generation, each (layer, head) holds W_local ring tokens plus ~25% of the older ones."""
+    stats, meta = _stats_mid_generation(random_server, long_prompt(40))
+    assert stats["active_requests"] == 1
+    # cached tokens lie between prompt + 9 and prompt + 11 (the scheduler runs slightly ahead)
+    older = meta["prompt_tokens"] + 9 - W_LOCAL
+    glob = torch.tensor(stats["global_tokens_per_layer_head"], dtype=torch.float64)
+    assert glob.shape == (LAYERS, HEADS)
+    assert 0.18 < glob.mean().item() / older < 0.32
+    assert glob.max().item() < 0.5 * older
+    dense_pages = LAYERS * HEADS * -(-(older + W_LOCAL) // 16)
+    assert stats["used_pages"] < 0.5 * dense_pages

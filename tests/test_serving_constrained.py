@@ -15,7 +15,6 @@ import requests
 import torch
 
 from evals.frontend_programs import PROGRAMS, constraint_violation, run_programs, server_healthy
-from sglang_wgkv.integration import constrained
 from sglang_wgkv.testing.server_pool import shared_server
 
 pytestmark = pytest.mark.serving
@@ -28,9 +27,18 @@ server = shared_server("--dtype", "auto", "--max-total-tokens", "4096")
 MAX_NEW_TOKENS = 8
 
 
+@pytest.fixture(scope="module")
+def constrained():
+    """The hooks module, imported at first use: it imports SGLang's grammar backends (seconds), which
+    collection need not wait for."""
+    from sglang_wgkv.integration import constrained
+
+    return constrained
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("vocab,width", [(49152, 49152), (1000, 1003), (100, 200), (33, 40)])
-def test_cpu_mask_matches_torch_reference(dtype, vocab, width):
+def test_cpu_mask_matches_torch_reference(dtype, vocab, width, constrained):
     gen = torch.Generator().manual_seed(vocab + width)
     logits = torch.randn(3, width, generator=gen).to(dtype)
     mask = torch.randint(-(2**31), 2**31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
@@ -46,7 +54,7 @@ def test_cpu_mask_matches_torch_reference(dtype, vocab, width):
     assert 0.3 < torch.isinf(got[0, :covered]).float().mean() < 0.7
 
 
-def test_bitmask_is_pageable_without_an_accelerator():
+def test_bitmask_is_pageable_without_an_accelerator(constrained):
     def pinned(vocab_size, batch_size):
         raise AssertionError("pinned allocation attempted")
 
@@ -86,7 +94,7 @@ def xgrammar_backend():
 
 
 @pytest.fixture
-def hooked_xgrammar(monkeypatch):
+def hooked_xgrammar(monkeypatch, constrained):
     """The two xgrammar hooks applied in this process, as the plugin's HookRegistry entries apply them
     in a scheduler (undone after the test)."""
     from sglang.srt.constrained import xgrammar_backend as xgb
@@ -102,14 +110,16 @@ def hooked_xgrammar(monkeypatch):
     )
 
 
-def test_upstream_mask_path_fails_on_cpu(xgrammar_backend):
+def test_upstream_mask_path_fails_on_cpu(xgrammar_backend, constrained):
     """Without the hooks SGLang's xgrammar backend cannot mask CPU logits (the issue's crash)."""
     backend, vocab = xgrammar_backend
     error = constrained.probe_mask_path(backend, vocab, torch.device("cpu"))
     assert error is not None and ("NVIDIA driver" in error or "Unsupported device" in error), error
 
 
-def test_probe_passes_on_cpu_and_rejects_a_device_that_cannot_mask(xgrammar_backend, hooked_xgrammar):
+def test_probe_passes_on_cpu_and_rejects_a_device_that_cannot_mask(
+    xgrammar_backend, hooked_xgrammar, constrained
+):
     """The hooked ``create_grammar_backend`` keeps SGLang's backend where the hooked mask path works (CPU)
     and swaps in the rejecting backend where it does not (``meta``: upstream's apply knows no such
     device), with a reason (sent with the 400) that names the device and the cause."""
@@ -128,7 +138,7 @@ def test_probe_passes_on_cpu_and_rejects_a_device_that_cannot_mask(xgrammar_back
     assert isinstance(grammar, InvalidGrammarObject) and grammar.error_message == unservable.reason
 
 
-def test_probe_reports_a_mask_that_blocks_nothing():
+def test_probe_reports_a_mask_that_blocks_nothing(constrained):
     class Grammar:
         def allocate_vocab_mask(self, vocab_size, batch_size, device):
             return torch.full((batch_size, (vocab_size + 31) // 32), -1, dtype=torch.int32)

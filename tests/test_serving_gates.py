@@ -19,6 +19,7 @@ def bad_gates(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("bad_gates")
     save_gates(WriteGates(GateConfig(num_layers=2, num_kv_heads=3, head_dim=64)), tmp / "two_layers")
+    save_gates(WriteGates(GateConfig(num_layers=30, num_kv_heads=3, head_dim=64)), tmp / "thirty_layers")
     corrupt = save_gates(WriteGates(GateConfig(num_layers=30, num_kv_heads=3, head_dim=64)), tmp / "corrupt")
     (corrupt / "gates.safetensors").write_bytes(b"\x00garbage" * 10)
     return tmp
@@ -50,15 +51,17 @@ def test_launcher_refuses_bad_gate_file(bad_gates, name, message):
 
 
 def test_scheduler_refuses_mismatched_gates(bad_gates):
+    """The 30-layer gates on the short model (the embedded model's first two layers: a quick load)."""
     from sglang_wgkv.config import WGKVConfig
-    from sglang_wgkv.embedded_model import ensure_embedded_model
     from sglang_wgkv.integration.settings import ENV_VAR, ServingSettings
+    from sglang_wgkv.testing.serving import QUIET_STOP_ENV
+    from sglang_wgkv.testing.short_model import SHORT_LAYERS, short_model_dir
 
-    settings = ServingSettings(config=WGKVConfig(), gates_path=str(bad_gates / "two_layers"))
+    settings = ServingSettings(config=WGKVConfig(), gates_path=str(bad_gates / "thirty_layers"))
     proc = _launch(
         [
             "--model-path",
-            str(ensure_embedded_model()),
+            str(short_model_dir(SHORT_LAYERS)),
             "--device",
             "cpu",
             "--attention-backend",
@@ -68,9 +71,10 @@ def test_scheduler_refuses_mismatched_gates(bad_gates):
             "--port",
             str(free_port()),
         ],
-        env={ENV_VAR: settings.to_env(), "SGLANG_USE_CPU_ENGINE": "1"},
+        # the scheduler's exit is a crash to SGLang's launcher: no 5-s wait for crash diagnostics
+        env={ENV_VAR: settings.to_env(), "SGLANG_USE_CPU_ENGINE": "1", **QUIET_STOP_ENV},
         module="sglang.launch_server",
     )
     assert proc.returncode != 0
     log = proc.stdout + proc.stderr
-    assert "does not match the model" in log and "found (2, 3, 64)" in log, log[-3000:]
+    assert "does not match the model" in log and "found (30, 3, 64)" in log, log[-3000:]

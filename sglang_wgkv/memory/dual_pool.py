@@ -367,4 +367,7 @@ class DualCachePool(ExtendStep, DecodeStep, MixedStep, KVScales, PoolIntegrity):
             "admitted_fraction_per_layer_head": (
                 self.promoted.double() / self.left_ring.clamp(min=1)
             ).tolist(),
+            # the counts behind it: a difference of two readings is the admission of the requests between
+            "tokens_left_ring_per_layer_head": self.left_ring.tolist(),
+            "tokens_promoted_per_layer_head": self.promoted.tolist(),
         }
