@@ -7,14 +7,16 @@ One subprocess (``TRITON_INTERPRET=1`` must be set before the kernels are import
 """
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from sglang_wgkv.testing.interp import InterpCheck
+
 pytestmark = pytest.mark.serving
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MIXED_RUN = InterpCheck(os.path.join(HERE, "backend_mixed_check.py"))
 
 
 @pytest.mark.skipif(
@@ -22,16 +24,8 @@ pytestmark = pytest.mark.serving
     reason="the Triton interpreter is the CPU CI stand-in; on a GPU host tests/test_gpu_mixed.py "
     "runs the compiled kernels in mixed forwards",
 )
-def test_mixed_forward_matches_separate_forwards():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}  # CPU even on a GPU host
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "backend_mixed_check.py")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=os.path.dirname(HERE),
-    )
+def test_mixed_forward_matches_separate_forwards(interp_runner):
+    proc = interp_runner.result(MIXED_RUN)
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 0 and lines[-1:] == ["mixed forward: kernels path OK"], (
         proc.stdout[-3000:] + proc.stderr[-3000:]
