@@ -158,7 +158,12 @@ def frontend_program(url: str) -> dict:
     one = yes_no.run(question="What is the capital of France?")
     fork = forked.run(topic="rivers")
     batch = yes_no.run_batch([{"question": f"What is {a} plus {a}?"} for a in range(2, 10)])
-    return {"select": one["yn"], "fork_summary": fork["summary"], "batch_answers": [b["yn"] for b in batch]}
+    return {
+        "answer": one["answer"],
+        "select": one["yn"],
+        "fork_summary": fork["summary"],
+        "batch_answers": [b["yn"] for b in batch],
+    }
 
 
 def chat(url: str) -> None:

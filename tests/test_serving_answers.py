@@ -1,6 +1,6 @@
 """What the embedded model answers through the server's APIs: native ``/generate``, the OpenAI chat and
-completions routes, and an SGLang frontend program (gen + select, batched) on the launcher's defaults
-(the shipped gates, SGLang's dtype), the server the README's serve command starts, test-sized.
+completions routes, and an SGLang frontend program (gen + select, batched), with the shipped gates.
+(The README's serve command, SGLang's dtype included, answers in ``tests/test_scale_memory.py``.)
 """
 
 import pytest
@@ -9,8 +9,12 @@ from sglang_wgkv.testing.server_pool import shared_server
 
 pytestmark = pytest.mark.serving
 
-# the constrained-decoding tests' server (shared): launcher defaults, a test-sized pool
-server = shared_server("--dtype", "auto", "--max-total-tokens", "4096")
+# test_long_serving's server (shared): the embedded model, its shipped gates, float32; these prompts
+# fit its ring, so they answer as the full cache does
+server = shared_server(
+    "--max-total-tokens", "2048", "--wgkv-overcommit", "3.0", "--chunked-prefill-size", "512",
+    "--disable-radix-cache", "--log-level", "info",
+)  # fmt: skip
 
 
 def test_native_generate(server):

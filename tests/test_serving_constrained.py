@@ -1,8 +1,9 @@
 """Constrained decoding on the CPU server (:mod:`sglang_wgkv.integration.constrained`): the CPU mask
 against its torch reference, the start-up probe with SGLang's real xgrammar backend (a device that
-cannot mask gets a backend that rejects each constrained request), and one default-configured server
-running SGLang's own frontend programs (:mod:`evals.frontend_programs`) plus JSON schema / EBNF
-requests: every request succeeds, every constrained output obeys its constraint, the server stays up."""
+cannot mask gets a backend that rejects each constrained request), and one CPU server (SGLang's
+default grammar backend) running SGLang's own frontend programs (:mod:`evals.frontend_programs`) plus
+JSON schema / EBNF requests: every request succeeds, every constrained output obeys its constraint,
+the server stays up."""
 
 from __future__ import annotations
 
@@ -15,13 +16,17 @@ import requests
 import torch
 
 from evals.frontend_programs import PROGRAMS, constraint_violation, run_programs, server_healthy
-from sglang_wgkv.testing.server_pool import shared_server
+from sglang_wgkv.testing.server_pool import HeadGates, shared_server
+from sglang_wgkv.testing.short_model import SHORT_LAYERS, ShortModel
 
 pytestmark = pytest.mark.serving
 
-# Launcher defaults (SGLang's dtype over the test servers' float32) but a test-sized pool: the point is
-# the default grammar backend and scheduler. Pooled: it starts while the modules before this one run.
-server = shared_server("--dtype", "auto", "--max-total-tokens", "4096")
+# SGLang's default grammar backend on the short model (a constraint binds whatever the model would say):
+# test_serving_api's server, shared (every KV head admits every token)
+server = shared_server(
+    "--model-path", ShortModel(), "--chunked-prefill-size", "128", "--wgkv-local-window", "32",
+    "--wgkv-gates", HeadGates((30.0, 30.0, 30.0), 32, SHORT_LAYERS),
+)  # fmt: skip
 # The programs' own limits go up to 512 tokens; every constrained step is masked the same way, so a few
 # tokens per generation show the mechanics (benchmarks/results/constrained/ ran with the same cap).
 MAX_NEW_TOKENS = 8
@@ -156,7 +161,7 @@ def test_probe_reports_a_mask_that_blocks_nothing(constrained):
     assert "blocked 0 of 64" in constrained.probe_mask_path(backend, 64, torch.device("cpu"))
 
 
-def test_frontend_programs_on_the_default_cpu_server(server):
+def test_frontend_programs_on_the_cpu_server(server):
     results = run_programs(server.url, MAX_NEW_TOKENS)
     assert list(results) == [name for name, _, _ in PROGRAMS]
     errors = {name: r for name, r in results.items() if r["outcome"] == "error"}
