@@ -36,7 +36,7 @@ import sys
 import pytest
 
 from sglang_wgkv.testing.interp import InterpCheck, InterpRunner
-from sglang_wgkv.testing.server_pool import ServerPool, server_key
+from sglang_wgkv.testing.server_pool import ServerPool, server_key, sharing_groups
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -151,7 +151,12 @@ def _group_modules_by_shared_server(config, items) -> None:
     modules: dict[str, list] = {}
     for item in items:
         modules.setdefault(item.nodeid.split("::")[0], []).append(item)
-    component = _modules_sharing_servers(modules)
+    component = sharing_groups(
+        {
+            path: [server_key(args) for item in its for args in _shared_servers(item)]
+            for path, its in modules.items()
+        }
+    )
     groups: dict[tuple, list[str]] = {}
     for path, module_items in modules.items():
         if path in component:
@@ -176,33 +181,6 @@ def _group_modules_by_shared_server(config, items) -> None:
                 leased.add(lease)
                 plan.append(args)
     config.stash[PLAN_KEY] = plan
-
-
-def _modules_sharing_servers(modules: dict[str, list]) -> dict[str, str]:
-    """``{module: its group}`` for the modules taking shared servers: modules that share a server,
-    directly or through others, are one group (named by its first module), so they run one after
-    another and no server waits idle between its users."""
-    group: dict[str, str] = {}
-    first_user: dict[str, str] = {}  # server key -> the first module taking it
-
-    def find(path: str) -> str:
-        while group[path] != path:
-            path = group[path]
-        return path
-
-    for path, module_items in modules.items():
-        keys = [server_key(args) for item in module_items for args in _shared_servers(item)]
-        if not keys:
-            continue
-        group[path] = path
-        for key in keys:
-            other = first_user.setdefault(key, path)
-            root, other_root = find(path), find(other)
-            if root != other_root:  # the earlier module names the joined group
-                group[max(root, other_root, key=list(modules).index)] = min(
-                    root, other_root, key=list(modules).index
-                )
-    return {path: find(path) for path in group}
 
 
 def _skipped_outright(item) -> bool:

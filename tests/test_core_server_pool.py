@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from sglang_wgkv.gate.checkpoint import CONFIG_FILE
-from sglang_wgkv.testing.server_pool import HeadGates, ServerPool, server_key
+from sglang_wgkv.testing.server_pool import HeadGates, ServerPool, server_key, sharing_groups
 
 pytestmark = pytest.mark.core
 
@@ -104,3 +104,10 @@ def test_gate_specs_are_part_of_the_key_and_saved_per_server(tmp_path):
         config = json.loads((Path(server.args[1]) / CONFIG_FILE).read_text())
         assert config["local_window"] == 16 and config["num_kv_heads"] == 3
     pool.close()
+
+
+def test_modules_sharing_a_server_through_others_form_one_group():
+    keys = {"a": ["k1"], "plain": [], "b": ["k2"], "c": ["k3", "k2"], "d": ["k1", "k3"], "e": ["k4"]}
+    # a-d share k1, c-d k3, b-c k2: one group, named by its first module; e alone; plain in none
+    assert sharing_groups(keys) == {"a": "a", "b": "a", "c": "a", "d": "a", "e": "e"}
+    assert sharing_groups({"x": ["k"], "y": ["k"]}) == {"x": "x", "y": "x"}

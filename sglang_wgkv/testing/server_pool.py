@@ -86,6 +86,30 @@ def server_key(args: Sequence[ServerArg]) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
+def sharing_groups(keys_by_module: dict[str, list[str]]) -> dict[str, str]:
+    """``{module: its group}`` for the modules that take shared servers (``keys_by_module``: the server
+    keys each module leases, modules in run order): modules sharing a server, directly or through
+    others, form one group, named by its first module, so that they can run one after another and no
+    server waits idle between its users."""
+    order = {module: i for i, module in enumerate(keys_by_module)}
+    parent: dict[str, str] = {}
+    first_user: dict[str, str] = {}  # server key -> the first module taking it
+
+    def root(module: str) -> str:
+        while parent[module] != module:
+            module = parent[module]
+        return module
+
+    for module, keys in keys_by_module.items():
+        if not keys:
+            continue
+        parent[module] = module
+        for key in keys:
+            a, b = sorted((root(module), root(first_user.setdefault(key, module))), key=order.get)
+            parent[b] = a  # the earlier module names the joined group
+    return {module: root(module) for module in parent}
+
+
 @dataclass
 class _Entry:
     server: Server
