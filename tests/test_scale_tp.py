@@ -4,9 +4,9 @@ TP=1.
 
 The gates make the ranks differ (KV head 0 never admits, heads 1-2 always, W_local = 16), so a rank
 running another head's gate, or a pool holding the wrong head, changes the greedy tokens; with
-``--kv-budget`` each rank's evictor cuts its admitting head, and a rank scoring with another head's
-queries changes them too. The TP=1 server comes from the session's pool; the TP=3 one starts after it
-answered (two cores).
+``--kv-budget`` each rank's evictor cuts its admitting head, and the tokens it evicts must add up to
+TP=1's. The TP=1 server comes from the session's pool; the TP=3 one starts after it answered (two
+cores).
 """
 
 import pytest
