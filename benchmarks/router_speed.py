@@ -27,7 +27,14 @@ import time
 from pathlib import Path
 
 from benchmarks import served_workloads as sw
-from benchmarks.served_speed import environment, model_dir, run_bench, server_state, wait_gpu_idle
+from benchmarks.served_speed import (
+    environment,
+    gpu_total_mib,
+    model_dir,
+    run_bench,
+    server_state,
+    wait_gpu_idle,
+)
 from sglang_wgkv import launch_router
 from sglang_wgkv.server_process import ServerProcess, free_port
 
@@ -38,8 +45,9 @@ def worker_commands(a, ws: sw.WorkloadSet, config: str, model: Path, ports: list
     """One server command per worker: the workload's, with its share of the KV budget."""
     w = ws[a.workload]
     share = ["--max-total-tokens", str(a.kv_tokens // a.workers)] if a.kv_tokens else []
+    total, extra = gpu_total_mib(), shlex.split(a.wgkv_extra)
     return [
-        [*sw.server_command(ws, a.server, config, w, model, port, a.tp), *shlex.split(a.wgkv_extra), *share]
+        [*sw.server_command(ws, a.server, config, w, model, port, a.tp, gpu_total_mib=total), *extra, *share]
         for port in ports
     ]
 

@@ -109,11 +109,11 @@ def run_bench(cmd: list[str], out_file: Path, timeout: float) -> dict:
 GPU_BUSY_MIB = 2048
 
 
-def gpu_used_mib() -> int | None:
-    """MiB in use on the busiest GPU (nvidia-smi), None without nvidia-smi."""
+def _gpu_query(field: str) -> list[int] | None:
+    """``nvidia-smi --query-gpu=FIELD`` per GPU (MiB), None without nvidia-smi."""
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"],
             capture_output=True,
             text=True,
             timeout=30,
@@ -121,7 +121,19 @@ def gpu_used_mib() -> int | None:
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    return max(int(x) for x in out.split())
+    return [int(x) for x in out.split()]
+
+
+def gpu_used_mib() -> int | None:
+    """MiB in use on the busiest GPU (nvidia-smi), None without nvidia-smi."""
+    used = _gpu_query("memory.used")
+    return max(used) if used else None
+
+
+def gpu_total_mib() -> int | None:
+    """The smallest GPU's memory in MiB (nvidia-smi), None without nvidia-smi."""
+    total = _gpu_query("memory.total")
+    return min(total) if total else None
 
 
 def wait_gpu_idle(limit_s: float = 60.0) -> int | None:
@@ -213,6 +225,7 @@ def run(a) -> None:
         env["SGLANG_TORCH_PROFILER_DIR"] = a.profile_dir
     config_key = "baseline" if a.server == "upstream" else "wgkv_config"
     part = {"kind": "served_part", "server": a.server, config_key: config, "tp": a.tp}
+    part["gpu_total_mib"] = gpu_total = gpu_total_mib()
     part |= {"environment": environment(), "runs": []}
     if a.wgkv_extra:
         part["wgkv_extra"] = a.wgkv_extra  # an A/B part (served_report ab), never a workload row
@@ -226,9 +239,16 @@ def run(a) -> None:
         by_server.setdefault(w.server_key(a.server), []).append(w)
     for group in by_server.values():
         port = free_port()
-        cmd = sw.server_command(ws, a.server, config, group[0], model, port, a.tp)
-        cmd += shlex.split(a.wgkv_extra)
         names = [w.name for w in group]
+        try:
+            cmd = sw.server_command(
+                ws, a.server, config, group[0], model, port, a.tp, gpu_total_mib=gpu_total
+            )
+        except ValueError as exc:  # a workload this card cannot hold
+            part["runs"].append({"workloads": names, "error": str(exc)})
+            print(part["runs"][-1]["error"], flush=True)
+            continue
+        cmd += shlex.split(a.wgkv_extra)
         try:  # a warm-up run (compiles, times nothing) may share the GPU with other work
             gpu_before = gpu_used_mib() if a.warm_only else wait_gpu_idle()
         except RuntimeError as exc:

@@ -86,11 +86,15 @@ class Workload:
     upstream_from: str | None = None
     upstream_may_refuse: bool = False
     bench_timeout_s: float = 540.0
+    # GiB SGLang may hold for weights and the KV pool; the fraction of the card's memory is computed at
+    # start (server_command), so the pool is the same size on any card
+    static_memory_gib: float | None = None
     why: str = ""
 
     def server_key(self, server: str) -> tuple:
         """Workloads with equal keys share one server start."""
-        return (self.server_args, self.wgkv_args if server == "wgkv" else "", tuple(sorted(self.env.items())))
+        wgkv_args = self.wgkv_args if server == "wgkv" else ""
+        return (self.server_args, self.static_memory_gib, wgkv_args, tuple(sorted(self.env.items())))
 
 
 @dataclass(frozen=True)
@@ -166,6 +170,13 @@ def parse(d: dict) -> WorkloadSet:
         if e["name"] in workloads:
             raise ValueError(f"workload {e['name']} is listed twice")
         shlex.split(e["server_args"] + " " + e["wgkv_args"])  # unbalanced quotes raise here
+        memory = e.get("static_memory_gib")
+        if memory is not None and (not isinstance(memory, (int, float)) or memory <= 0):
+            raise ValueError(
+                f"workload {e['name']}: static_memory_gib must be a positive number, got {memory!r}"
+            )
+        if memory is not None and "--mem-fraction-static" in e["server_args"]:
+            raise ValueError(f"workload {e['name']}: static_memory_gib and --mem-fraction-static both given")
         workloads[e["name"]] = Workload(
             **{**e, "client": Client(**e["client"]), "metrics": tuple(e["metrics"])}
         )
@@ -183,6 +194,8 @@ def load(path: Path = WORKLOADS_JSON) -> WorkloadSet:
     return parse(json.loads(Path(path).read_text()))
 
 
+# SGLang's own default leaves about this much of a card for activations and CUDA graphs.
+MAX_MEMORY_FRACTION = 0.9
 # Tensor parallel: NVLink multicast stays off (it can take the host's shared GPUs out of service).
 TP_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -196,10 +209,12 @@ def server_command(
     port: int,
     tp: int = 1,
     extra: str = "",
+    gpu_total_mib: int | None = None,
 ) -> list[str]:
-    """``config``: a baseline name (upstream) or a WG-KV configuration name (wgkv)."""
+    """``config``: a baseline name (upstream) or a WG-KV configuration name (wgkv); ``gpu_total_mib``:
+    the card's memory, for a workload that sizes its memory in GiB."""
     args = ["--model-path", str(model), "--port", str(port), *shlex.split(ws.common_server_args)]
-    args += shlex.split(w.server_args)
+    args += shlex.split(w.server_args) + memory_args(w, gpu_total_mib)
     if tp > 1:
         args += ["--tp-size", str(tp), "--disable-custom-all-reduce"]
     if server == "upstream":
@@ -214,6 +229,24 @@ def server_command(
         raise ValueError(f"server {server!r}: upstream or wgkv")
     config_args = shlex.split(ws.wgkv_configs[config].server_args)
     return [sys.executable, "-m", "sglang_wgkv.launch_server", *args, *shlex.split(w.wgkv_args), *config_args]
+
+
+def memory_args(w: Workload, gpu_total_mib: int | None) -> list[str]:
+    """``--mem-fraction-static`` for ``w.static_memory_gib`` on a card of ``gpu_total_mib`` (none if the
+    workload gives no memory in GiB); ValueError without the card's size or where it is too small."""
+    if w.static_memory_gib is None:
+        return []
+    if not gpu_total_mib:
+        raise ValueError(
+            f"{w.name} sizes its memory in GiB ({w.static_memory_gib}): the GPU's total is needed"
+        )
+    fraction = w.static_memory_gib * 1024 / gpu_total_mib
+    if fraction > MAX_MEMORY_FRACTION:
+        raise ValueError(
+            f"{w.name}: {w.static_memory_gib} GiB is {fraction:.2f} of this card's {gpu_total_mib} MiB "
+            f"(at most {MAX_MEMORY_FRACTION})"
+        )
+    return ["--mem-fraction-static", f"{fraction:.4f}"]
 
 
 def bench_command(

@@ -14,6 +14,7 @@ from benchmarks import served_workloads as sw
 pytestmark = pytest.mark.tools
 
 WS = sw.load()
+H200_MIB = 143771  # nvidia-smi memory.total of an H200: W4 sizes its memory in GiB
 
 
 def _rec(server_args: str, date: str) -> dict:
@@ -86,7 +87,9 @@ def _part(
     """A synthetic part file: ``results`` maps a workload to bench_serving's result fields."""
     runs = []
     for name, result in results.items():
-        cmd = sw.server_command(WS, server, config or sr.LEGACY[server], WS[name], Path("/m"), 1, tp)
+        cmd = sw.server_command(
+            WS, server, config or sr.LEGACY[server], WS[name], Path("/m"), 1, tp, gpu_total_mib=H200_MIB
+        )
         runs.append(
             {
                 "workload": name,

@@ -46,6 +46,29 @@ def test_commands_of_each_baseline_and_config():
         sw.bench_command(ws["M1"], "http://h", Path("o"), 1, {"admission": False})
 
 
+def test_memory_in_gib_is_a_fraction_of_each_card():
+    """W4 holds 26.7 GiB on any card: 0.19 of an H200, a third of an 80 GB H100 (where 0.19 left no room
+    for the KV pool beside the 8B model's weights)."""
+    ws = sw.parse(DOC)
+    w = ws["W4"]
+
+    def fraction(total_mib):
+        cmd = sw.server_command(ws, "upstream", "fa3", w, Path("/m"), 1, gpu_total_mib=total_mib)
+        return float(cmd[cmd.index("--mem-fraction-static") + 1])
+
+    assert w.static_memory_gib == 26.7 and "--mem-fraction-static" not in w.server_args
+    assert fraction(143771) == pytest.approx(0.19, abs=1e-3)  # H200
+    assert fraction(81559) == pytest.approx(26.7 * 1024 / 81559, abs=1e-4)  # H100
+    with pytest.raises(ValueError, match="the GPU's total is needed"):
+        sw.server_command(ws, "wgkv", "bf16", w, Path("/m"), 1)
+    with pytest.raises(ValueError, match="of this card's 24576 MiB"):
+        sw.server_command(ws, "wgkv", "bf16", w, Path("/m"), 1, gpu_total_mib=24576)
+    # a workload in fractions ignores the card's size
+    assert sw.server_command(ws, "upstream", "fa3", ws["W5"], Path("/m"), 1) == sw.server_command(
+        ws, "upstream", "fa3", ws["W5"], Path("/m"), 1, gpu_total_mib=81559
+    )
+
+
 def test_workloads_sharing_a_server():
     ws = sw.parse(DOC)
     assert ws["W1"].server_key("wgkv") == ws["W2"].server_key("wgkv")
@@ -78,6 +101,11 @@ def _workload(doc: dict, name: str) -> dict:
         (lambda d: d["metrics"]["tpot_ms"].update(better="less"), "lower or higher"),
         (lambda d: d["baselines"].update(best={"server_args": ""}), "'best' is the summary's pick"),
         (lambda d: d.update(kind="other"), "not 'served_workloads'"),
+        (lambda d: _workload(d, "W4").update(static_memory_gib=0), "must be a positive number"),
+        (
+            lambda d: _workload(d, "W4").update(server_args="--mem-fraction-static 0.19"),
+            "static_memory_gib and --mem-fraction-static",
+        ),
     ],
 )
 def test_a_broken_file_is_refused(edit, message):
