@@ -4,14 +4,13 @@ batch.reqs]`` on the batch and on the backend, so no step reads the device tenso
 (a batch built elsewhere, e.g. a unit test's, falls back to ``.tolist()``).
 """
 
+from sglang_wgkv.integration.backend import WGKVAttnBackend
+
 
 def record_batch_slots(result, cls, batch, model_runner, *args, **kwargs):
     """AFTER ``ForwardBatch.init_new``: the batch's host request slots, on the batch
     (``wgkv_req_slots``) and on a wgkv backend (``batch_slots``: CUDA-graph replay sees only a view
     of the batch). The scheduler builds each ForwardBatch right before running it."""
-    # imported here: the launcher registers this hook too, and needs none of the backend's imports
-    from sglang_wgkv.integration.backend import WGKVAttnBackend
-
     backend = getattr(model_runner, "attn_backend", None)
     if isinstance(backend, WGKVAttnBackend):
         slots = [req.req_pool_idx for req in batch.reqs]

@@ -38,11 +38,7 @@ def load_plugin() -> None:
     from sglang_wgkv.integration.batch_slots import record_batch_slots
 
     register_attention_backend(BACKEND_NAME)(create_wgkv_backend)
-    in_launcher = multiprocessing.parent_process() is None
-    if not in_launcher:
-        # SGLang looks the radix backend up where it builds the cache, in the schedulers; registering it
-        # imports SGLang's memory pools (about 2 CPU-s), which the launcher process does not use
-        radix_factory.register()
+    radix_factory.register()
     if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([BACKEND_NAME])
     for target, fn, kind in (
@@ -140,7 +136,7 @@ def load_plugin() -> None:
         ),
     ):
         HookRegistry.register(target, fn, kind)
-    if in_launcher:
+    if multiprocessing.parent_process() is None:
         # the HTTP app lives in the launcher only: the scheduler processes need not import it
         HookRegistry.register(
             "sglang.srt.entrypoints.http_server._setup_and_run_http_server",
