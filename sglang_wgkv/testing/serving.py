@@ -27,6 +27,21 @@ BASE_ARGS = (
 # Stopping a server kills its scheduler, which SGLang's launcher takes for a crash: without these it
 # sleeps 5 s for py-spy and CUDA core dumps before it exits.
 QUIET_STOP_ENV = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
+# SGLang's model modules the test servers load: their models (the embedded one, its short cut, the
+# GPU tests' Llama) are all LlamaForCausalLM.
+TEST_MODEL_MODULES = ("llama",)
+
+
+def only_test_models_env() -> dict[str, str]:
+    """``SGLANG_DISABLED_MODEL_ARCHS`` naming every SGLang model module but :data:`TEST_MODEL_MODULES`:
+    a scheduler otherwise imports all of them to find one class."""
+    from importlib.util import find_spec
+
+    models = Path(find_spec("sglang").submodule_search_locations[0]) / "srt" / "models"
+    others = sorted(p.stem for p in models.glob("*.py") if p.stem not in (*TEST_MODEL_MODULES, "__init__"))
+    return {"SGLANG_DISABLED_MODEL_ARCHS": ",".join(others)}
+
+
 HEALTH_POLL_S = 0.25
 BASE_DTYPE_BYTES = 4  # BASE_ARGS' float32: the pool's per-slot state costs half as many tokens as in bf16
 
@@ -43,6 +58,7 @@ class Server(ServerProcess):
             **os.environ,
             "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
             **QUIET_STOP_ENV,
+            **only_test_models_env(),
             **(env or {}),
         }
         super().__init__(
