@@ -346,7 +346,10 @@ class DualCachePool(ExtendStep, DecodeStep, MixedStep, KVScales, PoolIntegrity):
         act = torch.as_tensor(np.nonzero(self.active)[0], device=self.device)
         glen = self.global_len[act].long()
         ring = torch.as_tensor(np.minimum(self.cached_len[self.active], self.window), device=self.device)
-        left = self.left_ring.sum().item()
+        # the admission counters in one transfer; a difference of two readings is what the requests
+        # between them admitted
+        left_rows, promoted_rows = torch.stack((self.left_ring, self.promoted)).tolist()
+        left, promoted = sum(map(sum, left_rows)), sum(map(sum, promoted_rows))
         free = self.num_free_pages()
         used = self.allocator.num_pages - free
         return {
@@ -359,15 +362,15 @@ class DualCachePool(ExtendStep, DecodeStep, MixedStep, KVScales, PoolIntegrity):
             "global_tokens_per_layer_head": glen.sum(0).tolist() if act.numel() else [],
             "global_tokens": int(glen.sum()),
             "ring_tokens": int(ring.sum()) * self.num_layers * self.num_kv_heads,
-            "tokens_left_ring": int(left),
-            "tokens_promoted": int(self.promoted.sum().item()),
-            "admitted_fraction": (self.promoted.sum().item() / left) if left else None,
+            "tokens_left_ring": left,
+            "tokens_promoted": promoted,
+            "admitted_fraction": promoted / left if left else None,
             "mixed_forwards": self.mixed_forwards,
             "mixed_prefill_tokens_max": self.mixed_prefill_tokens_max,
-            "admitted_fraction_per_layer_head": (
-                self.promoted.double() / self.left_ring.clamp(min=1)
-            ).tolist(),
-            # the counts behind it: a difference of two readings is the admission of the requests between
-            "tokens_left_ring_per_layer_head": self.left_ring.tolist(),
-            "tokens_promoted_per_layer_head": self.promoted.tolist(),
+            "admitted_fraction_per_layer_head": [
+                [p / max(n, 1) for p, n in zip(p_row, n_row)]
+                for p_row, n_row in zip(promoted_rows, left_rows)
+            ],
+            "tokens_left_ring_per_layer_head": left_rows,
+            "tokens_promoted_per_layer_head": promoted_rows,
         }

@@ -7,6 +7,7 @@ inside the scheduler, so a leak kills the server and the next request fails).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -32,6 +33,7 @@ QUIET_STOP_ENV = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_B
 TEST_MODEL_MODULES = ("llama",)
 
 
+@functools.cache
 def only_test_models_env() -> dict[str, str]:
     """``SGLANG_DISABLED_MODEL_ARCHS`` naming every SGLang model module but :data:`TEST_MODEL_MODULES`:
     a scheduler otherwise imports all of them to find one class."""

@@ -37,10 +37,10 @@ from sglang_wgkv.testing.short_model import SHORT_LAYERS, ShortModel
 from sglang_wgkv.testing.soak_jobs import MIX, SoakJobs
 
 # The CPU soak's server (tests/test_soak.py, also tests/test_serving_reliability.py's), over the test
-# servers' 2048-token budget: W_local 32 and 128-token chunks, so prompts leave the ring and get promoted
-# and pressure batches outgrow the 1469 logical tokens (the soak tier sizes them to, tests/test_soak.py);
-# KV head 0 admits nothing, heads 1-2 everything; the short model (a forward ~5x cheaper; no job reads
-# what it answers).
+# servers' 2048-token budget (1469 logical tokens, which the soak tier's pressure batches outgrow:
+# tests/test_soak.py): W_local 32 and 128-token chunks, so prompts leave the ring and get promoted; KV
+# head 0 admits nothing, heads 1-2 everything; the short model (a forward ~5x cheaper; no job reads what
+# it answers).
 CPU_SERVER_ARGS = (
     "--model-path",
     ShortModel(),
