@@ -113,7 +113,9 @@ def profile_under_load(url: str, w: Workload, body: dict | None, a, trace_dir: P
     once ``--profile-load-delay-s`` have passed and no request of it waits (the batch at its full size),
     SGLang's torch profiler records ``--profile-steps`` forward steps; then the run is stopped (its
     requests are aborted as their connections close) and the server waits to be idle. Returns the trace
-    summary (:mod:`trace_summary`) and the running batch logged at the start."""
+    summary (:mod:`trace_summary`) and the running batch logged at the start. With
+    ``--profile-load-waiting`` it profiles once the delay has passed even while requests wait (the
+    steady state of prefill-heavy traffic: mixed forwards)."""
     import requests
 
     cmd = bench_command(w, url, out_dir / "profile_load.jsonl", 11, body)
@@ -123,10 +125,10 @@ def profile_under_load(url: str, w: Workload, body: dict | None, a, trace_dir: P
     try:
         # at least the delay, then until every request of the load runs (none waiting), at most 300 s more
         time.sleep(a.profile_load_delay_s)
-        deadline = time.monotonic() + 300
+        deadline, running, waiting = time.monotonic() + 300, None, None
         while bench.poll() is None and time.monotonic() < deadline:
             running, waiting = batch_state(url)
-            if running and not waiting:
+            if running and (not waiting or a.profile_load_waiting):
                 break
             time.sleep(1)
         if bench.poll() is not None:
@@ -156,5 +158,6 @@ def profile_under_load(url: str, w: Workload, body: dict | None, a, trace_dir: P
         "bench_command": shlex.join(cmd),
         "start_profile": started,
         "num_running_reqs": running,
+        "num_waiting_reqs": waiting,
         **summarize_dir(str(trace_dir), a.profile_steps),
     }

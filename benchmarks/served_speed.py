@@ -165,12 +165,30 @@ def refusal(result: dict, prompts: int) -> str | None:
     return next((e for e in result.get("errors") or [] if e), "requests failed without a message")[-2000:]
 
 
+def triton_cache_entries() -> set[str]:
+    """Kernel binaries in Triton's cache (``TRITON_CACHE_DIR`` or ``~/.triton/cache``), by file name."""
+    root = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    return {p.relative_to(root).as_posix() for p in root.glob("*/*.json")} if root.is_dir() else set()
+
+
+def triton_compiled_since(before: set[str]) -> list[str]:
+    """Names of the Triton kernels compiled since ``before`` (:func:`triton_cache_entries`): each is a
+    compile some request waited for, where start-up should have paid it."""
+    new = sorted(triton_cache_entries() - before)
+    return sorted({Path(n).stem for n in new if not Path(n).name.startswith("__grp__")})
+
+
 def measure(srv, a, w: sw.Workload, rec: dict, out_dir: Path) -> None:
     """The warm-up and the timed bench_serving of ``w`` on the running server, into ``rec``."""
     body = w.wgkv_request if a.server == "wgkv" else None
     warm = sw.bench_command(w, srv.url, out_dir / "warmup.jsonl", 7, body, sw.warmup_client(w))
     run_bench(warm, out_dir / "warmup.jsonl", a.bench_timeout)
     if a.warm_only:  # compiles (FlashInfer's JIT cache) and times nothing
+        return
+    rec["compiled_in_warmup"] = triton_compiled_since(rec.pop("_cache_at_healthy"))
+    cache_after_warmup = triton_cache_entries()
+    if a.no_timed:
+        measure_profiles(srv, a, w, body, rec, out_dir)
         return
     out_file = out_dir / f"bench.{a.server}.{rec['config']}.{w.name}.jsonl"
     details = w.upstream_may_refuse and a.server == "upstream"
@@ -187,6 +205,12 @@ def measure(srv, a, w: sw.Workload, rec: dict, out_dir: Path) -> None:
         rec["refusal"] = refusal(rec["result"], w.client.prompts)
         for key in ("itls", "generated_texts", "errors", "ttfts", "input_lens", "output_lens"):
             rec["result"].pop(key, None)  # per-request details: kept in the bench file only
+    rec["compiled_in_timed_run"] = triton_compiled_since(cache_after_warmup)
+    measure_profiles(srv, a, w, body, rec, out_dir)
+
+
+def measure_profiles(srv, a, w: sw.Workload, body: dict | None, rec: dict, out_dir: Path) -> None:
+    """The profiles asked for ``w`` (``--profile-*``), the server's state and its largest batch."""
     profile_dir = Path(a.profile_dir) if a.profile_dir else None
     if profile_dir and w.name in a.profile_workloads.split(","):
         rec["profile"] = profile_decode(srv.url, w, body, a, profile_dir / w.name)
@@ -266,9 +290,11 @@ def run(a) -> None:
         )
         try:
             startup = srv.wait_healthy(a.startup_timeout, path="/health", probe_timeout_s=10)
+            cache_at_healthy = triton_cache_entries()
             for w in group:
                 rec = {"workload": w.name, "config": config, "server_command": shlex.join(cmd)}
                 rec |= {"server_env": w.env, "startup_s": startup, "gpu_used_mib_before_start": gpu_before}
+                rec["_cache_at_healthy"], cache_at_healthy = cache_at_healthy, triton_cache_entries()
                 try:
                     measure(srv, a, w, rec, out_dir)
                 except Exception as exc:  # recorded; the next workload still runs
@@ -311,6 +337,12 @@ def main(argv=None) -> None:
     p.add_argument("--profile-load-workloads", default="", help="decode steps under the workload's own load")
     p.add_argument("--profile-prefill-workloads", default="", help="every prefill chunk of one request")
     p.add_argument("--profile-load-delay-s", type=float, default=30, help="then until no request waits")
+    p.add_argument(
+        "--profile-load-waiting",
+        action="store_true",
+        help="profile under load once the delay has passed, while requests still wait (mixed traffic)",
+    )
+    p.add_argument("--no-timed", action="store_true", help="warm-up and profiles only: no timed run")
     p.add_argument(
         "--warm-only",
         action="store_true",

@@ -67,6 +67,11 @@ def summarize_events(events: list[dict], steps: int | None = None) -> dict:
         if e.get("ph") == "X" and e.get("cat") == "cuda_runtime":
             runtime[e["name"]][0] += 1
             runtime[e["name"]][1] += e["dur"]
+    host_ops = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation"):
+            host_ops[e["name"][:100]][0] += 1
+            host_ops[e["name"][:100]][1] += e["dur"]
     per = steps or 1
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:30]
     return {
@@ -84,6 +89,10 @@ def summarize_events(events: list[dict], steps: int | None = None) -> dict:
         "cuda_runtime_calls": {
             k: {"calls": c, "us": round(t, 1)}
             for k, (c, t) in sorted(runtime.items(), key=lambda kv: -kv[1][1])[:12]
+        },
+        "host_ops_per_step": {  # nested ops count in their callers too
+            k: {"calls": c / per, "us": round(t / per, 1)}
+            for k, (c, t) in sorted(host_ops.items(), key=lambda kv: -kv[1][1])[:25]
         },
         "idle_in_gaps_over_1ms_us_per_step": sum(g - a for a, g, *_ in gaps if g - a > 1000) / per,
         "largest_idle_gaps": [

@@ -40,6 +40,7 @@ prefill gate's tensor-core launch, :meth:`PrefillGate.admit`) and the flags' wri
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING
 
@@ -66,6 +67,14 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+def traced(name: str):
+    """A named span in a torch-profiler trace (``/start_profile``) and nothing otherwise: the host
+    time of each part of a forward reads from the trace (``benchmarks/trace_summary.py``)."""
+    if torch._C._autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
@@ -150,9 +159,13 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
         return slots
 
     def init_forward_metadata(self, forward_batch: ForwardBatch):
-        mode = forward_batch.forward_mode
-        if mode.is_idle():
+        if forward_batch.forward_mode.is_idle():
             return
+        with traced("wgkv.plan_forward"):
+            self._plan_forward(forward_batch)
+
+    def _plan_forward(self, forward_batch: ForwardBatch):
+        mode = forward_batch.forward_mode
         self._gate_check.poll()
         host_slots = self._host_slots(forward_batch)
         split = len(host_slots) - self._decode_rows_of(forward_batch, host_slots)  # prefill rows first
@@ -319,32 +332,37 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
         if n is None:
             return self._extend_rows(q3, k3, v3, k_pre, layer, forward_batch.positions).reshape(-1, Hq * Dv)
         ext = self._extend_rows(q3[:n], k3[:n], v3[:n], k_pre[:n], layer, forward_batch.positions[:n])
-        dec = self._decode_rows(q3[n:], k3[n:], v3[n:], k_pre[n:], layer)
+        with traced("wgkv.mixed_decode_rows"):
+            dec = self._decode_rows(q3[n:], k3[n:], v3[n:], k_pre[n:], layer)
         return torch.cat([ext.reshape(-1, Hq * Dv), dec.to(ext.dtype).reshape(-1, Hq * Dv)])
 
     def _extend_rows(self, q3, k3, v3, k_pre, layer: RadixAttention, positions) -> torch.Tensor:
         """q3 ``[N, Hq, D]``, k3, v3, k_pre ``[N, H, D]``, positions ``[N]``: the extend plan's packed
         rows in ``layer``; returns ``[N, Hq, Dv]``."""
-        admit = self._admit(layer, k_pre, k3, self._row_tau, check=True)
-        if self.evictor is not None:
-            self.evictor.observe_extend(layer.layer_id, q3)
-        keys, values, k_pos, admitted = self.dual.extend_inputs(
-            layer.layer_id, k3, v3, admit, positions, q3.dtype
-        )
+        with traced("wgkv.extend_gate"):
+            admit = self._admit(layer, k_pre, k3, self._row_tau, check=True)
+            if self.evictor is not None:
+                self.evictor.observe_extend(layer.layer_id, q3)
+        with traced("wgkv.extend_inputs"):
+            keys, values, k_pos, admitted = self.dual.extend_inputs(
+                layer.layer_id, k3, v3, admit, positions, q3.dtype
+            )
         qo_indptr, kv_indptr = self._indptrs
-        out = self._prefill(
-            q3,
-            keys,
-            values,
-            admitted,
-            qo_indptr,
-            kv_indptr[layer.layer_id],
-            positions,
-            k_pos,
-            self.config.local_window,
-            sm_scale=layer.scaling,
-        )
-        self.dual.write_extend(layer.layer_id, k3, v3, admit)
+        with traced("wgkv.extend_attention"):
+            out = self._prefill(
+                q3,
+                keys,
+                values,
+                admitted,
+                qo_indptr,
+                kv_indptr[layer.layer_id],
+                positions,
+                k_pos,
+                self.config.local_window,
+                sm_scale=layer.scaling,
+            )
+        with traced("wgkv.extend_write"):
+            self.dual.write_extend(layer.layer_id, k3, v3, admit)
         if layer.layer_id == self.dual.num_layers - 1:
             self._gate_check.end_forward()
         return out
