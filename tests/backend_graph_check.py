@@ -34,6 +34,7 @@ from sglang_wgkv.integration.backend import WGKVAttnBackend
 from sglang_wgkv.integration.decode_rows import SCRATCH_SLOT, DecodeRows
 from sglang_wgkv.memory import DualCachePool
 from sglang_wgkv.memory.evictor import SnapKVEvictor
+from sglang_wgkv.memory.extend_writes import ExtendWrites
 
 L, H, HQ, D, W = 2, 2, 4, 64, 32
 DT = torch.bfloat16
@@ -112,6 +113,7 @@ def make_backend(
         _gate_stream=None,
         _indptrs=None,
         _gate_check=DeferredGateCheck(pool.num_layers, pool.device),
+        _writes=ExtendWrites(pool),
         _tensor_core_gate_rows=1,
         decode_launch=DecodeConfig.parse(decode_launch) if use_kernels else None,
     )

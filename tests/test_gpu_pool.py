@@ -226,18 +226,21 @@ def test_triton_decode_promote_graph_replay():
 
 def test_served_extend_layers_never_wait_for_the_host():
     """The per-layer work of a served prefill (context gather with the plan's page columns, gate
-    check, Triton plan + compaction + attention, pool write) issues no host sync: under
+    check, Triton plan + compaction + attention, the pool writes staged and written for the layers at
+    once) issues no host sync: under
     ``set_sync_debug_mode("error")`` any synchronising op raises. (A sync per layer leaves the GPU idle
     while the host catches up, a large share of each long prefill.)"""
     from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
     from sglang_wgkv.gate.admission import DeferredGateCheck
     from sglang_wgkv.memory.extend_step import to_device
+    from sglang_wgkv.memory.extend_writes import ExtendWrites
 
     dev, L, H, Hq, D, W = "cuda", 2, 4, 8, 128, 64
     pool = _pool(L, H, D, W, torch.bfloat16, dev)
     pool.alloc_request(1)
     gen = torch.Generator(device=dev).manual_seed(0)
     check = DeferredGateCheck(L, dev)
+    writes = ExtendWrites(pool)
     for S, n in ((0, 300), (300, 200), (500, 40)):
         plan = pool.begin_extend([1], [S], [n])  # once per forward; may sync
         nk = [n + (plan.context_gcols[0][layer] * 16 + min(S, W) if S else 0) for layer in range(L)]
@@ -258,7 +261,7 @@ def test_served_extend_layers_never_wait_for_the_host():
                     keys, values = torch.cat([ck, k]), torch.cat([cv, v])
                     kpos, adm = torch.cat([cpos, pos]), torch.cat([cadm, admit])
                 vertical_slash_attention(q, keys, values, adm, qo_indptr, kv_indptr[layer], pos, kpos, W)
-                pool.write_extend(layer, k, v, admit)
+                writes.stage(layer, k, v, admit)
             check.end_forward()
         finally:
             torch.cuda.set_sync_debug_mode(0)

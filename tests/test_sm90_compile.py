@@ -236,3 +236,44 @@ def test_fp8_decode_kernels_compile_for_sm90(kv_dtype):
         assert pool_kernel.metadata.shared <= SM90_MAX_SHARED, kernel.fn.__name__
         if "satfinite" in pool_kernel.asm["ptx"]:  # the ring write: it quantizes
             assert "div.full.f32" not in pool_kernel.asm["ptx"], kernel.fn.__name__
+
+
+# Sizes that change from launch to launch: specialized (an integer 1 made a constant, one divisible
+# by 16 marked so), each new combination is a compile that a serving request waits for.
+UNSPECIALIZED_SIZES = {
+    "sglang_wgkv.attention.triton_prefill._vertical_slash_fwd": {"compact_rows", "num_blocks"},
+    "sglang_wgkv.attention.triton_prefill_plan._compact_fwd": {"num_keys"},
+    "sglang_wgkv.attention.triton_prefill_plan._plan_kernel": {"num_seqs", "num_q", "n_iter"},
+    "sglang_wgkv.attention.triton_decode_split._split_kernel": {"num_splits"},
+    "sglang_wgkv.attention.triton_decode_merge._merge_kernel": {"num_splits"},
+    "sglang_wgkv.gate.triton_gate._decode_gate_kernel": {"num_splits", "slice_width"},
+    "sglang_wgkv.gate.triton_prefill_gate._prefill_gate_kernel": {"T"},
+    "sglang_wgkv.memory.triton_pool_write_kernels._prefill_write_kernel": {"n_tokens", "leaving"},
+    "sglang_wgkv.memory.triton_pool_write_kernels._decode_write_kernel": {"layer"},
+    "sglang_wgkv.memory.triton_extend._extend_context_kernel": {
+        "r",
+        "layer",
+        "prefix",
+        "g_rows",
+        "ring_n",
+        "n_new",
+        "start",
+        "out0",
+    },
+    "sglang_wgkv.memory.triton_snapkv._snapkv_raw_kernel": {"Wq", "Nr"},
+}
+
+
+@pytest.mark.parametrize("path", sorted(UNSPECIALIZED_SIZES))
+def test_served_kernels_take_sizes_unspecialized(path):
+    """Every launch-to-launch size of a served kernel is ``do_not_specialize``; strides and pointers
+    keep their divisibility (the loads' width depends on it)."""
+    import importlib
+
+    module, name = path.rsplit(".", 1)
+    kernel = getattr(importlib.import_module(module), name)
+    params = {p.name: p for p in kernel.params}
+    missing = UNSPECIALIZED_SIZES[path] - params.keys()
+    assert not missing, f"{path} has no parameters {missing}"
+    assert {n for n in UNSPECIALIZED_SIZES[path] if not params[n].do_not_specialize} == set()
+    assert not [n for n, p in params.items() if n.startswith("stride") and p.do_not_specialize]

@@ -119,7 +119,7 @@ def _merge_group(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
     Out,
     GlobalLen,

@@ -19,7 +19,7 @@ def _dot(a, b, UPCAST: tl.constexpr):
     return tl.dot(a, b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _split_kernel(
     Q,
     K,

@@ -25,7 +25,7 @@ from sglang_wgkv.attention.triton_prefill_plan import (
     build_vertical_slash_plan_triton,
     compact_admitted_triton,
 )
-from sglang_wgkv.attention.vertical_slash_plan import VerticalSlashPlan
+from sglang_wgkv.attention.vertical_slash_plan import VerticalSlashPlan, _exclusive_count
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def _update(q, k, v, m_i, l_i, acc, visible, qk_scale, MASKED: tl.constexpr):
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["compact_rows", "num_blocks"])
 def _vertical_slash_fwd(
     q_desc,
     k_desc,
@@ -217,16 +217,18 @@ def vertical_slash_attention(
     Nq, Hq, D = q.shape
     Nk, Hkv = k.shape[:2]
     cfg = config or default_config(D)
+    # the admitted-key counts both work lists start from, computed once
+    excl = _exclusive_count(admitted) if plan is None or compacted is None else None
     if plan is None:
         # The one-launch plan: several times faster than the torch plan at 32K-128K keys, with the same
         # values (checked on the GPU and in the interpreter).
         plan = build_vertical_slash_plan_triton(
-            admitted, qo_indptr, kv_indptr, q_pos, k_pos, local_window, cfg.block_m
+            admitted, qo_indptr, kv_indptr, q_pos, k_pos, local_window, cfg.block_m, excl
         )
     elif plan.block_m != cfg.block_m:
         raise ValueError(f"plan.block_m {plan.block_m} != config.block_m {cfg.block_m}")
     if compacted is None:
-        kc, vc = compact_admitted_triton(k, v, admitted, kv_indptr)
+        kc, vc = compact_admitted_triton(k, v, admitted, kv_indptr, excl=excl)
     else:
         kc, vc = compacted
     out = torch.empty_like(q)

@@ -14,7 +14,7 @@ import triton.language as tl
 from sglang_wgkv.attention.vertical_slash_plan import VerticalSlashPlan, _exclusive_count, admitted_rank
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_keys"])
 def _compact_fwd(
     K,
     V,
@@ -58,11 +58,13 @@ def compact_admitted_triton(
     kv_indptr: torch.Tensor,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     block: int = 64,
+    excl: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`~sglang_wgkv.attention.vertical_slash_plan.compact_admitted` with one Triton copy: only
     admitted rows are read and written (the torch version scatters every row, the rejected ones to a
     scratch row, through a two-index ``index_put``). Same contract and result; k/v rows may be strided
-    but each head's ``D`` values contiguous."""
+    but each head's ``D`` values contiguous. ``excl``: ``_exclusive_count(admitted)`` when the caller
+    has it (the plan needs it too)."""
     Nk, H, D = k.shape
     if out is None:
         out = (k.new_zeros(H, Nk + 1, D), v.new_zeros(H, Nk + 1, D))
@@ -74,7 +76,7 @@ def compact_admitted_triton(
         or any(o.shape != (H, Nk + 1, D) or not o.is_contiguous() for o in out)
     ):
         raise ValueError("k/v need contiguous head rows and out two contiguous [Hkv, Nk + 1, D] buffers")
-    dest = admitted_rank(admitted, kv_indptr)
+    dest = admitted_rank(admitted, kv_indptr, excl)
     adm = admitted.view(torch.uint8)
     _compact_fwd[(triton.cdiv(Nk, block), H)](
         k,
@@ -113,7 +115,7 @@ def _count_le(KPos, lo, hi, x, n_iter):
     return left
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_q", "n_iter"])
 def _plan_kernel(
     QO,
     KV,
@@ -184,6 +186,7 @@ def build_vertical_slash_plan_triton(
     k_pos: torch.Tensor,
     local_window: int,
     block_m: int,
+    excl: torch.Tensor | None = None,
 ) -> VerticalSlashPlan:
     """:func:`~sglang_wgkv.attention.vertical_slash_plan.build_vertical_slash_plan` as the admitted-count
     scan plus one Triton launch (one program per query block; binary searches over its sequence's key
@@ -199,7 +202,7 @@ def build_vertical_slash_plan_triton(
         torch.empty(NB, dtype=i32, device=dev) for _ in range(5)
     )
     vertical = torch.empty(NB, H, dtype=i32, device=dev)
-    excl = _exclusive_count(admitted)
+    excl = _exclusive_count(admitted) if excl is None else excl
     if NB:
         _plan_kernel[(NB,)](
             qo_indptr,

@@ -32,19 +32,39 @@ class DeferredGateCheck:
     def __init__(self, num_layers: int, device):
         self.device = torch.device(device)
         self.deferred = self.device.type == "cuda"
+        self.num_layers = num_layers
         self.bad = torch.zeros(num_layers, dtype=torch.int64, device=self.device)
         self.host = torch.zeros(num_layers, dtype=torch.int64, pin_memory=self.deferred)
         self._event = torch.cuda.Event() if self.deferred else None
         self._pending = False
+        self._values: torch.Tensor | None = None  # [L, *g.shape]: this forward's gate values
+        self._recorded: list[int] = []
 
     def record(self, g: torch.Tensor, layer_id: int) -> None:
         if not self.deferred:
             check_gate_output(g, layer_id)
             return
-        self.bad[layer_id] += (~((g >= 0) & (g <= 1))).sum()
+        # one copy per layer; the check runs once over all layers in end_forward
+        if self._values is None or self._values.shape[1:] != g.shape or self._values.dtype != g.dtype:
+            self._flush()
+            self._values = g.new_empty(self.num_layers, *g.shape)
+        self._values[layer_id].copy_(g)
+        self._recorded.append(layer_id)
+
+    def _flush(self) -> None:
+        if not self._recorded:
+            return
+        counts = (~((self._values >= 0) & (self._values <= 1))).flatten(1).sum(1)
+        if self._recorded == list(range(self.num_layers)):
+            self.bad += counts
+        else:
+            rows = torch.tensor(sorted(set(self._recorded)), device=self.device)
+            self.bad[rows] += counts[rows]
+        self._recorded = []
 
     def end_forward(self) -> None:
         if self.deferred:
+            self._flush()
             self.host.copy_(self.bad, non_blocking=True)
             self._event.record()
             self._pending = True

@@ -29,7 +29,7 @@ import triton.language as tl
 MAX_SPLIT_COUNT = 32
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "slice_width"])
 def _decode_gate_kernel(
     KPre,
     KPost,

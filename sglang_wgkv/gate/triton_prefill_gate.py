@@ -51,7 +51,7 @@ CHECK_TOLERANCE = 1e-4
 logger = logging.getLogger(__name__)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _prefill_gate_kernel(
     KPre,
     KPost,

@@ -60,6 +60,7 @@ from sglang_wgkv.integration.runtime import get_runtime
 from sglang_wgkv.integration.served_gates import build_gates
 from sglang_wgkv.integration.settings import BACKEND_NAME
 from sglang_wgkv.memory.extend_step import context_rows, to_device
+from sglang_wgkv.memory.extend_writes import ExtendWrites
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -114,6 +115,7 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
         self._mixed_split = None  # a mixed forward: its packed prefill rows (then its decode rows)
         self._indptrs = None  # (qo_indptr [B + 1], kv_indptr [L, B + 1]) on the device, per extend forward
         self._gate_check = DeferredGateCheck(self.dual.num_layers, self.device)  # prefill gate values
+        self._writes = ExtendWrites(self.dual)  # an extend forward's pool writes, layers grouped
         self.use_kernels = runtime.use_kernels  # the runtime's one torch/Triton choice
         self._prefill = reference.vertical_slash_attention
         self.decode_gate = None
@@ -165,6 +167,8 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
             self._plan_forward(forward_batch)
 
     def _plan_forward(self, forward_batch: ForwardBatch):
+        if self._writes.pending:
+            raise RuntimeError(f"a forward ended with {self._writes.pending} layers' pool writes unwritten")
         mode = forward_batch.forward_mode
         self._gate_check.poll()
         host_slots = self._host_slots(forward_batch)
@@ -362,7 +366,7 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
                 sm_scale=layer.scaling,
             )
         with traced("wgkv.extend_write"):
-            self.dual.write_extend(layer.layer_id, k3, v3, admit)
+            self._writes.stage(layer.layer_id, k3, v3, admit)
         if layer.layer_id == self.dual.num_layers - 1:
             self._gate_check.end_forward()
         return out

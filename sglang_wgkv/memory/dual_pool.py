@@ -299,7 +299,8 @@ class DualCachePool(ExtendStep, DecodeStep, MixedStep, KVScales, PoolIntegrity):
     def _append_pages(self, req, layer, glen, cnt, max_new_pages: int) -> None:
         """Allocate the pages that growing each stream's global length by ``cnt`` needs.
 
-        req ``[B]``; layer an int (glen/cnt ``[B, H]``) or None for all layers (``[B, L, H]``).
+        req ``[B]``; layer an int (glen/cnt ``[B, H]``), a slice of layers (``[B, G, H]``) or None for
+        all layers (``[B, L, H]``).
         """
         old = (glen + PAGE_SIZE - 1) // PAGE_SIZE
         new = (glen + cnt + PAGE_SIZE - 1) // PAGE_SIZE - old
@@ -307,15 +308,16 @@ class DualCachePool(ExtendStep, DecodeStep, MixedStep, KVScales, PoolIntegrity):
         need = j < new[..., None]
         pages = self.allocator.alloc_where(need).to(torch.int32)
         col = torch.where(need, self.ring_cols + old[..., None] + j, self.dump_col)
-        if layer is None:
+        if isinstance(layer, int):
+            idx = (req[:, None, None], layer, self._heads[None, :, None], col)
+        else:
+            layers = self._layers if layer is None else self._layers[layer]
             idx = (
                 req[:, None, None, None],
-                self._layers[None, :, None, None],
+                layers[None, :, None, None],
                 self._heads[None, None, :, None],
                 col,
             )
-        else:
-            idx = (req[:, None, None], layer, self._heads[None, :, None], col)
         self.page_table[idx] = torch.where(need, pages, self.dump_page)
 
     # -- queries --------------------------------------------------------------------------------

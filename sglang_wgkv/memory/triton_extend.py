@@ -21,7 +21,7 @@ import triton.language as tl
 from sglang_wgkv.config import FAR_POSITION, PAGE_SIZE
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_cand"])
 def _extend_move_kernel(
     K,
     V,
@@ -75,7 +75,7 @@ def _move_rows(Pages, new_ptr, ring_row, dst, flag, ring, new):
     tl.store(Pages + dst, tl.where(ring[:, None], from_ring, from_new), mask=flag[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["layer", "n_rows"])
 def _extend_ring_kernel(
     K,
     V,
@@ -126,7 +126,7 @@ def _extend_ring_kernel(
     tl.store(RingFlag + r * stride_fr + layer * stride_fl + h * stride_fh + slot, flag, mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["r", "layer", "prefix", "g_rows", "ring_n", "n_new", "start", "out0"])
 def _extend_context_kernel(
     KPages,
     VPages,

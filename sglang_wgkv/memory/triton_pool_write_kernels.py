@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tokens", "leaving"])
 def _prefill_write_kernel(
     K,
     V,
@@ -53,7 +53,7 @@ def _prefill_write_kernel(
     tl.store(VPages + dst, v.to(VPages.dtype.element_ty), mask=write[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["layer"])
 def _decode_write_kernel(
     K,
     V,

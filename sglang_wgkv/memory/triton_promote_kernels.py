@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["start", "n_items"])
 def _promote_items(Req, Pos, RingFlag, GlobalLen, start, n_items, LH, window, BLOCK: tl.constexpr):
     """Items ``i = b * LH + (l * H + h)`` of one block: (valid, lh, row, leaving, flag, g, need)."""
     i = start + tl.arange(0, BLOCK)
@@ -26,7 +26,7 @@ def _promote_items(Req, Pos, RingFlag, GlobalLen, start, n_items, LH, window, BL
     return valid, lh, row, leaving, flag, g, need
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["start", "n_items", "num_free", "taken"])
 def _promote_block(
     Req,
     Pos,
@@ -62,7 +62,7 @@ def _promote_block(
     return tl.sum(need.to(tl.int64), 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_items"])
 def _promote_alloc_kernel(
     Req,
     Pos,
@@ -110,14 +110,14 @@ def _promote_alloc_kernel(
 # over the blocks in parallel: count the new pages of every block, then each block takes its pages
 # after the earlier blocks' (a prefix sum of the counts), then one program lowers num_free. At W3's
 # batch (128 x 256 streams, 32 blocks) a single-program scan was a visible share of the decode step.
-@triton.jit
+@triton.jit(do_not_specialize=["n_items"])
 def _promote_count_kernel(Req, Pos, RingFlag, GlobalLen, Counts, n_items, LH, window, BLOCK: tl.constexpr):
     blk = tl.program_id(0)
     need = _promote_items(Req, Pos, RingFlag, GlobalLen, blk * BLOCK, n_items, LH, window, BLOCK)[6]
     tl.store(Counts + blk, tl.sum(need.to(tl.int64), 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_items"])
 def _promote_alloc_blocks_kernel(
     Req,
     Pos,
@@ -163,7 +163,7 @@ def _promote_alloc_blocks_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_blocks"])
 def _promote_take_kernel(NumFree, Counts, n_blocks, BLOCKS_PAD: tl.constexpr):
     k = tl.arange(0, BLOCKS_PAD)
     tl.store(NumFree, tl.load(NumFree) - tl.sum(tl.load(Counts + k, mask=k < n_blocks, other=0), 0))

@@ -55,7 +55,7 @@ def _logits(q, k, sm_scale, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Wq", "Nr"])
 def _snapkv_raw_kernel(
     Q,
     QPos,

@@ -1,0 +1,101 @@
+"""An extend forward's pool writes staged and written for groups of layers (``ExtendWrites``,
+``DualCachePool.write_extend_layers``) leave the pool as per-layer ``write_extend`` calls do."""
+
+import pytest
+import torch
+
+from sglang_wgkv.config import WGKVConfig
+from sglang_wgkv.memory import DualCachePool
+from sglang_wgkv.memory.extend_writes import ExtendWrites
+
+pytestmark = pytest.mark.core
+
+L, H, D, W = 3, 2, 16, 32
+# (slot, prefix, extend): past the ring (ring rows and new rows leave it), inside it, new
+ROWS = [(1, 70, 40), (2, 20, 30), (3, 0, 50)]
+
+
+def _pool(dtype):
+    pool = DualCachePool(L, H, D, 300, 4, 256, WGKVConfig(local_window=W), dtype=dtype)
+    if dtype != torch.float32:
+        pool.set_kv_scales([0.5, 1.0, 2.0], [0.25, 1.0, 4.0])
+    return pool
+
+
+def _prefix(pool, gen):
+    """Each request's prefix, written per layer."""
+    for r, S, _ in ROWS:
+        pool.alloc_request(r)
+        if S:
+            pool.begin_extend([r], [0], [S])
+            for layer in range(L):
+                k, v = torch.randn(2, S, H, D, generator=gen)
+                pool.write_extend(layer, k, v, torch.rand(S, H, generator=gen) < 0.5)
+
+
+def _state(pool, r):
+    S = int(pool.cached_len[r])
+    ctx = [pool.gather_context(layer, r, S) for layer in range(L)]
+    return S, pool.global_len[r].clone(), pool.ring_flag[r].clone(), ctx
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn], ids=["f32", "e4m3"])
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_grouped_writes_equal_per_layer_writes(dtype, group):
+    per_layer, grouped = _pool(dtype), _pool(dtype)
+    for pool in (per_layer, grouped):
+        _prefix(pool, torch.Generator().manual_seed(5))
+    gen = torch.Generator().manual_seed(6)
+    N = sum(n for *_, n in ROWS)
+    k, v = torch.randn(2, L, N, H, D, generator=gen)
+    admit = torch.rand(L, N, H, generator=gen) < 0.5
+    slots, prefix, extend = map(list, zip(*ROWS))
+
+    per_layer.begin_extend(slots, prefix, extend)
+    for layer in range(L):
+        per_layer.write_extend(layer, k[layer], v[layer], admit[layer])
+
+    grouped.begin_extend(slots, prefix, extend)
+    layer_bytes = 2 * N * H * D * k.element_size()
+    writes = ExtendWrites(grouped, budget_bytes=group * layer_bytes)
+    assert writes.group_layers(k[0], v[0]) == group
+    for layer in range(L):
+        writes.stage(layer, k[layer], v[layer], admit[layer])
+    assert writes.pending == 0 and writes.groups_written == -(-L // group)
+
+    for r, *_ in ROWS:
+        want, got = _state(per_layer, r), _state(grouped, r)
+        assert want[0] == got[0]
+        assert torch.equal(want[1], got[1]) and torch.equal(want[2], got[2])
+        for layer in range(L):
+            assert all(torch.equal(a, b) for a, b in zip(want[3][layer], got[3][layer])), (r, layer)
+    assert torch.equal(per_layer.left_ring, grouped.left_ring)
+    assert torch.equal(per_layer.promoted, grouped.promoted)
+    assert per_layer.num_free_pages() == grouped.num_free_pages()
+    for pool in (per_layer, grouped):
+        pool.check_integrity()
+
+
+def test_layers_staged_out_of_order_raise():
+    pool = _pool(torch.float32)
+    pool.alloc_request(1)
+    pool.begin_extend([1], [0], [8])
+    k = torch.randn(8, H, D)
+    writes = ExtendWrites(pool)
+    writes.stage(0, k, k, torch.ones(8, H, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="out of order"):
+        writes.stage(2, k, k, torch.ones(8, H, dtype=torch.bool))
+
+
+def test_group_never_spans_past_the_last_layer_and_budget_is_positive():
+    pool = _pool(torch.float32)
+    pool.alloc_request(1)
+    pool.begin_extend([1], [0], [8])
+    k = torch.randn(8, H, D)
+    writes = ExtendWrites(pool, budget_bytes=1 << 30)
+    assert writes.group_layers(k, k) == L  # never more than the model's layers
+    for layer in range(L):
+        writes.stage(layer, k, k, torch.zeros(8, H, dtype=torch.bool))
+    assert writes.groups_written == 1 and writes.pending == 0
+    with pytest.raises(ValueError, match="positive"):
+        ExtendWrites(pool, budget_bytes=0)
