@@ -147,7 +147,7 @@ def profile_under_load(url: str, w: Workload, body: dict | None, a, trace_dir: P
     finally:
         os.killpg(bench.pid, signal.SIGTERM)
         bench.wait(timeout=60)
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + a.profile_drain_timeout_s
     while time.monotonic() < deadline:  # the aborted requests leave before the next workload starts
         if batch_state(url) == (0, 0):
             break

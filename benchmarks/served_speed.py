@@ -344,6 +344,12 @@ def main(argv=None) -> None:
     )
     p.add_argument("--no-timed", action="store_true", help="warm-up and profiles only: no timed run")
     p.add_argument(
+        "--profile-drain-timeout-s",
+        type=float,
+        default=300,
+        help="after a profile under load, at most this long for its aborted requests to leave",
+    )
+    p.add_argument(
         "--warm-only",
         action="store_true",
         help="start each server and send the warm-up request only (builds FlashInfer's JIT cache; writes no runs)",
