@@ -24,7 +24,7 @@ once for its token. Peak memory = ``torch.cuda.max_memory_allocated`` over prefi
 weights included. A length that does not fit records ``{"oom": ...}``.
 
 Each length and mode is one entry of ``<out>/<name>.json``; ``--append`` merges a run into an
-existing file (so a sweep can be split over several device calls); ``<name>.md`` is the markdown
+existing file (so a sweep can be split over several time-limited runs); ``<name>.md`` is the markdown
 table of everything in the file.
 
 The engines live in ``fig8_engines`` (the step loop, dense) and ``fig8_wgkv_engine``, the table
