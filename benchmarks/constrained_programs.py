@@ -16,7 +16,7 @@ Servers (``--servers``, in order):
     python -m benchmarks.constrained_programs --servers wgkv,disable-wgkv --out $OUT/h200_programs.json
 
 ``--max-new-tokens N`` caps every generation (default: the programs' own limits). ``--merge A.json B.json
---out C.json`` joins the runs of separate invocations (one server per call, e.g. on a busy machine).
+--out C.json`` joins the runs of separate invocations (one server per invocation, e.g. on a busy machine).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Where one decode launch's time goes at the served W1 shape (issue 15): the fixed cost per launch.
 
 Batch 1, Llama-3.1-8B layer (Hq 32, Hkv 8, D 128, bf16), W_local 256, 75% rejection (25% of the tokens
-past the ring admitted), pages in random order (:class:`benchmarks.kernel_decode.FoldedPool`). Each
+past the ring admitted), pages in random order (:class:`benchmarks.decode_workload.FoldedPool`). Each
 variant is timed per layer under CUDA-graph replay over several layers (working set > L2) at several
 context lengths, and fitted as ``ms = fixed + bytes / bandwidth`` (least squares over the lengths):
 ``fixed`` is what a launch costs whatever it reads (launch gap, prologue, the merge tail).
@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import Deadline, environment, write_json
-from benchmarks.kernel_decode import (
+from benchmarks.decode_workload import (
     DT,
     HKV,
     HQ,

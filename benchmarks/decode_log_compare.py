@@ -2,7 +2,7 @@
 lines (``Decode batch, #running-req: R, #token: T, ... gen throughput (token/s): G``, one per
 ``--decode-log-interval`` steps) matched by running requests and token count.
 
-For a run cut before ``bench_serving`` wrote its result (a device call's time limit), the decode
+For a run cut before ``bench_serving`` wrote its result (a step's time limit), the decode
 lines are what is left: same workload and seed, so the intervals of the two runs cover the same
 tokens. Intervals under ``--stall`` of their run's median (a compile, an eviction wave) are listed
 but left out of the summary.

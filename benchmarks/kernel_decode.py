@@ -17,6 +17,8 @@ and rejection rate, every (request, layer, KV head) stream holds the full ring (
 ``two_launch`` (``triton_two_launch`` alone). Effective TB/s = K+V bytes the kernel must read / time.
 A small launch-shape sweep (block_n, warps, stages, splits; fused merge unless ``two_launch``) runs
 first at one shape and is reported; the timed runs use the defaults unless ``--use-best``.
+The workload (pool layout, CUDA-graph timing) lives in ``decode_workload``, the figure in
+``kernel_plots``.
 
 usage: python -m benchmarks.kernel_decode [--out DIR] [--lengths ...] [--rejections ...] [--batches 1 8]
                                           [--deadline S] [--no-sweep] [--use-best]
@@ -25,110 +27,33 @@ usage: python -m benchmarks.kernel_decode [--out DIR] [--lengths ...] [--rejecti
 
 import argparse
 import dataclasses
-import math
 import os
 
 import torch
 
-from benchmarks.common import Deadline, capture_graph, cuda_ms, environment, write_json
+from benchmarks.common import Deadline, environment, write_json
+from benchmarks.decode_workload import (
+    DT,
+    HKV,
+    HQ,
+    PAGE,
+    TOKEN_BYTES,
+    D,
+    FoldedPool,
+    W,
+    global_lengths,
+    graph_ms,
+    layers_for,
+    triton_fn,
+)
+from benchmarks.kernel_plots import plot_kernel_decode
 
-HQ, HKV, D, W, PAGE = 32, 8, 128, 256, 16
-DT = torch.bfloat16
-TOKEN_BYTES = D * 2 * 2  # K + V of one token of one KV head, bf16
-WORKING_SET = 256 << 20  # bytes each timed graph reads at least (L2 is 50 MB)
 SWEEP_CONFIGS = [(64, 4, 2), (64, 8, 2), (32, 4, 2), (128, 8, 2), (64, 4, 3), (64, 4, 4)]
 TRITON_ROWS = {
     "fused": [("triton", True)],
     "two_launch": [("triton_two_launch", False)],
     "both": [("triton", True), ("triton_two_launch", False)],
 }  # --fused-merge -> (key, fused_merge)
-
-
-def layers_for(bytes_per_layer: int, cap: int) -> int:
-    return max(1, min(cap, math.ceil(WORKING_SET / max(bytes_per_layer, 1))))
-
-
-def global_lengths(batch: int, layers: int, n: int, rejection: float, gen) -> torch.Tensor:
-    """``[batch, layers, HKV]`` global tokens: each token past the ring admitted w.p. 1 - rejection."""
-    total = torch.full((batch, layers, HKV), float(max(n - W, 0)))
-    return torch.binomial(total, torch.full_like(total, 1.0 - rejection), generator=gen).to(torch.int32)
-
-
-class FoldedPool:
-    """Pool tensors as :class:`DualCachePool` lays them out, pages shuffled; ring full (n >= W)."""
-
-    def __init__(self, glen: torch.Tensor, gen, device="cuda"):
-        B, L, H = glen.shape
-        npages = W // PAGE + (glen.long() + PAGE - 1) // PAGE  # [B, L, H]
-        total = int(npages.sum())
-        cols = int(npages.max())
-        self.k_pages = torch.randn(total + 1, PAGE, D, device=device, dtype=DT)
-        self.v_pages = torch.randn_like(self.k_pages)
-        perm = torch.randperm(total, generator=gen).to(torch.int32)
-        valid = torch.arange(cols)[None, None, None, :] < npages[..., None]
-        table = torch.full((B, L, H, cols), total, dtype=torch.int32)
-        table[valid] = perm
-        self.page_table = table.to(device)
-        self.global_len = glen.to(device)
-        self.npages, self.glen = npages, glen
-        self.req = torch.arange(B, device=device)
-        self.ring = torch.full((B,), W, dtype=torch.int64, device=device)
-        self.kv_bytes_per_layer = int((glen.long() + W).sum()) * TOKEN_BYTES / L
-
-    def flashinfer_plans(self, workspace):
-        """One :class:`FoldedPagedDecode` per layer, planned (host page counts) outside the graph."""
-        from sglang_wgkv.attention.flashinfer_decode import FoldedPagedDecode
-        from sglang_wgkv.attention.folded_index import build_folded_indices
-
-        B, L, H, _ = self.page_table.shape
-        decs = []
-        for layer in range(L):
-            n = self.npages[:, layer].cuda()
-            last = torch.where(self.glen[:, layer] > 0, (self.glen[:, layer] - 1) % PAGE + 1, PAGE).cuda()
-            indptr, indices, last = build_folded_indices(self.page_table[:, layer], n, last.to(torch.int32))
-            dec = FoldedPagedDecode(HQ, HKV, D, B, int(indptr[-1]), "cuda", DT, float_workspace=workspace)
-            dec.plan(indptr.cpu(), indices, last)
-            decs.append(dec)
-        return decs
-
-
-def graph_ms(fn, inner: int = 20, reps: int = 7) -> float:
-    """Median ms of one ``fn()`` under CUDA-graph replay (``inner`` replays per event pair)."""
-    graph = capture_graph(fn)
-
-    def replays():
-        for _ in range(inner):
-            graph.replay()
-
-    ms = sorted(cuda_ms(replays, reps=reps, warmup=2))
-    return ms[len(ms) // 2] / inner
-
-
-def triton_fn(pool, q, out, splits, cfg):
-    from sglang_wgkv.attention.decode_config import FoldedDecodeWorkspace
-    from sglang_wgkv.attention.triton_decode import folded_decode
-
-    B, L = q.shape[0], pool.page_table.shape[1]
-    ws = FoldedDecodeWorkspace(B, HQ, D, splits, "cuda", num_kv_heads=HKV)
-
-    def run():
-        for layer in range(L):
-            folded_decode(
-                q,
-                pool.k_pages,
-                pool.v_pages,
-                pool.page_table,
-                pool.global_len,
-                pool.req,
-                pool.ring,
-                layer,
-                num_splits=splits,
-                workspace=ws,
-                out=out,
-                config=cfg,
-            )
-
-    return run
 
 
 def sweep(args, results, gen):
@@ -313,64 +238,6 @@ def run(args, deadline, results, path, best):
             write_json(path, results, "kernel_decode")
 
 
-def plot(results, png):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in results.get("decode", []) if "skipped" not in r]
-    batches = sorted({r["batch"] for r in rows})
-    if not batches:
-        return
-    fig, axes = plt.subplots(len(batches), 2, figsize=(13, 4.5 * len(batches)), squeeze=False)
-    for i, B in enumerate(batches):
-        rb = [r for r in rows if r["batch"] == B]
-        ax_ms, ax_bw = axes[i]
-        pts = [
-            (r["n"], r["dense_flashinfer"]["ms"], r["dense_flashinfer"]["tbps"])
-            for r in rb
-            if "ms" in r.get("dense_flashinfer", {})
-        ]
-        if pts:
-            ax_ms.plot([p[0] for p in pts], [p[1] for p in pts], "ko--", label="dense FlashInfer")
-            ax_bw.plot([p[0] for p in pts], [p[2] for p in pts], "ko--", label="dense FlashInfer")
-        rejs = sorted({f["rejection"] for r in rb for f in r.get("folded", []) if "skipped" not in f})
-        for j, rej in enumerate(rejs):
-            color = plt.cm.viridis(j / max(1, len(rejs) - 1))
-            for kern, style, name in (
-                ("folded_flashinfer", "s:", "FlashInfer folded"),
-                ("triton", "o-", "Triton"),
-                ("triton_two_launch", "^--", "Triton 2 launches"),
-            ):
-                pts = [
-                    (r["n"], f[kern]["ms"], f[kern]["tbps"])
-                    for r in rb
-                    for f in r.get("folded", [])
-                    if f.get("rejection") == rej and "ms" in f.get(kern, {})
-                ]
-                if pts:
-                    label = f"{name} {int(rej * 100)}% rej."
-                    ax_ms.plot([p[0] for p in pts], [p[1] for p in pts], style, color=color, label=label)
-                    ax_bw.plot([p[0] for p in pts], [p[2] for p in pts], style, color=color, label=label)
-        ax_ms.set(
-            xscale="log",
-            yscale="log",
-            xlabel="context tokens",
-            ylabel="ms per layer",
-            title=f"Decode, batch {B}, one Llama-3.1-8B layer (CUDA graph)",
-        )
-        ax_bw.set(
-            xscale="log",
-            xlabel="context tokens",
-            ylabel="effective TB/s (K+V read / time)",
-            title=f"Decode bandwidth, batch {B}",
-        )
-        ax_ms.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/kernels")
@@ -424,7 +291,7 @@ def main():
     best = None if args.no_sweep else sweep(args, results, torch.Generator().manual_seed(1))
     run(args, deadline, results, path, best)
     write_json(path, results, "kernel_decode")
-    plot(results, os.path.join(args.out, args.name + ".png"))
+    plot_kernel_decode(results, os.path.join(args.out, args.name + ".png"))
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def serving_throughput(d: dict) -> list[str]:
 
 def served_summary(d: dict) -> list[str]:
     """``serving/summary.json`` of ``served_report merge``: each WG-KV configuration against each
-    upstream baseline of its lease, then against the best of them."""
+    upstream baseline measured beside it, then against the best of them."""
     rows = []
     for r in d["rows"]:
         against = r["baseline"] or "(none measured)"
@@ -129,8 +129,9 @@ def served_workload(d: dict) -> list[str]:
         ],
         rows,
     )
-    if d.get("leases"):
-        lines += ["", f"Machines: {d['leases']}."]
+    machines = d.get("machines") or d.get("leases")  # "leases": files merged before the rename
+    if machines:
+        lines += ["", f"Machines: {machines}."]
     for what, got in (
         ("Decode step on the idle server", phases),
         ("Decode step under the workload's load", loaded),
@@ -159,7 +160,7 @@ def served_workload(d: dict) -> list[str]:
 
 
 def served_ab(d: dict) -> list[str]:
-    """``served_report ab``: WG-KV server variants of one lease, workload by workload."""
+    """``served_report ab``: WG-KV server variants of one machine's hour, workload by workload."""
     rows = [
         [
             r["variant"],
@@ -221,21 +222,21 @@ def decode_log(d: dict) -> list[str]:
 
 
 def decode_ab(d: dict) -> list[str]:
-    """Two versions of the WG-KV decode, each in its own H200 lease against that lease's upstream:
-    TPOT, profiled step and per-layer kernel times."""
+    """Two versions of the WG-KV decode, each on its own H200 against an upstream run on that machine
+    (``leases``: one entry per machine): TPOT, profiled step and per-layer kernel times."""
     head = f"{d['what']}. Commands: {cmds(list(d['commands'].values()), '; ')}."
     rows = []
-    for lease in d["leases"]:
+    for machine in d["leases"]:
         for w in ("W1", "W0"):
             rows.append(
                 [
-                    lease["code"],
+                    machine["code"],
                     w,
-                    f(lease["upstream_tpot_ms"], 3),
-                    f(lease[f"wgkv_{w}_tpot_ms"], 3),
-                    f(lease["upstream_tpot_ms"] / lease[f"wgkv_{w}_tpot_ms"], 3),
-                    f(lease["profile_median_gap_ms"][w], 3),
-                    ", ".join(f"{k} {v}" for k, v in lease["per_layer_us"][w].items()),
+                    f(machine["upstream_tpot_ms"], 3),
+                    f(machine[f"wgkv_{w}_tpot_ms"], 3),
+                    f(machine["upstream_tpot_ms"] / machine[f"wgkv_{w}_tpot_ms"], 3),
+                    f(machine["profile_median_gap_ms"][w], 3),
+                    ", ".join(f"{k} {v}" for k, v in machine["per_layer_us"][w].items()),
                 ]
             )
     return (

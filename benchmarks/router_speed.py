@@ -68,7 +68,7 @@ def wait_router(url: str, workers: int, timeout_s: float) -> None:
 
 
 def _exit_on_sigterm(signum, frame):
-    raise SystemExit(128 + signum)  # a call's time limit: unwind, so that `finally` stops the servers
+    raise SystemExit(128 + signum)  # timeout's SIGTERM: unwind, so that `finally` stops the servers
 
 
 def run(a) -> None:

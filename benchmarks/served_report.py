@@ -10,13 +10,13 @@ Pairing rules (``merge``):
 =========================  ===================================================================
 rule                       why
 =========================  ===================================================================
-one lease per workload     every run of a workload in one merge started within
+one machine, one hour      every run of a workload in one merge started within
                            :data:`MAX_PAIR_SPAN_S` of the others: each ratio divides two runs
                            made on one machine, one after the other
 the workload's arguments   each run's server command holds the workload's ``server_args``
                            (a changed definition is another workload)
 ``best``                   per workload, metric and WG-KV configuration: the best upstream value
-                           among the baselines measured in that merge (that lease), paired
+                           among the baselines measured in that merge (that machine), paired
                            with the same WG-KV run; ``best_of`` names the baseline
 a merge replaces           the summary rows of each (workload, tp, WG-KV configuration) it
                            measured; other rows stay as an earlier merge left them
@@ -35,14 +35,14 @@ from pathlib import Path
 from benchmarks import served_workloads as sw
 
 REPO = Path(__file__).resolve().parents[1]
-# Parts whose runs are compared must come from one lease: at most this far apart (a lease is 30 min).
+# Parts whose runs are compared ran on one machine, one after the other: at most this far apart.
 MAX_PAIR_SPAN_S = 3600
 # Parts written before baselines and WG-KV configurations were recorded ran these.
 LEGACY = {"upstream": "flashinfer", "wgkv": "bf16"}
 RATIO = "upstream/wgkv for times, wgkv/upstream for throughput: > 1 means WG-KV is faster"
 BEST = (
     "baseline 'best': per workload, metric and WG-KV configuration, the best upstream value among the "
-    "baselines measured in the same lease as the WG-KV run (best_of names it)"
+    "baselines measured on the same machine within the hour of the WG-KV run (best_of names it)"
 )
 
 
@@ -96,7 +96,9 @@ def check_comparable(groups: dict[tuple[str, int], dict[str, dict[str, dict]]], 
                 if rec.get("date_utc"):
                     stamps.append(datetime.datetime.fromisoformat(rec["date_utc"]))
         if len(stamps) > 1 and (max(stamps) - min(stamps)).total_seconds() > MAX_PAIR_SPAN_S:
-            raise ValueError(f"{name}: its runs are {max(stamps) - min(stamps)} apart (not one lease)")
+            raise ValueError(
+                f"{name}: its runs are {max(stamps) - min(stamps)} apart (not one machine's hour)"
+            )
 
 
 def _commands(up: dict | None, wg: dict | None) -> dict:
@@ -149,7 +151,7 @@ def workload_rows(name: str, tp: int, group: dict[str, dict[str, dict]], ws: sw.
                 best = {**pick, "baseline": "best", "best_of": pick["baseline"]}
             elif pairs:  # every baseline refused or failed: the best upstream is none
                 best = {**pairs[0], "baseline": "best", "best_of": None}
-            else:  # WG-KV alone (no baseline in this lease)
+            else:  # WG-KV alone (no baseline measured beside it)
                 best = None
                 pairs = [
                     {
@@ -188,7 +190,7 @@ def merged_summary(old_rows: list[dict], new_rows: list[dict]) -> list[dict]:
 
 
 def workload_file(
-    name: str, tp: int, group: dict, ws: sw.WorkloadSet, envs: list, old: dict, leases: str
+    name: str, tp: int, group: dict, ws: sw.WorkloadSet, envs: list, old: dict, machines: str
 ) -> dict:
     w = ws[name]
     runs = dict(old.get("runs", {}))
@@ -214,8 +216,8 @@ def workload_file(
         "environment": envs,
         "runs": runs,
     }
-    if leases:
-        out["leases"] = leases
+    if machines:
+        out["machines"] = machines
     return out
 
 
@@ -238,7 +240,9 @@ def merge(a) -> None:
         key = name + (f"_tp{tp}" if tp > 1 else "")
         path = out / f"{key}.json"
         old = json.loads(path.read_text()) if path.exists() else {}
-        path.write_text(json.dumps(workload_file(name, tp, group, ws, envs, old, a.leases), indent=1) + "\n")
+        path.write_text(
+            json.dumps(workload_file(name, tp, group, ws, envs, old, a.machines), indent=1) + "\n"
+        )
         rows += workload_rows(name, tp, group, ws)
     summary_path = out / "summary.json"
     old_rows = json.loads(summary_path.read_text())["rows"] if summary_path.exists() else []
@@ -255,7 +259,8 @@ def merge(a) -> None:
 
 
 def ab(a) -> None:
-    """WG-KV server variants (``served_speed --wgkv-extra``) of one lease side by side: each part's
+    """WG-KV server variants (``served_speed --wgkv-extra``) run on one machine within the hour, side by
+    side: each part's
     TTFT, TPOT and output tok/s with its server command; ratios against the part without extra
     arguments (the served default) where one is given."""
     ws = sw.load(Path(a.workloads_file))
@@ -284,7 +289,7 @@ def ab(a) -> None:
                 )
     stamps = [datetime.datetime.fromisoformat(env["date_utc"]) for env in envs]
     if (max(stamps) - min(stamps)).total_seconds() > MAX_PAIR_SPAN_S:
-        raise ValueError(f"the parts are {max(stamps) - min(stamps)} apart (not one lease)")
+        raise ValueError(f"the parts are {max(stamps) - min(stamps)} apart (not one machine's hour)")
     base = {r["workload"]: r for r in rows if r["variant"] == "default"}
     for r in rows:
         b = base.get(r["workload"])
@@ -341,8 +346,12 @@ def main(argv=None) -> None:
     m = sub.add_parser("merge", help="part files -> results/serving/ (workload files, summary.json)")
     m.add_argument("parts", nargs="+")
     m.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results" / "serving"))
-    m.add_argument("--leases", default="", help="what lease the runs come from (the workload files' text)")
-    b = sub.add_parser("ab", help="WG-KV variants of one lease (served_speed --wgkv-extra) side by side")
+    m.add_argument(
+        "--machines", default="", help="which machine the runs come from, and when (the workload files' text)"
+    )
+    b = sub.add_parser(
+        "ab", help="WG-KV variants of one machine's hour (served_speed --wgkv-extra) side by side"
+    )
     b.add_argument("parts", nargs="+")
     b.add_argument("--out", required=True)
     b.add_argument("--what", required=True, help="what the variants test (goes into the JSON)")

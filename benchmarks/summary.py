@@ -79,7 +79,7 @@ RENDERERS = {
     "served_workload": served_workload,  # served_report.py merge
     "served_ab": served_ab,  # served_report.py ab
     "decode_log": decode_log,  # decode_log_compare.py
-    "decode_ab": decode_ab,  # a decode-step A/B of two leases
+    "decode_ab": decode_ab,  # a decode-step A/B, each side on its own machine
     "logprob_floor": logprob_floor,  # logprob_floor.py
     "serving_memory": serving_memory,  # serving_memory.py
     "constrained_programs": constrained_programs,  # constrained_programs.py

@@ -1,15 +1,15 @@
-"""FlashAttention-3 for the offline H200: the device kit's ``sglang-kernel`` wheel lacks
-``sgl_kernel/flash_ops.abi3.so`` (1.1 GB), so it travels here as compressed pieces small enough for one
-device call each, and is joined, checked and installed there.
+"""FlashAttention-3 for a GPU host without network: the kit's ``sglang-kernel`` wheel lacks
+``sgl_kernel/flash_ops.abi3.so`` (1.1 GB), so it is moved to the host as compressed pieces small enough
+for one step each (docs/offline-h200.md), and is joined, checked and installed there.
 
-    python -m launch.fa3_kit split [--out .fa3] [--piece-mib 32]   # here: wheel -> pieces + manifest
-    python -m launch.fa3_kit join  [--src .fa3] [--site /tmp/site] # there: once per call, one piece each
-    python -m launch.fa3_kit serve-check --out $OUT/fa3_serve_check.json   # there: SGLang's default backend
+    python -m launch.fa3_kit split [--out .fa3] [--piece-mib 32]   # networked machine: wheel -> pieces + manifest
+    python -m launch.fa3_kit join  [--src .fa3] [--site /tmp/site] # host: once per step, one piece each
+    python -m launch.fa3_kit serve-check --out $OUT/fa3_serve_check.json   # host: SGLang's default backend
 
 ``split`` downloads ``sglang-kernel==0.4.5`` (the version SGLang 0.5.17 pins) with pip, takes the full
 library and the unmodified ``flash_attn.py`` from it, compresses the library and cuts it into pieces;
 ``manifest.json`` lists every piece's SHA-256 and the joined stream's. ``join`` copies the pieces that
-reached this call into ``--stash`` (they stay there for the next call), and once every piece is there
+reached this step into ``--stash`` (they stay there for the next step), and once every piece is there
 checks each one, decompresses the joined stream and installs both files over the kit's stripped
 ``sgl_kernel`` only when their SHA-256 are the wheel's (:data:`WHEEL_FILES`).
 
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 WHEEL = "sglang-kernel==0.4.5"
-# SHA-256 of the two files as the wheel's RECORD lists them: what the device installs, whatever travelled.
+# SHA-256 of the two files as the wheel's RECORD lists them: what the host installs, however it got there.
 WHEEL_FILES = {
     "sgl_kernel/flash_ops.abi3.so": "b8feae71ed589f0fa8ea407718b6a59411bf6bb5aac7310abeebad0133dd4216",
     "sgl_kernel/flash_attn.py": "610747f2c68495c5f3ba67f1247f0a1b4e4f7df116e2f89cd8e8983f0271f9ac",
@@ -50,7 +50,7 @@ CHUNK = 1 << 22
 
 @dataclass(frozen=True)
 class Codec:
-    """A compressor whose output the device can undo without anything the kit lacks."""
+    """A compressor whose output the host can undo without anything the kit lacks."""
 
     name: str
     suffix: str
@@ -64,7 +64,7 @@ class Codec:
 CODECS = {
     # the default: smaller than zstd here, and Python's lzma undoes it on any machine (launch/results/fa3_codecs.json)
     "xz": Codec("xz", ".xz", ("xz", "-9", "-T2", "-c")),
-    # needs the zstd binary on the device, with the same window (--long=27).
+    # needs the zstd binary on the host, with the same window (--long=27).
     "zstd": Codec("zstd", ".zst", ("zstd", "-19", "--long=27", "-T2", "-q", "-c")),
 }
 
@@ -78,7 +78,7 @@ def sha256_file(path: Path) -> str:
 
 
 def download_wheel(dest: Path) -> Path:
-    """The sglang-kernel wheel for the device (cp310-abi3, manylinux2014, loads on Python 3.12)."""
+    """The sglang-kernel wheel for the host (cp310-abi3, manylinux2014, loads on Python 3.12)."""
     dest.mkdir(parents=True, exist_ok=True)
     found = sorted(dest.glob("sglang_kernel-0.4.5-*.whl"))
     if not found:
@@ -194,7 +194,7 @@ def join_pieces(manifest: dict, stash: Path, out: Path) -> None:
                 tmp.unlink()
                 raise ValueError(f"piece {p['name']} is corrupt (SHA-256 differs): copy it again")
             joined.update(block)
-            for at in range(0, len(block), CHUNK):  # bounded output per call: memory ~ a few chunks
+            for at in range(0, len(block), CHUNK):  # bounded output per feed: memory ~ a few chunks
                 dec.feed(block[at : at + CHUNK])
         dec.close()
     if joined.hexdigest() != manifest["joined"]["sha256"]:
@@ -206,32 +206,34 @@ def join_pieces(manifest: dict, stash: Path, out: Path) -> None:
     tmp.replace(out)
 
 
-def stash_call(src: Path, stash: Path) -> dict:
-    """The manifest, ``flash_attn.py`` and whatever pieces reached this call copied into ``stash``
-    (which outlives the call); returns the manifest."""
+def stash_step(src: Path, stash: Path) -> dict:
+    """The manifest, ``flash_attn.py`` and whatever pieces reached this step copied into ``stash``
+    (which outlives the step); returns the manifest."""
     stash.mkdir(parents=True, exist_ok=True)
     for path in sorted(src.glob("*")) if src.is_dir() else []:
         shutil.copy(path, stash / path.name)
     if not (stash / "manifest.json").exists():
-        raise RuntimeError(f"no manifest.json in {src} or {stash}: carry .fa3/manifest.json")
+        raise RuntimeError(f"no manifest.json in {src} or {stash}: move .fa3/manifest.json in with this step")
     return json.loads((stash / "manifest.json").read_text())
 
 
 def install(src: Path, stash: Path, site: Path, files: dict[str, str] = WHEEL_FILES) -> str:
-    """What this call did: this call's pieces stashed; with all of them, the two files installed into
+    """What this step did: its pieces stashed; with all of them, the two files installed into
     ``site/sgl_kernel`` (the kit's stripped sglang-kernel must be installed there first)."""
-    manifest = stash_call(src, stash)
+    manifest = stash_step(src, stash)
     if manifest["files"] != files:
         raise ValueError("manifest.json is for other files than this script's WHEEL_FILES")
     missing = missing_pieces(manifest, stash)
     if missing:
         have = len(manifest["pieces"]) - len(missing)
-        return f"{have} of {len(manifest['pieces'])} pieces in {stash}; still to carry: {', '.join(missing)}"
+        return (
+            f"{have} of {len(manifest['pieces'])} pieces in {stash}; still to move in: {', '.join(missing)}"
+        )
     target = site / "sgl_kernel"
     if not (target / "__init__.py").exists():
         raise RuntimeError(f"no sgl_kernel in {site}: install the kit's sglang-kernel wheel first (.kit2)")
     if sha256_file(stash / "flash_attn.py") != files["sgl_kernel/flash_attn.py"]:
-        raise ValueError("flash_attn.py differs from the wheel's: carry .fa3/flash_attn.py again")
+        raise ValueError("flash_attn.py differs from the wheel's: move .fa3/flash_attn.py in again")
     join_pieces(manifest, stash, target / Path(LIBRARY).name)
     shutil.copy(stash / "flash_attn.py", target / "flash_attn.py")
     shutil.rmtree(target / "__pycache__", ignore_errors=True)  # the stripped flash_attn's bytecode
@@ -278,16 +280,16 @@ def serve_check(out: Path, timeout_s: float) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("split", help="here: wheel -> compressed pieces + manifest")
+    s = sub.add_parser("split", help="networked machine: wheel -> compressed pieces + manifest")
     s.add_argument("--out", default=".fa3")
     s.add_argument("--wheel-dir", default=os.path.join(tempfile.gettempdir(), "fa3_wheel"))
     s.add_argument("--piece-mib", type=int, default=32, help="the tree (~20 MiB) + one piece < 64 MiB")
     s.add_argument("--codec", choices=sorted(CODECS), default="xz")
-    j = sub.add_parser("join", help="there: stash this call's pieces; with all of them, install")
+    j = sub.add_parser("join", help="host: stash this step's pieces; with all of them, install")
     j.add_argument("--src", default=".fa3")
     j.add_argument("--stash", default="/tmp/fa3")
     j.add_argument("--site", default=os.environ.get("KIT_SITE", "/tmp/site"))
-    c = sub.add_parser("serve-check", help="there: SGLang with no --attention-backend serves")
+    c = sub.add_parser("serve-check", help="host: SGLang with no --attention-backend serves")
     c.add_argument("--out", default="/tmp/out/fa3_serve_check.json")
     c.add_argument("--startup-timeout", type=float, default=480)
     a = p.parse_args(argv)

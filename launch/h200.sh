@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# The WG-KV SGLang server on the H200 (device tool), offline, with ../shared/device-kit and the embedded
-# model (SmolLM2-135M-Instruct GGUF, real weights), one verb per device call:
-#   setup (carry .kit, first) | kit2 (carry .kit2) | part (carry one .model/*.gguf.pN piece)
+# The WG-KV SGLang server on an H200 without network, with ../shared/device-kit and the embedded
+# model (SmolLM2-135M-Instruct GGUF, real weights), one verb per step (docs/offline-h200.md):
+#   setup (with .kit, first) | kit2 (with .kit2) | part (with one .model/*.gguf.pN piece)
 #   serve-bench | serve-soak | serve-eval | memory | programs | logprob-floor | gpu-tests | train-speed |
-#   train-sweep | train-eval   [their args]   (the call that carries the last model piece, or later)
-# Each verb's one-line comment below says what it runs and where its results go ($OUT). Preparation of
-# the carried folders, call order and call durations: launch/README.md.
+#   train-sweep | train-eval   [their args]   (in the step that brings the last model piece, or later)
+# Each verb's one-line comment below says what it runs and where its results go ($OUT). The folders
+# moved in, the order of the steps and how long they take: launch/README.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 M=/tmp/m
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 case "${1:-}" in serve-bench|serve-eval|serve-soak|programs|gpu-tests|logprob-floor|memory|train-speed|train-sweep|train-eval)
-    [ -f /tmp/pp ] || { echo "no /tmp/pp: this machine is fresh; call '$0 setup' (carry .kit) first, in the same message" >&2; exit 3; } ;;
+    [ -f /tmp/pp ] || { echo "no /tmp/pp: this machine is fresh; run '$0 setup' (with .kit moved in) on it first" >&2; exit 3; } ;;
 esac
 case "${1:-}" in
 setup)
@@ -26,7 +26,7 @@ kit2)
 serve-bench|serve-eval|serve-soak|programs|gpu-tests|logprob-floor|memory|train-speed|train-sweep|train-eval)
     mode=$1; shift
     . launch/device_common.sh
-    # KEEP_SERVERS=1 (served_speed.sh beside-warm) keeps the warm-up server started beside this call
+    # KEEP_SERVERS=1 (served_speed.sh beside-warm) keeps the warm-up server started beside this step
     [ "${KEEP_SERVERS:-0}" = 1 ] || stop_leftover_servers
     cp .model/$GGUF.p? "$M"/ 2>/dev/null || true
     if [ -d .kit2 ] && [ ! -e /tmp/sglang-wheel-installed ]; then bash "$0" kit2; fi
@@ -57,9 +57,9 @@ serve-bench|serve-eval|serve-soak|programs|gpu-tests|logprob-floor|memory|train-
             --out "$OUT/h200_programs.json"
     fi
     # WARM_FI=1: a dense FlashInfer server of the embedded model on CPUs 0-7 compiles
-    # FlashInfer's kernels beside this call's own work, for later `memory`/`programs`/`serve-eval` calls
-    # of the same message; it is stopped once healthy and the cache comes back as $OUT/fi_cache.tgz
-    # --mem-fraction-static counts the whole GPU, other processes' memory included: beside the call's own
+    # FlashInfer's kernels beside this step's own work, for later `memory`/`programs`/`serve-eval` steps
+    # on the same machine; it is stopped once healthy and the cache comes back as $OUT/fi_cache.tgz
+    # --mem-fraction-static counts the whole GPU, other processes' memory included: beside the step's own
     # server (0.5) the warm-up server takes 0.75 and starts once that server is up
     warm=""
     warm_start() {
@@ -91,7 +91,7 @@ serve-bench|serve-eval|serve-soak|programs|gpu-tests|logprob-floor|memory|train-
         exit 0
     fi
     if [ "$mode" = train-sweep ]; then
-        [ -d /tmp/corpus ] || cp -r .cache/corpus /tmp/corpus || { echo "no .cache/corpus: carry it"; exit 2; }
+        [ -d /tmp/corpus ] || cp -r .cache/corpus /tmp/corpus || { echo "no .cache/corpus: move it in with this step"; exit 2; }
         lams=${LAMS:-0.01,0.03,0.1,0.3} steps=${STEPS:-2000}
         timeout "${TRAIN_S:-520}" python3 -m sglang_wgkv.training train --model "$M/$GGUF" --corpus /tmp/corpus \
             --out /tmp/sweep --lams "$lams" --steps "$steps" --seq-len 4096 --backend "${BACKEND:-flex}" \
@@ -127,8 +127,8 @@ serve-bench|serve-eval|serve-soak|programs|gpu-tests|logprob-floor|memory|train-
         exit 0
     fi
     if [ "$mode" = serve-eval ]; then
-        # straight into $OUT (a call cut by its time limit still returns the finished configurations);
-        # an earlier call's results on this machine are resumed
+        # straight into $OUT (a step stopped at its time limit still returns the finished configurations);
+        # an earlier step's results on this machine are resumed
         mkdir -p /tmp/served && cp -r /tmp/served/. "$OUT"/
         python3 -m evals.served --ruler evals/data/ruler_2k_8k.json.gz --engine h200 --out "$OUT/h200.json" \
             --summary "$OUT/summary.json" "$@" || true

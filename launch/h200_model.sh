@@ -5,7 +5,7 @@
 # MODEL_DIR: an HF model folder on the machine; GATES: a gate checkpoint trained for it
 # (`python -m sglang_wgkv.training train ...`: gates.safetensors + gates.json, or the authors' .pt),
 # or `fresh` (admit every token). The launcher refuses gates of another shape before loading weights.
-# On the offline device machine, install the kit first (launch/h200.sh setup: .kit + .kit2 wheels,
+# On a host without network, install the kit first (launch/h200.sh setup: .kit + .kit2 wheels,
 # entry points registered into /tmp/site); for a config-only folder add
 # `--load-format dummy --skip-tokenizer-init` (see launch/configs/).
 set -euo pipefail

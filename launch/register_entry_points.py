@@ -1,9 +1,9 @@
-"""Make the source checkout visible to ``importlib.metadata`` without pip (offline GPU machine).
+"""Make the source checkout visible to ``importlib.metadata`` without pip (a GPU host without network).
 
-SGLang finds plugins through entry points, i.e. through an installed distribution's metadata. On the
-device machine there is no index and no build backend, so this writes a minimal ``.dist-info`` (name,
-version, the entry points of ``pyproject.toml``) into a folder on ``PYTHONPATH``; the checkout itself
-must be on ``PYTHONPATH`` too.
+SGLang finds plugins through entry points, i.e. through an installed distribution's metadata. On a
+host without network there is no index and no build backend, so this writes a minimal ``.dist-info``
+(name, version, the entry points of ``pyproject.toml``) into a folder on ``PYTHONPATH``; the checkout
+itself must be on ``PYTHONPATH`` too.
 
     python3 launch/register_entry_points.py /tmp/site
 """

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# Served speed on the H200 (device tool): WG-KV or one upstream baseline on the workloads of
+# Served speed on an H200 without network: WG-KV or one upstream baseline on the workloads of
 # benchmarks/workloads.json, measured with `python -m sglang.bench_serving` (benchmarks/served_speed.py).
-#   bash launch/served_speed.sh setup                                   (carry .kit; first call of a machine)
+#   bash launch/served_speed.sh setup                                   (with .kit; a machine's first step)
 #   bash launch/served_speed.sh run upstream BASELINE WORKLOADS [served_speed args]   BASELINE: fa3, fa3_fp8, flashinfer, flashinfer_fp8
 #   bash launch/served_speed.sh run wgkv CONFIG WORKLOADS [served_speed args]         CONFIG: bf16, fp8
 #   bash launch/served_speed.sh tests-beside-warm WORKLOAD     GPU tests while a FlashInfer server warms up
 #   bash launch/served_speed.sh beside-warm WORKLOAD CMD...     CMD while a FlashInfer server warms up
 # Parts, bench_serving lines, server logs and the compile caches that grew come back in $OUT; merge the
-# parts here with `python -m benchmarks.served_report merge PARTS...`. Call order, what to carry and how
-# long calls take: launch/README.md.
+# parts on the networked machine with `python -m benchmarks.served_report merge PARTS...`. The order of
+# the steps, what each moves in and how long they take: launch/README.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in tests-beside-warm|beside-warm|run)
-    [ -f /tmp/pp ] || { echo "no /tmp/pp: this machine is fresh; call '$0 setup' (carry .kit) first, in the same message" >&2; exit 3; } ;;
+    [ -f /tmp/pp ] || { echo "no /tmp/pp: this machine is fresh; run '$0 setup' (with .kit moved in) on it first" >&2; exit 3; } ;;
 esac
 case "${1:-}" in
 setup)
@@ -21,8 +21,8 @@ setup)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader ;;
 tests-beside-warm)
     # GPU tests while an upstream server of workload ${2:-W3} starts and takes its warm-up request in
-    # the background (FlashInfer's cold compile, ~300 s, costs no call of its own); the cache comes
-    # back as $OUT/fi_cache.tgz. Carry [".kit2"] after `setup`.
+    # the background (FlashInfer's cold compile, ~300 s, costs no step of its own); the cache comes
+    # back as $OUT/fi_cache.tgz. With .kit2 moved in, after `setup`.
     warm=${2:-W3}; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
     bash launch/h200.sh kit2
     OUT=/tmp/warm bash "$0" run upstream flashinfer "$warm" --warm-only --tag warm > /tmp/warm.log 2>&1 &
@@ -38,7 +38,7 @@ beside-warm)
     # beside-warm WORKLOAD CMD...: CMD (e.g. `bash launch/h200.sh logprob-floor`, GPU work that times
     # nothing) while an upstream server of WORKLOAD starts and takes its warm-up request in the
     # background (its first start on a machine: FlashInfer's compiles, ~150-300 s); the cache comes back
-    # as $OUT/fi_cache.tgz and later upstream runs of the lease start warm. After `setup` and `kit2`.
+    # as $OUT/fi_cache.tgz and later upstream runs on the machine start warm. After `setup` and `kit2`.
     warm=$2; shift 2; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
     OUT=/tmp/warm bash "$0" run upstream flashinfer "$warm" --warm-only --tag warm > /tmp/warm.log 2>&1 &
     warm_pid=$!
@@ -49,13 +49,13 @@ beside-warm)
 run)
     server=$2 config=$3 workloads=$4; shift 4
     case "$server:$config" in upstream:fa3*)
-        [ -e /tmp/fa3-installed ] || { echo "FA3 is not installed on this machine: the launch/fa3_kit.sh join calls come first" >&2; exit 3; } ;;
+        [ -e /tmp/fa3-installed ] || { echo "FA3 is not installed on this machine: the launch/fa3_kit.sh join steps come first" >&2; exit 3; } ;;
     esac
     if [ -d .kit2 ] && [ ! -e /tmp/sglang-wheel-installed ]; then bash launch/h200.sh kit2; fi
     # (served_speed.py also refuses to start a server while another process holds the GPU)
     . launch/device_common.sh && stop_leftover_servers
     fi_cache_restore
-    touch /tmp/fi_mark  # a module built during this call is newer (a rebuild keeps du's size)
+    touch /tmp/fi_mark  # a module built during this step is newer (a rebuild keeps du's size)
     triton_cache_restore
     . /tmp/pp
     export PYTHONPATH="$PWD:/tmp/site:${PYTHONPATH:-}" PYTHONUNBUFFERED=1

@@ -10,7 +10,7 @@ def create_cache(ctx):
     from sglang.srt.mem_cache.registry import default_radix_cache_factory
 
     from radix_ext.snapshot_radix_cache import SnapshotRadixCache
-    from sglang_wgkv.integration.runtime import get_runtime, has_runtime
+    from sglang_wgkv.integration.plugin.runtime import get_runtime, has_runtime
 
     if ctx.disable_radix_cache:
         return default_radix_cache_factory(ctx)

@@ -19,7 +19,7 @@ exactly the node's depth (global pages shared by refcount, ring and flags copied
 
 Physical pages. After a restore the request's global pages are shared, but its ring is a private
 copy of tokens the tree already counts, up to ``W_local + 16`` tokens per stream beyond the capacity
-rule of :mod:`sglang_wgkv.integration.capacity`. The dual pool is sized with that much extra for
+rule of :mod:`sglang_wgkv.integration.pools.capacity`. The dual pool is sized with that much extra for
 ``restore_slots`` requests, and a match only hits while fewer restored requests run (and are pending).
 Snapshot pages themselves are never needed by a forward: they are dropped when a step would not fit.
 """
@@ -38,7 +38,7 @@ class SnapshotRadixCache(RadixCache):
     """Parameters
     ----------
     params : SGLang's ``CacheInitParams`` (its request pool is the runtime's ``WGKVReqToTokenPool``).
-    runtime : the process's :class:`~sglang_wgkv.integration.runtime.WGKVRuntime`: its dual pool, and
+    runtime : the process's :class:`~sglang_wgkv.integration.plugin.runtime.WGKVRuntime`: its dual pool, and
         its capacity plan's ``restore_slots`` (restored requests that may run at once: the dual
         pool's extra ring capacity). The cache attaches itself to the runtime.
     """

@@ -40,7 +40,7 @@ from importlib.metadata import entry_points
 
 from sglang_wgkv.config import DEFAULT_LOCAL_WINDOW, DEFAULT_TAU, WGKVConfig
 from sglang_wgkv.embedded_model import SHIPPED_GATES
-from sglang_wgkv.integration.settings import (
+from sglang_wgkv.integration.plugin.settings import (
     ATTENTION_IMPLS,
     BACKEND_NAME,
     DEFAULT_GPU_FORWARD_TOKENS,
@@ -285,7 +285,7 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
         )
     except ValueError as e:
         raise ValueError(f"invalid WG-KV option: {e}") from e
-    from sglang_wgkv.integration.kv_dtype import kv_cache_dtype_problem
+    from sglang_wgkv.integration.pools.kv_dtype import kv_cache_dtype_problem
 
     on_cuda = device in (None, "cuda")
     kernels = settings.attention == "kernels" or (

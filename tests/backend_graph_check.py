@@ -30,8 +30,8 @@ from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.gate.admission import DeferredGateCheck
 from sglang_wgkv.gate.triton_gate import DecodeGate
 from sglang_wgkv.gate.triton_prefill_gate import PrefillGate
-from sglang_wgkv.integration.backend import WGKVAttnBackend
-from sglang_wgkv.integration.decode_rows import SCRATCH_SLOT, DecodeRows
+from sglang_wgkv.integration.backend.attn_backend import WGKVAttnBackend
+from sglang_wgkv.integration.backend.decode_layer import SCRATCH_SLOT, DecodeRows
 from sglang_wgkv.memory import DualCachePool
 from sglang_wgkv.memory.evictor import SnapKVEvictor
 from sglang_wgkv.memory.extend_writes import ExtendWrites

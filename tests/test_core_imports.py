@@ -1,7 +1,9 @@
 """The package's import graph has no circles: every ``import``/``from ... import`` of a package module
-counts, the ones inside functions and under ``TYPE_CHECKING`` too (a lazy import only hides a circle)."""
+counts, the ones inside functions and under ``TYPE_CHECKING`` too (a lazy import only hides a circle).
+And every entry point ``pyproject.toml`` declares names a module and attribute that exist."""
 
 import ast
+import importlib
 from pathlib import Path
 
 import pytest
@@ -71,3 +73,14 @@ def test_package_has_no_import_circles():
     graph = import_graph()
     assert "sglang_wgkv.memory.extend_step" in graph["sglang_wgkv.memory.dual_pool"]
     assert circles(graph) == []
+
+
+def test_entry_points_resolve():
+    """SGLang loads these by name in every process: a moved module must take its entry point along."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]
+    targets = [value for group in project["entry-points"].values() for value in group.values()]
+    assert targets
+    for target in targets:
+        module, attr = target.split(":")
+        assert callable(getattr(importlib.import_module(module), attr)), target

@@ -3,7 +3,7 @@ the real ninja on a one-file build laid out like FlashInfer's JIT cache: a modul
 ``~/.cache/flashinfer`` whose depfile names a header of the installed wheel.
 
 Copying the cache and touching every file to "now" makes every module rebuild on a fresh machine
-although the cache was carried: each output is then newer than the mtime ninja's deps log recorded.
+although the cache was moved in: each output is then newer than the mtime ninja's deps log recorded.
 The restore unpacks the tarball with its mtimes and dates the freshly installed headers back instead."""
 
 import os
@@ -69,14 +69,14 @@ def _restore(workdir: Path, home: Path, site: Path, old_recipe: bool = False) ->
 
 
 @pytest.mark.parametrize("old_recipe", [False, True], ids=["fi_cache_restore", "copy_and_touch"])
-def test_a_carried_cache_is_not_rebuilt(tmp_path, old_recipe):
+def test_a_cache_moved_in_is_not_rebuilt(tmp_path, old_recipe):
     home, site, work = tmp_path / "home", tmp_path / "site", tmp_path / "work"
     _install_header(site)
     mod = _module(home, site)
     subprocess.run([NINJA], cwd=mod, capture_output=True, check=True)
     assert "no work to do" in _ninja_dry_run(mod)
     (work / ".fi").mkdir(parents=True)
-    # as a device call returns it (GNU tar's default format keeps whole seconds: a restored output is
+    # as a step returns it (GNU tar's default format keeps whole seconds: a restored output is
     # then never newer than the mtime ninja recorded; Python's PAX tarfile rounds up to 100 ns)
     subprocess.run(
         ["tar", "czf", str(work / ".fi" / "fi_cache.tgz"), "-C", str(home / ".cache"), "flashinfer"],
@@ -101,8 +101,8 @@ def test_a_carried_cache_is_not_rebuilt(tmp_path, old_recipe):
 
 @pytest.mark.parametrize("layout", ["tgz", "unpacked"])
 def test_triton_cache_restore_takes_the_returned_tgz(tmp_path, layout):
-    """``triton_cache_restore`` fills ~/.triton/cache from ``.tc/triton_cache.tgz`` as a call returns it
-    (~6 MB, small enough to carry beside .kit2 and .fi) or from an unpacked ``.tc/cache``; a cache the
+    """``triton_cache_restore`` fills ~/.triton/cache from ``.tc/triton_cache.tgz`` as a step returns it
+    (~6 MB, small enough to move in beside .kit2 and .fi) or from an unpacked ``.tc/cache``; a cache the
     machine already has is left alone."""
     home, work = tmp_path / "home", tmp_path / "work"
     src = tmp_path / "made" / "cache" / "abc"

@@ -1,4 +1,4 @@
-"""launch/fa3_kit.py: a library cut into compressed pieces travels one piece per device call and is
+"""launch/fa3_kit.py: a library cut into compressed pieces is moved in one piece per step and is
 installed only when every piece, the joined stream and the decompressed files have their SHA-256
 (a small stand-in library here; the real split runs on sglang-kernel's 1.1 GB flash_ops)."""
 
@@ -38,25 +38,25 @@ def _site(tmp_path: Path) -> Path:
     return site
 
 
-def _call(tmp_path: Path, out: Path, names: list[str], i: int) -> Path:
-    """What one device call carries: the manifest, flash_attn.py and the named pieces."""
-    src = tmp_path / f"call{i}" / ".fa3"
+def _step(tmp_path: Path, out: Path, names: list[str], i: int) -> Path:
+    """What one step moves in: the manifest, flash_attn.py and the named pieces."""
+    src = tmp_path / f"step{i}" / ".fa3"
     src.mkdir(parents=True)
     for name in ["manifest.json", "flash_attn.py", *names]:
         shutil.copy(out / name, src / name)
     return src
 
 
-def test_pieces_travel_one_per_call_and_install_checked(tmp_path):
+def test_pieces_move_in_one_per_step_and_install_checked(tmp_path):
     out, manifest, payload = _kit(tmp_path)
     pieces = [p["name"] for p in manifest["pieces"]]
     assert len(pieces) >= 2 and all((out / n).stat().st_size <= 4096 for n in pieces)
     site, stash = _site(tmp_path), tmp_path / "stash"
     for i, name in enumerate(pieces[:-1]):
-        status = fa3_kit.install(_call(tmp_path, out, [name], i), stash, site, manifest["files"])
+        status = fa3_kit.install(_step(tmp_path, out, [name], i), stash, site, manifest["files"])
         assert status.startswith(f"{i + 1} of {len(pieces)} pieces")
         assert not (site / "sgl_kernel" / "flash_ops.abi3.so").exists()
-    status = fa3_kit.install(_call(tmp_path, out, [pieces[-1]], 99), stash, site, manifest["files"])
+    status = fa3_kit.install(_step(tmp_path, out, [pieces[-1]], 99), stash, site, manifest["files"])
     assert status.startswith("FA3 installed")
     assert (site / "sgl_kernel" / "flash_ops.abi3.so").read_bytes() == payload
     assert (site / "sgl_kernel" / "flash_attn.py").read_text() == "from sgl_kernel import flash_ops\n"

@@ -9,7 +9,7 @@ from interp_decode_check import PoolCase, close
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device)"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on a GPU host)"),
 ]
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]

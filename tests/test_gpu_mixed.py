@@ -23,7 +23,7 @@ from sglang_wgkv.testing.serving import OfflineTruth, Server, embedded_model_dir
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.serving,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device)"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on a GPU host)"),
 ]
 
 BUDGET = 64

@@ -9,7 +9,7 @@ from sglang_wgkv.memory import DualCachePool
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device)"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on a GPU host)"),
 ]
 
 

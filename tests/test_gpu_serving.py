@@ -52,7 +52,7 @@ from sglang_wgkv.testing.serving import (
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.serving,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device)"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on a GPU host)"),
 ]
 
 

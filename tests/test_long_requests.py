@@ -1,4 +1,4 @@
-"""Per-request bounds (``integration/long_requests.py``): ``custom_params.wgkv.kv_budget`` parsing and
+"""Per-request bounds (``integration/scheduling/long_requests.py``): ``custom_params.wgkv.kv_budget`` parsing and
 range checks, the bound a request longer than the dense pool gets, the pages a bounded request holds
 (never more than the prefill guard reserves for it), and the evictor's per-slot bounds with window
 rows (a bounded slot is cut to its budget, an unbounded one beside it is untouched; the scores read
@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from sglang_wgkv.config import WGKVConfig
-from sglang_wgkv.integration.long_requests import (
+from sglang_wgkv.integration.requests.control import RequestAdmission
+from sglang_wgkv.integration.scheduling.long_requests import (
     length_error,
     pool_bound,
     requested_bound,
 )
-from sglang_wgkv.integration.request_control import RequestAdmission
 from sglang_wgkv.memory import DualCachePool, SnapKVEvictor
 
 pytestmark = pytest.mark.scale

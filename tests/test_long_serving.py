@@ -1,5 +1,5 @@
 """One request longer than the dense pool, and per-request budgets, in a real CPU server
-(``integration/long_requests.py``): the embedded model and its shipped gates, a KV budget of 2048
+(``integration/scheduling/long_requests.py``): the embedded model and its shipped gates, a KV budget of 2048
 dense tokens (a dense-equivalent pool of 1469) under overcommit, and a ~3K-token passkey prompt.
 
 * the long prompt completes beside a short request, answers as the full cache does (its output

@@ -1,4 +1,4 @@
-"""Bounded capacity (``--kv-budget`` + chunked prefill, ``integration/kv_pool.py``): a WG-KV server runs
+"""Bounded capacity (``--kv-budget`` + chunked prefill, ``integration/pools/kv_pool.py``): a WG-KV server runs
 more requests at once than any dense pool of the same KV budget could hold, queues the rest, never
 exhausts its physical pool, and keeps every output equal to the request's output run alone.
 Also: streaming OpenAI responses carry ``usage["wgkv"]`` in their usage chunk.
@@ -28,7 +28,7 @@ STREAMS = SHORT_LAYERS * 3  # the servers' model: the embedded one's first layer
 
 
 def test_bounded_split_arithmetic():
-    from sglang_wgkv.integration.capacity import bounded_split, prompt_reserve, request_bound_tokens
+    from sglang_wgkv.integration.pools.capacity import bounded_split, prompt_reserve, request_bound_tokens
 
     assert request_bound_tokens(4096, 256) == 4352 and request_bound_tokens(33, 16) == 16 + 48
     # P: what the longest prompt admits beyond the budget, at most 1/4 of it
@@ -73,7 +73,7 @@ def test_bounded_split_arithmetic():
     ],
 )
 def test_bounded_split_lets_the_longest_prompt_run(budget, chunk, cap):
-    from sglang_wgkv.integration.capacity import bounded_split
+    from sglang_wgkv.integration.pools.capacity import bounded_split
 
     s = bounded_split(budget, 64, kv_budget=64, local_window=32, chunk_tokens=chunk, context_len=4096)
     assert (s.prompt_cap if s else None) == cap
@@ -82,7 +82,7 @@ def test_bounded_split_lets_the_longest_prompt_run(budget, chunk, cap):
 
 
 def test_prompt_rule_table():
-    from sglang_wgkv.integration.prompt_rule import PromptRule
+    from sglang_wgkv.integration.pools.capacity import PromptRule
 
     # W_local 256, budget 512 (a slot: 256 + 512 + 32), cap 512 + 1024, chunk 2048, 10 slots, 100 spare
     rule = PromptRule(
@@ -108,8 +108,7 @@ def test_prompt_excess_covers_every_chunk_of_the_pool(w_pages, b_tokens, chunk_p
     import torch
 
     from sglang_wgkv.config import PAGE_SIZE, WGKVConfig
-    from sglang_wgkv.integration.capacity import request_bound_tokens
-    from sglang_wgkv.integration.prompt_rule import PromptRule
+    from sglang_wgkv.integration.pools.capacity import PromptRule, request_bound_tokens
     from sglang_wgkv.memory import DualCachePool
 
     W, C = PAGE_SIZE * w_pages, data.draw(st.integers(1, PAGE_SIZE * chunk_pages))
@@ -214,7 +213,7 @@ tight_server = shared_server(
 
 
 def test_long_prompt_waits_for_room_while_every_other_slot_decodes(tight_server):
-    """The prompt guard (integration/prefill_guard.py): a long prompt holds more than a slot's bound
+    """The prompt guard (integration/scheduling/prefill_guard.py): a long prompt holds more than a slot's bound
     until its end (here up to ring + 448 global tokens per stream in its second chunk); arriving while
     7 of the 8 slots decode, it waits until enough of them finish instead of exhausting the physical
     pool mid-prefill. Every output equals the request's output run alone."""

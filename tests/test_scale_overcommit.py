@@ -1,4 +1,4 @@
-"""Overcommit capacity (``--wgkv-overcommit``, ``integration/overcommit.py``): admission alone runs more
+"""Overcommit capacity (``--wgkv-overcommit``, ``integration/scheduling/overcommit.py``): admission alone runs more
 requests at once than a dense pool of the same KV budget, and a workload that exhausts the physical
 pool is retracted / queued by SGLang's scheduler instead of crashing, with every output equal to the
 request's output run alone and a clean idle check afterwards.
@@ -26,7 +26,7 @@ W_LOCAL = 16
 
 
 def test_overcommit_split():
-    from sglang_wgkv.integration.capacity import dense_split, overcommit_split
+    from sglang_wgkv.integration.pools.capacity import dense_split, overcommit_split
 
     dense = dense_split(2048, 1000)
     s = overcommit_split(2048, 1000, 2.0)
@@ -40,7 +40,7 @@ def test_overcommit_split():
 
 
 def test_overcommit_flag():
-    from sglang_wgkv.integration.settings import DEFAULT_GPU_OVERCOMMIT, ENV_VAR, ServingSettings
+    from sglang_wgkv.integration.plugin.settings import DEFAULT_GPU_OVERCOMMIT, ENV_VAR, ServingSettings
     from sglang_wgkv.launch_server import resolve
 
     settings, _, env = resolve(["--wgkv-overcommit", "2.5"])

@@ -22,7 +22,7 @@ KV_BUDGET = 48
 
 
 def test_request_admission_parse():
-    from sglang_wgkv.integration.request_control import ADMISSION_OFF_TAU, RequestAdmission
+    from sglang_wgkv.integration.requests.control import ADMISSION_OFF_TAU, RequestAdmission
 
     assert RequestAdmission.parse(None).effective_tau(0.1) == 0.1
     assert RequestAdmission.parse({"tau": 0.3}).effective_tau(0.1) == 0.3

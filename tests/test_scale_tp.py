@@ -23,7 +23,7 @@ HEAD_GATES = HeadGates((-30.0, 30.0, 30.0), W_LOCAL, SHORT_LAYERS)
 
 
 def test_rank_kv_heads():
-    from sglang_wgkv.integration.tensor_parallel import counts_heads, rank_kv_heads
+    from sglang_wgkv.integration.plugin.runtime import counts_heads, rank_kv_heads
 
     assert [rank_kv_heads(3, 3, r) for r in range(3)] == [[0], [1], [2]]
     assert [rank_kv_heads(8, 2, r) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]

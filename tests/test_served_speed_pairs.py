@@ -1,5 +1,6 @@
 """benchmarks/served_report.py merge: a workload's runs are compared only when they ran the workload's
-current server arguments and started within one lease; ``best`` is the best baseline of that lease.
+current server arguments and started on one machine within an hour; ``best`` is the best baseline
+measured there.
 The part files here are synthetic fixtures written into tmp_path, not results."""
 
 import json
@@ -32,7 +33,7 @@ def _group(**runs) -> dict:
     return group
 
 
-def test_one_lease_same_arguments_pass():
+def test_one_machine_same_arguments_pass():
     w = WS["W4L"]
     sr.check_comparable(
         {
@@ -59,10 +60,11 @@ def test_changed_definition_is_refused():
         )
 
 
-def test_two_leases_are_refused():
-    """A baseline from another lease cannot join the WG-KV run's group (nor become its ``best``)."""
+def test_runs_more_than_an_hour_apart_are_refused():
+    """A baseline run more than an hour away (another machine) cannot join the WG-KV run's group (nor
+    become its ``best``)."""
     w = WS["W3"]
-    with pytest.raises(ValueError, match="not one lease"):
+    with pytest.raises(ValueError, match="not one machine's hour"):
         sr.check_comparable(
             {
                 ("W3", 1): _group(
@@ -139,7 +141,7 @@ def test_best_is_the_best_baseline_per_metric(tmp_path):
     assert rows[("W0", "tpot_ms", "best", "bf16")]["best_of"] == "fa3_fp8"
     assert {k[2] for k in rows if k[0] == "W1"} == {"fa3", "fa3_fp8", "flashinfer", "best"}
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["kind"] == "served_summary" and "same lease" in summary["best"]
+    assert summary["kind"] == "served_summary" and "same machine" in summary["best"]
     w1 = json.loads((out / "W1.json").read_text())
     assert w1["kind"] == "served_workload"
     assert set(w1["runs"]) == {"upstream:fa3", "upstream:fa3_fp8", "upstream:flashinfer", "wgkv:bf16"}
@@ -195,7 +197,7 @@ def test_a_refusing_baseline_is_recorded_and_never_best(tmp_path):
 
 def test_a_merge_replaces_only_the_configs_it_measured(tmp_path):
     """Rows of another WG-KV configuration (or workload) stay; rows of the measured one are replaced
-    whole, so no baseline of an older lease stays paired beside the new WG-KV run."""
+    whole, so no baseline of an older machine stays paired beside the new WG-KV run."""
     out = tmp_path / "serving"
     t = "2026-12-05T03:{:02d}:00+00:00"
     old = [
@@ -224,7 +226,7 @@ def test_a_merge_replaces_only_the_configs_it_measured(tmp_path):
 
 def test_ab_parts_compare_variants_and_never_become_rows(tmp_path):
     """``served_speed --wgkv-extra`` parts (e.g. a decode launch shape) are compared by ``ab``
-    against the default part of the same lease, and ``merge`` refuses them."""
+    against the default part of the same machine, and ``merge`` refuses them."""
     t = "2026-12-05T01:{:02d}:00+00:00"
     default = _part(tmp_path / "a.json", "wgkv", "bf16", {"W1": _w1(6.0, 5.9)}, t.format(0))
     pdl = _part(tmp_path / "b.json", "wgkv", "bf16", {"W1": _w1(6.0, 5.5)}, t.format(10), extra="--pdl 1")
@@ -239,14 +241,14 @@ def test_ab_parts_compare_variants_and_never_become_rows(tmp_path):
     late = _part(
         tmp_path / "c.json", "wgkv", "bf16", {"W1": _w1(6.0, 5.7)}, "2026-12-05T03:00:00+00:00", "--x"
     )
-    with pytest.raises(ValueError, match="not one lease"):
+    with pytest.raises(ValueError, match="not one machine's hour"):
         sr.main(["ab", default, late, "--out", str(out), "--what", "x"])
     up = _part(tmp_path / "d.json", "upstream", "fa3", {"W1": _w1(20.0, 8.8)}, t.format(5))
     with pytest.raises(ValueError, match="WG-KV variants"):
         sr.main(["ab", default, up, "--out", str(out), "--what", "x"])
 
 
-def test_merge_keeps_older_named_runs_and_sets_the_lease_text(tmp_path):
+def test_merge_keeps_older_named_runs_and_sets_the_machines_text(tmp_path):
     out = tmp_path / "serving"
     out.mkdir()
     (out / "W1.json").write_text(
@@ -255,9 +257,9 @@ def test_merge_keeps_older_named_runs_and_sets_the_lease_text(tmp_path):
     t = "2026-12-05T01:{:02d}:00+00:00"
     wg = _part(tmp_path / "a.json", "wgkv", "bf16", {"W1": _w1(6.0, 5.8)}, t.format(0))
     up = _part(tmp_path / "b.json", "upstream", "fa3", {"W1": _w1(20.0, 8.7)}, t.format(10))
-    sr.main(["merge", wg, up, "--out-dir", str(out), "--leases", "one lease"])
+    sr.main(["merge", wg, up, "--out-dir", str(out), "--machines", "one H200"])
     w1 = json.loads((out / "W1.json").read_text())
     assert w1["runs"]["wgkv_profiled"] == {"kept": 1} and "old" not in w1["runs"]["wgkv:bf16"]
-    assert w1["leases"] == "one lease"
+    assert w1["machines"] == "one H200" and "leases" not in w1
     sr.main(["merge", wg, up, "--out-dir", str(out)])
-    assert "leases" not in json.loads((out / "W1.json").read_text())
+    assert "machines" not in json.loads((out / "W1.json").read_text())

@@ -1,4 +1,4 @@
-"""Constrained decoding on the CPU server (:mod:`sglang_wgkv.integration.constrained`): the CPU mask
+"""Constrained decoding on the CPU server (:mod:`sglang_wgkv.integration.requests.constrained`): the CPU mask
 against its torch reference, the start-up probe with SGLang's real xgrammar backend (a device that
 cannot mask gets a backend that rejects each constrained request), and one CPU server (SGLang's
 default grammar backend) running SGLang's own frontend programs (:mod:`evals.frontend_programs`) plus
@@ -36,7 +36,7 @@ MAX_NEW_TOKENS = 8
 def constrained():
     """The hooks module, imported at first use: it imports SGLang's grammar backends (seconds), which
     collection need not wait for."""
-    from sglang_wgkv.integration import constrained
+    from sglang_wgkv.integration.requests import constrained
 
     return constrained
 

@@ -133,8 +133,8 @@ def test_runtime_and_graphs_follow_the_fp8_choice():
     the pool FP8 for a checkpoint with an FP8 KV scheme), ``kernels`` refuses, graphs are off."""
     import torch
 
-    from sglang_wgkv.integration.runtime import WGKVRuntime
-    from sglang_wgkv.integration.settings import ServingSettings
+    from sglang_wgkv.integration.plugin.runtime import WGKVRuntime
+    from sglang_wgkv.integration.plugin.settings import ServingSettings
 
     auto, cuda = ServingSettings(), torch.device("cuda")
     auto_ext, kernels_ext = (
@@ -158,7 +158,7 @@ def test_layer_scales_follow_sglang():
 
     import torch
 
-    from sglang_wgkv.integration.kv_dtype import layer_scale
+    from sglang_wgkv.integration.pools.kv_dtype import layer_scale
 
     assert layer_scale(SimpleNamespace(k_scale=torch.tensor(0.5), k_scale_float=0.5), "k") == 0.5
     assert layer_scale(SimpleNamespace(k_scale=0.25, k_scale_float=None), "k") == 0.25
@@ -169,7 +169,7 @@ def test_layer_scales_follow_sglang():
 def test_capacity_counts_fp8_bytes():
     """A token of FP8 K/V costs half a bf16 one, so per-slot state (bytes) costs twice the tokens; the
     evictor's query window stays in the model's dtype."""
-    from sglang_wgkv.integration.slot_costs import ModelShape, fixed_costs
+    from sglang_wgkv.integration.pools.slot_costs import ModelShape, fixed_costs
 
     shape = dict(num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64, context_len=8192)
     bf16 = ModelShape(**shape, dtype_bytes=2)

@@ -53,7 +53,7 @@ def test_launcher_refuses_bad_gate_file(bad_gates, name, message):
 def test_scheduler_refuses_mismatched_gates(bad_gates):
     """The 30-layer gates on the short model (the embedded model's first two layers: a quick load)."""
     from sglang_wgkv.config import WGKVConfig
-    from sglang_wgkv.integration.settings import ENV_VAR, ServingSettings
+    from sglang_wgkv.integration.plugin.settings import ENV_VAR, ServingSettings
     from sglang_wgkv.testing.serving import QUIET_STOP_ENV
     from sglang_wgkv.testing.short_model import SHORT_LAYERS, short_model_dir
 

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from sglang_wgkv.config import WGKVConfig
-from sglang_wgkv.integration.mixed_batches import (
+from sglang_wgkv.integration.plugin.settings import ServingSettings
+from sglang_wgkv.integration.scheduling.mixed_batches import (
     ForwardBudget,
     PassInputs,
     pass_inputs,
     pool_holds_mixed,
     schedule_prefill,
 )
-from sglang_wgkv.integration.settings import ServingSettings
 from sglang_wgkv.memory import DualCachePool
 
 pytestmark = pytest.mark.serving
@@ -145,7 +145,7 @@ def test_schedule_prefill_unmixes_a_chunk_the_pool_cannot_hold_with_decodes():
 
 
 def test_mixed_batch_decode_rows_are_its_decoding_tail():
-    from sglang_wgkv.integration.batch_slots import mixed_decode_rows
+    from sglang_wgkv.integration.backend.batch_slots import mixed_decode_rows
 
     class Mode:
         def __init__(self, mixed):
@@ -166,7 +166,7 @@ def test_mixed_batch_decode_rows_are_its_decoding_tail():
 def test_launcher_forward_budget_defaults(monkeypatch):
     """CUDA: the budget and SGLang's --enable-mixed-chunk by default; 0 turns both off; CPU: off unless
     given; refused below 16 tokens and with --disable-wgkv."""
-    from sglang_wgkv.integration.settings import DEFAULT_GPU_FORWARD_TOKENS
+    from sglang_wgkv.integration.plugin.settings import DEFAULT_GPU_FORWARD_TOKENS
     from sglang_wgkv.launch_server import resolve
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -190,7 +190,7 @@ def test_launcher_forward_budget_defaults(monkeypatch):
 
 def test_mixed_chunk_accepted_by_the_backend_options():
     """``--enable-mixed-chunk`` is no longer refused with ``--attention-backend wgkv``."""
-    from sglang_wgkv.integration.hooks import prepare_server_args
+    from sglang_wgkv.integration.plugin.hooks import prepare_server_args
 
     args = SimpleNamespace(
         attention_backend="wgkv",

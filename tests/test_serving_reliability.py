@@ -7,7 +7,7 @@ prefix cache on).
 Bad input (:data:`BAD_INPUT`): each case must get a 4xx with a message while the server stays up
 and two greedy requests running meanwhile produce exactly what they produce alone. Upstream
 SGLang 0.5.17 already answers most of them with 400; the cases marked ``# was`` gave a 500 or killed
-the scheduler before ``integration/request_validation.py``, those marked ``# was 200`` were
+the scheduler before ``integration/requests/validation.py``, those marked ``# was 200`` were
 accepted: an unknown top-level key of ``/generate`` (dropped silently), and ``/generate`` with
 ``"stream": true``, which upstream answers with a 200 and the error as the stream's first event
 (the ``/generate`` middleware now holds the headers until that event: a 4xx status).
@@ -305,7 +305,7 @@ def test_request_checks_unit():
 
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    from sglang_wgkv.integration.request_validation import check_request, check_sampling_params
+    from sglang_wgkv.integration.requests.validation import check_request, check_sampling_params
 
     frontend = {
         "max_new_tokens": 4,
@@ -357,7 +357,7 @@ def test_generate_body_checks_unit():
     naming them; a stream whose first event is SGLang's error event, or the scheduler's abort with a
     status, becomes that status with the error as JSON; a stream that starts normally, an abort
     without a status, a non-stream request and other paths pass unchanged."""
-    from sglang_wgkv.integration.request_validation import GenerateBodyChecks
+    from sglang_wgkv.integration.requests.validation import GenerateBodyChecks
 
     def app_answering(*chunks, status=200):
         async def app(scope, receive, send):

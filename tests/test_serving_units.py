@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from sglang_wgkv.config import WGKVConfig
-from sglang_wgkv.integration.capacity import SLACK_TOKENS, dense_split, physical_pages
-from sglang_wgkv.integration.settings import ENV_VAR, ServingSettings
+from sglang_wgkv.integration.plugin.settings import ENV_VAR, ServingSettings
+from sglang_wgkv.integration.pools.capacity import SLACK_TOKENS, dense_split, physical_pages
 
 pytestmark = pytest.mark.serving
 
@@ -30,8 +30,8 @@ def test_split_capacity_reserves_slack_per_request_slot():
 def test_capacity_plan_counts_per_slot_state():
     """The page-table rows, ring flags and (with --kv-budget) evictor windows of every request slot
     come out of SGLang's KV budget: physical pages + that state = the budget."""
-    from sglang_wgkv.integration.capacity import plan_capacity
-    from sglang_wgkv.integration.slot_costs import ModelShape, fixed_costs
+    from sglang_wgkv.integration.pools.capacity import plan_capacity
+    from sglang_wgkv.integration.pools.slot_costs import ModelShape, fixed_costs
 
     shape = ModelShape(
         num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64, context_len=8192, dtype_bytes=2
@@ -54,7 +54,7 @@ def test_capacity_plan_counts_per_slot_state():
 
 
 def test_runtime_makes_the_one_kernel_choice():
-    from sglang_wgkv.integration.runtime import WGKVRuntime
+    from sglang_wgkv.integration.plugin.runtime import WGKVRuntime
 
     choose = WGKVRuntime.choose_kernels
     assert choose(ServingSettings(attention="auto"), "cuda", torch.bfloat16)
@@ -98,8 +98,8 @@ def _dual(max_requests=4):
 
 
 def test_req_pool_owns_dual_slot_lifetimes():
-    from sglang_wgkv.integration.req_pool import WGKVReqToTokenPool
-    from sglang_wgkv.integration.runtime import WGKVRuntime
+    from sglang_wgkv.integration.plugin.runtime import WGKVRuntime
+    from sglang_wgkv.integration.pools.req_pool import WGKVReqToTokenPool
 
     dual = _dual()
     runtime = WGKVRuntime(ServingSettings(config=dual.config), dual=dual)
@@ -156,7 +156,7 @@ class InPlaceRope(torch.nn.Module):
 
 
 def test_pre_rope_capture_sees_the_key_before_rotation():
-    from sglang_wgkv.integration.key_capture import PreRopeKeyCapture
+    from sglang_wgkv.integration.backend.gates import PreRopeKeyCapture
 
     class Attn(torch.nn.Module):
         def __init__(self, rope):
@@ -185,7 +185,7 @@ def test_pre_rope_capture_sees_the_key_before_rotation():
 
 def test_sgl_kernel_standin_is_installed_only_on_the_cpu_engine():
     code = (
-        "import sys; from sglang_wgkv.integration import cpu_compat as c; c.install_if_needed(); "
+        "import sys; from sglang_wgkv.integration.plugin import cpu_compat as c; c.install_if_needed(); "
         "m = sys.modules.get('sgl_kernel'); print(bool(m and getattr(m, c.STANDIN_MARKER, False)))"
     )
 
@@ -195,7 +195,11 @@ def test_sgl_kernel_standin_is_installed_only_on_the_cpu_engine():
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
         ).stdout.strip()
 
-    from sglang_wgkv.integration.cpu_compat import CPU_BUILD_NAMES, build_standin, real_sgl_kernel_loads
+    from sglang_wgkv.integration.plugin.cpu_compat import (
+        CPU_BUILD_NAMES,
+        build_standin,
+        real_sgl_kernel_loads,
+    )
 
     expected = "False" if real_sgl_kernel_loads() else "True"
     assert run("1") == expected
@@ -376,7 +380,7 @@ def test_server_accepts_official_qwen3_gates_and_checks_the_model(tmp_path):
     import json
 
     from sglang_wgkv.gate import GateConfig, WriteGates
-    from sglang_wgkv.integration.served_gates import build_gates
+    from sglang_wgkv.integration.backend.gates import build_gates
     from sglang_wgkv.launch_server import check_gates
 
     L, H, D = 2, 2, 32
@@ -461,8 +465,8 @@ def test_wgkv_lowers_sglangs_own_memory_fraction_only():
     CPU (no gpu_mem) keep SGLang's value. The hooked method exists in the pinned SGLang."""
     from sglang.srt.server_args import ServerArgs
 
-    from sglang_wgkv.integration.hooks import reserve_gpu_memory
-    from sglang_wgkv.integration.settings import GPU_RESERVE_MIB
+    from sglang_wgkv.integration.plugin.hooks import reserve_gpu_memory
+    from sglang_wgkv.integration.plugin.settings import GPU_RESERVE_MIB
 
     assert callable(getattr(ServerArgs, "_handle_gpu_memory_settings", None))
 

@@ -153,7 +153,7 @@ def test_train_config_validation():
 
 
 def test_sigterm_checkpoints_the_step_in_flight_and_resumes(text_dir, tmp_path):
-    """`timeout` ends a device call with SIGTERM: the run saves the step it reached (not a ckpt_every multiple)."""
+    """`timeout` ends a time-limited run with SIGTERM: the run saves the step it reached (not a ckpt_every multiple)."""
     import os
     import signal
 

@@ -12,7 +12,7 @@ from interp_decode_check import CASES, PoolCase, close
 from sglang_wgkv.testing.interp import InterpCheck
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device)")
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on a GPU host)")
 CPU_ONLY = pytest.mark.skipif(
     torch.cuda.is_available(),
     reason="the Triton interpreter is the CPU CI stand-in; on a GPU host the compiled kernels are tested (gpu marker), and Triton 3.6's interpreter fails there under the device's NumPy (only 0-dimensional arrays can be converted to Python scalars)",

@@ -14,7 +14,7 @@ from sglang_wgkv.testing.interp import InterpCheck
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GATE_RUN = InterpCheck(os.path.join(HERE, "interp_gate_check.py"))
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device)")
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on a GPU host)")
 CPU_ONLY = pytest.mark.skipif(
     torch.cuda.is_available(),
     reason="the Triton interpreter is the CPU CI stand-in; "

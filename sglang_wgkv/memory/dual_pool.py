@@ -62,7 +62,7 @@ class DualCachePool(ExtendStep, DecodeStep, MixedStep, KVScales, PoolIntegrity):
     triton_decode : :meth:`begin_decode` promotes with the Triton kernels of
         :func:`~sglang_wgkv.memory.triton_pool.decode_promote` (same resulting state as the torch
         ops of :meth:`_promote`, two launches, four at large batches); default: on CUDA devices. A
-        server passes its one torch/Triton choice (:class:`~sglang_wgkv.integration.runtime.WGKVRuntime`).
+        server passes its one torch/Triton choice (:class:`~sglang_wgkv.integration.plugin.runtime.WGKVRuntime`).
     triton_extend : :meth:`write_extend` moves its rows with
         :func:`~sglang_wgkv.memory.triton_extend.extend_move` and ``extend_ring_write`` (one launch
         each) and :meth:`extend_inputs` gathers with ``extend_context`` (one launch per request),

@@ -11,7 +11,7 @@ syncs are written out in docs/design.md ("The evictor").
 
 Per-request bounds (:meth:`bound_request`): a request slot may carry its own budget, prompt cap and
 lead (a request's ``kv_budget``, or what the physical pool leaves a request longer than it,
-:mod:`sglang_wgkv.integration.long_requests`); the others keep the server's (``budget`` None: not
+:mod:`sglang_wgkv.integration.scheduling.long_requests`); the others keep the server's (``budget`` None: not
 bounded). With ``rows`` set, only bound slots get a query-window row (plus a scratch row that unbound
 slots write into); ``rows`` None: one row per slot.
 

@@ -182,13 +182,13 @@ def shipped_gates_at(path: Path, local_window: int, num_layers: int | None = Non
 
 
 def embedded_plan(budget_tokens: int, dtype_bytes: int = BASE_DTYPE_BYTES, **options):
-    """The capacity plan (``integration/capacity.py``) a CPU server of the embedded model (30 layers,
+    """The capacity plan (``integration/pools/capacity.py``) a CPU server of the embedded model (30 layers,
     9 query / 3 KV heads of 64, context 8192) makes of ``--max-total-tokens budget_tokens`` in a
     ``dtype_bytes`` KV dtype (default: the float32 of :data:`BASE_ARGS`; the per-slot state is
     counted in dense tokens of that dtype); ``options``: plan_capacity's keywords (local_window,
     kv_budget, ...)."""
-    from sglang_wgkv.integration.capacity import plan_capacity
-    from sglang_wgkv.integration.slot_costs import ModelShape
+    from sglang_wgkv.integration.pools.capacity import plan_capacity
+    from sglang_wgkv.integration.pools.slot_costs import ModelShape
 
     shape = ModelShape(
         num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64, context_len=8192, dtype_bytes=dtype_bytes

@@ -1,4 +1,4 @@
-"""Import stand-in for Hugging Face ``datasets`` on the offline H200 (the device kit lacks it).
+"""Import stand-in for Hugging Face ``datasets`` on a GPU host without network (the kit lacks it).
 
 ``sglang.benchmark.datasets`` imports ``load_dataset`` at module load for its MMMU loader;
 ``--dataset-name random-ids`` never calls it. ``benchmarks/served_speed.py`` puts this folder on

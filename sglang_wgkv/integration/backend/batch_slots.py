@@ -4,7 +4,7 @@ batch.reqs]`` on the batch and on the backend, so no step reads the device tenso
 (a batch built elsewhere, e.g. a unit test's, falls back to ``.tolist()``).
 """
 
-from sglang_wgkv.integration.backend import WGKVAttnBackend
+from sglang_wgkv.integration.backend.attn_backend import WGKVAttnBackend
 
 
 def record_batch_slots(result, cls, batch, model_runner, *args, **kwargs):

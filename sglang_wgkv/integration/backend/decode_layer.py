@@ -1,10 +1,12 @@
 """One layer of a decode step in the ``wgkv`` backend: the torch reference (gate, ring write, paged
 attention) or the kernels (the folded split-KV decode with its fused ring write, and beside it, on a
-side stream, gate + admission and the flags' write)."""
+side stream, gate + admission and the flags' write); the step's rows every layer reads
+(:class:`DecodeRows`) and the request slot that pads CUDA-graph batches (:data:`SCRATCH_SLOT`)."""
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,8 +18,33 @@ if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
 
 
+# SGLang's request row 0 pads CUDA-graph batches and is never allocated to a request.
+SCRATCH_SLOT = 0
+
+
+@dataclass
+class DecodeRows:
+    """One decode step's rows, read by every layer (views of static buffers under CUDA graphs).
+
+    req, pos : ``[B]`` int64 request slot and position of the token being decoded;
+    ring : ``[B]`` int64 ring tokens after this step's write (``min(pos + 1, W)``);
+    tau : ``[B, 1]`` float32 admission threshold; uniform : ``[B, L, H]`` random-admission draws or None;
+    num_splits, workspace : :func:`folded_decode` launch parameters (kernels path);
+    gate_splits : slices of the gate's hidden width per (row, head) (:class:`DecodeGate`, kernels path).
+    """
+
+    req: torch.Tensor
+    pos: torch.Tensor
+    ring: torch.Tensor
+    tau: torch.Tensor
+    uniform: torch.Tensor | None
+    num_splits: int | None = None
+    workspace: object = None
+    gate_splits: int = 1
+
+
 class DecodeLayer:
-    """Per-layer decode of :class:`~sglang_wgkv.integration.backend.WGKVAttnBackend` (a mixin: the
+    """Per-layer decode of :class:`~sglang_wgkv.integration.backend.attn_backend.WGKVAttnBackend` (a mixin: the
     backend owns the pool ``dual``, the step's rows ``_rows``, the gates, the evictor and ``_admit``)."""
 
     def _decode_rows(self, q3, k3, v3, k_pre, layer: RadixAttention) -> torch.Tensor:

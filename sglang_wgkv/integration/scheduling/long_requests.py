@@ -29,7 +29,7 @@ request's), and the forward goes on. Either way the request's pages never exceed
 reserve, plus the capped global part), which is what the overcommit prefill guard reserves for it
 instead of its dense prompt (:mod:`.overcommit`). A request that needs a bound but cannot get one
 even with the whole pool free (W_local per stream on average would not fit) gets a 400 before any
-work (:func:`~sglang_wgkv.integration.overcommit.check_request_length`), as does a request with admission off that is longer than the
+work (:func:`~sglang_wgkv.integration.scheduling.overcommit.check_request_length`), as does a request with admission off that is longer than the
 dense-equivalent pool (it keeps every token, so it must fit densely).
 
 Window rows: a server without ``--kv-budget`` keeps query windows for :data:`LONG_REQUEST_ROWS`

@@ -2,10 +2,10 @@
 logical token pool, its request slots and the dual pool's pages (:func:`plan_capacity`).
 
 SGLang's logical token slots carry no K/V here and are what the scheduler admits, retracts and checks;
-the dual pool's 16-token pages hold the K/V (:mod:`~sglang_wgkv.integration.kv_pool`). The physical
+the dual pool's 16-token pages hold the K/V (:mod:`~sglang_wgkv.integration.pools.kv_pool`). The physical
 pool must never run out while the logical one has room. Budgets are in *dense tokens* (the K and V of
 one token in every layer and KV head of this rank); the per-slot state (page-table rows, ring flags,
-the evictor's query windows: :class:`~sglang_wgkv.integration.slot_costs.FixedCosts`) comes out of the same budget. The splits, written
+the evictor's query windows: :class:`~sglang_wgkv.integration.pools.slot_costs.FixedCosts`) comes out of the same budget. The splits, written
 out with their reasons in docs/design.md ("The capacity plan")::
 
     mode        when                                  rule
@@ -19,14 +19,14 @@ out with their reasons in docs/design.md ("The capacity plan")::
 
 Bounded mode: a prompt holds up to ``W_local + prompt_cap + C`` per stream until its end is scored
 (``prompt_cap = 16 ceil(B/16) + P``, :func:`prompt_reserve`; ``C`` = ``chunked_prefill_size``), paid
-from the pages of free slots (:class:`~sglang_wgkv.integration.prompt_rule.PromptRule`, :mod:`~sglang_wgkv.integration.prefill_guard`)::
+from the pages of free slots (:class:`PromptRule`, :mod:`~sglang_wgkv.integration.scheduling.prefill_guard`)::
 
     sum over the batch's prompts of excess <= (R - running - batch) x S + spare
 
 Prefix caching reserves a private ring copy (up to ``W_local + 16`` tokens per stream) for
 ``restore_slots`` restored requests; snapshot pages need no reserve (dropped when a step would not fit).
 Bounded requests (a request's own ``kv_budget``, or one longer than the dense-equivalent pool,
-:mod:`~sglang_wgkv.integration.long_requests`): without ``--kv-budget`` the evictor keeps query windows
+:mod:`~sglang_wgkv.integration.scheduling.long_requests`): without ``--kv-budget`` the evictor keeps query windows
 for ``long_request_rows`` of them at once, carved from the budget before the split.
 """
 
@@ -36,8 +36,7 @@ import math
 from dataclasses import dataclass, replace
 
 from sglang_wgkv.config import DEFAULT_PROMPT_WINDOW, PAGE_SIZE
-from sglang_wgkv.integration.prompt_rule import PromptRule
-from sglang_wgkv.integration.slot_costs import ModelShape, fixed_costs
+from sglang_wgkv.integration.pools.slot_costs import ModelShape, fixed_costs
 
 SLACK_TOKENS = 4 * PAGE_SIZE
 # At most this fraction of the budget goes to per-request slack; past it, fewer request slots.
@@ -48,6 +47,44 @@ MAX_RESTORE_FRACTION = 0.125
 MAX_WINDOW_FRACTION = 0.25
 # At most this fraction of the budget is reserved for the prompt being prefilled (bounded split).
 MAX_PROMPT_FRACTION = 0.25
+
+
+@dataclass(frozen=True)
+class PromptRule:
+    """What a prompt may hold while it is prefilled in bounded mode and where that room comes from
+    (this module's docstring), in tokens per stream.
+
+    local_window : W_local.
+    slot_tokens : ``S``, the pages one request slot holds between steps (ring + budget + 2 pages).
+    cap : ``prompt_cap``, the global entries a stream keeps until its prompt ends (budget + ``P``).
+    chunk_tokens : ``C``, SGLang's ``chunked_prefill_size`` (new tokens of one extend at most).
+    requests : ``R``, the request slots.
+    spare_tokens : the dual pool's pages beyond ``R x S``.
+    """
+
+    local_window: int
+    slot_tokens: int
+    cap: int
+    chunk_tokens: int
+    requests: int
+    spare_tokens: int
+
+    def excess_tokens(self, prompt_len: int) -> int:
+        """Tokens per stream beyond ``slot_tokens`` that a prompt of ``prompt_len`` tokens (prefix
+        included) may hold while it is prefilled: at a boundary, or within an extend of up to
+        ``chunk_tokens`` new tokens with what its step reserves. A chunk starts from at most ``cap``
+        global entries and adds at most its own tokens, so the global part stays within
+        ``min(prompt_len - W_local, cap + C)``; on top of the ring and those pages, one page for the
+        two partial pages (the chunk's and the cache's) and the two that ``begin_extend`` reserves
+        (:meth:`~sglang_wgkv.memory.DualCachePool.extend_bound`)."""
+        held_global = min(max(0, prompt_len - self.local_window), self.cap + self.chunk_tokens)
+        held = self.local_window + PAGE_SIZE * (-(-held_global // PAGE_SIZE) + 3)
+        return max(0, held - self.slot_tokens)
+
+    def room(self, holding: int) -> int:
+        """Tokens per stream of the pages no request slot's bound covers while ``holding`` requests
+        (running, and in the prefill batch) hold a slot: the other slots' and the spare pages."""
+        return (self.requests - holding) * self.slot_tokens + self.spare_tokens
 
 
 @dataclass(frozen=True)
@@ -253,13 +290,13 @@ def plan_capacity(
         dense-equivalent one with the windows carved from the budget.
     overcommit : ``--wgkv-overcommit`` (excludes ``kv_budget``).
 
-    Without ``kv_budget``, the windows of :func:`~.long_requests.long_request_rows` bounded requests
+    Without ``kv_budget``, the windows of :func:`~sglang_wgkv.integration.scheduling.long_requests.long_request_rows` bounded requests
     (``min(DEFAULT_PROMPT_WINDOW, local_window)`` queries each) come out of the budget first.
 
     Raises ValueError when the budget cannot hold one request.
     """
     if kv_budget is None:
-        from sglang_wgkv.integration.long_requests import long_request_rows
+        from sglang_wgkv.integration.scheduling.long_requests import long_request_rows
 
         row = fixed_costs(shape, local_window, min(DEFAULT_PROMPT_WINDOW, local_window)).window_tokens
         rows = long_request_rows(budget_tokens, row)

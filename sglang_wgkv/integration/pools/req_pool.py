@@ -16,18 +16,18 @@ from typing import TYPE_CHECKING
 import torch
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-from sglang_wgkv.integration.long_requests import apply_bound
-from sglang_wgkv.integration.request_control import RequestAdmission, attach_usage, request_usage
+from sglang_wgkv.integration.requests.control import RequestAdmission, attach_usage, request_usage
+from sglang_wgkv.integration.scheduling.long_requests import apply_bound
 from sglang_wgkv.memory import DualCachePool
 
 if TYPE_CHECKING:
-    from sglang_wgkv.integration.runtime import WGKVRuntime
+    from sglang_wgkv.integration.plugin.runtime import WGKVRuntime
 
 
 class WGKVReqToTokenPool(ReqToTokenPool):
     """``ReqToTokenPool`` whose slots also allocate and free dual-cache streams.
 
-    ``runtime``: the process's :class:`~sglang_wgkv.integration.runtime.WGKVRuntime`, whose dual pool
+    ``runtime``: the process's :class:`~sglang_wgkv.integration.plugin.runtime.WGKVRuntime`, whose dual pool
     (built right after this pool, with one request slot per row of ``req_to_token``), evictor, TP
     usage reducer and prefix cache this pool reads; no request is scheduled before they exist.
     """
@@ -39,7 +39,7 @@ class WGKVReqToTokenPool(ReqToTokenPool):
         if runtime.has_pool() and runtime.dual.max_requests < rows:
             raise ValueError(f"dual pool has {runtime.dual.max_requests} request slots, SGLang uses {rows}")
         # ``[R]`` admission threshold of each slot's request (-inf: admission off), read per row by
-        # the backend; the server's tau unless the request overrides it (request_control).
+        # the backend; the server's tau unless the request overrides it (requests/control.py).
         self.server_tau = runtime.settings.config.tau
         self.slot_tau = torch.full((rows,), self.server_tau, dtype=torch.float32, device=self.device)
         self.slot_admission = [RequestAdmission()] * rows

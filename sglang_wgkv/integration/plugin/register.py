@@ -2,8 +2,8 @@
 
 SGLang calls :func:`load_plugin` in the launcher (before parsing arguments) and in every scheduler
 subprocess (before building the scheduler), then applies the registered hooks. Nothing else in this
-package patches SGLang; see :mod:`sglang_wgkv.integration.hooks` for the hook table, and
-:mod:`sglang_wgkv.integration.constrained` for the constrained-decoding hooks (registered for every
+package patches SGLang; see :mod:`sglang_wgkv.integration.plugin.hooks` for the hook table, and
+:mod:`sglang_wgkv.integration.requests.constrained` for the constrained-decoding hooks (registered for every
 attention backend).
 """
 
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import multiprocessing
 
-from sglang_wgkv.integration.settings import BACKEND_NAME
+from sglang_wgkv.integration.plugin.settings import BACKEND_NAME
 
 
 def create_wgkv_backend(model_runner):
-    from sglang_wgkv.integration.backend import WGKVAttnBackend
+    from sglang_wgkv.integration.backend.attn_backend import WGKVAttnBackend
 
     return WGKVAttnBackend(model_runner)
 
@@ -26,16 +26,11 @@ def load_plugin() -> None:
     from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
 
     from radix_ext import factory as radix_factory
-    from sglang_wgkv.integration import (
-        hooks,
-        metrics,
-        mixed_batches,
-        overcommit,
-        prefill_guard,
-        request_control,
-        request_validation,
-    )
-    from sglang_wgkv.integration.batch_slots import record_batch_slots
+    from sglang_wgkv.integration.backend.batch_slots import record_batch_slots
+    from sglang_wgkv.integration.plugin import hooks, metrics
+    from sglang_wgkv.integration.requests import control as request_control
+    from sglang_wgkv.integration.requests import validation as request_validation
+    from sglang_wgkv.integration.scheduling import mixed_batches, overcommit, prefill_guard
 
     register_attention_backend(BACKEND_NAME)(create_wgkv_backend)
     radix_factory.register()
@@ -149,6 +144,6 @@ def load_plugin() -> None:
 def register_constrained_decoding() -> None:
     """Constrained decoding on the CPU (and a 400, not a crash, where a device cannot mask): not tied to
     the wgkv backend, so the ``--disable-wgkv`` baseline has it too."""
-    from sglang_wgkv.integration import constrained
+    from sglang_wgkv.integration.requests import constrained
 
     constrained.register()

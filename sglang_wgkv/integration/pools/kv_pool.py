@@ -12,7 +12,7 @@ Two address spaces coexist:
 The logical slots carry no K/V here (the placeholder buffers below are a few KB), so SGLang's
 scheduling, retraction and leak checks run unchanged while the memory SGLang budgets for the KV
 cache is spent on the dual pool's pages. How that memory is split between the two is the capacity
-plan (:mod:`~sglang_wgkv.integration.capacity`).
+plan (:mod:`~sglang_wgkv.integration.pools.capacity`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
 if TYPE_CHECKING:
-    from sglang_wgkv.integration.runtime import WGKVRuntime
+    from sglang_wgkv.integration.plugin.runtime import WGKVRuntime
 
 
 class WGKVTokenToKVPool(MHATokenToKVPool):

@@ -1,4 +1,4 @@
-"""The HookRegistry hooks of the WG-KV plugin (registered in :mod:`sglang_wgkv.integration.plugin`;
+"""The HookRegistry hooks of the WG-KV plugin (registered in :mod:`sglang_wgkv.integration.plugin.register`;
 the request-control and metrics hooks are listed there and live in their own modules).
 
 Every hook is inert unless ``--attention-backend wgkv`` is selected.
@@ -31,8 +31,8 @@ import math
 
 import msgspec
 
-from sglang_wgkv.integration.kv_dtype import SERVED_KV_CACHE_DTYPES, kv_cache_dtype_problem
-from sglang_wgkv.integration.settings import BACKEND_NAME, GPU_RESERVE_MIB, ServingSettings
+from sglang_wgkv.integration.plugin.settings import BACKEND_NAME, GPU_RESERVE_MIB, ServingSettings
+from sglang_wgkv.integration.pools.kv_dtype import SERVED_KV_CACHE_DTYPES, kv_cache_dtype_problem
 
 logger = logging.getLogger(__name__)
 
@@ -125,12 +125,12 @@ def reserve_gpu_memory(original, server_args, gpu_mem):
 
 def split_pool_sizes(sizes, configurator, *args, **kwargs):
     """AFTER ``_derive_pool_sizes``: the capacity plan of the KV budget SGLang derived
-    (:func:`~sglang_wgkv.integration.capacity.plan_capacity`) becomes SGLang's logical pool and
-    request slots; the process's :class:`~sglang_wgkv.integration.runtime.WGKVRuntime` keeps it for
+    (:func:`~sglang_wgkv.integration.pools.capacity.plan_capacity`) becomes SGLang's logical pool and
+    request slots; the process's :class:`~sglang_wgkv.integration.plugin.runtime.WGKVRuntime` keeps it for
     the pool hooks below."""
     if not wgkv_selected(configurator.server_args):
         return None
-    from sglang_wgkv.integration.runtime import WGKVRuntime, install_runtime, load_settings
+    from sglang_wgkv.integration.plugin.runtime import WGKVRuntime, install_runtime, load_settings
 
     plan = install_runtime(WGKVRuntime.plan_for(load_settings(), sizes, configurator)).plan
     return msgspec.structs.replace(
@@ -145,8 +145,8 @@ def build_req_pool(original, configurator, *, max_num_reqs: int, extra_max_conte
         return original(configurator, max_num_reqs=max_num_reqs, extra_max_context_len=extra_max_context_len)
     from sglang.srt.runtime_context import get_exec
 
-    from sglang_wgkv.integration.req_pool import WGKVReqToTokenPool
-    from sglang_wgkv.integration.runtime import get_runtime
+    from sglang_wgkv.integration.plugin.runtime import get_runtime
+    from sglang_wgkv.integration.pools.req_pool import WGKVReqToTokenPool
 
     runtime = get_runtime()
     pool = WGKVReqToTokenPool(
@@ -172,9 +172,9 @@ def build_kv_pool(original, configurator, *, sizes, is_dsa_model, is_dsv4_model,
             is_dsv4_model=is_dsv4_model,
             req_to_token_pool=req_to_token_pool,
         )
-    from sglang_wgkv.integration.kv_pool import WGKVTokenToKVPool
-    from sglang_wgkv.integration.req_pool import WGKVReqToTokenPool
-    from sglang_wgkv.integration.runtime import get_runtime
+    from sglang_wgkv.integration.plugin.runtime import get_runtime
+    from sglang_wgkv.integration.pools.kv_pool import WGKVTokenToKVPool
+    from sglang_wgkv.integration.pools.req_pool import WGKVReqToTokenPool
 
     if is_dsa_model or is_dsv4_model:
         raise ValueError(
@@ -201,7 +201,7 @@ def check_idle_pool(result, checker, *args, **kwargs):
     from sglang.srt.environ import envs
     from sglang.srt.utils.common import raise_error_or_warn
 
-    from sglang_wgkv.integration.req_pool import WGKVReqToTokenPool
+    from sglang_wgkv.integration.pools.req_pool import WGKVReqToTokenPool
 
     pool = checker.req_to_token_pool
     if not isinstance(pool, WGKVReqToTokenPool):
@@ -219,7 +219,7 @@ def check_idle_pool(result, checker, *args, **kwargs):
 
 def add_internal_state(result, scheduler, *args, **kwargs):
     """AFTER ``Scheduler.get_internal_state``: ``internal_states[i]["wgkv"]`` in ``/server_info``."""
-    from sglang_wgkv.integration.req_pool import WGKVReqToTokenPool
+    from sglang_wgkv.integration.pools.req_pool import WGKVReqToTokenPool
 
     pool = scheduler.req_to_token_pool
     if isinstance(pool, WGKVReqToTokenPool):

@@ -10,7 +10,7 @@ dense      none (SGLang's own token and slot checks imply the dual pool's), but 
            own ``kv_budget`` waits for a free query-window row (:mod:`~.long_requests`)
 =========  ==================================================================================
 
-Bounded prompt guard (:class:`~sglang_wgkv.integration.prompt_rule.PromptRule`, the capacity module's
+Bounded prompt guard (:class:`~sglang_wgkv.integration.pools.capacity.PromptRule`, the capacity module's
 docstring). Between steps a request holds at most one slot's bound of pages; while its prompt is
 prefilled it may hold ``excess_tokens(prompt length)`` more per stream. A request joins a batch only
 if the excess of the batch's prompts, its own included, fits in ``room(running + batch)``: the
@@ -23,9 +23,9 @@ would fit once they end, else ``NO_TOKEN`` (SGLang tries no prefill until a requ
 
 from __future__ import annotations
 
-from sglang_wgkv.integration import overcommit
-from sglang_wgkv.integration.long_requests import release_row, reserve_row
-from sglang_wgkv.integration.request_control import RequestAdmission
+from sglang_wgkv.integration.requests.control import RequestAdmission
+from sglang_wgkv.integration.scheduling import overcommit
+from sglang_wgkv.integration.scheduling.long_requests import release_row, reserve_row
 
 
 def _runtime(adder):

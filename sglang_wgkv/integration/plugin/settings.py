@@ -89,7 +89,7 @@ class ServingSettings:
 
             DecodeConfig.parse(self.decode_launch)  # ValueError naming the field
         if self.forward_tokens is not None:
-            from sglang_wgkv.integration.mixed_batches import ForwardBudget
+            from sglang_wgkv.integration.scheduling.mixed_batches import ForwardBudget
 
             ForwardBudget(self.forward_tokens)  # ValueError naming the bound
         if self.extend_kernels and self.attention == "reference":
@@ -103,7 +103,7 @@ class ServingSettings:
         on CUDA)."""
         import torch
 
-        from sglang_wgkv.integration.kv_dtype import FP8_KV_CACHE_DTYPES, kernels_read_fp8
+        from sglang_wgkv.integration.pools.kv_dtype import FP8_KV_CACHE_DTYPES, kernels_read_fp8
 
         if device not in (None, "cuda") or (device is None and not torch.cuda.is_available()):
             return f"device {device or 'cpu'}"

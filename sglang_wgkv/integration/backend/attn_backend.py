@@ -50,15 +50,13 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from sglang_wgkv.attention import reference
 from sglang_wgkv.gate.admission import DeferredGateCheck, admission_flags
-from sglang_wgkv.integration.decode_graphs import DecodeGraphs
-from sglang_wgkv.integration.decode_layer import DecodeLayer
-from sglang_wgkv.integration.decode_rows import DecodeRows
-from sglang_wgkv.integration.key_capture import PreRopeKeyCapture
-from sglang_wgkv.integration.kv_dtype import model_kv_scales
-from sglang_wgkv.integration.kv_pool import WGKVTokenToKVPool
-from sglang_wgkv.integration.runtime import get_runtime
-from sglang_wgkv.integration.served_gates import build_gates
-from sglang_wgkv.integration.settings import BACKEND_NAME
+from sglang_wgkv.integration.backend.decode_graphs import DecodeGraphs
+from sglang_wgkv.integration.backend.decode_layer import DecodeLayer, DecodeRows
+from sglang_wgkv.integration.backend.gates import PreRopeKeyCapture, build_gates
+from sglang_wgkv.integration.plugin.runtime import get_runtime
+from sglang_wgkv.integration.plugin.settings import BACKEND_NAME
+from sglang_wgkv.integration.pools.kv_dtype import model_kv_scales
+from sglang_wgkv.integration.pools.kv_pool import WGKVTokenToKVPool
 from sglang_wgkv.memory.extend_step import context_rows, to_device
 from sglang_wgkv.memory.extend_writes import ExtendWrites
 

@@ -1,9 +1,9 @@
 """CUDA graphs (decode only, kernels path). SGLang's decode graph runner calls
 ``init_forward_metadata_out_graph`` eagerly before capture (``in_capture=True``) and before every
-replay; per-layer work reads the step's rows from static device buffers (:class:`~sglang_wgkv.integration.decode_rows.DecodeRows`
+replay; per-layer work reads the step's rows from static device buffers (:class:`~sglang_wgkv.integration.backend.decode_layer.DecodeRows`
 views of ``[max_bs]`` tensors). Replay preparation runs the step's host bookkeeping and
 :meth:`DualCachePool.begin_decode` (ring pages, promotion) for the real rows and points the padded
-rows at :data:`~sglang_wgkv.integration.decode_rows.SCRATCH_SLOT`, SGLang's padding request row (index 0, never given to a request), whose
+rows at :data:`~sglang_wgkv.integration.backend.decode_layer.SCRATCH_SLOT`, SGLang's padding request row (index 0, never given to a request), whose
 page-table rows are all dump pages: their K/V land on the dump page, their flags and (``--kv-budget``)
 queries in state of a slot nobody owns. Capture and SGLang's warm-up runs see only padded rows, so
 they cannot touch a live request. Random admission draws the step's ``[B, L, H]`` uniforms eagerly
@@ -14,12 +14,12 @@ preparation, outside the graph.
 
 import torch
 
-from sglang_wgkv.integration.decode_rows import SCRATCH_SLOT, DecodeRows
-from sglang_wgkv.integration.settings import BACKEND_NAME
+from sglang_wgkv.integration.backend.decode_layer import SCRATCH_SLOT, DecodeRows
+from sglang_wgkv.integration.plugin.settings import BACKEND_NAME
 
 
 class DecodeGraphs:
-    """The CUDA-graph hooks of :class:`~sglang_wgkv.integration.backend.WGKVAttnBackend` (a mixin: the
+    """The CUDA-graph hooks of :class:`~sglang_wgkv.integration.backend.attn_backend.WGKVAttnBackend` (a mixin: the
     backend owns the pool ``dual``, the evictor, the launch shape and gates, and ``_draw_uniform``)."""
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):

@@ -1,4 +1,5 @@
-"""The WG-KV runtime of one scheduler process: settings, capacity plan, dual pool, evictor, prefix cache.
+"""The WG-KV runtime of one scheduler process: settings, capacity plan, dual pool, evictor, prefix cache;
+under attention tensor parallelism, the KV heads a rank holds and per-request usage summed over ranks.
 
 SGLang builds a scheduler process's parts in a fixed order and hands none of them a context
 argument, so the runtime is created once, by the first pool-building hook, and read through
@@ -31,11 +32,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sglang_wgkv.integration.capacity import CapacityPlan, physical_pages, plan_capacity
-from sglang_wgkv.integration.kv_dtype import kernels_read_fp8
-from sglang_wgkv.integration.settings import BACKEND_NAME, ServingSettings
-from sglang_wgkv.integration.slot_costs import ModelShape
-from sglang_wgkv.integration.tensor_parallel import counts_heads, rank_kv_heads, tp_usage_reducer
+from sglang_wgkv.integration.plugin.settings import BACKEND_NAME, ServingSettings
+from sglang_wgkv.integration.pools.capacity import CapacityPlan, physical_pages, plan_capacity
+from sglang_wgkv.integration.pools.kv_dtype import kernels_read_fp8
+from sglang_wgkv.integration.pools.slot_costs import ModelShape
 from sglang_wgkv.memory import DualCachePool
 from sglang_wgkv.memory.kv_quant import is_fp8
 
@@ -43,6 +43,46 @@ if TYPE_CHECKING:
     from sglang_wgkv.memory import SnapKVEvictor
 
 logger = logging.getLogger(__name__)
+
+
+def rank_kv_heads(total_kv_heads: int, tp_size: int, tp_rank: int) -> list[int]:
+    """The KV heads SGLang's ``QKVParallelLinear`` gives ``tp_rank``: a contiguous block, or one
+    replicated head when there are more ranks than KV heads."""
+    if tp_size >= total_kv_heads:
+        return [tp_rank * total_kv_heads // tp_size]
+    per_rank = total_kv_heads // tp_size
+    return list(range(tp_rank * per_rank, (tp_rank + 1) * per_rank))
+
+
+def counts_heads(total_kv_heads: int, tp_size: int, tp_rank: int) -> bool:
+    """Whether ``tp_rank``'s heads count in a sum over ranks: False where the rank before it holds the
+    same (replicated) head, so each KV head counts once."""
+    earlier = rank_kv_heads(total_kv_heads, tp_size, tp_rank - 1) if tp_rank else []
+    return rank_kv_heads(total_kv_heads, tp_size, tp_rank) != earlier
+
+
+def tp_usage_reducer(counts_heads: bool):
+    """Under attention tensor parallelism, a ``reduce`` for
+    :func:`~sglang_wgkv.integration.requests.control.request_usage` that sums the per-rank counts over
+    the ranks' CPU group (``counts_heads`` False on a rank whose KV head an earlier rank already
+    holds, so each head counts once) and takes the maxima; None on one rank. Every rank frees the
+    same requests in the same order (SGLang's TP schedulers run in lockstep), so the collective
+    cannot deadlock."""
+    from sglang.srt.distributed.parallel_state import get_attn_tp_group
+
+    group = get_attn_tp_group()
+    if group.world_size == 1:
+        return None
+    weight = 1 if counts_heads else 0
+
+    def reduce(sums, maxes):
+        s = torch.tensor(sums, dtype=torch.float64) * weight
+        m = torch.tensor(maxes, dtype=torch.float64)
+        torch.distributed.all_reduce(s, group=group.cpu_group)
+        torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group.cpu_group)
+        return [int(x) for x in s.tolist()], [int(x) for x in m.tolist()]
+
+    return reduce
 
 
 def kernels_fit(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -59,7 +99,7 @@ class WGKVRuntime:
     dual, evictor : an existing dual pool and evictor; otherwise :meth:`build_pools` builds them.
     use_kernels : see :meth:`choose_kernels`; given explicitly with an existing pool.
     chunk_tokens : SGLang's ``chunked_prefill_size`` (None or <= 0: chunked prefill off), which
-        bounds what a prompt holds while it is prefilled (:mod:`~.long_requests`).
+        bounds what a prompt holds while it is prefilled (:mod:`~sglang_wgkv.integration.scheduling.long_requests`).
     """
 
     def __init__(
@@ -145,7 +185,7 @@ class WGKVRuntime:
     ) -> bool:
         """The one torch/Triton choice: ``kernels`` (raises where they cannot run), ``reference``,
         or ``auto`` = kernels where they fit (CUDA, fp16/bf16, a pool of ``kv_dtype`` they read:
-        :mod:`.kv_dtype`; e.g. a checkpoint whose FP8 KV scheme made SGLang's ``auto`` FP8)."""
+        :mod:`~sglang_wgkv.integration.pools.kv_dtype`; e.g. a checkpoint whose FP8 KV scheme made SGLang's ``auto`` FP8)."""
         fit = kernels_fit(device, dtype)
         if settings.attention == "kernels" and not fit:
             raise ValueError("--wgkv-attention kernels needs a CUDA device and a float16/bfloat16 model")

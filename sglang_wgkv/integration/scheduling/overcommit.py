@@ -1,7 +1,7 @@
 """Overcommit capacity (``--wgkv-overcommit F``): admission alone, no evictor, runs more requests at
 once than a dense pool of the same memory, because the scheduler guards the physical pool itself.
 
-Split. :func:`~sglang_wgkv.integration.capacity.plan_capacity` gives SGLang ``F`` times the
+Split. :func:`~sglang_wgkv.integration.pools.capacity.plan_capacity` gives SGLang ``F`` times the
 dense-equivalent logical pool and request slots (slots capped by SGLang's own
 ``max_running_requests``), and the dual pool the whole KV budget (less the slots' fixed state). SGLang then admits by logical
 tokens as usual, so its own checks no longer imply that the physical pool can hold a step.
@@ -14,7 +14,7 @@ Guard. Before every forward SGLang checks memory in two places, and both also ch
   :meth:`DualCachePool.decode_worst_case` of the batch (one page per stream of a request that
   promotes or whose ring crosses a page boundary). Otherwise SGLang retracts requests (fewest outputs
   first) until it fits; a retracted request frees its slot, hence its pages
-  (:class:`~sglang_wgkv.integration.req_pool.WGKVReqToTokenPool`), and is re-run from its prompt.
+  (:class:`~sglang_wgkv.integration.pools.req_pool.WGKVReqToTokenPool`), and is re-run from its prompt.
 * prefill (``PrefillAdder.add_one_req`` / ``add_chunked_req``): a new request is admitted only if the
   free pages cover :meth:`DualCachePool.extend_bound` of its whole remaining prompt (every future
   chunk, not only this one) for it and for every request already in the batch, plus one decode step
@@ -52,7 +52,8 @@ from __future__ import annotations
 
 import logging
 
-from sglang_wgkv.integration.long_requests import (
+from sglang_wgkv.integration.requests.control import RequestAdmission
+from sglang_wgkv.integration.scheduling.long_requests import (
     WGKV_BOUND,
     length_error,
     pool_bound,
@@ -61,7 +62,6 @@ from sglang_wgkv.integration.long_requests import (
     requested_bound,
     reserve_row,
 )
-from sglang_wgkv.integration.request_control import RequestAdmission
 
 logger = logging.getLogger(__name__)
 

@@ -84,7 +84,7 @@ class WGKVMetrics:
 
 def install(result, scheduler, *args, **kwargs):
     """AFTER ``Scheduler.init_metrics_reporter``: attach our series to the scheduler's collector."""
-    from sglang_wgkv.integration.req_pool import WGKVReqToTokenPool
+    from sglang_wgkv.integration.pools.req_pool import WGKVReqToTokenPool
 
     collector = getattr(scheduler, "metrics_collector", None)
     if collector is not None and isinstance(scheduler.req_to_token_pool, WGKVReqToTokenPool):

@@ -1,13 +1,13 @@
 """Per-request admission control and per-request usage, end to end through SGLang's own fields.
 
 Request → scheduler: the client puts ``{"wgkv": {"tau": T}}``, ``{"wgkv": {"admission": false}}`` or
-``{"wgkv": {"kv_budget": N}}`` (global tokens kept per layer and KV head, :mod:`.long_requests`)
+``{"wgkv": {"kv_budget": N}}`` (global tokens kept per layer and KV head, :mod:`~sglang_wgkv.integration.scheduling.long_requests`)
 in the sampling parameters' ``custom_params`` (``/generate``: ``sampling_params.custom_params``;
 OpenAI: ``extra_body={"custom_params": {...}}``). :func:`validate_sampling_params` runs after
 ``SamplingParams.verify`` in the tokenizer manager, so a bad value is SGLang's usual 400; the
 budget's range (the ring W_local to the context length) is checked there too, by
 :func:`check_request_budget`.
-:class:`~sglang_wgkv.integration.req_pool.WGKVReqToTokenPool` reads it when it gives the request a
+:class:`~sglang_wgkv.integration.pools.req_pool.WGKVReqToTokenPool` reads it when it gives the request a
 slot and writes the slot's row of ``slot_tau`` (``-inf`` = admission off), which the backend gathers
 per token. Such a request also gets its own prefix-cache namespace (:func:`isolate_prefix_cache`).
 
@@ -28,7 +28,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from sglang_wgkv.integration.settings import ENV_VAR
+from sglang_wgkv.integration.plugin.settings import ENV_VAR
 
 PARAM_KEY = "wgkv"
 USAGE_KEY = "wgkv"
@@ -125,7 +125,7 @@ def validate_sampling_params(result, sampling_params, *args, **kwargs):
 @functools.cache
 def _served_config(raw: str | None):
     """The served :class:`WGKVConfig` of the launcher's settings variable ``raw`` (None without WG-KV)."""
-    from sglang_wgkv.integration.settings import ServingSettings
+    from sglang_wgkv.integration.plugin.settings import ServingSettings
 
     return None if raw is None else ServingSettings.from_env({ENV_VAR: raw}).config
 
@@ -169,7 +169,7 @@ def request_usage(
     ``kv_budget_total``: the global tokens summed over its layers and heads it was held to (a
     request longer than the pool); ``kv_budget_source``: ``request``, ``server`` or ``pool``
     (``bound``: the request's
-    :class:`~.long_requests.RequestBound`, None when it had none of its own).
+    :class:`~sglang_wgkv.integration.scheduling.long_requests.RequestBound`, None when it had none of its own).
     ``reduce(sums, maxes) -> (sums, maxes)`` combines the per-rank counts under tensor parallelism
     (each rank's pool holds its own KV heads), so every rank reports the whole model's usage.
     """

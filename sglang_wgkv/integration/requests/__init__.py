@@ -1,0 +1,9 @@
+"""One request through the HTTP server and the tokenizer manager: what it may set, what is refused
+with SGLang's usual 400 instead of a 500 or a dead scheduler, what its response reports.
+
+``control``      per-request ``tau``, ``admission`` and ``kv_budget`` (``custom_params.wgkv``), and
+                 per-request usage in ``meta_info`` and the OpenAI responses
+``validation``   bad input turned into a 400 (token ids, sampling parameters, unknown ``/generate``
+                 fields, streamed rejections)
+``constrained``  constrained decoding (regex, JSON schema, EBNF) on every device served
+"""
