@@ -1,7 +1,7 @@
 """Served speed, the run: WG-KV or one upstream baseline on the workloads of
 ``benchmarks/workloads.json``, measured with SGLang's own client (``python -m sglang.bench_serving
---dataset-name random-ids``), into one part file per call; ``benchmarks.served_report`` merges the
-parts of a lease into ``benchmarks/results/serving/``.
+--dataset-name random-ids``), into one part file per run; ``benchmarks.served_report`` merges the
+parts run on one machine within an hour into ``benchmarks/results/serving/``.
 
     python -m benchmarks.served_speed --server upstream --baseline fa3 --workloads W1 --out-dir $OUT
     python -m benchmarks.served_speed --server wgkv --wgkv-config bf16 --workloads W1,W0 --out-dir $OUT
@@ -104,7 +104,7 @@ def run_bench(cmd: list[str], out_file: Path, timeout: float) -> dict:
     return json.loads(out_file.read_text().splitlines()[-1])
 
 
-# MiB of GPU memory other processes may hold when a server starts: more is a server an earlier call left
+# MiB of GPU memory other processes may hold when a server starts: more is a server an earlier step left
 # running, and a pool sized beside it is not comparable.
 GPU_BUSY_MIB = 2048
 
@@ -153,7 +153,7 @@ def wait_gpu_idle(limit_s: float = 60.0) -> int | None:
 
 
 def _exit_on_sigterm(signum, frame):
-    # a call's time limit (timeout sends SIGTERM): unwind, so that `finally` stops the server
+    # a step's time limit (timeout sends SIGTERM): unwind, so that `finally` stops the server
     raise SystemExit(128 + signum)
 
 
@@ -302,7 +302,7 @@ def run(a) -> None:
                 if a.warm_only:
                     continue
                 part["runs"].append(rec)
-                write_part()  # after every workload: a call stopped at its time limit keeps what ran
+                write_part()  # after every workload: a step stopped at its time limit keeps what ran
                 print(json.dumps({k: rec.get(k) for k in ("workload", "error", "refusal")}), flush=True)
         except Exception as exc:
             part["runs"].append(

@@ -13,11 +13,11 @@ Per forward (``init_forward_metadata``, once for all layers):
 * with ``--kv-budget``: first, :meth:`SnapKVEvictor.maybe_evict` (the step boundary), and every layer
   hands its queries to the evictor's observation window; an extend declares which of its requests
   finish their prompt (:meth:`SnapKVEvictor.mark_extend`: prompt-end scoring), from the host
-  ``extend_range`` of each request that :func:`~sglang_wgkv.integration.batch_slots.record_batch_slots` records on the backend.
+  ``extend_range`` of each request that :func:`~sglang_wgkv.integration.backend.batch_slots.record_batch_slots` records on the backend.
 
-The decode layer lives in :mod:`~sglang_wgkv.integration.decode_layer`, the CUDA-graph hooks in
-:mod:`~sglang_wgkv.integration.decode_graphs`, the served gates in
-:mod:`~sglang_wgkv.integration.served_gates`.
+The decode layer lives in :mod:`~sglang_wgkv.integration.backend.decode_layer`, the CUDA-graph hooks in
+:mod:`~sglang_wgkv.integration.backend.decode_graphs`, the served gates in
+:mod:`~sglang_wgkv.integration.backend.gates`.
 
 Per layer (``forward_extend`` / ``forward_decode``): the gate scores the new keys from the captured
 pre-RoPE key and the post-RoPE key, admission flags follow (``g >= tau`` or random), attention runs
@@ -77,7 +77,7 @@ def traced(name: str):
 
 
 class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
-    """SGLang attention backend ``wgkv`` (registered by :mod:`sglang_wgkv.integration.plugin`)."""
+    """SGLang attention backend ``wgkv`` (registered by :mod:`sglang_wgkv.integration.plugin.register`)."""
 
     def __init__(self, model_runner: ModelRunner):
         super().__init__()
@@ -141,7 +141,7 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
             torch.cuda.Stream(self.device) if self.use_kernels and self.device.type == "cuda" else None
         )
         self.evictor = runtime.evictor
-        self.req_pool = model_runner.req_to_token_pool  # per-slot tau (request_control)
+        self.req_pool = model_runner.req_to_token_pool  # per-slot tau (requests/control.py)
         self.num_q_heads = model_runner.model_config.get_num_attention_heads(par.attn_tp_size)
         self._row_tau = None  # [tokens, 1] admission threshold of each extend row
         self._rows: DecodeRows | None = None  # the current decode step
@@ -211,7 +211,7 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
             raise NotImplementedError(f"the {BACKEND_NAME} backend does not run forward mode {mode.name}")
 
     def _decode_rows_of(self, forward_batch: ForwardBatch, host_slots: list[int]) -> int:
-        """The decode rows ending a MIXED batch, as :func:`~sglang_wgkv.integration.batch_slots.record_batch_slots` recorded them; 0 otherwise."""
+        """The decode rows ending a MIXED batch, as :func:`~sglang_wgkv.integration.backend.batch_slots.record_batch_slots` recorded them; 0 otherwise."""
         if not forward_batch.forward_mode.is_mixed():
             return 0
         if self.batch_slots != host_slots or not self.batch_decode_rows:

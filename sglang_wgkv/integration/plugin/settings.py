@@ -4,9 +4,9 @@ SGLang's ``ServerArgs`` has no room for plugin options and its scheduler process
 :mod:`sglang_wgkv.launch_server` serializes a :class:`ServingSettings` into the environment variable
 :data:`ENV_VAR`, which every spawned process inherits. It is parsed in three places only: once when
 the server arguments are prepared (the launcher: a malformed value fails there), once per
-scheduler process, into its :class:`~sglang_wgkv.integration.runtime.WGKVRuntime`, which every other
+scheduler process, into its :class:`~sglang_wgkv.integration.plugin.runtime.WGKVRuntime`, which every other
 part reads, and once in the tokenizer manager for the served W_local and ``--kv-budget`` that a
-request's ``kv_budget`` is checked against (:func:`~.request_control.check_request_budget`). A process that finds no variable (e.g. a plain ``python -m sglang.launch_server
+request's ``kv_budget`` is checked against (:func:`~sglang_wgkv.integration.requests.control.check_request_budget`). A process that finds no variable (e.g. a plain ``python -m sglang.launch_server
 --attention-backend wgkv``) uses the defaults.
 """
 
@@ -27,7 +27,7 @@ ATTENTION_IMPLS = ("auto", "reference", "kernels")
 # their post-admission footprint up to 4x a dense pool's (25% admitted fills the pool exactly).
 DEFAULT_GPU_OVERCOMMIT = 4.0
 
-# The launcher's forward token budget on CUDA (--wgkv-forward-tokens, integration/mixed_batches.py): while
+# The launcher's forward token budget on CUDA (--wgkv-forward-tokens, integration/scheduling/mixed_batches.py): while
 # requests decode, a forward carries them all and at most this many tokens in all (a prefill share of
 # at least a quarter of it); with mixed batches on. Near the smallest forward whose matmuls still fill
 # an H200 for an 8B model, a quarter of SGLang's 8,192-token chunk there (docs/mixed-traffic.md).
@@ -53,7 +53,7 @@ class ServingSettings:
         fp16/bf16; decode runs under SGLang's CUDA graphs) or ``auto`` (kernels where they fit,
         reference otherwise).
     overcommit : if set (> 1), the logical pool and request slots are this many times the
-        dense-equivalent ones and the scheduler guards the physical pool (:mod:`.overcommit`).
+        dense-equivalent ones and the scheduler guards the physical pool (:mod:`~sglang_wgkv.integration.scheduling.overcommit`).
         The launcher's default on CUDA with admission on and no ``--kv-budget``:
         :data:`DEFAULT_GPU_OVERCOMMIT`.
     decode_launch : the kernels path's decode split-kernel launch shape,
@@ -61,7 +61,7 @@ class ServingSettings:
     extend_kernels : the kernels path's pool moves a prefill chunk's rows with Triton launches
         (``DualCachePool(triton_extend=True)``); off by default until they have run on a GPU.
     forward_tokens : while requests decode, a forward's tokens (prefill share + decode rows,
-        :class:`~sglang_wgkv.integration.mixed_batches.ForwardBudget`); None: SGLang's own chunk
+        :class:`~sglang_wgkv.integration.scheduling.mixed_batches.ForwardBudget`); None: SGLang's own chunk
         sizes. The launcher's default on CUDA: :data:`DEFAULT_GPU_FORWARD_TOKENS`, with
         ``--enable-mixed-chunk``.
     """
