@@ -9,7 +9,8 @@ imports), by :mod:`tests.test_backend_graph_cpu`::
 Two identical pools hold three decoding requests (one past W_local, so with global pages), and a new
 request on slot 4 prefills 40 tokens (past W_local). Backend A (reference path) runs the prefill as an
 extend forward, then the decode step as a decode forward. Backend B (kernels path: Triton
-``folded_decode`` with the fused ring write, the decode gate, Triton promotion) runs both in one mixed
+``folded_decode`` with the fused ring write, the prefill gate's launch deciding the prefill rows' and
+the decode rows' flags as on a GPU, Triton promotion) runs both in one mixed
 forward, as SGLang hands it: ``forward_extend`` over the packed rows, the decode rows last. Checks:
 B's prefill rows and decode rows give A's outputs, the pools end in the same state, the evictor's
 windows hold the same queries, and the pool counted one mixed forward. Prints ``OK`` or raises.
@@ -95,7 +96,10 @@ def main():
     pool_b.triton_decode = True  # the kernels path's pool: Triton promotion and ring write (interpreted)
     for pool in (pool_a, pool_b):
         pool.alloc_request(NEW_SLOT)
-    a, b = make_backend(pool_a, use_kernels=False), make_backend(pool_b, use_kernels=True)
+    a, b = (
+        make_backend(pool_a, use_kernels=False),
+        make_backend(pool_b, use_kernels=True, tensor_core_gate=True),
+    )
     for backend in (a, b):  # both prefills on the torch reference: the decode rows are what differs
         backend._prefill = reference.vertical_slash_attention
     gen = torch.Generator().manual_seed(3)

@@ -40,16 +40,29 @@ class DeferredGateCheck:
         self._values: torch.Tensor | None = None  # [L, *g.shape]: this forward's gate values
         self._recorded: list[int] = []
 
+    def slot(self, layer_id: int, shape) -> torch.Tensor:
+        """A contiguous float32 ``shape`` buffer for layer ``layer_id``'s gate values, to be passed to
+        :meth:`record` once written: on CUDA a row of this forward's buffer (no copy), else new."""
+        if not self.deferred:
+            return torch.empty(shape, dtype=torch.float32, device=self.device)
+        self._buffer(torch.Size(shape), torch.float32)
+        return self._values[layer_id]
+
     def record(self, g: torch.Tensor, layer_id: int) -> None:
         if not self.deferred:
             check_gate_output(g, layer_id)
             return
-        # one copy per layer; the check runs once over all layers in end_forward
-        if self._values is None or self._values.shape[1:] != g.shape or self._values.dtype != g.dtype:
-            self._flush()
-            self._values = g.new_empty(self.num_layers, *g.shape)
-        self._values[layer_id].copy_(g)
+        # one copy per layer (none for a slot's values); the check runs once over all layers in end_forward
+        self._buffer(g.shape, g.dtype)
+        row = self._values[layer_id]
+        if g.data_ptr() != row.data_ptr():
+            row.copy_(g)
         self._recorded.append(layer_id)
+
+    def _buffer(self, shape: torch.Size, dtype: torch.dtype) -> None:
+        if self._values is None or self._values.shape[1:] != shape or self._values.dtype != dtype:
+            self._flush()
+            self._values = torch.empty(self.num_layers, *shape, dtype=dtype, device=self.device)
 
     def _flush(self) -> None:
         if not self._recorded:

@@ -144,6 +144,7 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
         self.req_pool = model_runner.req_to_token_pool  # per-slot tau (requests/control.py)
         self.num_q_heads = model_runner.model_config.get_num_attention_heads(par.attn_tp_size)
         self._row_tau = None  # [tokens, 1] admission threshold of each extend row
+        self._row_uniform = None  # [tokens, L, H] random-admission draws of the extend rows (kernels)
         self._rows: DecodeRows | None = None  # the current decode step
         self.batch_slots: list[int] | None = None  # record_batch_slots
         self.batch_prompt_ends: tuple[list[int], list[bool]] | None = None  # record_batch_slots (extend)
@@ -228,9 +229,12 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
         declared = self.batch_prompt_ends
         if self.evictor is not None and declared is not None and declared[0] == self._extend[0]:
             self.evictor.mark_extend(*declared)
-        self._row_tau = torch.repeat_interleave(
-            self.req_pool.slot_tau[slots], extend_lens, output_size=sum(self._extend[2])
-        )[:, None]
+        rows = sum(self._extend[2])
+        self._row_tau = torch.repeat_interleave(self.req_pool.slot_tau[slots], extend_lens, output_size=rows)[
+            :, None
+        ]
+        # the prefill gate decides in its own launch: one [N, L, H] draw a forward, not one a layer
+        self._row_uniform = self._draw_uniform(rows) if self.prefill_gate is not None else None
 
     def _decode_step_rows(self, plan, slots: torch.Tensor, host_pos: list[int]) -> DecodeRows:
         """One eager decode step's rows (a decode forward's, or a mixed forward's decode rows):
@@ -285,6 +289,20 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
         return torch.rand(shape, device=self.device, generator=self.generator, out=out)
 
     # -- per layer ------------------------------------------------------------------------------
+    def _admit_extend(self, layer: RadixAttention, k_pre: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """The extend rows' admission flags ``[N, H]``: on the kernels path gate values, check copy and
+        flags in the prefill gate's one launch (its values land in the gate check's buffer); else
+        :meth:`_admit`."""
+        if self.prefill_gate is None:
+            return self._admit(layer, k_pre, k, self._row_tau, check=True)
+        lid = layer.layer_id
+        g = self._gate_check.slot(lid, k.shape[:2])
+        uniform = self._row_uniform[:, lid] if self._row_uniform is not None else None
+        random_p = self.config.random_admission if uniform is not None else None
+        admit = self.prefill_gate.admit(lid, k_pre, k, self._row_tau, uniform, random_p, g_out=g)
+        self._gate_check.record(g, lid)
+        return admit
+
     def _admit(
         self,
         layer: RadixAttention,
@@ -342,7 +360,7 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
         """q3 ``[N, Hq, D]``, k3, v3, k_pre ``[N, H, D]``, positions ``[N]``: the extend plan's packed
         rows in ``layer``; returns ``[N, Hq, Dv]``."""
         with traced("wgkv.extend_gate"):
-            admit = self._admit(layer, k_pre, k3, self._row_tau, check=True)
+            admit = self._admit_extend(layer, k_pre, k3)
             if self.evictor is not None:
                 self.evictor.observe_extend(layer.layer_id, q3)
         with traced("wgkv.extend_inputs"):
