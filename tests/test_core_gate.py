@@ -285,3 +285,36 @@ def test_pool_rejects_inconsistent_calls():
         pool.begin_extend([0], [0], [65])
     with pytest.raises(ValueError, match="cached lengths"):
         pool.begin_decode([0], [5])
+
+
+def test_deferred_gate_check_buffers_count_each_layers_values_once():
+    """The deferred check's per-forward buffer (its CUDA mode, driven on the CPU): a gate's values
+    written into :meth:`slot` or copied by :meth:`record` are checked once at ``end_forward``; the
+    rows padding each layer to 16-byte alignment never count, and a forward of another shape starts
+    a new buffer."""
+    from sglang_wgkv.gate import GateOutputError
+    from sglang_wgkv.gate.admission import DeferredGateCheck
+
+    class Landed:
+        def record(self):
+            pass
+
+        def query(self):
+            return True
+
+    check = DeferredGateCheck(3, "cpu")
+    check.deferred, check._event = True, Landed()
+    for layer in range(3):
+        g = check.slot(layer, (5, 2))
+        assert g.shape == (5, 2) and g.is_contiguous() and g.data_ptr() % 16 == 0
+        g.fill_(0.5)
+        check.record(g, layer)
+    check.end_forward()
+    check.poll()  # nothing out of range
+    bad = torch.full((7, 2), 0.25)
+    bad[6, 1] = float("nan")
+    check.record(torch.full((7, 2), 0.5), 0)
+    check.record(bad, 2)  # a copy into the new shape's buffer
+    check.end_forward()
+    with pytest.raises(GateOutputError, match="1 NaN/out-of-range values \\(first in layer 2\\)"):
+        check.poll()

@@ -37,7 +37,8 @@ class DeferredGateCheck:
         self.host = torch.zeros(num_layers, dtype=torch.int64, pin_memory=self.deferred)
         self._event = torch.cuda.Event() if self.deferred else None
         self._pending = False
-        self._values: torch.Tensor | None = None  # [L, *g.shape]: this forward's gate values
+        self._values: torch.Tensor | None = None  # [L, rows padded, ...]: this forward's gate values
+        self._shape: torch.Size | None = None  # the gate values' shape
         self._recorded: list[int] = []
 
     def slot(self, layer_id: int, shape) -> torch.Tensor:
@@ -46,7 +47,7 @@ class DeferredGateCheck:
         if not self.deferred:
             return torch.empty(shape, dtype=torch.float32, device=self.device)
         self._buffer(torch.Size(shape), torch.float32)
-        return self._values[layer_id]
+        return self._values[layer_id, : shape[0]]
 
     def record(self, g: torch.Tensor, layer_id: int) -> None:
         if not self.deferred:
@@ -54,15 +55,20 @@ class DeferredGateCheck:
             return
         # one copy per layer (none for a slot's values); the check runs once over all layers in end_forward
         self._buffer(g.shape, g.dtype)
-        row = self._values[layer_id]
+        row = self._values[layer_id, : g.shape[0]]
         if g.data_ptr() != row.data_ptr():
             row.copy_(g)
         self._recorded.append(layer_id)
 
     def _buffer(self, shape: torch.Size, dtype: torch.dtype) -> None:
-        if self._values is None or self._values.shape[1:] != shape or self._values.dtype != dtype:
+        """This forward's ``[L, rows, ...]`` buffer, ``rows`` padded to a multiple of 16 with NaN-free
+        values: every layer's row then starts 16-byte aligned, as the kernel writing it was compiled
+        for (Triton specializes a pointer on that alignment)."""
+        rows = -(-shape[0] // 16) * 16
+        if self._values is None or self._shape != shape or self._values.dtype != dtype:
             self._flush()
-            self._values = torch.empty(self.num_layers, *shape, dtype=dtype, device=self.device)
+            self._values = torch.zeros(self.num_layers, rows, *shape[1:], dtype=dtype, device=self.device)
+            self._shape = shape
 
     def _flush(self) -> None:
         if not self._recorded:
