@@ -227,7 +227,7 @@ def test_triton_decode_promote_graph_replay():
 def test_served_extend_layers_never_wait_for_the_host():
     """The per-layer work of a served prefill (context gather with the plan's page columns, gate
     check, Triton plan + compaction + attention, the pool writes staged and written for the layers at
-    once) issues no host sync: under
+    once) and the request's end issue no host sync: under
     ``set_sync_debug_mode("error")`` any synchronising op raises. (A sync per layer leaves the GPU idle
     while the host catches up, a large share of each long prefill.)"""
     from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
@@ -268,6 +268,12 @@ def test_served_extend_layers_never_wait_for_the_host():
         assert keys.shape[0] == nk[-1]
     torch.cuda.synchronize()
     check.poll()  # every gate value was in [0, 1]
+    torch.cuda.set_sync_debug_mode("error")
+    try:  # the request's end: its pages back on the free stack without waiting for the GPU
+        pool.free_request(1)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert pool.num_free_pages() == pool.allocator.num_pages
 
 
 def test_deferred_gate_check_raises_once_the_counts_land():

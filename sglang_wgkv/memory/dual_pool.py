@@ -150,17 +150,16 @@ class DualCachePool(ExtendStep, DecodeStep, MixedStep, KVScales, PoolIntegrity):
         self.cached_len[r] = 0
         self.generation[r] += 1
 
-    def free_request(self, r: int) -> int:
-        """Return every page of slot ``r`` (ring and global); returns the pages released."""
+    def free_request(self, r: int) -> None:
+        """Return every page of slot ``r`` (ring and global); no host sync."""
         if not self.active[r]:
             raise ValueError(f"request slot {r} is not allocated")
-        released = self.allocator.free(self.page_table[r, :, :, : self.dump_col])
+        self.allocator.free(self.page_table[r, :, :, : self.dump_col])
         self.page_table[r] = self.dump_page
         self.global_len[r] = 0
         self.ring_flag[r] = False
         self.active[r] = False
         self.cached_len[r] = 0
-        return released
 
     def register_ref_holder(self, fn) -> None:
         """``fn() -> LongTensor`` of page ids held outside request rows (e.g. a prefix cache)."""
@@ -228,9 +227,9 @@ class DualCachePool(ExtendStep, DecodeStep, MixedStep, KVScales, PoolIntegrity):
         self.ring_flag[r] = snap.ring_flag
         self.cached_len[r] = snap.length
 
-    def release_snapshot(self, snap: PrefixSnapshot) -> int:
-        """Drop the snapshot's page references; returns the pages returned to the free stack."""
-        return self.allocator.free(snap.pages(self.dump_page))
+    def release_snapshot(self, snap: PrefixSnapshot) -> None:
+        """Drop the snapshot's page references (pages no one else holds return to the free stack)."""
+        self.allocator.free(snap.pages(self.dump_page))
 
     # -- eviction (memory/evictor.py) ------------------------------------------------------------
     def compact_global(
@@ -292,9 +291,9 @@ class DualCachePool(ExtendStep, DecodeStep, MixedStep, KVScales, PoolIntegrity):
         self.global_len[r, l, h] = new_len.to(torch.int32)
         return gpages[trailing]
 
-    def release_pages(self, pages: torch.Tensor) -> int:
+    def release_pages(self, pages: torch.Tensor) -> None:
         """Drop one reference from each page (see :meth:`PageAllocator.free`)."""
-        return self.allocator.free(pages)
+        self.allocator.free(pages)
 
     def _append_pages(self, req, layer, glen, cnt, max_new_pages: int) -> None:
         """Allocate the pages that growing each stream's global length by ``cnt`` needs.

@@ -4,9 +4,18 @@ Page ids are ``0 .. num_pages-1``; id ``num_pages`` is the *dump page*: a scratc
 writes are sent to so that every scatter has a fixed shape (no boolean indexing, no host sync). It is
 never handed out and never counted.
 
-Host syncs: :meth:`alloc_where` (the decode path) never syncs. The host keeps ``free_floor``, a lower
-bound on the free pages (exact after a sync, lowered by the worst case of each device-side
-allocation); :meth:`ensure` syncs only when that bound cannot cover the next step's worst case.
+Host syncs: neither :meth:`alloc_where` (the decode path) nor :meth:`free` (a request's end, an
+eviction) syncs. The host keeps ``free_floor``, a lower bound on the free pages (exact after a sync,
+lowered by the worst case of each device-side allocation, left as it is by a free); :meth:`ensure`
+syncs only when that bound cannot cover the next step's worst case. A page freed more often than it
+is referenced is counted on the device and reported by :meth:`check_integrity`.
+
+==================  ==============================================================================
+free_stack slot     holds
+==================  ==============================================================================
+``0 .. num_free-1``  the free pages (the top is the end)
+``num_pages``       scratch: a free's entries that return no page write the dump page id there
+==================  ==============================================================================
 """
 
 import torch
@@ -28,7 +37,9 @@ class PageAllocator:
         self.dump_page = num_pages
         self.device = torch.device(device)
         # Stack top is the end; popping from the top hands out low ids first.
-        self.free_stack = torch.arange(num_pages - 1, -1, -1, dtype=torch.int64, device=self.device)
+        self.free_stack = torch.full((num_pages + 1,), num_pages, dtype=torch.int64, device=self.device)
+        self.free_stack[:num_pages] = torch.arange(num_pages - 1, -1, -1, device=self.device)
+        self.over_freed = torch.zeros((), dtype=torch.int64, device=self.device)
         self.num_free = torch.tensor(num_pages, dtype=torch.int64, device=self.device)
         self.ref = torch.zeros(num_pages + 1, dtype=torch.int32, device=self.device)
         self.free_floor = num_pages
@@ -85,29 +96,37 @@ class PageAllocator:
         )
         self.ref.narrow(0, self.dump_page, 1).zero_()  # not `ref[i] = 0`: a host scalar copy syncs
 
-    def free(self, pages: torch.Tensor) -> int:
+    def free(self, pages: torch.Tensor) -> None:
         """Drop one reference from each page (duplicates count twice; dump entries ignored); pages
-        whose count reaches zero return to the free stack. Returns how many were returned (syncs)."""
-        pages = pages.reshape(-1).long()
-        pages = pages[pages != self.dump_page]
-        if pages.numel() == 0:
-            return 0
-        uniq, drops = torch.unique(pages, return_counts=True)
-        if bool((self.ref[uniq] < drops).any()):
-            raise RuntimeError("freeing a page more often than it is referenced")
-        self.ref.index_add_(0, uniq, -drops.to(torch.int32))
-        released = uniq[self.ref[uniq] == 0]
-        n = released.numel()
-        top = int(self.num_free.item())
-        self.free_stack[top : top + n] = released
-        self.num_free += n
-        self.free_floor = top + n
-        return n
+        whose count reaches zero return to the free stack. No host sync: the entries are sorted so a
+        page's duplicates sit together, its first entry returns it; a drop below zero is counted in
+        ``over_freed`` (the page returns only if it was held) and the count clamped at zero."""
+        srt = torch.sort(pages.reshape(-1).long()).values
+        if srt.numel() == 0:
+            return
+        live = srt != self.dump_page
+        first = torch.ones_like(live)
+        first[1:] = srt[1:] != srt[:-1]
+        before = self.ref[srt]
+        self.ref.index_add_(0, srt, -live.to(torch.int32))
+        after = self.ref[srt]
+        self.over_freed += (first & live & (after < 0)).sum()
+        self.ref[srt] = after.clamp(min=0)
+        self.ref.narrow(0, self.dump_page, 1).zero_()  # not `ref[i] = 0`: a host scalar copy syncs
+        back = first & live & (after <= 0) & (before > 0)
+        rank = torch.cumsum(back.to(torch.int64), 0) - 1
+        dest = torch.where(back, self.num_free + rank, self.num_pages)
+        self.free_stack[dest] = torch.where(back, srt, self.dump_page)
+        self.num_free += back.sum()
 
     # -- invariants -----------------------------------------------------------------------------
     def check_integrity(self, referenced: torch.Tensor) -> None:
         """``referenced``: every page id held by an owner (with repeats for shared pages).
         Raises RuntimeError on a leak, a double free or a refcount that does not match."""
+        if int(self.over_freed):
+            raise RuntimeError(
+                f"page allocator: {int(self.over_freed)} pages freed more often than referenced"
+            )
         n_free = int(self.num_free.item())
         free = self.free_stack[:n_free]
         if n_free and torch.unique(free).numel() != n_free:

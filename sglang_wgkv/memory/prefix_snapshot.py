@@ -56,8 +56,8 @@ class SnapshotStore:
             raise ValueError("snapshot was released")
         self.pool.restore_snapshot(r, snap)
 
-    def release(self, snap: PrefixSnapshot) -> int:
-        """Drop the snapshot's references; returns pages returned to the free stack."""
+    def release(self, snap: PrefixSnapshot) -> None:
+        """Drop the snapshot's references (pages no one else holds return to the free stack)."""
         if self._live.pop(id(snap), None) is None:
             raise ValueError("snapshot already released")
-        return self.pool.release_snapshot(snap)
+        self.pool.release_snapshot(snap)
