@@ -169,9 +169,9 @@ class ExtendStep:
         if p is None:
             raise RuntimeError("write_extend without begin_extend")
         G = k.shape[0]
-        if self.triton_extend:  # per layer: its launches take one layer
+        if self.triton_extend and G > 1:  # its launches take one layer
             for i in range(G):
-                self._write_extend_triton(first + i, k[i], v[i], admit[i])
+                self.write_extend_layers(first + i, k[i : i + 1], v[i : i + 1], admit[i : i + 1])
             return
         last = first + G
         L3, H3 = self._layers[first:last][None, :, None], self._heads[None, None, :]
@@ -200,19 +200,39 @@ class ExtendStep:
                 flag, self.page_table[rc, L3, H3, self.ring_cols + dest // PAGE_SIZE].long(), self.dump_page
             )
             src_page = self.page_table[rc, L3, H3, slot // PAGE_SIZE].long()
-            from_ring = p.cand_from_ring[:, None, None, None]
-            for pages, new, scale in ((self.k_pages, k, self.k_scale), (self.v_pages, v, self.v_scale)):
-                # a ring source keeps its bytes; a new token is quantized here, its only write
-                fresh = quantize(
-                    new[:, p.cand_src].transpose(0, 1), scale[first:last].view(scale_shape), self.dtype
+            if self.triton_extend:  # one launch (the ring is read here, before the ring write below)
+                from sglang_wgkv.memory.triton_extend import extend_move
+
+                extend_move(
+                    self,
+                    k[0],
+                    v[0],
+                    flag[:, 0],
+                    dest_page[:, 0],
+                    dest[:, 0],
+                    p.cand_from_ring,
+                    src_page[:, 0],
+                    p.cand_slot,
+                    p.cand_src,
                 )
-                pages = byte_view(pages)
-                src = torch.where(from_ring, pages[src_page, slot % PAGE_SIZE], byte_view(fresh))
-                pages[dest_page, dest % PAGE_SIZE] = src
+            else:
+                from_ring = p.cand_from_ring[:, None, None, None]
+                for pages, new, scale in ((self.k_pages, k, self.k_scale), (self.v_pages, v, self.v_scale)):
+                    # a ring source keeps its bytes; a new token is quantized here, its only write
+                    fresh = quantize(
+                        new[:, p.cand_src].transpose(0, 1), scale[first:last].view(scale_shape), self.dtype
+                    )
+                    pages = byte_view(pages)
+                    src = torch.where(from_ring, pages[src_page, slot % PAGE_SIZE], byte_view(fresh))
+                    pages[dest_page, dest % PAGE_SIZE] = src
             self.global_len[p.req, first:last] += cnt.to(torch.int32)
             self.left_ring[first:last] += C
             self.promoted[first:last] += cnt.sum(0)
-        if p.rw_b.numel():
+        if self.triton_extend:  # (no launch without ring rows)
+            from sglang_wgkv.memory.triton_extend import extend_ring_write
+
+            extend_ring_write(self, first, k[0], v[0], admit[0], p.req, p.rw_b, p.rw_slot, p.rw_src)
+        elif p.rw_b.numel():
             rr = p.req[p.rw_b][:, None, None]  # [M, 1, 1]
             slot = p.rw_slot[:, None, None]
             page = self.page_table[rr, L3, H3, slot // PAGE_SIZE].long()  # [M, G, H]
@@ -223,43 +243,6 @@ class ExtendStep:
                 )
                 byte_view(pages)[page, off] = byte_view(fresh)
             self.ring_flag[rr, L3, H3, slot] = admit[:, p.rw_src].transpose(0, 1)
-
-    def _write_extend_triton(self, layer: int, k: torch.Tensor, v: torch.Tensor, admit: torch.Tensor) -> None:
-        """One layer of :meth:`write_extend_layers` through the opt-in Triton launches
-        (:mod:`~sglang_wgkv.memory.triton_extend`): the row movement, then the ring write."""
-        from sglang_wgkv.memory.triton_extend import extend_move, extend_ring_write
-
-        p = self._extend
-        heads = self._heads[None, :]
-        if p.cand_b.numel():
-            rc = p.req[p.cand_b][:, None]  # [C, 1]
-            slot = p.cand_slot[:, None]
-            flag = torch.where(
-                p.cand_from_ring[:, None], self.ring_flag[rc, layer, heads, slot], admit[p.cand_src]
-            )  # [C, H]
-            fi = flag.to(torch.int64)
-            excl = (torch.cumsum(fi.t().contiguous(), 1) - fi.t()).t()
-            rank = excl - excl[p.cand_seg_start]
-            B = p.req.numel()
-            cnt = torch.zeros(B, self.num_kv_heads, dtype=torch.int64, device=self.device)
-            cnt.index_add_(0, p.cand_b, fi)
-            glen = self.global_len[p.req, layer].to(torch.int64)  # [B, H]
-            self._append_pages(p.req, layer, glen, cnt, p.max_new_pages)
-            dest = glen[p.cand_b] + rank
-            dest_page = torch.where(
-                flag,
-                self.page_table[rc, layer, heads, self.ring_cols + dest // PAGE_SIZE].long(),
-                self.dump_page,
-            )
-            src_page = self.page_table[rc, layer, heads, slot // PAGE_SIZE].long()
-            # one launch (the ring is read here, before the ring write below)
-            extend_move(
-                self, k, v, flag, dest_page, dest, p.cand_from_ring, src_page, p.cand_slot, p.cand_src
-            )
-            self.global_len[p.req, layer] += cnt.to(torch.int32)
-            self.left_ring[layer] += p.cand_b.numel()
-            self.promoted[layer] += cnt.sum(0)
-        extend_ring_write(self, layer, k, v, admit, p.req, p.rw_b, p.rw_slot, p.rw_src)
 
     def extend_inputs(
         self,
