@@ -242,7 +242,7 @@ def test_fp8_decode_kernels_compile_for_sm90(kv_dtype):
 # by 16 marked so), each new combination is a compile that a serving request waits for.
 UNSPECIALIZED_SIZES = {
     "sglang_wgkv.attention.triton_prefill._vertical_slash_fwd": {"compact_rows", "num_blocks"},
-    "sglang_wgkv.attention.triton_prefill_plan._compact_fwd": {"num_keys"},
+    "sglang_wgkv.attention.triton_prefill_plan._compact_fwd": {"num_keys", "num_seqs"},
     "sglang_wgkv.attention.triton_prefill_plan._plan_kernel": {"num_seqs", "num_q", "n_iter"},
     "sglang_wgkv.attention.triton_decode_split._split_kernel": {"num_splits"},
     "sglang_wgkv.attention.triton_decode_merge._merge_kernel": {"num_splits"},

@@ -11,37 +11,47 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang_wgkv.attention.vertical_slash_plan import VerticalSlashPlan, _exclusive_count, admitted_rank
+from sglang_wgkv.attention.vertical_slash_plan import VerticalSlashPlan, _exclusive_count
 
 
-@triton.jit(do_not_specialize=["num_keys"])
+@triton.jit(do_not_specialize=["num_keys", "num_seqs"])
 def _compact_fwd(
     K,
     V,
     Adm,
-    Dest,
+    Excl,
+    KV,
     KC,
     VC,
     num_keys,
+    num_seqs,
     stride_kn,
     stride_kh,
     stride_vn,
     stride_vh,
     stride_an,
     stride_ah,
-    stride_dn,
-    stride_dh,
+    stride_en,
+    stride_eh,
     stride_ch,
     HEAD_DIM: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Rows ``BLOCK * pid(0) ..`` of KV head pid(1): each admitted row copied to its compacted row."""
+    """Rows ``BLOCK * pid(0) ..`` of KV head pid(1): each admitted row copied to its compacted row,
+    ``kv_start`` of its sequence + the admitted rows before it there (``admitted_rank``, from the
+    exclusive counts ``Excl`` and the sequences' starts ``KV``)."""
     head = tl.program_id(1)
     n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = n < num_keys
     n64 = n.to(tl.int64)
     adm = tl.load(Adm + n64 * stride_an + head * stride_ah, mask=valid, other=0) != 0
-    dest = tl.load(Dest + n64 * stride_dn + head * stride_dh, mask=adm, other=0)
+    start = tl.zeros([BLOCK], tl.int64)
+    for b in range(0, num_seqs):  # the last sequence starting at or before the row holds it
+        s = tl.load(KV + b).to(tl.int64)
+        start = tl.where(n64 >= s, s, start)
+    before = tl.load(Excl + n64 * stride_en + head * stride_eh, mask=adm, other=0).to(tl.int64)
+    first = tl.load(Excl + start * stride_en + head * stride_eh, mask=adm, other=0).to(tl.int64)
+    dest = start + before - first
     d = tl.arange(0, HEAD_DIM)[None, :]
     rows = adm[:, None]
     out = head * stride_ch + dest[:, None] * HEAD_DIM + d
@@ -76,24 +86,26 @@ def compact_admitted_triton(
         or any(o.shape != (H, Nk + 1, D) or not o.is_contiguous() for o in out)
     ):
         raise ValueError("k/v need contiguous head rows and out two contiguous [Hkv, Nk + 1, D] buffers")
-    dest = admitted_rank(admitted, kv_indptr, excl)
+    excl = _exclusive_count(admitted) if excl is None else excl
     adm = admitted.view(torch.uint8)
     _compact_fwd[(triton.cdiv(Nk, block), H)](
         k,
         v,
         adm,
-        dest,
+        excl,
+        kv_indptr,
         out[0],
         out[1],
         Nk,
+        kv_indptr.numel() - 1,
         k.stride(0),
         k.stride(1),
         v.stride(0),
         v.stride(1),
         adm.stride(0),
         adm.stride(1),
-        dest.stride(0),
-        dest.stride(1),
+        excl.stride(0),
+        excl.stride(1),
         out[0].stride(0),
         HEAD_DIM=D,
         BLOCK=block,

@@ -64,13 +64,10 @@ def compact_admitted(
     return out
 
 
-def admitted_rank(
-    admitted: torch.Tensor, kv_indptr: torch.Tensor, excl: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``[Nk, Hkv]`` int64: kv_start of the key's sequence + admitted keys before it in that sequence.
-    ``excl``: ``_exclusive_count(admitted)`` when the caller has it."""
+def admitted_rank(admitted: torch.Tensor, kv_indptr: torch.Tensor) -> torch.Tensor:
+    """``[Nk, Hkv]`` int64: kv_start of the key's sequence + admitted keys before it in that sequence."""
     Nk, H = admitted.shape
-    excl = _exclusive_count(admitted) if excl is None else excl
+    excl = _exclusive_count(admitted)
     kv = kv_indptr.long()
     kseq = torch.searchsorted(kv[1:], torch.arange(Nk, device=admitted.device), right=True)
     start = kv[kseq]
