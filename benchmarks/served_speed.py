@@ -181,11 +181,12 @@ def triton_compiled_since(before: set[str]) -> list[str]:
 def measure(srv, a, w: sw.Workload, rec: dict, out_dir: Path) -> None:
     """The warm-up and the timed bench_serving of ``w`` on the running server, into ``rec``."""
     body = w.wgkv_request if a.server == "wgkv" else None
+    cache_before = triton_cache_entries()  # the first workload's: the server just reported healthy
     warm = sw.bench_command(w, srv.url, out_dir / "warmup.jsonl", 7, body, sw.warmup_client(w))
     run_bench(warm, out_dir / "warmup.jsonl", a.bench_timeout)
     if a.warm_only:  # compiles (FlashInfer's JIT cache) and times nothing
         return
-    rec["compiled_in_warmup"] = triton_compiled_since(rec.pop("_cache_at_healthy"))
+    rec["compiled_in_warmup"] = triton_compiled_since(cache_before)
     cache_after_warmup = triton_cache_entries()
     if a.no_timed:
         measure_profiles(srv, a, w, body, rec, out_dir)
@@ -290,11 +291,9 @@ def run(a) -> None:
         )
         try:
             startup = srv.wait_healthy(a.startup_timeout, path="/health", probe_timeout_s=10)
-            cache_at_healthy = triton_cache_entries()
             for w in group:
                 rec = {"workload": w.name, "config": config, "server_command": shlex.join(cmd)}
                 rec |= {"server_env": w.env, "startup_s": startup, "gpu_used_mib_before_start": gpu_before}
-                rec["_cache_at_healthy"], cache_at_healthy = cache_at_healthy, triton_cache_entries()
                 try:
                     measure(srv, a, w, rec, out_dir)
                 except Exception as exc:  # recorded; the next workload still runs
