@@ -53,6 +53,7 @@ from benchmarks.decode_workload import (
     global_lengths,
     graph_ms,
     layers_for,
+    triton_fn,
 )
 
 W1_TOKENS = 126976 + 128
@@ -66,11 +67,10 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
-def variant_fn(name, pool, q, out, splits, td, cfg=None):
-    from sglang_wgkv.attention.decode_config import DecodeConfig, FoldedDecodeWorkspace
+def variant_fn(name, pool, q, out, splits, cfg=None):
+    from sglang_wgkv.attention.decode_config import DecodeConfig
 
-    B, L = q.shape[0], pool.page_table.shape[1]
-    ws = FoldedDecodeWorkspace(B, HQ, D, splits, "cuda", num_kv_heads=HKV)
+    B = q.shape[0]
     if cfg is None:
         cfg = DecodeConfig(
             fused_merge=name not in ("two_launch", "split_only"), pdl=name == "fused_write_pdl"
@@ -80,26 +80,7 @@ def variant_fn(name, pool, q, out, splits, td, cfg=None):
         k_new = torch.randn(B, HKV, D, device="cuda", dtype=DT)
         pos = torch.full((B,), W1_POS, dtype=torch.int64, device="cuda")
         extra = dict(new_k=k_new, new_v=torch.randn_like(k_new), pos=pos, window=W)
-
-    def run():
-        for layer in range(L):
-            td.folded_decode(
-                q,
-                pool.k_pages,
-                pool.v_pages,
-                pool.page_table,
-                pool.global_len,
-                pool.req,
-                pool.ring,
-                layer,
-                num_splits=splits,
-                workspace=ws,
-                out=out,
-                config=cfg,
-                **extra,
-            )
-
-    return run
+    return triton_fn(pool, q, out, splits, cfg, **extra)
 
 
 def timed(name, pool, q, out, splits, td, cfg=None):
@@ -107,7 +88,7 @@ def timed(name, pool, q, out, splits, td, cfg=None):
     try:
         if name == "split_only":
             td._merge_kernel = _NoLaunch()
-        return graph_ms(variant_fn(name, pool, q, out, splits, td, cfg))
+        return graph_ms(variant_fn(name, pool, q, out, splits, cfg))
     finally:
         td._merge_kernel = saved
 

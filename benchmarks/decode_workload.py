@@ -79,7 +79,9 @@ def graph_ms(fn, inner: int = 20, reps: int = 7) -> float:
     return ms[len(ms) // 2] / inner
 
 
-def triton_fn(pool, q, out, splits, cfg):
+def triton_fn(pool, q, out, splits, cfg, **extra):
+    """The Triton folded decode of every layer (``extra``: ``folded_decode``'s keyword arguments, e.g. the
+    fused ring write's ``new_k``, ``new_v``, ``pos``, ``window``)."""
     from sglang_wgkv.attention.decode_config import FoldedDecodeWorkspace
     from sglang_wgkv.attention.triton_decode import folded_decode
 
@@ -101,6 +103,7 @@ def triton_fn(pool, q, out, splits, cfg):
                 workspace=ws,
                 out=out,
                 config=cfg,
+                **extra,
             )
 
     return run
