@@ -39,7 +39,7 @@ class DeferredGateCheck:
         self._pending = False
         self._values: torch.Tensor | None = None  # [L, rows padded, ...]: this forward's gate values
         self._shape: torch.Size | None = None  # the gate values' shape
-        self._recorded: list[int] = []
+        self._recorded = False  # values in the buffer not yet counted
 
     def slot(self, layer_id: int, shape) -> torch.Tensor:
         """A contiguous float32 ``shape`` buffer for layer ``layer_id``'s gate values, to be passed to
@@ -58,12 +58,12 @@ class DeferredGateCheck:
         row = self._values[layer_id, : g.shape[0]]
         if g.data_ptr() != row.data_ptr():
             row.copy_(g)
-        self._recorded.append(layer_id)
+        self._recorded = True
 
     def _buffer(self, shape: torch.Size, dtype: torch.dtype) -> None:
-        """This forward's ``[L, rows, ...]`` buffer, ``rows`` padded to a multiple of 16 with NaN-free
-        values: every layer's row then starts 16-byte aligned, as the kernel writing it was compiled
-        for (Triton specializes a pointer on that alignment)."""
+        """This forward's ``[L, rows, ...]`` buffer, zeros where no gate wrote (in range: never counted),
+        ``rows`` padded to a multiple of 16: every layer's row then starts 16-byte aligned, as the
+        kernel writing it was compiled for (Triton specializes a pointer on that alignment)."""
         rows = -(-shape[0] // 16) * 16
         if self._values is None or self._shape != shape or self._values.dtype != dtype:
             self._flush()
@@ -71,15 +71,12 @@ class DeferredGateCheck:
             self._shape = shape
 
     def _flush(self) -> None:
+        """Count the buffer's out-of-range values per layer, then clear it for the next forward."""
         if not self._recorded:
             return
-        counts = (~((self._values >= 0) & (self._values <= 1))).flatten(1).sum(1)
-        if self._recorded == list(range(self.num_layers)):
-            self.bad += counts
-        else:
-            rows = torch.tensor(sorted(set(self._recorded)), device=self.device)
-            self.bad[rows] += counts[rows]
-        self._recorded = []
+        self.bad += (~((self._values >= 0) & (self._values <= 1))).flatten(1).sum(1)
+        self._values.zero_()
+        self._recorded = False
 
     def end_forward(self) -> None:
         if self.deferred:

@@ -230,9 +230,8 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
         if self.evictor is not None and declared is not None and declared[0] == self._extend[0]:
             self.evictor.mark_extend(*declared)
         rows = sum(self._extend[2])
-        self._row_tau = torch.repeat_interleave(self.req_pool.slot_tau[slots], extend_lens, output_size=rows)[
-            :, None
-        ]
+        tau = self.req_pool.slot_tau[slots]
+        self._row_tau = torch.repeat_interleave(tau, extend_lens, output_size=rows).unsqueeze(1)
         # the prefill gate decides in its own launch: one [N, L, H] draw a forward, not one a layer
         self._row_uniform = self._draw_uniform(rows) if self.prefill_gate is not None else None
 
