@@ -9,6 +9,7 @@ neither SGLang nor torch, so a client process stays light: the server is a separ
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -19,10 +20,45 @@ from pathlib import Path
 LAUNCHER = (sys.executable, "-m", "sglang_wgkv.launch_server")
 
 
-def free_port() -> int:
+# Ports handed out by this process: a server binds its port only after its imports (tens of seconds).
+_HANDED_OUT: set[int] = set()
+# Listening ports are taken below the kernel's ephemeral range: SGLang's NCCL/gloo port and every client
+# connection come from that range, and one of them took a port in the window before its server bound it.
+LISTEN_PORTS = range(20000, 32000)
+
+
+def _ephemeral_range() -> range:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(low, high + 1)
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A port nothing listens on, outside the ephemeral range and not handed out before by this process
+    (so that two servers starting side by side never get the same one)."""
+    ephemeral = _ephemeral_range()
+    candidates = [p for p in LISTEN_PORTS if p not in ephemeral and p not in _HANDED_OUT]
+    rng = random.Random()
+    for port in rng.sample(candidates, min(len(candidates), 200)):
+        if _bindable(port):
+            _HANDED_OUT.add(port)
+            return port
+    with socket.socket() as s:  # every candidate taken: the kernel's choice
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    _HANDED_OUT.add(port)
+    return port
 
 
 class ServerProcess:

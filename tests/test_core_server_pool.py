@@ -94,6 +94,29 @@ def test_an_unplanned_lease_stops_at_its_end_and_a_dead_server_is_not_restarted(
     pool.close()
 
 
+class NeverHealthy(FakeServer):
+    def wait_healthy(self):
+        raise RuntimeError("server exited with 3: address already in use")
+
+
+def test_a_server_that_never_gets_healthy_raises_its_own_error_and_is_stopped(tmp_path):
+    events = []
+    pool = ServerPool(tmp_path, plan=[("a",)], launch=lambda args, log: NeverHealthy(args, log, events))
+    with pytest.raises(RuntimeError, match="address already in use"):
+        with pool.lease(("a",), "m"):
+            pass
+    assert events == [("start", "a"), ("stop", "a")]
+    pool.close()
+
+
+def test_free_ports_are_outside_the_ephemeral_range_and_never_handed_out_twice():
+    from sglang_wgkv.server_process import _ephemeral_range, free_port
+
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports)
+    assert not any(port in _ephemeral_range() for port in ports)
+
+
 def test_gate_specs_are_part_of_the_key_and_saved_per_server(tmp_path):
     assert server_key(["--wgkv-gates", HeadGates((30.0, -30.0), 16)]) != server_key(
         ["--wgkv-gates", HeadGates((30.0, -30.0), 32)]

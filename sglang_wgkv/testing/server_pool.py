@@ -149,7 +149,8 @@ class ServerPool:
             yield entry.server
         finally:
             entry.leases -= 1
-            if not entry.leases and key not in (k for k, _ in self._plan):
+            # a server that never got healthy was already removed (and stopped) by _wait_healthy
+            if not entry.leases and key not in (k for k, _ in self._plan) and self._entries.get(key) is entry:
                 self._entries.pop(key).server.stop()
 
     def _wait_healthy(self, key: str, entry: _Entry) -> None:
