@@ -68,14 +68,23 @@ def test_bf16_model_scale_budget_and_pages():
 
 
 @pytest.mark.parametrize(
-    "dtype,G,D", [(torch.bfloat16, 4, 128), (torch.float16, 3, 64), (torch.float32, 4, 128)]
+    "dtype,G,D,fp8",
+    [
+        (torch.bfloat16, 4, 128, None),
+        (torch.float16, 3, 64, None),
+        (torch.float32, 4, 128, None),
+        (torch.bfloat16, 4, 128, torch.float8_e4m3fn),
+    ],
 )
-def test_triton_scores_match_the_reference_at_model_scale(dtype, G, D):
+def test_triton_scores_match_the_reference_at_model_scale(dtype, G, D, fp8):
     """The compiled SnapKV score kernel (the kernels path's evictor) against the torch reference:
     Llama-3.1-8B's GQA 4 x head_dim 128 (bf16), SmolLM2's GQA 3 x 64 (fp16, heads padded), float32
-    (IEEE dot); window 256, ring 256, 0-900 global entries, empty slots."""
+    (IEEE dot), and bf16 queries over an FP8 pool's stored keys with a scale per stream (dequantized in
+    registers; the reference reads the dequantized copy); window 256, ring 256, 0-900 global entries,
+    empty slots."""
     import math
 
+    from sglang_wgkv.memory.kv_quant import dequantize, quantize
     from sglang_wgkv.memory.snapkv_score import snapkv_scores
     from sglang_wgkv.memory.triton_snapkv import snapkv_scores_triton
 
@@ -91,8 +100,16 @@ def test_triton_scores_match_the_reference_at_model_scale(dtype, G, D):
     q_pos = 5000 + Nr - 1 - torch.arange(Wq, device="cuda").repeat(S, 1)
     q_pos[3] = -1
     scale = 1 / math.sqrt(D)
-    want = snapkv_scores(q, q_pos, g_keys, g_len, r_keys, r_pos, scale, 5)
-    got = snapkv_scores_triton(q, q_pos, g_keys, g_len, r_keys, r_pos, scale, 5)
+    k_scale = None
+    if fp8 is not None:
+        k_scale = torch.rand(S, device="cuda", generator=gen) + 0.02
+        g_keys = quantize(g_keys, k_scale[:, None, None], fp8)
+        r_keys = quantize(r_keys, k_scale[:, None, None], fp8)
+        g_vals, r_vals = (dequantize(k, k_scale[:, None, None], dtype) for k in (g_keys, r_keys))
+    else:
+        g_vals, r_vals = g_keys, r_keys
+    want = snapkv_scores(q, q_pos, g_vals, g_len, r_vals, r_pos, scale, 5)
+    got = snapkv_scores_triton(q, q_pos, g_keys, g_len, r_keys, r_pos, scale, 5, k_scale=k_scale)
     fin = torch.isfinite(want)
     assert torch.equal(fin, torch.isfinite(got))
     torch.testing.assert_close(got[fin], want[fin], rtol=1e-4, atol=1e-5)

@@ -78,22 +78,26 @@ def _prefill_launches(dtype, shape):
         )
 
 
-def _snapkv_launches(dtype, shape):
+def _snapkv_launches(dtype, shape, kv_dtype=None):
+    """The SnapKV score kernel over keys of ``kv_dtype`` (an FP8 pool's, with per-stream scales) or of
+    the queries' dtype."""
     from sglang_wgkv.memory.triton_snapkv import snapkv_scores_triton
 
     (Hq, Hkv, D), S, Wq, Ng, Nr = shape, 6, 32, 600, 256
     G = Hq // Hkv
     q = torch.zeros(S, Wq, G, D, dtype=dtype)
+    keys = kv_dtype or dtype
     with device_checks_off():
         return launches(
             lambda: snapkv_scores_triton(
                 q,
                 torch.arange(Wq).repeat(S, 1),
-                torch.zeros(S, Ng, D, dtype=dtype),
+                torch.zeros(S, Ng, D, dtype=keys),
                 torch.full((S,), Ng),
-                torch.zeros(S, Nr, D, dtype=dtype),
+                torch.zeros(S, Nr, D, dtype=keys),
                 torch.arange(Nr).repeat(S, 1),
                 0.088,
+                k_scale=torch.ones(S) if kv_dtype else None,
             )
         )
 
@@ -236,6 +240,11 @@ def test_fp8_decode_kernels_compile_for_sm90(kv_dtype):
         assert pool_kernel.metadata.shared <= SM90_MAX_SHARED, kernel.fn.__name__
         if "satfinite" in pool_kernel.asm["ptx"]:  # the ring write: it quantizes
             assert "div.full.f32" not in pool_kernel.asm["ptx"], kernel.fn.__name__
+    # the evictor's scores read the stored FP8 keys (one byte each) and convert them in registers
+    ((kernel, bound, options),) = _snapkv_launches(torch.bfloat16, SHAPES["llama8b"], kv_dtype)
+    scores = compile_sm90(kernel, bound, options)
+    assert scores.metadata.shared <= SM90_MAX_SHARED
+    assert "ld.global" in scores.asm["ptx"] and f".{fmt}x2" in scores.asm["ptx"]
 
 
 # Sizes that change from launch to launch: specialized (an integer 1 made a constant, one divisible

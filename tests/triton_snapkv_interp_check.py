@@ -1,7 +1,8 @@
 """Run as a script with ``TRITON_INTERPRET=1`` (set before Triton is imported) by
 ``test_evictor_scores.py``: the Triton SnapKV scores (``memory/triton_snapkv.py``) against the torch
 reference ``snapkv_scores`` on CPU: GQA groups of 1-4 heads (3: padded to 4), empty query and ring
-slots, streams of 0 to 150 global entries, ring keys visible per query position, bf16 and float32.
+slots, streams of 0 to 150 global entries, ring keys visible per query position, bf16 and float32,
+and an FP8 pool's stored keys (e4m3, e5m2) with a scale per stream, dequantized in registers.
 
 ``python tests/triton_snapkv_interp_check.py SEED [SEED ...]`` prints a line per seed and exits non-zero if
 any differs.
@@ -15,6 +16,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
 
+from sglang_wgkv.memory.kv_quant import dequantize, quantize  # noqa: E402
 from sglang_wgkv.memory.snapkv_score import snapkv_scores  # noqa: E402
 from sglang_wgkv.memory.triton_snapkv import snapkv_scores_triton  # noqa: E402
 from sglang_wgkv.testing.interp import check_seeds  # noqa: E402
@@ -43,7 +45,24 @@ def check(seed: int) -> None:
         q_pos[-1] = -1  # a stream whose window is empty: every score 0 before pooling
     scale = 1 / math.sqrt(D)
     kernel = [5, 13, 1][seed % 3]
-    want = snapkv_scores(q, q_pos, g_keys, g_len, r_keys, r_pos, scale, kernel)
+    k_scale = None
+    if seed % 4 == 3:  # an FP8 pool: stored keys, each stream's layer scale
+        fp8 = torch.float8_e4m3fn if seed % 8 == 3 else torch.float8_e5m2
+        k_scale = torch.rand(S, generator=gen) * 0.5 + 0.05
+        g_keys = quantize(g_keys.float(), k_scale[:, None, None], fp8)
+        r_keys = quantize(r_keys.float(), k_scale[:, None, None], fp8)
+        want = snapkv_scores(
+            q,
+            q_pos,
+            dequantize(g_keys, k_scale[:, None, None], dtype),
+            g_len,
+            dequantize(r_keys, k_scale[:, None, None], dtype),
+            r_pos,
+            scale,
+            kernel,
+        )
+    else:
+        want = snapkv_scores(q, q_pos, g_keys, g_len, r_keys, r_pos, scale, kernel)
     # query blocks of the default size (64 rows: 1-4 blocks here) or of 4 queries (2-6 blocks)
     got = snapkv_scores_triton(
         q,
@@ -56,6 +75,7 @@ def check(seed: int) -> None:
         kernel,
         block_n=16,
         block_q=4 if seed % 4 >= 2 else None,
+        k_scale=k_scale,
     )
     if got.shape != want.shape:
         raise SystemExit(f"seed {seed}: shape {tuple(got.shape)} != {tuple(want.shape)}")

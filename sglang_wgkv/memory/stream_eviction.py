@@ -87,14 +87,17 @@ class StreamEviction:
         r_pos = n[:, None] - 1 - torch.remainder(n[:, None] - 1 - slot, W)  # <0: empty slot
         q, q_pos = self._window_queries(r, l, h, self.prompt_window if prompt else self.window)
         kernel = self.prompt_kernel if prompt else self.kernel_size
-        # scores read dequantized keys (an FP8 pool's); compaction moves the stored ones
-        g_vals, r_vals = pool.read_keys(g_keys, l, q.dtype), pool.read_keys(r_keys, l, q.dtype)
         scores = None
         if self.triton_scores:
             from sglang_wgkv.memory.triton_snapkv import snapkv_scores_triton
 
+            # the kernel reads an FP8 pool's stored keys and dequantizes them in registers
+            k_scale = pool.k_scale[l] if pool.quantized else None
+            keys = (g_keys, r_keys) if pool.quantized else (g_keys.to(q.dtype), r_keys.to(q.dtype))
             try:
-                scores = snapkv_scores_triton(q, q_pos, g_vals, glen, r_vals, r_pos, self.sm_scale, kernel)
+                scores = snapkv_scores_triton(
+                    q, q_pos, keys[0], glen, keys[1], r_pos, self.sm_scale, kernel, k_scale=k_scale
+                )
                 self._triton_built = True
             except Exception as exc:  # a kernel Triton cannot build here: the reference, for good
                 if self._triton_built:
@@ -105,7 +108,10 @@ class StreamEviction:
                     exc,
                 )
                 self.triton_scores = False
-        if scores is None:
+        if (
+            scores is None
+        ):  # the reference reads dequantized keys (an FP8 pool's); compaction moves the stored ones
+            g_vals, r_vals = pool.read_keys(g_keys, l, q.dtype), pool.read_keys(r_keys, l, q.dtype)
             scores = snapkv_scores(q, q_pos, g_vals, glen, r_vals, r_pos, self.sm_scale, kernel)
         return scores, glen, gpages, g_keys
 

@@ -23,6 +23,10 @@ exact in float32, so this is the float32 reference's arithmetic up to summation 
 cores' 16-bit rate (float32 inputs: IEEE float32). Under the interpreter (its bf16 dot is wrong)
 16-bit operands are upcast to float32 first.
 
+Keys as stored. An FP8 pool's keys come with their layer's scale per stream and are dequantized in
+registers (``float(stored) * scale`` cast to the queries' dtype: :func:`~sglang_wgkv.memory.kv_quant.dequantize`'s
+values), so scoring reads one byte a key element and writes no dequantized copy.
+
 The max-pool along the cache and the padding's ``-inf`` are the reference's
 (:func:`~sglang_wgkv.memory.snapkv_score.pool_raw_scores`), on the small ``[S, Ng]`` sums.
 """
@@ -35,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_wgkv.memory.kv_quant import is_fp8
 from sglang_wgkv.memory.snapkv_score import pool_raw_scores
 
 
@@ -45,6 +50,22 @@ def _online_softmax(m, z, x):
     m_new = tl.maximum(m, tl.max(x, 1))
     safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     return m_new, z * tl.exp(m - safe) + tl.sum(tl.exp(x - safe[:, None]), 1)
+
+
+@triton.jit
+def _key_values(k, ks, q, QUANT: tl.constexpr, UPCAST: tl.constexpr):
+    """Stored keys as values of the queries' (``q``) dtype: FP8 ones times their scale ``ks`` (``QUANT``).
+    Under the interpreter (``UPCAST``), whose float32-to-bf16 cast truncates, the bf16 rounding (to
+    nearest even) is done on the bits and the value kept in float32."""
+    if QUANT:
+        x = k.to(tl.float32) * ks
+        if UPCAST and q.dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            k = bits.to(tl.float32, bitcast=True)
+        else:
+            k = x.to(q.dtype)
+    return k
 
 
 @triton.jit
@@ -63,6 +84,7 @@ def _snapkv_raw_kernel(
     GLen,
     RK,
     RPos,
+    KScale,
     Part,
     Wq,
     Nr,
@@ -85,6 +107,7 @@ def _snapkv_raw_kernel(
     BN: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     s = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
@@ -99,11 +122,13 @@ def _snapkv_raw_kernel(
     q = tl.load(
         Q + s * s_qs + qidx[:, None] * s_qw + gi[:, None] * s_qg + d[None, :], mask=row_ok[:, None], other=0.0
     )
+    ks = tl.load(KScale + s) if QUANT else 1.0
     m = tl.full([BQ * GP], float("-inf"), tl.float32)
     z = tl.zeros([BQ * GP], tl.float32)
     for n0 in range(0, glen, BN):
         n = n0 + cols
         k = tl.load(GK + s * s_gs + n[:, None] * s_gn + d[None, :], mask=(n < glen)[:, None], other=0.0)
+        k = _key_values(k, ks, q, QUANT, UPCAST)
         x = _logits(q, k, sm_scale, PRECISION, UPCAST)
         x = tl.where(live[:, None] & (n < glen)[None, :], x, float("-inf"))
         m, z = _online_softmax(m, z, x)
@@ -111,6 +136,7 @@ def _snapkv_raw_kernel(
         n = n0 + cols
         rpos = tl.load(RPos + s * s_rps + n, mask=n < Nr, other=-1)
         k = tl.load(RK + s * s_rs + n[:, None] * s_rn + d[None, :], mask=(n < Nr)[:, None], other=0.0)
+        k = _key_values(k, ks, q, QUANT, UPCAST)
         x = _logits(q, k, sm_scale, PRECISION, UPCAST)
         vis = live[:, None] & (n < Nr)[None, :] & (rpos[None, :] >= 0) & (rpos[None, :] <= qpos[:, None])
         x = tl.where(vis, x, float("-inf"))
@@ -121,6 +147,7 @@ def _snapkv_raw_kernel(
     for n0 in range(0, glen, BN):
         n = n0 + cols
         k = tl.load(GK + s * s_gs + n[:, None] * s_gn + d[None, :], mask=(n < glen)[:, None], other=0.0)
+        k = _key_values(k, ks, q, QUANT, UPCAST)
         x = _logits(q, k, sm_scale, PRECISION, UPCAST)
         p = tl.where(live[:, None] & (n < glen)[None, :], tl.exp(x - m[:, None]) * inv[:, None], 0.0)
         best = tl.max(tl.reshape(p, [BQ, GP, BN]), 1)  # [BQ, BN]: max over heads
@@ -138,16 +165,23 @@ def snapkv_scores_triton(
     kernel_size: int = 5,
     block_q: int | None = None,
     block_n: int = 64,
+    k_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`~sglang_wgkv.memory.snapkv_score.snapkv_scores` (same arguments and result) in one
-    launch. ``q [S, Wq, G, D]``; keys ``[S, N, D]`` with a unit stride along ``D``, the dtype of ``q``;
-    ``D`` a power of two >= 16."""
+    launch. ``q [S, Wq, G, D]``; keys ``[S, N, D]`` with a unit stride along ``D``, the dtype of ``q``
+    or, with ``k_scale`` (``[S]`` float32: each stream's layer scale), an FP8 pool's stored keys, read
+    as ``dequantize(keys, k_scale, q.dtype)``; ``D`` a power of two >= 16."""
     S, Wq, G, D = q.shape
     Ng, Nr = g_keys.shape[1], r_keys.shape[1]
     if D < 16 or D & (D - 1):
         raise ValueError(f"head_dim {D} must be a power of two >= 16")
-    if g_keys.dtype != q.dtype or r_keys.dtype != q.dtype:
-        raise ValueError(f"keys ({g_keys.dtype}, {r_keys.dtype}) must have the dtype of q ({q.dtype})")
+    quant = k_scale is not None
+    key_dtype = g_keys.dtype if quant and is_fp8(g_keys.dtype) else q.dtype
+    if g_keys.dtype != key_dtype or r_keys.dtype != key_dtype:
+        need = "one FP8 dtype (k_scale given)" if quant else f"the dtype of q ({q.dtype})"
+        raise ValueError(f"keys ({g_keys.dtype}, {r_keys.dtype}) must have {need}")
+    if quant and (k_scale.shape != (S,) or k_scale.dtype != torch.float32):
+        raise ValueError(f"k_scale must be [S] = [{S}] float32, got {tuple(k_scale.shape)} {k_scale.dtype}")
     q = q if q.stride(-1) == 1 else q.contiguous()
     g_keys = g_keys if g_keys.stride(-1) == 1 else g_keys.contiguous()
     r_keys = r_keys if r_keys.stride(-1) == 1 else r_keys.contiguous()
@@ -167,6 +201,7 @@ def snapkv_scores_triton(
             g_len32,
             r_keys,
             r_pos,
+            k_scale.contiguous() if quant else g_len32,  # not read without QUANT
             part,
             Wq,
             Nr,
@@ -189,5 +224,6 @@ def snapkv_scores_triton(
             BN=block_n,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             UPCAST=q.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1",
+            QUANT=quant,
         )
     return pool_raw_scores(part.sum(1)[:, :Ng], g_len, kernel_size)
