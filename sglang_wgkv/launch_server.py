@@ -287,15 +287,7 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
         raise ValueError(f"invalid WG-KV option: {e}") from e
     from sglang_wgkv.integration.pools.kv_dtype import kv_cache_dtype_problem
 
-    on_cuda = device in (None, "cuda")
-    kernels = settings.attention == "kernels" or (
-        settings.attention == "auto"
-        and on_cuda
-        and _option(sglang_argv, "--dtype") not in ("float32", "float")
-    )
-    problem = kv_cache_dtype_problem(
-        _option(sglang_argv, "--kv-cache-dtype"), kernels=kernels, extend_kernels=settings.extend_kernels
-    )
+    problem = kv_cache_dtype_problem(_option(sglang_argv, "--kv-cache-dtype"))
     if problem:
         raise ValueError(f"WG-KV does not serve {problem}")
     env[ENV_VAR] = settings.to_env()

@@ -100,8 +100,8 @@ def _metrics(server) -> dict[str, float]:
 
 
 def test_launcher_serves_fp8_where_a_path_reads_it(monkeypatch):
-    """FP8 is served on CPU and CUDA, on both attention paths; refused (exit 2 through the parser) with
-    the Triton extend launches, which do not write FP8 pages, and for block-scaled formats."""
+    """FP8 is served on CPU and CUDA, on both attention paths and with the Triton extend launches;
+    refused (exit 2 through the parser) for block-scaled formats."""
     import torch
 
     from sglang_wgkv.launch_server import cpu_default_kv_tokens, resolve
@@ -116,8 +116,8 @@ def test_launcher_serves_fp8_where_a_path_reads_it(monkeypatch):
         for dtype in ("fp8_e4m3", "fp8_e5m2"):
             args = ["--model-path", "/m", "--kv-cache-dtype", dtype, "--wgkv-attention", attention]
             assert resolve(args)[0].attention == attention
-    with pytest.raises(ValueError, match="wgkv-extend-kernels"):
-        resolve(["--model-path", "/m", "--kv-cache-dtype", "fp8_e4m3", "--wgkv-extend-kernels"])
+    settings = resolve(["--model-path", "/m", "--kv-cache-dtype", "fp8_e4m3", "--wgkv-extend-kernels"])[0]
+    assert settings.extend_kernels
     assert resolve(["--model-path", "/m", "--kv-cache-dtype", "fp8_e4m3", "--disable-wgkv"])[0] is None
     # the CPU default budget at equal memory: FP8 holds twice bf16's tokens
     from sglang_wgkv.embedded_model import ensure_embedded_model
@@ -128,27 +128,20 @@ def test_launcher_serves_fp8_where_a_path_reads_it(monkeypatch):
 
 
 def test_runtime_and_graphs_follow_the_fp8_choice():
-    """The kernels path serves an FP8 pool (decode CUDA graphs on) unless the Triton extend launches
-    are asked for: then ``auto`` falls back to the reference attention (e.g. SGLang's ``auto`` made
-    the pool FP8 for a checkpoint with an FP8 KV scheme), ``kernels`` refuses, graphs are off."""
+    """The kernels path serves an FP8 pool, with or without the Triton extend launches (they read and
+    write FP8 too), decode CUDA graphs on; float32 and CPU keep the reference attention."""
     import torch
 
     from sglang_wgkv.integration.plugin.runtime import WGKVRuntime
     from sglang_wgkv.integration.plugin.settings import ServingSettings
 
-    auto, cuda = ServingSettings(), torch.device("cuda")
-    auto_ext, kernels_ext = (
-        ServingSettings(extend_kernels=True),
-        ServingSettings(attention="kernels", extend_kernels=True),
-    )
-    assert WGKVRuntime.choose_kernels(auto, cuda, torch.bfloat16, torch.float8_e4m3fn)
-    assert WGKVRuntime.choose_kernels(auto_ext, cuda, torch.bfloat16, torch.bfloat16)
-    assert not WGKVRuntime.choose_kernels(auto_ext, cuda, torch.bfloat16, torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="does not read"):
-        WGKVRuntime.choose_kernels(kernels_ext, cuda, torch.bfloat16, torch.float8_e5m2)
-    assert auto.decode_graph_blocker("cuda", "bfloat16", "fp8_e4m3") is None
-    assert auto_ext.decode_graph_blocker("cuda", "bfloat16", "fp8_e4m3") is not None
-    assert auto_ext.decode_graph_blocker("cuda", "bfloat16", "auto") is None
+    cuda = torch.device("cuda")
+    for settings in (ServingSettings(), ServingSettings(extend_kernels=True)):
+        assert WGKVRuntime.choose_kernels(settings, cuda, torch.bfloat16)
+        assert not WGKVRuntime.choose_kernels(settings, cuda, torch.float32)
+        for kv in ("fp8_e4m3", "fp8_e5m2", "auto"):
+            assert settings.decode_graph_blocker("cuda", "bfloat16", kv) is None
+        assert settings.decode_graph_blocker("cuda", "float32", "fp8_e4m3") is not None
 
 
 def test_layer_scales_follow_sglang():

@@ -183,10 +183,13 @@ def test_compile_takes_the_launch_specialization():
     assert stats["registers"] <= 128 and stats["spill_store_bytes"] == 0
 
 
-def test_extend_write_kernels_compile_for_sm90():
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "e4m3"])
+def test_extend_write_kernels_compile_for_sm90(kv_dtype):
     """The extend's row-movement launches as the pool makes them for a chunk after a cached prefix
-    (Llama-3.1-8B's 8 KV heads, D 128, bf16 pool): the attention inputs (``triton_extend.extend_context``)
-    and the write (``extend_move``, ``extend_ring_write``) compile for sm_90 and fit its shared memory."""
+    (Llama-3.1-8B's 8 KV heads, D 128, bf16 or FP8 pool): the attention inputs
+    (``triton_extend.extend_context``) and the write (``extend_move``, ``extend_ring_write``) compile
+    for sm_90 and fit its shared memory; on FP8 pages the writes quantize with IEEE division and
+    saturation, as ``kv_quant.quantize``."""
     from sglang_wgkv.config import WGKVConfig
     from sglang_wgkv.memory import DualCachePool
 
@@ -201,6 +204,7 @@ def test_extend_write_kernels_compile_for_sm90():
         config=WGKVConfig(local_window=256),
         triton_decode=True,
         triton_extend=True,
+        dtype=kv_dtype,
     )
     pool.alloc_request(1)
     k = torch.randn(300, H, D, dtype=torch.bfloat16)
@@ -213,7 +217,11 @@ def test_extend_write_kernels_compile_for_sm90():
     names = [kernel.fn.__name__ for kernel, _, _ in got]
     assert names == ["_extend_context_kernel", "_extend_move_kernel", "_extend_ring_kernel"], names
     for kernel, bound, options in got:
-        assert compile_sm90(kernel, bound, options).metadata.shared <= SM90_MAX_SHARED
+        compiled = compile_sm90(kernel, bound, options)
+        assert compiled.metadata.shared <= SM90_MAX_SHARED
+        if kv_dtype != torch.bfloat16 and kernel.fn.__name__ != "_extend_context_kernel":
+            ptx = compiled.asm["ptx"]
+            assert "satfinite.e4m3x2" in ptx and "div.rn.f32" in ptx, kernel.fn.__name__
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
@@ -269,6 +277,8 @@ UNSPECIALIZED_SIZES = {
         "start",
         "out0",
     },
+    "sglang_wgkv.memory.triton_extend._extend_move_kernel": {"layer", "n_cand"},
+    "sglang_wgkv.memory.triton_extend._extend_ring_kernel": {"layer", "n_rows"},
     "sglang_wgkv.memory.triton_snapkv._snapkv_raw_kernel": {"Wq", "Nr"},
 }
 

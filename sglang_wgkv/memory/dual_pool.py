@@ -105,8 +105,6 @@ class DualCachePool(ExtendStep, DecodeStep, MixedStep, KVScales, PoolIntegrity):
         # graphs read them by pointer); only an FP8 pool's differ from 1.0
         self.k_scale = torch.ones(num_layers, dtype=torch.float32, device=self.device)
         self.v_scale = torch.ones(num_layers, dtype=torch.float32, device=self.device)
-        if self.quantized and triton_extend:
-            raise ValueError("the Triton extend launches (triton_extend) do not write FP8 pages")
         self.triton_decode = self.device.type == "cuda" if triton_decode is None else triton_decode
         self.triton_extend = triton_extend
         self.allocator = PageAllocator(num_pages, self.device, reclaimer=reclaimer)

@@ -205,6 +205,7 @@ class ExtendStep:
 
                 extend_move(
                     self,
+                    first,
                     k[0],
                     v[0],
                     flag[:, 0],

@@ -21,7 +21,7 @@ import triton.language as tl
 from sglang_wgkv.config import FAR_POSITION, PAGE_SIZE
 
 
-@triton.jit(do_not_specialize=["n_cand"])
+@triton.jit(do_not_specialize=["layer", "n_cand"])
 def _extend_move_kernel(
     K,
     V,
@@ -34,6 +34,9 @@ def _extend_move_kernel(
     SrcPage,
     Slot,
     Src,
+    KScale,
+    VScale,
+    layer,
     n_cand,
     stride_kn,
     stride_kh,
@@ -43,10 +46,13 @@ def _extend_move_kernel(
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    QUANT: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     """Candidates ``c`` of one block, head ``h``: an admitted one's key and value go to global slot
     ``(DestPage[c, h], Dest[c, h] % PAGE)``, read from its ring slot (``FromRing[c]``: page
-    ``SrcPage[c, h]``, offset ``Slot[c] % PAGE``) or from the chunk's row ``Src[c]``."""
+    ``SrcPage[c, h]``, offset ``Slot[c] % PAGE``: its bytes, never rounded again) or from the chunk's
+    row ``Src[c]`` (quantized with ``layer``'s scale on FP8 pages, ``QUANT``)."""
     h = tl.program_id(1)
     c = (tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
     live = c < n_cand
@@ -64,15 +70,29 @@ def _extend_move_kernel(
     )
     ring_row = ring_row[:, None] * HEAD_DIM + d
     row = tl.load(Src + c, mask=new, other=0)
-    _move_rows(KPages, K + row[:, None] * stride_kn + h * stride_kh + d, ring_row, dst, flag, ring, new)
-    _move_rows(VPages, V + row[:, None] * stride_vn + h * stride_vh + d, ring_row, dst, flag, ring, new)
+    k_ptr = K + row[:, None] * stride_kn + h * stride_kh + d
+    _move_rows(KPages, k_ptr, ring_row, dst, ring, new, KScale, layer, QUANT, FP8_MAX)
+    v_ptr = V + row[:, None] * stride_vn + h * stride_vh + d
+    _move_rows(VPages, v_ptr, ring_row, dst, ring, new, VScale, layer, QUANT, FP8_MAX)
 
 
 @triton.jit
-def _move_rows(Pages, new_ptr, ring_row, dst, flag, ring, new):
-    from_ring = tl.load(Pages + ring_row, mask=ring[:, None])
-    from_new = tl.load(new_ptr, mask=new[:, None]).to(Pages.dtype.element_ty)
-    tl.store(Pages + dst, tl.where(ring[:, None], from_ring, from_new), mask=flag[:, None])
+def _stored(x, Pages, Scale, layer, QUANT: tl.constexpr, FP8_MAX: tl.constexpr):
+    """New values ``x`` as ``Pages`` store them: ``fp8(x / scale)`` saturated on FP8 pages (``QUANT``;
+    IEEE division, as :func:`~sglang_wgkv.memory.kv_quant.quantize`), a cast otherwise."""
+    if QUANT:
+        x = tl.clamp(tl.math.div_rn(x.to(tl.float32), tl.load(Scale + layer)), -FP8_MAX, FP8_MAX)
+    return x.to(Pages.dtype.element_ty)
+
+
+@triton.jit
+def _move_rows(
+    Pages, new_ptr, ring_row, dst, ring, new, Scale, layer, QUANT: tl.constexpr, FP8_MAX: tl.constexpr
+):
+    # two stores under disjoint masks: a ring row's bytes move as they are, a new row is converted
+    tl.store(Pages + dst, tl.load(Pages + ring_row, mask=ring[:, None]), mask=ring[:, None])
+    from_new = _stored(tl.load(new_ptr, mask=new[:, None]), Pages, Scale, layer, QUANT, FP8_MAX)
+    tl.store(Pages + dst, from_new, mask=new[:, None])
 
 
 @triton.jit(do_not_specialize=["layer", "n_rows"])
@@ -88,6 +108,8 @@ def _extend_ring_kernel(
     RwB,
     RwSlot,
     RwSrc,
+    KScale,
+    VScale,
     layer,
     n_rows,
     stride_kn,
@@ -104,9 +126,12 @@ def _extend_ring_kernel(
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    QUANT: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     """Ring rows ``i`` of one block, head ``h``: the chunk's row ``RwSrc[i]`` into ring slot
-    ``RwSlot[i]`` of request ``Req[RwB[i]]``, its key, value and admission flag."""
+    ``RwSlot[i]`` of request ``Req[RwB[i]]``, its key, value (quantized on FP8 pages: their only
+    write) and admission flag."""
     h = tl.program_id(1)
     i = (tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
     live = i < n_rows
@@ -119,11 +144,18 @@ def _extend_ring_kernel(
     )
     dst = (page.to(tl.int64) * PAGE + slot % PAGE)[:, None] * HEAD_DIM + d
     k = tl.load(K + src[:, None] * stride_kn + h * stride_kh + d, mask=live[:, None])
-    tl.store(KPages + dst, k.to(KPages.dtype.element_ty), mask=live[:, None])
+    tl.store(KPages + dst, _stored(k, KPages, KScale, layer, QUANT, FP8_MAX), mask=live[:, None])
     v = tl.load(V + src[:, None] * stride_vn + h * stride_vh + d, mask=live[:, None])
-    tl.store(VPages + dst, v.to(VPages.dtype.element_ty), mask=live[:, None])
+    tl.store(VPages + dst, _stored(v, VPages, VScale, layer, QUANT, FP8_MAX), mask=live[:, None])
     flag = tl.load(Admit + src * stride_an + h, mask=live, other=0)
     tl.store(RingFlag + r * stride_fr + layer * stride_fl + h * stride_fh + slot, flag, mask=live)
+
+
+@triton.jit
+def _cached(x, Scale, layer, Out, QUANT: tl.constexpr):
+    if QUANT:
+        x = x.to(tl.float32) * tl.load(Scale + layer)
+    return x.to(Out.dtype.element_ty)
 
 
 @triton.jit(do_not_specialize=["r", "layer", "prefix", "g_rows", "ring_n", "n_new", "start", "out0"])
@@ -137,6 +169,8 @@ def _extend_context_kernel(
     V,
     Admit,
     Positions,
+    KScale,
+    VScale,
     OutK,
     OutV,
     OutPos,
@@ -171,11 +205,13 @@ def _extend_context_kernel(
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """Rows ``i`` of one block of request ``r``'s attention inputs, head ``h``, at output row ``out0 + i``:
     ``i < g_rows`` its global entries (page column ``ring_cols + i // PAGE``; admitted iff
     ``i < global_len``, position ``FAR``), then ``ring_n`` ring entries in position order (positions
-    ``prefix - ring_n ..``; their flags), then ``n_new`` rows ``start ..`` of the chunk."""
+    ``prefix - ring_n ..``; their flags), then ``n_new`` rows ``start ..`` of the chunk. Cached rows of
+    FP8 pages (``QUANT``) read as ``float(stored) * scale`` (:func:`~sglang_wgkv.memory.kv_quant.dequantize`)."""
     h = tl.program_id(1)
     i = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     live = i < g_rows + ring_n + n_new
@@ -192,10 +228,10 @@ def _extend_context_kernel(
     crow = (page.to(tl.int64) * PAGE + off)[:, None] * HEAD_DIM + d
     t = start + i - g_rows - ring_n  # chunk rows
     orow = (out0 + i)[:, None] * stride_on + h * stride_oh + d
-    ck = tl.load(KPages + crow, mask=ctx[:, None]).to(OutK.dtype.element_ty)
+    ck = _cached(tl.load(KPages + crow, mask=ctx[:, None]), KScale, layer, OutK, QUANT)
     nk = tl.load(K + t[:, None] * stride_kn + h * stride_kh + d, mask=is_n[:, None]).to(OutK.dtype.element_ty)
     tl.store(OutK + orow, tl.where(ctx[:, None], ck, nk), mask=live[:, None])
-    cv = tl.load(VPages + crow, mask=ctx[:, None]).to(OutV.dtype.element_ty)
+    cv = _cached(tl.load(VPages + crow, mask=ctx[:, None]), VScale, layer, OutV, QUANT)
     nv = tl.load(V + t[:, None] * stride_vn + h * stride_vh + d, mask=is_n[:, None]).to(OutV.dtype.element_ty)
     tl.store(OutV + orow, tl.where(ctx[:, None], cv, nv), mask=live[:, None])
     glen = tl.load(GlobalLen + r * stride_gr + layer * stride_gl + h)
@@ -225,8 +261,13 @@ def _check_rows(pool, k, v):
         )
 
 
-def extend_move(pool, k, v, flag, dest_page, dest, from_ring, src_page, slot, src) -> None:
-    """Admitted candidates of ``write_extend`` into their global slots (one launch). ``flag``,
+def _quant_args(pool) -> dict:
+    """The kernels' FP8 constants of ``pool`` (its pages FP8 or not)."""
+    return {"QUANT": pool.quantized, "FP8_MAX": torch.finfo(pool.dtype).max if pool.quantized else 0.0}
+
+
+def extend_move(pool, layer: int, k, v, flag, dest_page, dest, from_ring, src_page, slot, src) -> None:
+    """Admitted candidates of ``write_extend`` in ``layer`` into their global slots (one launch). ``flag``,
     ``dest_page``, ``dest``, ``src_page`` ``[C, H]``; ``from_ring``, ``slot``, ``src`` ``[C]``;
     k, v ``[N, H, D]`` the chunk's rows. Reads ring slots before :func:`extend_ring_write` overwrites
     them (same stream)."""
@@ -249,6 +290,9 @@ def extend_move(pool, k, v, flag, dest_page, dest, from_ring, src_page, slot, sr
         src_page,
         slot.contiguous(),
         src.contiguous(),
+        pool.k_scale,
+        pool.v_scale,
+        layer,
         C,
         k.stride(0),
         k.stride(1),
@@ -258,6 +302,7 @@ def extend_move(pool, k, v, flag, dest_page, dest, from_ring, src_page, slot, sr
         HEAD_DIM=pool.head_dim,
         PAGE=PAGE_SIZE,
         BLOCK_C=EXTEND_BLOCK,
+        **_quant_args(pool),
     )
 
 
@@ -295,6 +340,8 @@ def extend_context(
             v,
             adm,
             positions,
+            pool.k_scale,
+            pool.v_scale,
             out_k,
             out_v,
             out_pos,
@@ -329,6 +376,7 @@ def extend_context(
             HEAD_DIM=D,
             PAGE=PAGE_SIZE,
             BLOCK_R=EXTEND_BLOCK,
+            QUANT=pool.quantized,
         )
 
 
@@ -354,6 +402,8 @@ def extend_ring_write(pool, layer: int, k, v, admit, req, rw_b, rw_slot, rw_src)
         rw_b,
         rw_slot,
         rw_src,
+        pool.k_scale,
+        pool.v_scale,
         layer,
         n,
         k.stride(0),
@@ -370,4 +420,5 @@ def extend_ring_write(pool, layer: int, k, v, admit, req, rw_b, rw_slot, rw_src)
         HEAD_DIM=pool.head_dim,
         PAGE=PAGE_SIZE,
         BLOCK_C=EXTEND_BLOCK,
+        **_quant_args(pool),
     )

@@ -79,12 +79,9 @@ def prepare_server_args(server_args, *args, **kwargs):
     if bad:
         raise ValueError(f"--attention-backend {BACKEND_NAME} does not support {', '.join(bad)}")
     settings = ServingSettings.from_env()  # (fails here, in the launcher, on a malformed variable)
-    if settings.attention == "kernels":
-        problem = kv_cache_dtype_problem(
-            server_args.kv_cache_dtype, kernels=True, extend_kernels=settings.extend_kernels
-        )
-        if problem:
-            raise ValueError(f"--attention-backend {BACKEND_NAME} does not support {problem}")
+    problem = kv_cache_dtype_problem(server_args.kv_cache_dtype)
+    if problem:
+        raise ValueError(f"--attention-backend {BACKEND_NAME} does not support {problem}")
     if not server_args.disable_radix_cache:
         from radix_ext.factory import RADIX_BACKEND
 

@@ -34,10 +34,8 @@ import torch
 
 from sglang_wgkv.integration.plugin.settings import BACKEND_NAME, ServingSettings
 from sglang_wgkv.integration.pools.capacity import CapacityPlan, physical_pages, plan_capacity
-from sglang_wgkv.integration.pools.kv_dtype import kernels_read_fp8
 from sglang_wgkv.integration.pools.slot_costs import ModelShape
 from sglang_wgkv.memory import DualCachePool
-from sglang_wgkv.memory.kv_quant import is_fp8
 
 if TYPE_CHECKING:
     from sglang_wgkv.memory import SnapKVEvictor
@@ -180,21 +178,14 @@ class WGKVRuntime:
         return cls(settings, plan, chunk_tokens=server_args.chunked_prefill_size)
 
     @staticmethod
-    def choose_kernels(
-        settings: ServingSettings, device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
-    ) -> bool:
+    def choose_kernels(settings: ServingSettings, device, dtype: torch.dtype) -> bool:
         """The one torch/Triton choice: ``kernels`` (raises where they cannot run), ``reference``,
-        or ``auto`` = kernels where they fit (CUDA, fp16/bf16, a pool of ``kv_dtype`` they read:
-        :mod:`~sglang_wgkv.integration.pools.kv_dtype`; e.g. a checkpoint whose FP8 KV scheme made SGLang's ``auto`` FP8)."""
+        or ``auto`` = kernels where they fit (CUDA, fp16/bf16; both paths read every pool dtype
+        served, :mod:`~sglang_wgkv.integration.pools.kv_dtype`)."""
         fit = kernels_fit(device, dtype)
         if settings.attention == "kernels" and not fit:
             raise ValueError("--wgkv-attention kernels needs a CUDA device and a float16/bfloat16 model")
-        fp8_blocked = (
-            kv_dtype is not None and is_fp8(kv_dtype) and not kernels_read_fp8(settings.extend_kernels)
-        )
-        if settings.attention == "kernels" and fp8_blocked:
-            raise ValueError(f"--wgkv-attention kernels does not read a {kv_dtype} KV cache yet")
-        return settings.attention == "kernels" or (settings.attention == "auto" and fit and not fp8_blocked)
+        return settings.attention == "kernels" or (settings.attention == "auto" and fit)
 
     def build_pools(self, configurator, max_requests: int, max_context_len: int) -> DualCachePool:
         """Build the dual pool (and with ``--kv-budget`` the evictor) for ``max_requests`` request
@@ -223,9 +214,7 @@ class WGKVRuntime:
             raise ValueError(
                 f"rank {par.attn_tp_rank} holds KV heads {self.kv_heads}, its pool {num_kv_heads}"
             )
-        self.use_kernels = self.choose_kernels(
-            self.settings, configurator.device, mc.dtype, configurator.kv_cache_dtype
-        )
+        self.use_kernels = self.choose_kernels(self.settings, configurator.device, mc.dtype)
         self._dual = DualCachePool(
             num_layers=num_layers,
             num_kv_heads=num_kv_heads,

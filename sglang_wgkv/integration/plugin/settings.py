@@ -103,15 +103,9 @@ class ServingSettings:
         on CUDA)."""
         import torch
 
-        from sglang_wgkv.integration.pools.kv_dtype import FP8_KV_CACHE_DTYPES, kernels_read_fp8
-
         if device not in (None, "cuda") or (device is None and not torch.cuda.is_available()):
             return f"device {device or 'cpu'}"
-        if (
-            self.attention == "reference"
-            or (self.attention == "auto" and dtype in ("float32", "float"))
-            or (kv_cache_dtype in FP8_KV_CACHE_DTYPES and not kernels_read_fp8(self.extend_kernels))
-        ):
+        if self.attention == "reference" or (self.attention == "auto" and dtype in ("float32", "float")):
             return "the reference attention syncs with the host every layer"
         return None
 

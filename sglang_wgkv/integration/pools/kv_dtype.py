@@ -5,9 +5,9 @@
 =====================  ==========================  =============================================
 auto / bf16 / fp16 /   the model's dtype (or the   every path
 bfloat16 / float32     one named)
-fp8_e4m3 / fp8_e5m2    float8_e4m3fn / float8_e5m2  the torch reference (any device) and the
-                       (per-layer k/v scales,      kernels path (:data:`FP8_KERNEL_PATHS`), except
-                       :mod:`..memory.kv_quant`)   the opt-in Triton extend launches
+fp8_e4m3 / fp8_e5m2    float8_e4m3fn / float8_e5m2  every path: the torch reference (any device),
+                       (per-layer k/v scales,      the kernels path's decode, prefill and opt-in
+                       :mod:`..memory.kv_quant`)   Triton extend launches (dequantized in registers)
 =====================  ==========================  =============================================
 
 Everything else SGLang offers (``mxfp8``, ``nvfp4``, ...) is refused: the pool has no block-scaled
@@ -22,30 +22,13 @@ FP8_KV_CACHE_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 UNQUANTIZED_KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "float16", "float32")
 SERVED_KV_CACHE_DTYPES = UNQUANTIZED_KV_CACHE_DTYPES + tuple(FP8_KV_CACHE_DTYPES)
 
-# The kernels-path launches that read and write an FP8 pool: the split-KV decode (its fused ring write
-# quantizes), the decode step's promotion and ring write, and the prefill (its context is gathered
-# and dequantized by the pool's torch ops). Not the opt-in Triton extend launches (--wgkv-extend-kernels).
-FP8_KERNEL_PATHS: frozenset[str] = frozenset({"decode", "prefill"})
 
-
-def kernels_read_fp8(extend_kernels: bool) -> bool:
-    """Whether the kernels path (decode; with ``extend_kernels`` the extend launches too) serves FP8."""
-    needed = {"decode", "prefill"} | ({"extend"} if extend_kernels else set())
-    return needed <= FP8_KERNEL_PATHS
-
-
-def kv_cache_dtype_problem(kv_cache_dtype: str | None, *, kernels: bool, extend_kernels: bool) -> str | None:
-    """Why ``--kv-cache-dtype kv_cache_dtype`` cannot be served (``kernels``: the kernels path would
-    run), or None."""
+def kv_cache_dtype_problem(kv_cache_dtype: str | None) -> str | None:
+    """Why ``--kv-cache-dtype kv_cache_dtype`` cannot be served, or None."""
     if kv_cache_dtype is None or kv_cache_dtype in UNQUANTIZED_KV_CACHE_DTYPES:
         return None
     if kv_cache_dtype not in FP8_KV_CACHE_DTYPES:
         return f"--kv-cache-dtype {kv_cache_dtype} (the dual pool stores {', '.join(SERVED_KV_CACHE_DTYPES)})"
-    if kernels and not kernels_read_fp8(extend_kernels):
-        return (
-            f"--kv-cache-dtype {kv_cache_dtype} with --wgkv-extend-kernels (the Triton extend launches "
-            "do not write FP8 pages; drop --wgkv-extend-kernels)"
-        )
     return None
 
 
