@@ -119,7 +119,7 @@ SNAPKV_RUN = InterpCheck(
 def test_triton_scores_match_the_reference_under_the_interpreter(interp_runner):
     """memory/triton_snapkv.py against snapkv_scores on CPU under the Triton interpreter (one
     subprocess: TRITON_INTERPRET=1 must precede the import of Triton): GQA 1-4 (3 padded), empty
-    query and ring slots, 0-150 global entries, bf16 and float32. On a GPU the compiled kernel runs in
+    query and ring slots, 0-150 global entries, bf16 and float32, FP8 keys with per-stream scales. On a GPU the compiled kernel runs in
     the evictor of test_evictor_gpu (the kernels path scores with it)."""
     if torch.cuda.is_available():
         pytest.skip("the interpreter is the CPU stand-in; the GPU runs the compiled kernel")
