@@ -69,8 +69,14 @@ def _tp3_outputs(tmp) -> tuple[list, list]:
     # SGLang's CPU engine wants one core set per rank when there are more ranks than NUMA nodes (it
     # binds threads to them only with AMX/arm64 kernels; here they are just a label per rank). The
     # venv's CUDA build of torch ships libnccl, which SGLang would then try to use on the CPU: point
-    # it at no library so the TP group falls back to torch.distributed over gloo.
-    env = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1|0", "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2"}
+    # it at no library so the TP group falls back to torch.distributed over gloo. At TP > 1 SGLang's
+    # vocab-parallel embedding is torch.compile'd: on CPU each rank's first forward then builds the
+    # inductor's ISA probes (about 25 s on two cores), which the eager function does not need.
+    env = {
+        "SGLANG_CPU_OMP_THREADS_BIND": "0|1|0",
+        "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2",
+        "TORCHDYNAMO_DISABLE": "1",
+    }
     gates = HEAD_GATES.save(tmp / "gates")
     srv = Server(
         [
