@@ -34,7 +34,7 @@ CASES = {
         W=32,
         plens=[300, 20, 77],
         late=0,
-        steps=2,
+        steps=1,
         p_admit=0.5,
         launches=[(1, 64), (3, 32), (8, 16)],
     ),
@@ -46,7 +46,7 @@ CASES = {
         W=32,
         plens=[200, 45],
         late=1,
-        steps=2,
+        steps=1,
         p_admit=0.3,
         launches=[(2, 64), (16, 16)],
     ),
@@ -217,8 +217,10 @@ class PoolCase:
 def run_case(name: str, device: str = "cpu") -> bool:
     """Every launch of the case with the fused merge and with two launches, over the pool's batch plus
     one row whose request slot holds no token (ring_tokens 0: its streams are empty, zeros expected).
-    All runs share one workspace, and each runs twice into NaN-filled outputs: the second must repeat
-    the first bit for bit (the fused merge's counters were reset, every output row was written).
+    All runs share one workspace and write into NaN-filled outputs (a row left unwritten fails the
+    comparison); the case's first launch shape runs twice, the second repeating the first bit for
+    bit (the fused merge's counters were reset); the other shapes run once, after launches of other
+    split counts in the same workspace.
 
     Each launch also runs with the ring write fused (``new_k``/``new_v``: ``write_new``; ``new_v``
     with other strides than ``new_k``), on a copy of the pages taken before the pool's own
@@ -272,6 +274,9 @@ def run_case(name: str, device: str = "cpu") -> bool:
             **extra,
         )
 
+    def runs(splits, block_n):
+        return 2 if (splits, block_n) == c["launches"][0] else 1
+
     def rows(q_main):
         q = torch.cat([q_main, case.randn(1, c["Hq"], c["D"])])
         req = torch.cat([case.plan.req, case.plan.req.new_full((1,), EMPTY_SLOT)])
@@ -313,7 +318,7 @@ def run_case(name: str, device: str = "cpu") -> bool:
                         new,
                         observe=(obs_q, obs_pos if layer == 0 else None, row_map[fused]),
                     )
-                    for _ in range(2)
+                    for _ in range(runs(splits, block_n))
                 ]
                 observed = torch.equal(obs_q, obs_ref[0]) and torch.equal(obs_pos, obs_ref[1])
                 fused_writes[layer, splits, block_n, fused] = (q, outs, kp, vp, observed)
@@ -353,12 +358,12 @@ def run_case(name: str, device: str = "cpu") -> bool:
                                     case.pool.k_pages,
                                     case.pool.v_pages,
                                 )
-                                for _ in range(2)
+                                for _ in range(runs(splits, block_n))
                             ]
                             ref = torch.cat([case.reference(q[:-1], layer), torch.zeros_like(q[-1:])])
                             pages_equal = observed = True
                         ok, rel, mx = close(outs[0], ref, c["dtype"])
-                        repeat = torch.equal(outs[0], outs[1])
+                        repeat = torch.equal(outs[0], outs[-1])
                         good = ok and repeat and pages_equal and observed
                         print(
                             json.dumps(
