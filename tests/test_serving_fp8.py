@@ -139,9 +139,8 @@ def test_runtime_and_graphs_follow_the_fp8_choice():
     for settings in (ServingSettings(), ServingSettings(extend_kernels=True)):
         assert WGKVRuntime.choose_kernels(settings, cuda, torch.bfloat16)
         assert not WGKVRuntime.choose_kernels(settings, cuda, torch.float32)
-        for kv in ("fp8_e4m3", "fp8_e5m2", "auto"):
-            assert settings.decode_graph_blocker("cuda", "bfloat16", kv) is None
-        assert settings.decode_graph_blocker("cuda", "float32", "fp8_e4m3") is not None
+        assert settings.decode_graph_blocker("cuda", "bfloat16") is None
+        assert settings.decode_graph_blocker("cuda", "float32") is not None
 
 
 def test_layer_scales_follow_sglang():

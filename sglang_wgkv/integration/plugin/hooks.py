@@ -32,7 +32,7 @@ import math
 import msgspec
 
 from sglang_wgkv.integration.plugin.settings import BACKEND_NAME, GPU_RESERVE_MIB, ServingSettings
-from sglang_wgkv.integration.pools.kv_dtype import SERVED_KV_CACHE_DTYPES, kv_cache_dtype_problem
+from sglang_wgkv.integration.pools.kv_dtype import SERVED_KV_CACHE_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -79,9 +79,6 @@ def prepare_server_args(server_args, *args, **kwargs):
     if bad:
         raise ValueError(f"--attention-backend {BACKEND_NAME} does not support {', '.join(bad)}")
     settings = ServingSettings.from_env()  # (fails here, in the launcher, on a malformed variable)
-    problem = kv_cache_dtype_problem(server_args.kv_cache_dtype)
-    if problem:
-        raise ValueError(f"--attention-backend {BACKEND_NAME} does not support {problem}")
     if not server_args.disable_radix_cache:
         from radix_ext.factory import RADIX_BACKEND
 
@@ -93,7 +90,7 @@ def prepare_server_args(server_args, *args, **kwargs):
         server_args.radix_cache_backend = RADIX_BACKEND
         server_args.disable_overlap_schedule = True
     server_args.disable_prefill_cuda_graph = True
-    blocker = settings.decode_graph_blocker(server_args.device, server_args.dtype, server_args.kv_cache_dtype)
+    blocker = settings.decode_graph_blocker(server_args.device, server_args.dtype)
     if blocker:
         logger.info("wgkv: decode CUDA graphs off: %s", blocker)
         server_args.disable_decode_cuda_graph = True

@@ -95,12 +95,10 @@ class ServingSettings:
         if self.extend_kernels and self.attention == "reference":
             raise ValueError("extend_kernels needs the kernels path (attention 'kernels' or 'auto')")
 
-    def decode_graph_blocker(
-        self, device: str | None, dtype: str | None = None, kv_cache_dtype: str | None = None
-    ) -> str | None:
-        """Why the ``wgkv`` decode cannot run under SGLang's CUDA graphs with SGLang's ``--device``,
-        ``--dtype`` (None: auto-detected) and ``--kv-cache-dtype``, or None when it can (kernels path
-        on CUDA)."""
+    def decode_graph_blocker(self, device: str | None, dtype: str | None = None) -> str | None:
+        """Why the ``wgkv`` decode cannot run under SGLang's CUDA graphs with SGLang's ``--device`` and
+        ``--dtype`` (None: auto-detected), or None when it can (kernels path on CUDA; any served KV
+        dtype, FP8 included)."""
         import torch
 
         if device not in (None, "cuda") or (device is None and not torch.cuda.is_available()):
