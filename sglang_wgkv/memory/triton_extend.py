@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from sglang_wgkv.config import FAR_POSITION, PAGE_SIZE
+from sglang_wgkv.memory.triton_pool_write_kernels import stored_value
 
 
 @triton.jit(do_not_specialize=["layer", "n_cand"])
@@ -77,21 +78,12 @@ def _extend_move_kernel(
 
 
 @triton.jit
-def _stored(x, Pages, Scale, layer, QUANT: tl.constexpr, FP8_MAX: tl.constexpr):
-    """New values ``x`` as ``Pages`` store them: ``fp8(x / scale)`` saturated on FP8 pages (``QUANT``;
-    IEEE division, as :func:`~sglang_wgkv.memory.kv_quant.quantize`), a cast otherwise."""
-    if QUANT:
-        x = tl.clamp(tl.math.div_rn(x.to(tl.float32), tl.load(Scale + layer)), -FP8_MAX, FP8_MAX)
-    return x.to(Pages.dtype.element_ty)
-
-
-@triton.jit
 def _move_rows(
     Pages, new_ptr, ring_row, dst, ring, new, Scale, layer, QUANT: tl.constexpr, FP8_MAX: tl.constexpr
 ):
     # two stores under disjoint masks: a ring row's bytes move as they are, a new row is converted
     tl.store(Pages + dst, tl.load(Pages + ring_row, mask=ring[:, None]), mask=ring[:, None])
-    from_new = _stored(tl.load(new_ptr, mask=new[:, None]), Pages, Scale, layer, QUANT, FP8_MAX)
+    from_new = stored_value(tl.load(new_ptr, mask=new[:, None]), Pages, Scale, layer, QUANT, FP8_MAX)
     tl.store(Pages + dst, from_new, mask=new[:, None])
 
 
@@ -144,9 +136,9 @@ def _extend_ring_kernel(
     )
     dst = (page.to(tl.int64) * PAGE + slot % PAGE)[:, None] * HEAD_DIM + d
     k = tl.load(K + src[:, None] * stride_kn + h * stride_kh + d, mask=live[:, None])
-    tl.store(KPages + dst, _stored(k, KPages, KScale, layer, QUANT, FP8_MAX), mask=live[:, None])
+    tl.store(KPages + dst, stored_value(k, KPages, KScale, layer, QUANT, FP8_MAX), mask=live[:, None])
     v = tl.load(V + src[:, None] * stride_vn + h * stride_vh + d, mask=live[:, None])
-    tl.store(VPages + dst, _stored(v, VPages, VScale, layer, QUANT, FP8_MAX), mask=live[:, None])
+    tl.store(VPages + dst, stored_value(v, VPages, VScale, layer, QUANT, FP8_MAX), mask=live[:, None])
     flag = tl.load(Admit + src * stride_an + h, mask=live, other=0)
     tl.store(RingFlag + r * stride_fr + layer * stride_fl + h * stride_fh + slot, flag, mask=live)
 

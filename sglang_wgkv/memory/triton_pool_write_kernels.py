@@ -10,6 +10,16 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def stored_value(x, Pages, Scale, layer, QUANT: tl.constexpr, FP8_MAX: tl.constexpr):
+    """New values ``x`` as ``Pages`` store them: on FP8 pages (``QUANT``) quantized once, here,
+    ``fp8(x / Scale[layer])`` saturated, as :func:`~sglang_wgkv.memory.kv_quant.quantize` (div_rn: IEEE
+    division as torch's; compiled ``/`` is approximate and moves FP8 roundings); a cast otherwise."""
+    if QUANT:
+        x = tl.clamp(tl.math.div_rn(x.to(tl.float32), tl.load(Scale + layer)), -FP8_MAX, FP8_MAX)
+    return x.to(Pages.dtype.element_ty)
+
+
 @triton.jit(do_not_specialize=["n_tokens", "leaving"])
 def _prefill_write_kernel(
     K,
@@ -93,14 +103,8 @@ def _decode_write_kernel(
         page = tl.load(PageTable + row + slot // 16).to(tl.int64)
         dst = (page * 16 + slot % 16) * HEAD_DIM + d
         src = b * stride_kb + h * stride_kh + d
-        k = tl.load(K + src)
-        v = tl.load(V + src)
-        if QUANT:  # FP8 pages: quantized once, here (saturating, as kv_quant.quantize)
-            # div_rn: IEEE division as torch's; compiled `/` is approximate and moves FP8 roundings
-            k = tl.clamp(tl.math.div_rn(k.to(tl.float32), tl.load(KScale + layer)), -FP8_MAX, FP8_MAX)
-            v = tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.load(VScale + layer)), -FP8_MAX, FP8_MAX)
-        tl.store(KPages + dst, k.to(KPages.dtype.element_ty))
-        tl.store(VPages + dst, v.to(VPages.dtype.element_ty))
+        tl.store(KPages + dst, stored_value(tl.load(K + src), KPages, KScale, layer, QUANT, FP8_MAX))
+        tl.store(VPages + dst, stored_value(tl.load(V + src), VPages, VScale, layer, QUANT, FP8_MAX))
     if WRITE_FLAG:
         flag = tl.load(Admit + b * stride_ab + h)
         tl.store(RingFlag + r * stride_fr + layer * stride_fl + h * stride_fh + slot, flag)
