@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from sglang_wgkv.attention import reference
+from sglang_wgkv.testing.prefill_cases import PREFILL_CASES, packed_case
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,34 +25,8 @@ def _close(out, ref, dtype):
     )
 
 
-def _packed_case(lens_q, lens_k, Hq, Hkv, D, p_admit, dtype, far_prefix=0):
-    """Packed var-length batch; queries are the last lens_q positions of each sequence.
-
-    far_prefix > 0 puts that many extra keys per sequence at one far position (the pool's layout of
-    global entries in ``gather_context``), admitted with probability p_admit.
-    """
-    qo = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32).to(DEV)
-    kl = [lk + far_prefix for lk in lens_k]
-    kv = torch.tensor([0] + kl).cumsum(0).to(torch.int32).to(DEV)
-    Nq, Nk = int(qo[-1]), int(kv[-1])
-    q = torch.randn(Nq, Hq, D, device=DEV).to(dtype)
-    k = torch.randn(Nk, Hkv, D, device=DEV).to(dtype)
-    v = torch.randn(Nk, Hkv, D, device=DEV).to(dtype)
-    admitted = torch.rand(Nk, Hkv, device=DEV) < p_admit
-    q_pos = torch.cat([torch.arange(lk - lq, lk) for lq, lk in zip(lens_q, lens_k)]).to(torch.int32).to(DEV)
-    k_pos = torch.cat([torch.cat([torch.full((far_prefix,), -(2**30)), torch.arange(lk)]) for lk in lens_k])
-    return q, k, v, admitted, qo, kv, q_pos, k_pos.to(torch.int32).to(DEV)
-
-
-PREFILL_CASES = [
-    # lens_q, lens_k, W, p_admit, far_prefix
-    ([700], [700], 64, 0.25, 0),
-    ([1, 129, 300, 64], [1, 129, 300, 64], 32, 0.5, 0),
-    ([50, 128, 0], [300, 128, 40], 16, 0.25, 0),  # extend after a cached prefix; empty query
-    ([257], [257], 256, 0.0, 0),  # only the band
-    ([400], [400], 16, 1.0, 0),  # everything admitted = dense causal
-    ([96, 33], [200, 33], 48, 0.3, 37),  # pool layout: global entries at a far position
-]
+def _packed_case(*args):
+    return packed_case(*args, device=DEV)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -66,6 +41,62 @@ def test_triton_prefill_matches_reference(dtype, D, case):
     ref = reference.vertical_slash_attention(*args, W)
     out = vertical_slash_attention(*args, W)
     _close(out, ref, dtype)
+
+
+def _fa3():
+    from sglang_wgkv.attention.fa3_vertical import load_fa3
+
+    fa3 = load_fa3(DEV)
+    if fa3 is None:
+        pytest.skip("FA3 (sgl_kernel.flash_attn on a Hopper GPU) is not available")
+    return fa3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_fa3_vertical_prefill_matches_reference(dtype, D, case):
+    """FA3 on the vertical range, the band launch merging its output and log-sum-exp: the reference
+    attention's values, as the one-pass kernel gives them."""
+    from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
+
+    fa3 = _fa3()
+    lens_q, lens_k, W, p, far = case
+    torch.manual_seed(len(lens_q) * 1000 + D + W)
+    args = _packed_case(lens_q, lens_k, 8, 2, D, p, dtype, far)
+    _close(vertical_slash_attention(*args, W, fa3=fa3), reference.vertical_slash_attention(*args, W), dtype)
+
+
+@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (8, 1), (32, 8)])
+def test_fa3_vertical_prefill_long_context_and_groups(Hq, Hkv):
+    """A chunk after a long cached context (global entries at the far position, then the chunk),
+    several sequences, GQA groups of 1, 8 and Llama-3.1-8B's 4: FA3's entries and page tables at
+    sizes of many pages, against the one-pass Triton kernel and the reference."""
+    from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
+
+    fa3 = _fa3()
+    torch.manual_seed(Hq + Hkv)
+    args = _packed_case([2048, 300, 1], [2048, 900, 5000], Hq, Hkv, 128, 0.25, torch.bfloat16, 6000)
+    one_pass = vertical_slash_attention(*args, 256)
+    out = vertical_slash_attention(*args, 256, fa3=fa3)
+    _close(out, reference.vertical_slash_attention(*args, 256), torch.bfloat16)
+    _close(out, one_pass, torch.bfloat16)
+
+
+def test_fa3_entries_equal_their_torch_statement():
+    from sglang_wgkv.attention.fa3_vertical import PAGE, vertical_entries, vertical_entries_torch
+    from sglang_wgkv.attention.triton_prefill import build_vertical_slash_plan_triton
+    from sglang_wgkv.attention.triton_prefill_plan import compacted_rows
+
+    torch.manual_seed(5)
+    _, _, _, adm, qo, kv, qp, kp = _packed_case([700, 0, 129], [3000, 40, 129], 8, 2, 64, 0.3, torch.bfloat16, 50)
+    plan = build_vertical_slash_plan_triton(adm, qo, kv, qp, kp, 64, 128)
+    rows = compacted_rows(adm.shape[0], 3, PAGE)
+    got = vertical_entries(plan, kv, qp.numel(), rows, rows // PAGE)
+    want = vertical_entries_torch(plan, kv, qp.numel(), rows, rows // PAGE)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for e, n in enumerate(got[1].tolist()):
+        assert torch.equal(got[2][e, : -(-n // PAGE)], want[2][e, : -(-n // PAGE)]), e
 
 
 @pytest.mark.parametrize("Hq,Hkv", [(4, 4), (8, 1), (6, 2)])

@@ -62,7 +62,7 @@ def test_prefill_gate_compiles_for_sm90_within_shared_memory(dtype):
 SHAPES = {"llama8b": (32, 8, 128), "smollm2": (9, 3, 64)}
 
 
-def _prefill_launches(dtype, shape):
+def _prefill_launches(dtype, shape, fa3=None):
     from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
 
     lens, (Hq, Hkv, D) = [300, 129], shape
@@ -74,8 +74,18 @@ def _prefill_launches(dtype, shape):
     admitted = torch.zeros(N, Hkv, dtype=torch.bool)
     with device_checks_off():
         return launches(
-            lambda: vertical_slash_attention(q, k, k.clone(), admitted, indptr, indptr, pos, pos, 64)
+            lambda: vertical_slash_attention(q, k, k.clone(), admitted, indptr, indptr, pos, pos, 64, fa3=fa3)
         )
+
+
+def _fa3_shapes(q, k_cache, v_cache, **kwargs):
+    """FA3's outputs in shape only: the capture records Triton launches, and FA3 is not one."""
+    return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
+
+
+def _prefill_fa3_launches(dtype, shape):
+    """The prefill with FA3 on the vertical range: plan, paged compaction, FA3 entries, band launch."""
+    return _prefill_launches(dtype, shape, fa3=_fa3_shapes)
 
 
 def _snapkv_launches(dtype, shape, kv_dtype=None):
@@ -152,8 +162,8 @@ def _pool_launches(dtype, shape, kv_dtype=None):
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize(
     "launcher",
-    [_prefill_launches, _snapkv_launches, _decode_gate_launches, _pool_launches],
-    ids=["prefill_attention", "snapkv_scores", "decode_gate", "pool_decode_step"],
+    [_prefill_launches, _prefill_fa3_launches, _snapkv_launches, _decode_gate_launches, _pool_launches],
+    ids=["prefill_attention", "prefill_attention_fa3", "snapkv_scores", "decode_gate", "pool_decode_step"],
 )
 def test_served_kernels_compile_for_sm90(launcher, shape):
     """Every launch the served prefill (plan, compaction, vertical-slash attention), the evictor's
@@ -164,6 +174,17 @@ def test_served_kernels_compile_for_sm90(launcher, shape):
     for kernel, bound, options in captured:
         compiled = compile_sm90(kernel, bound, options)
         assert compiled.metadata.shared <= SM90_MAX_SHARED, kernel.fn.__name__
+
+
+def test_prefill_with_fa3_launches_the_paged_compaction_entries_and_band():
+    """With FA3 on the vertical range the prefill launches the plan, the compaction into pages, the FA3
+    entries and the band kernel starting from FA3's state; without it, the one-pass kernel."""
+    got = _prefill_fa3_launches(torch.bfloat16, SHAPES["llama8b"])
+    names = [kernel.fn.__name__ for kernel, _, _ in got]
+    assert names == ["_plan_kernel", "_compact_fwd", "_entries_kernel", "_vertical_slash_fwd"], names
+    assert got[1][1]["ALIGN"] == 64 and got[3][1]["VERTICAL_GIVEN"] is True
+    plain = _prefill_launches(torch.bfloat16, SHAPES["llama8b"])
+    assert plain[1][1]["ALIGN"] == 1 and plain[-1][1]["VERTICAL_GIVEN"] is False
 
 
 def test_compile_takes_the_launch_specialization():
@@ -258,7 +279,14 @@ def test_fp8_decode_kernels_compile_for_sm90(kv_dtype):
 # Sizes that change from launch to launch: specialized (an integer 1 made a constant, one divisible
 # by 16 marked so), each new combination is a compile that a serving request waits for.
 UNSPECIALIZED_SIZES = {
-    "sglang_wgkv.attention.triton_prefill._vertical_slash_fwd": {"compact_rows", "num_blocks"},
+    "sglang_wgkv.attention.triton_prefill._vertical_slash_fwd": {"compact_rows", "num_blocks", "num_q"},
+    "sglang_wgkv.attention.fa3_vertical._entries_kernel": {
+        "num_seqs",
+        "num_q",
+        "num_blocks",
+        "rows_per_head",
+        "max_pages",
+    },
     "sglang_wgkv.attention.triton_prefill_plan._compact_fwd": {"num_keys", "num_seqs"},
     "sglang_wgkv.attention.triton_prefill_plan._plan_kernel": {"num_seqs", "num_q", "n_iter"},
     "sglang_wgkv.attention.triton_decode_split._split_kernel": {"num_splits"},

@@ -21,9 +21,11 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from sglang_wgkv.attention.fa3_vertical import PAGE, FA3Fn, fa3_vertical
 from sglang_wgkv.attention.triton_prefill_plan import (
     build_vertical_slash_plan_triton,
     compact_admitted_triton,
+    compacted_rows,
 )
 from sglang_wgkv.attention.vertical_slash_plan import VerticalSlashPlan, _exclusive_count
 
@@ -57,7 +59,7 @@ def _update(q, k, v, m_i, l_i, acc, visible, qk_scale, MASKED: tl.constexpr):
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["compact_rows", "num_blocks"])
+@triton.jit(do_not_specialize=["compact_rows", "num_blocks", "num_q"])
 def _vertical_slash_fwd(
     q_desc,
     k_desc,
@@ -74,18 +76,25 @@ def _vertical_slash_fwd(
     BBandStart,
     BBandEnd,
     BVertical,
+    OV,
+    LseV,
     stride_on,
     stride_oh,
     stride_an,
+    stride_vn,
+    stride_vg,
+    stride_lg,
     compact_rows,
     qk_scale,
     window,
     num_blocks,
     num_kv_heads,
+    num_q,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    VERTICAL_GIVEN: tl.constexpr,
 ):
     head = tl.program_id(0)
     blk = num_blocks - 1 - tl.program_id(1)
@@ -108,17 +117,31 @@ def _vertical_slash_fwd(
     # 1. compacted admitted keys, fully visible: unmasked full tiles, then one masked tail tile
     #    (rows past the admitted count are finite: zero-initialised or other admitted keys).
     n_vert = tl.load(BVertical + blk * num_kv_heads + kvh)
-    row0 = kvh * compact_rows + tl.load(BKVStart + blk)
-    n_full = (n_vert // BLOCK_N) * BLOCK_N
-    for start in range(0, n_full, BLOCK_N):
-        k = kc_desc.load([row0 + start, 0])
-        v = vc_desc.load([row0 + start, 0])
-        m_i, l_i, acc = _update(q, k, v, m_i, l_i, acc, None, qk_scale, False)
-    if n_full < n_vert:
-        k = kc_desc.load([row0 + n_full, 0])
-        v = vc_desc.load([row0 + n_full, 0])
-        visible = (n_full + offs_n < n_vert)[None, :]
-        m_i, l_i, acc = _update(q, k, v, m_i, l_i, acc, visible, qk_scale, True)
+    if VERTICAL_GIVEN:
+        # FA3 ran them (fa3_vertical): its normalised output and log-sum-exp are the softmax state
+        # acc / l = out, l * 2**m = exp(lse), taken as l = 1, m = lse * log2(e).
+        if n_vert > 0:
+            rows = (kvh * num_q + offs_m).to(tl.int64)
+            g = head - kvh * GROUP
+            o_v = tl.load(
+                OV + rows[:, None] * stride_vn + g * stride_vg + offs_d[None, :], mask=m_valid[:, None], other=0.0
+            )
+            lse = tl.load(LseV + g * stride_lg + rows, mask=m_valid, other=float("-inf"))
+            m_i = lse * 1.4426950408889634
+            l_i = tl.where(m_valid, 1.0, 0.0)
+            acc = o_v.to(tl.float32)
+    else:
+        row0 = kvh * compact_rows + tl.load(BKVStart + blk)
+        n_full = (n_vert // BLOCK_N) * BLOCK_N
+        for start in range(0, n_full, BLOCK_N):
+            k = kc_desc.load([row0 + start, 0])
+            v = vc_desc.load([row0 + start, 0])
+            m_i, l_i, acc = _update(q, k, v, m_i, l_i, acc, None, qk_scale, False)
+        if n_full < n_vert:
+            k = kc_desc.load([row0 + n_full, 0])
+            v = vc_desc.load([row0 + n_full, 0])
+            visible = (n_full + offs_n < n_vert)[None, :]
+            m_i, l_i, acc = _update(q, k, v, m_i, l_i, acc, visible, qk_scale, True)
 
     # 2. the band: original keys with the exact vertical-slash mask (rows past the tensor read 0).
     band_start = tl.load(BBandStart + blk)
@@ -197,6 +220,7 @@ def vertical_slash_attention(
     plan: VerticalSlashPlan | None = None,
     compacted: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: PrefillConfig | None = None,
+    fa3: FA3Fn | None = None,
 ) -> torch.Tensor:
     """Hard vertical-slash attention over a packed variable-length batch, on the GPU.
 
@@ -209,6 +233,9 @@ def vertical_slash_attention(
     compacted : ``(k_compact, v_compact)`` from :func:`compact_admitted_triton` (or the torch
         :func:`compact_admitted`; built here when None).
     config : launch shape (:func:`default_config` when None); ``plan.block_m`` must match it.
+    fa3 : ``flash_attn_with_kvcache`` (:func:`~.fa3_vertical.load_fa3`) or a stand-in with its
+        contract: the vertical range runs there (:mod:`.fa3_vertical`) and this kernel adds the band
+        to its output; ``compacted`` is then built here.
 
     Positions must not decrease within each sequence. Returns ``[Nq, Hq, D]`` in q's dtype; nothing is
     synchronised with the host.
@@ -227,15 +254,25 @@ def vertical_slash_attention(
         )
     elif plan.block_m != cfg.block_m:
         raise ValueError(f"plan.block_m {plan.block_m} != config.block_m {cfg.block_m}")
-    if compacted is None:
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
+    out = torch.empty_like(q)
+    o_v = lse_v = out  # FA3's vertical output and log-sum-exp; not read without fa3
+    if fa3 is not None:
+        if compacted is not None:
+            raise ValueError("with fa3 the compacted keys are laid out in pages and built here")
+        if Nq == 0:
+            return out
+        rows = compacted_rows(Nk, kv_indptr.numel() - 1, PAGE)
+        kc, vc = (torch.empty(Hkv, rows, D, dtype=t.dtype, device=t.device) for t in (k, v))
+        compact_admitted_triton(k, v, admitted, kv_indptr, out=(kc, vc), excl=excl, align=PAGE)
+        o_v, lse_v = fa3_vertical(q, kc, vc, plan, kv_indptr, scale, fa3)
+    elif compacted is None:
         kc, vc = compact_admitted_triton(k, v, admitted, kv_indptr, excl=excl)
     else:
         kc, vc = compacted
-    out = torch.empty_like(q)
     if Nq == 0:
         return out
     adm = admitted.contiguous().view(torch.uint8)
-    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
     num_blocks = plan.q_start.numel()
     bm, bn = cfg.block_m, cfg.block_n
     # 2-D views for the tensor-memory-accelerator loads: one row per token, heads side by side.
@@ -261,18 +298,25 @@ def vertical_slash_attention(
         plan.band_start,
         plan.band_end,
         plan.vertical_len,
+        o_v,
+        lse_v,
         out.stride(0),
         out.stride(1),
         adm.stride(0),
+        o_v.stride(0),
+        o_v.stride(1),
+        lse_v.stride(0),
         kc.shape[1],
         scale * 1.4426950408889634,
         local_window,
         num_blocks,
         Hkv,
+        Nq,
         GROUP=Hq // Hkv,
         HEAD_DIM=D,
         BLOCK_M=bm,
         BLOCK_N=bn,
+        VERTICAL_GIVEN=fa3 is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

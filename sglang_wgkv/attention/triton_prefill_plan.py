@@ -36,23 +36,44 @@ def _compact_fwd(
     stride_ch,
     HEAD_DIM: tl.constexpr,
     BLOCK: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     """Rows ``BLOCK * pid(0) ..`` of KV head pid(1): each admitted row copied to its compacted row,
-    ``kv_start`` of its sequence + the admitted rows before it there (``admitted_rank``, from the
-    exclusive counts ``Excl`` and the sequences' starts ``KV``)."""
+    the start of its sequence's region + the admitted rows before it there (``admitted_rank``, from
+    the exclusive counts ``Excl`` and the sequences' starts ``KV``). A sequence's region starts where
+    the previous sequences' key counts, each rounded up to ``ALIGN``, end (``ALIGN`` 1: at its
+    ``kv_start``)."""
     head = tl.program_id(1)
     n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = n < num_keys
     n64 = n.to(tl.int64)
     adm = tl.load(Adm + n64 * stride_an + head * stride_ah, mask=valid, other=0) != 0
     start = tl.zeros([BLOCK], tl.int64)
+    region = tl.zeros([BLOCK], tl.int64)
+    ends = tl.load(KV).to(tl.int64) * 0
+    d = tl.arange(0, HEAD_DIM)[None, :]
     for b in range(0, num_seqs):  # the last sequence starting at or before the row holds it
         s = tl.load(KV + b).to(tl.int64)
+        e = tl.load(KV + b + 1).to(tl.int64)
         start = tl.where(n64 >= s, s, start)
+        region = tl.where(n64 >= s, ends, region)
+        if ALIGN > 1:
+            # Pages are read whole: the rows from the sequence's admitted count to its page bound
+            # get zeros (the buffers are not initialised; a NaN there would leak through 0 * NaN).
+            lo = tl.program_id(0) * BLOCK
+            if (e > s) & (e - 1 >= lo) & (e - 1 < lo + BLOCK):
+                total = tl.load(Excl + e * stride_en + head * stride_eh)
+                count = total - tl.load(Excl + s * stride_en + head * stride_eh)
+                pad = count + tl.arange(0, ALIGN)
+                pad_rows = (pad < (count + ALIGN - 1) // ALIGN * ALIGN)[:, None]
+                dst = head * stride_ch + (ends + pad)[:, None] * HEAD_DIM + d
+                zero = tl.zeros([ALIGN, HEAD_DIM], KC.dtype.element_ty)
+                tl.store(KC + dst, zero, mask=pad_rows)
+                tl.store(VC + dst, zero, mask=pad_rows)
+        ends += (e - s + ALIGN - 1) // ALIGN * ALIGN
     before = tl.load(Excl + n64 * stride_en + head * stride_eh, mask=adm, other=0).to(tl.int64)
     first = tl.load(Excl + start * stride_en + head * stride_eh, mask=adm, other=0).to(tl.int64)
-    dest = start + before - first
-    d = tl.arange(0, HEAD_DIM)[None, :]
+    dest = region + before - first
     rows = adm[:, None]
     out = head * stride_ch + dest[:, None] * HEAD_DIM + d
     k = tl.load(K + n64[:, None] * stride_kn + head * stride_kh + d, mask=rows)
@@ -69,23 +90,30 @@ def compact_admitted_triton(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     block: int = 64,
     excl: torch.Tensor | None = None,
+    align: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`~sglang_wgkv.attention.vertical_slash_plan.compact_admitted` with one Triton copy: only
     admitted rows are read and written (the torch version scatters every row, the rejected ones to a
     scratch row, through a two-index ``index_put``). Same contract and result; k/v rows may be strided
     but each head's ``D`` values contiguous. ``excl``: ``_exclusive_count(admitted)`` when the caller
-    has it (the plan needs it too)."""
+    has it (the plan needs it too).
+
+    ``align`` > 1: each sequence's region starts at a multiple of ``align`` rows (the previous
+    sequences' key counts rounded up), in ``out`` buffers of :func:`compacted_rows` rows a head, which
+    need not be finite past the admitted rows (the FA3 vertical pass reads only those, whole pages of
+    ``align`` rows: :mod:`sglang_wgkv.attention.fa3_vertical`)."""
     Nk, H, D = k.shape
+    rows = compacted_rows(Nk, kv_indptr.numel() - 1, align)
     if out is None:
-        out = (k.new_zeros(H, Nk + 1, D), v.new_zeros(H, Nk + 1, D))
+        out = (k.new_zeros(H, rows, D), v.new_zeros(H, rows, D))
     if Nk == 0:
         return out
     if (
         k.stride(2) != 1
         or v.stride(2) != 1
-        or any(o.shape != (H, Nk + 1, D) or not o.is_contiguous() for o in out)
+        or any(o.shape != (H, rows, D) or not o.is_contiguous() for o in out)
     ):
-        raise ValueError("k/v need contiguous head rows and out two contiguous [Hkv, Nk + 1, D] buffers")
+        raise ValueError(f"k/v need contiguous head rows and out two contiguous [Hkv, {rows}, D] buffers")
     excl = _exclusive_count(admitted) if excl is None else excl
     adm = admitted.view(torch.uint8)
     _compact_fwd[(triton.cdiv(Nk, block), H)](
@@ -109,8 +137,18 @@ def compact_admitted_triton(
         out[0].stride(0),
         HEAD_DIM=D,
         BLOCK=block,
+        ALIGN=align,
     )
     return out
+
+
+def compacted_rows(num_keys: int, num_seqs: int, align: int = 1) -> int:
+    """Rows a head of :func:`compact_admitted_triton`'s buffers holds: ``num_keys + 1`` (a scratch row
+    last) when regions start at ``kv_start``; with ``align`` > 1, every sequence's region rounded up
+    to ``align`` rows, the total a multiple of ``align`` (pages of ``align`` rows)."""
+    if align == 1:
+        return num_keys + 1
+    return -(-(num_keys + num_seqs * (align - 1)) // align) * align
 
 
 @triton.jit

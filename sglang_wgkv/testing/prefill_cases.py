@@ -1,0 +1,36 @@
+"""Packed variable-length batches for the vertical-slash prefill checks (GPU tests and the CPU
+interpreter checks build the same cases)."""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_wgkv.config import FAR_POSITION
+
+# lens_q, lens_k, W, p_admit, far_prefix
+PREFILL_CASES = [
+    ([700], [700], 64, 0.25, 0),
+    ([1, 129, 300, 64], [1, 129, 300, 64], 32, 0.5, 0),
+    ([50, 128, 0], [300, 128, 40], 16, 0.25, 0),  # extend after a cached prefix; empty query
+    ([257], [257], 256, 0.0, 0),  # only the band
+    ([400], [400], 16, 1.0, 0),  # everything admitted = dense causal
+    ([96, 33], [200, 33], 48, 0.3, 37),  # pool layout: global entries at a far position
+]
+
+
+def packed_case(lens_q, lens_k, Hq, Hkv, D, p_admit, dtype, far_prefix=0, device="cpu"):
+    """``(q, k, v, admitted, qo_indptr, kv_indptr, q_pos, k_pos)`` of a packed batch (torch's global
+    generator); queries are the last lens_q positions of each sequence. far_prefix > 0 puts that many
+    extra keys per sequence at ``FAR_POSITION`` (the pool's layout of global entries in
+    ``gather_context``), admitted with probability p_admit."""
+    qo = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32).to(device)
+    kl = [lk + far_prefix for lk in lens_k]
+    kv = torch.tensor([0] + kl).cumsum(0).to(torch.int32).to(device)
+    Nq, Nk = int(qo[-1]), int(kv[-1])
+    q = torch.randn(Nq, Hq, D, device=device).to(dtype)
+    k = torch.randn(Nk, Hkv, D, device=device).to(dtype)
+    v = torch.randn(Nk, Hkv, D, device=device).to(dtype)
+    admitted = torch.rand(Nk, Hkv, device=device) < p_admit
+    q_pos = torch.cat([torch.arange(lk - lq, lk) for lq, lk in zip(lens_q, lens_k)]).to(torch.int32)
+    k_pos = torch.cat([torch.cat([torch.full((far_prefix,), FAR_POSITION), torch.arange(lk)]) for lk in lens_k])
+    return q, k, v, admitted, qo, kv, q_pos.to(device), k_pos.to(torch.int32).to(device)

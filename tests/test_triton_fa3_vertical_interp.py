@@ -1,0 +1,32 @@
+"""The vertical-slash prefill with FA3 running its vertical range, on CPU under the Triton interpreter
+(in a subprocess: ``TRITON_INTERPRET=1`` must be set before Triton is imported), the torch statement
+of the FA3 call in FA3's place: output against the torch reference attention, the paged compaction
+and the FA3 entries against their torch statements. On a Hopper host the real FA3 call is tested by
+tests/test_gpu_attention.py."""
+
+import os
+
+import pytest
+import torch
+
+from sglang_wgkv.testing.interp import InterpCheck, assert_seed_ok
+
+CPU_ONLY = pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="the Triton interpreter is the CPU CI stand-in; the GPU runs the compiled kernel (gpu marker)",
+)
+pytestmark = [pytest.mark.core, CPU_ONLY]
+
+CHECK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "triton_fa3_vertical_interp_check.py")
+SEEDS = range(12)  # 0-5: PREFILL_CASES; 6-11: drawn batches (GQA groups 1-8, far prefixes, W 8-64)
+RUN = InterpCheck(CHECK, tuple(map(str, SEEDS)))
+
+
+@pytest.fixture(scope="module")
+def run(interp_runner):
+    return interp_runner.result(RUN)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_fa3_vertical_prefill_matches_reference_under_interpreter(run, seed):
+    assert_seed_ok(run, seed)
