@@ -46,6 +46,7 @@ from sglang_wgkv.integration.plugin.settings import (
     DEFAULT_GPU_FORWARD_TOKENS,
     DEFAULT_GPU_OVERCOMMIT,
     ENV_VAR,
+    PREFILL_VERTICAL,
     ServingSettings,
 )
 
@@ -63,6 +64,7 @@ WGKV_FLAGS = (
     "--wgkv-decode-launch",
     "--wgkv-extend-kernels",
     "--wgkv-forward-tokens",
+    "--wgkv-prefill-vertical",
 )
 
 
@@ -83,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--wgkv-decode-launch", default="")
     parser.add_argument("--wgkv-extend-kernels", action="store_true")
     parser.add_argument("--wgkv-forward-tokens", type=int, default=None)
+    parser.add_argument("--wgkv-prefill-vertical", choices=PREFILL_VERTICAL, default="auto")
     parser.add_argument("--disable-wgkv", action="store_true")
     return parser
 
@@ -205,6 +208,8 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
             "(sgl_kernel.rmsnorm) has no float32 kernel, and the server would die at its first "
             "forward; use bfloat16 or float16 there"
         )
+    if device == "cpu" and ours.wgkv_prefill_vertical == "fa3":
+        raise ValueError("--wgkv-prefill-vertical fa3 needs a Hopper GPU (FA3); this server runs on the CPU")
     backend = _option(sglang_argv, "--attention-backend")
 
     snapkv_only = ours.disable_wgkv and ours.kv_budget is not None
@@ -282,6 +287,7 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
             decode_launch=ours.wgkv_decode_launch,
             extend_kernels=ours.wgkv_extend_kernels,
             forward_tokens=forward_tokens,
+            prefill_vertical=ours.wgkv_prefill_vertical,
         )
     except ValueError as e:
         raise ValueError(f"invalid WG-KV option: {e}") from e

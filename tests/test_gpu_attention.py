@@ -89,7 +89,9 @@ def test_fa3_entries_equal_their_torch_statement():
     from sglang_wgkv.attention.triton_prefill_plan import compacted_rows
 
     torch.manual_seed(5)
-    _, _, _, adm, qo, kv, qp, kp = _packed_case([700, 0, 129], [3000, 40, 129], 8, 2, 64, 0.3, torch.bfloat16, 50)
+    _, _, _, adm, qo, kv, qp, kp = _packed_case(
+        [700, 0, 129], [3000, 40, 129], 8, 2, 64, 0.3, torch.bfloat16, 50
+    )
     plan = build_vertical_slash_plan_triton(adm, qo, kv, qp, kp, 64, 128)
     rows = compacted_rows(adm.shape[0], 3, PAGE)
     got = vertical_entries(plan, kv, qp.numel(), rows, rows // PAGE)

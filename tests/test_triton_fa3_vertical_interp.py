@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.core, CPU_ONLY]
 
 CHECK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "triton_fa3_vertical_interp_check.py")
 SEEDS = range(12)  # 0-5: PREFILL_CASES; 6-11: drawn batches (GQA groups 1-8, far prefixes, W 8-64)
-RUN = InterpCheck(CHECK, tuple(map(str, SEEDS)))
+RUN = InterpCheck(CHECK, (*map(str, SEEDS), "choice"))
 
 
 @pytest.fixture(scope="module")
@@ -30,3 +30,9 @@ def run(interp_runner):
 @pytest.mark.parametrize("seed", SEEDS)
 def test_fa3_vertical_prefill_matches_reference_under_interpreter(run, seed):
     assert_seed_ok(run, seed)
+
+
+def test_startup_choice_under_interpreter(run):
+    """The backend's start-up check passes a correct FA3 (the torch statement) and refuses one whose
+    outputs are 10% off, under ``auto``."""
+    assert_seed_ok(run, "choice")

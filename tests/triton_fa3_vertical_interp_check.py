@@ -5,7 +5,8 @@ the GPU kernel) against the torch reference attention, and its launches against 
 statements: the paged compaction (pad rows zeroed in uninitialised buffers) and the FA3 entries.
 
 ``python tests/triton_fa3_vertical_interp_check.py SEED [SEED ...]`` prints a line per seed and exits
-non-zero if any differs. Seeds 0-5 run ``PREFILL_CASES``; later seeds draw batches.
+non-zero if any differs. Seeds 0-5 run ``PREFILL_CASES``; later seeds draw batches; ``choice`` runs the
+server's start-up choice (``choose_fa3``) with a correct and a wrong stand-in.
 """
 
 import os
@@ -101,12 +102,34 @@ def check(seed: int) -> str:
     # the attention: FA3's vertical part merged into the band launch
     ref = reference.vertical_slash_attention(q, k, v, adm, qo, kv, qp, kp, W, sm_scale=0.11)
     with mock.patch("torch.empty", nan_empty):
-        out = vertical_slash_attention(q, k, v, adm, qo, kv, qp, kp, W, 0.11, config=cfg, fa3=fa3_paged_reference)
+        out = vertical_slash_attention(
+            q, k, v, adm, qo, kv, qp, kp, W, 0.11, config=cfg, fa3=fa3_paged_reference
+        )
     err = (out.float() - ref.float()).abs().max().item() if Nq else 0.0
     if not torch.isfinite(out).all() or err > 4e-3:
         raise SystemExit(f"output differs by {err:.2e} (lens_q {lens_q}, lens_k {lens_k}, W {W}, p {p})")
     return f"max |diff| {err:.1e}, {int((got[1] > 0).sum())} FA3 entries with keys"
 
 
+def check_choice() -> str:
+    """The server's start-up choice with a correct and a wrong FA3 stand-in (SmolLM2's heads)."""
+    from sglang_wgkv.integration.backend.prefill_vertical import choose_fa3
+
+    cpu, shape = torch.device("cpu"), (9, 3, 64)
+    if (
+        choose_fa3("fa3", cpu, torch.float16, shape, load=lambda d: fa3_paged_reference)
+        is not fa3_paged_reference
+    ):
+        raise SystemExit("a correct FA3 was not chosen")
+
+    def off_by_ten_percent(**kwargs):
+        out, lse = fa3_paged_reference(**kwargs)
+        return out * 1.1, lse
+
+    if choose_fa3("auto", cpu, torch.float16, shape, load=lambda d: off_by_ten_percent) is not None:
+        raise SystemExit("a wrong FA3 passed the start-up check")
+    return "a correct stand-in chosen, a wrong one refused"
+
+
 if __name__ == "__main__":
-    sys.exit(check_seeds(lambda s: check(int(s)), sys.argv[1:]))
+    sys.exit(check_seeds(lambda s: check_choice() if s == "choice" else check(int(s)), sys.argv[1:]))

@@ -22,7 +22,7 @@ is the torch statement of the FA3 call as used here (the CPU checks run it in FA
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import lru_cache
+from functools import cache
 
 import torch
 import triton
@@ -35,7 +35,7 @@ PAGE = 64  # compacted rows per FA3 page: a table of Nk / 64 columns instead of 
 FA3Fn = Callable[..., tuple]  # flash_attn_with_kvcache's signature
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_fa3(device: torch.device | str) -> FA3Fn | None:
     """``sgl_kernel.flash_attn.flash_attn_with_kvcache`` where it runs (a Hopper GPU with
     ``sgl_kernel``'s FA3 installed), else None."""
@@ -194,7 +194,9 @@ def fa3_vertical(
     )
     G = Hq // Hkv
     if out.shape != (Hkv * Nq, G, vc.shape[2]) or lse.shape != (G, Hkv * Nq):
-        raise RuntimeError(f"FA3 returned out {tuple(out.shape)} and lse {tuple(lse.shape)} for q [{Hkv * Nq}, {G}, {D}]")
+        raise RuntimeError(
+            f"FA3 returned out {tuple(out.shape)} and lse {tuple(lse.shape)} for q [{Hkv * Nq}, {G}, {D}]"
+        )
     if out.stride(2) != 1 or lse.stride(1) != 1:
         raise RuntimeError(f"FA3's out {out.stride()} and lse {lse.stride()} must have unit inner strides")
     return out, lse

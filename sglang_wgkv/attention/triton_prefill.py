@@ -124,7 +124,9 @@ def _vertical_slash_fwd(
             rows = (kvh * num_q + offs_m).to(tl.int64)
             g = head - kvh * GROUP
             o_v = tl.load(
-                OV + rows[:, None] * stride_vn + g * stride_vg + offs_d[None, :], mask=m_valid[:, None], other=0.0
+                OV + rows[:, None] * stride_vn + g * stride_vg + offs_d[None, :],
+                mask=m_valid[:, None],
+                other=0.0,
             )
             lse = tl.load(LseV + g * stride_lg + rows, mask=m_valid, other=float("-inf"))
             m_i = lse * 1.4426950408889634

@@ -32,5 +32,7 @@ def packed_case(lens_q, lens_k, Hq, Hkv, D, p_admit, dtype, far_prefix=0, device
     v = torch.randn(Nk, Hkv, D, device=device).to(dtype)
     admitted = torch.rand(Nk, Hkv, device=device) < p_admit
     q_pos = torch.cat([torch.arange(lk - lq, lk) for lq, lk in zip(lens_q, lens_k)]).to(torch.int32)
-    k_pos = torch.cat([torch.cat([torch.full((far_prefix,), FAR_POSITION), torch.arange(lk)]) for lk in lens_k])
+    k_pos = torch.cat(
+        [torch.cat([torch.full((far_prefix,), FAR_POSITION), torch.arange(lk)]) for lk in lens_k]
+    )
     return q, k, v, admitted, qo, kv, q_pos.to(device), k_pos.to(torch.int32).to(device)

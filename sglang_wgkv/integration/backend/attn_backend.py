@@ -143,6 +143,18 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
         self.evictor = runtime.evictor
         self.req_pool = model_runner.req_to_token_pool  # per-slot tau (requests/control.py)
         self.num_q_heads = model_runner.model_config.get_num_attention_heads(par.attn_tp_size)
+        self._fa3 = None  # the FA3 call of the prefill's vertical range (backend/prefill_vertical.py)
+        self._fa3_min_keys = 0  # a forward's longest key range from which it is used
+        self._longest_keys = None  # [L] the current extend's longest key range per layer (host)
+        mode = self.settings.prefill_vertical
+        if mode == "fa3" and not self.use_kernels:
+            raise RuntimeError("--wgkv-prefill-vertical fa3 needs the kernels path (a CUDA device)")
+        if self.use_kernels:
+            from sglang_wgkv.integration.backend.prefill_vertical import FA3_MIN_KEYS, choose_fa3
+
+            shape = (self.num_q_heads, self.dual.num_kv_heads, self.dual.head_dim)
+            self._fa3 = choose_fa3(mode, self.device, model_runner.model_config.dtype, shape)
+            self._fa3_min_keys = 0 if mode == "fa3" else FA3_MIN_KEYS
         self._row_tau = None  # [tokens, 1] admission threshold of each extend row
         self._row_uniform = None  # [tokens, L, H] random-admission draws of the extend rows (kernels)
         self._rows: DecodeRows | None = None  # the current decode step
@@ -275,6 +287,7 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
             dtype=np.int64,
         ).reshape(L, -1)
         kv = np.concatenate([np.zeros((L, 1), np.int64), np.cumsum(keys, 1)], 1)
+        self._longest_keys = keys.max(1, initial=0).tolist()
         return to_device(self.device, qo), to_device(self.device, kv)
 
     def _draw_uniform(self, batch: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -367,6 +380,8 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
                 layer.layer_id, k3, v3, admit, positions, q3.dtype
             )
         qo_indptr, kv_indptr = self._indptrs
+        lid = layer.layer_id
+        fa3 = self._fa3 if self._fa3 is not None and self._longest_keys[lid] >= self._fa3_min_keys else None
         with traced("wgkv.extend_attention"):
             out = self._prefill(
                 q3,
@@ -374,11 +389,12 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
                 values,
                 admitted,
                 qo_indptr,
-                kv_indptr[layer.layer_id],
+                kv_indptr[lid],
                 positions,
                 k_pos,
                 self.config.local_window,
                 sm_scale=layer.scaling,
+                **({"fa3": fa3} if fa3 is not None else {}),
             )
         with traced("wgkv.extend_write"):
             self._writes.stage(layer.layer_id, k3, v3, admit)

@@ -21,6 +21,7 @@ from sglang_wgkv.config import WGKVConfig
 ENV_VAR = "SGLANG_WGKV_SETTINGS"
 BACKEND_NAME = "wgkv"
 ATTENTION_IMPLS = ("auto", "reference", "kernels")
+PREFILL_VERTICAL = ("auto", "fa3", "triton")
 
 
 # The launcher's overcommit on CUDA when admission is on (no --kv-budget): requests are admitted by
@@ -60,6 +61,10 @@ class ServingSettings:
         ``DecodeConfig.parse``'s spec (``""``: its defaults); for measuring launch shapes in service.
     extend_kernels : the kernels path's pool moves a prefill chunk's rows with Triton launches
         (``DualCachePool(triton_extend=True)``); off by default until they have run on a GPU.
+    prefill_vertical : who runs the kernels path's prefill over the admitted keys before each query
+        block's band (:mod:`~sglang_wgkv.integration.backend.prefill_vertical`): ``fa3`` (FA3, Hopper,
+        every extend), ``triton`` (the one-pass Triton kernel) or ``auto`` (FA3 where it loads and
+        passes the start-up check, for forwards with a long key range; Triton otherwise).
     forward_tokens : while requests decode, a forward's tokens (prefill share + decode rows,
         :class:`~sglang_wgkv.integration.scheduling.mixed_batches.ForwardBudget`); None: SGLang's own chunk
         sizes. The launcher's default on CUDA: :data:`DEFAULT_GPU_FORWARD_TOKENS`, with
@@ -74,6 +79,7 @@ class ServingSettings:
     decode_launch: str = ""
     extend_kernels: bool = False
     forward_tokens: int | None = None
+    prefill_vertical: str = "auto"
 
     def __post_init__(self):
         if self.attention not in ATTENTION_IMPLS:
@@ -92,6 +98,12 @@ class ServingSettings:
             from sglang_wgkv.integration.scheduling.mixed_batches import ForwardBudget
 
             ForwardBudget(self.forward_tokens)  # ValueError naming the bound
+        if self.prefill_vertical not in PREFILL_VERTICAL:
+            raise ValueError(
+                f"prefill_vertical must be one of {PREFILL_VERTICAL}, got {self.prefill_vertical!r}"
+            )
+        if self.prefill_vertical == "fa3" and self.attention == "reference":
+            raise ValueError("prefill_vertical 'fa3' needs the kernels path (attention 'kernels' or 'auto')")
         if self.extend_kernels and self.attention == "reference":
             raise ValueError("extend_kernels needs the kernels path (attention 'kernels' or 'auto')")
 
@@ -118,6 +130,7 @@ class ServingSettings:
                 "decode_launch": self.decode_launch,
                 "extend_kernels": self.extend_kernels,
                 "forward_tokens": self.forward_tokens,
+                "prefill_vertical": self.prefill_vertical,
             }
         )
 
@@ -138,6 +151,7 @@ class ServingSettings:
                 decode_launch=data.get("decode_launch", ""),
                 extend_kernels=bool(data.get("extend_kernels", False)),
                 forward_tokens=data.get("forward_tokens"),
+                prefill_vertical=data.get("prefill_vertical", "auto"),
             )
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"malformed {ENV_VAR}={raw!r}: {e}") from e

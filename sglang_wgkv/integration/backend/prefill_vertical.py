@@ -1,0 +1,73 @@
+"""Who runs the served prefill's vertical range (``--wgkv-prefill-vertical``): FA3 or the one-pass
+Triton kernel (:mod:`sglang_wgkv.attention.fa3_vertical`).
+
+| setting | FA3 loads and passes the start-up check | it does not |
+| --- | --- | --- |
+| ``auto`` (default) | FA3 for forwards whose longest key range reaches :data:`FA3_MIN_KEYS` | Triton, a warning logged |
+| ``fa3`` | FA3 for every extend | the server refuses to start |
+| ``triton`` | Triton | Triton |
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from sglang_wgkv.attention.fa3_vertical import FA3Fn, load_fa3
+
+logger = logging.getLogger(__name__)
+
+# The forward's longest key range (one request's context and chunk) from which ``auto`` hands the
+# vertical range to FA3: shorter ranges span a few pages a block, where FA3 saves little and its three
+# extra launches a layer weigh on host-bound forwards (docs/performance.md, "FA3 on the vertical range").
+FA3_MIN_KEYS = 8192
+CHECK_TOLERANCE = 0.05  # max |FA3 path - one-pass kernel| of the start-up case, bf16 outputs near 1
+
+
+def startup_check(fa3: FA3Fn, device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int]) -> float:
+    """Max |difference| between the prefill with FA3 on the vertical range and the one-pass Triton
+    kernel, on a batch like a served chunk (a cached context with global entries at the far position,
+    several pages a block) of the model's ``shape`` (query heads, KV heads, head_dim): it compiles the
+    launches the FA3 path will make."""
+    from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
+    from sglang_wgkv.testing.prefill_cases import packed_case
+
+    with torch.random.fork_rng(
+        devices=[device] if device.type == "cuda" else []
+    ):  # the server's RNG untouched
+        torch.manual_seed(0)
+        args = packed_case([700, 33], [1500, 33], *shape, 0.25, dtype, far_prefix=600, device=device)
+    with_fa3 = vertical_slash_attention(*args, 256, fa3=fa3)
+    one_pass = vertical_slash_attention(*args, 256)
+    return float((with_fa3.float() - one_pass.float()).abs().max())
+
+
+def choose_fa3(
+    mode: str, device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int], load=load_fa3
+) -> FA3Fn | None:
+    """The FA3 call the served prefill uses, or None for the one-pass Triton kernel, per the table
+    above. RuntimeError for ``fa3`` when FA3 cannot serve."""
+    if mode == "triton":
+        return None
+    fa3 = load(device)
+    problem = None
+    if fa3 is None:
+        problem = "sgl_kernel's FA3 does not load here (it needs a Hopper GPU and sgl_kernel.flash_attn)"
+    else:
+        try:
+            worst = startup_check(fa3, device, dtype, shape)
+        except Exception as exc:  # a failed launch must not take the server down under ``auto``
+            problem = f"the start-up check failed: {type(exc).__name__}: {str(exc)[:500]}"
+        else:
+            if not worst <= CHECK_TOLERANCE:  # NaN fails too
+                problem = (
+                    f"the start-up check differs from the Triton kernel by {worst:.3g} (> {CHECK_TOLERANCE})"
+                )
+    if problem is None:
+        logger.info("wgkv: FA3 runs the prefill's vertical range (start-up check: max |diff| = %.2g)", worst)
+        return fa3
+    if mode == "fa3":
+        raise RuntimeError(f"--wgkv-prefill-vertical fa3: {problem}")
+    logger.warning("wgkv: %s; the prefill's vertical range runs in the Triton kernel", problem)
+    return None
