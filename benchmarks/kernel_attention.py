@@ -151,7 +151,9 @@ def main():
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--no-sweep", action="store_true", help="default launch shape, no sweep")
     ap.add_argument(
-        "--baselines", nargs="+", default=["flashinfer_fa3", "flashinfer_fa2", "torch_sdpa_flash"]
+        "--baselines",
+        nargs="+",
+        default=["flashinfer_fa3", "flashinfer_fa2", "torch_sdpa_flash", "sgl_kernel_fa3"],
     )
     args = ap.parse_args()
     deadline = Deadline(args.deadline)

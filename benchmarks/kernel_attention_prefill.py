@@ -1,6 +1,8 @@
 """The prefill half of ``benchmarks.kernel_attention``: the Triton vertical-slash kernel (with its
-plan and compaction) at each rejection rate against dense causal FlashInfer FA3/FA2 and torch SDPA,
-after a launch-shape sweep at 64K tokens (the best shape is saved for ``fig8_end_to_end``).
+plan and compaction) at each rejection rate against dense causal FlashInfer FA3/FA2, torch SDPA and
+``sgl_kernel``'s FA3 (what upstream SGLang runs on Hopper), after a launch-shape sweep at 64K tokens
+(the best shape is saved for ``fig8_end_to_end``); where ``sgl_kernel``'s FA3 loads, also the prefill
+with FA3 on its vertical range (``fa3_vertical``, what ``--wgkv-prefill-vertical`` serves).
 """
 
 import json
@@ -79,6 +81,7 @@ def run_prefill(args, deadline, results, path):
 def _prefill_lengths(args, deadline, results, path, cfg):
     import flashinfer
 
+    from sglang_wgkv.attention.fa3_vertical import load_fa3
     from sglang_wgkv.attention.triton_prefill import (
         build_vertical_slash_plan_triton,
         compact_admitted_triton,
@@ -91,6 +94,12 @@ def _prefill_lengths(args, deadline, results, path, cfg):
     )
 
     results["prefill_config"] = cfg.__dict__
+    fa3 = load_fa3(torch.device("cuda"))
+
+    def sgl_fa3(q, k, v, ind, n):
+        from sgl_kernel.flash_attn import flash_attn_varlen_func
+
+        return flash_attn_varlen_func(q, k, v, ind, ind, n, n, causal=True)
 
     def sdpa(q, k, v):
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -122,6 +131,8 @@ def _prefill_lengths(args, deadline, results, path, cfg):
             ),
             ("torch_sdpa_flash", lambda: sdpa(q, k, v)),
         ]
+        if fa3 is not None:
+            dense.append(("sgl_kernel_fa3", lambda: sgl_fa3(q, k, v, ind, n)))
         dense = [(name, fn) for name, fn in dense if name in args.baselines]
         # FA2 (a further JIT build) only when the run has time to spare.
         if "flashinfer_fa2" in args.baselines and deadline.left() > 200 + 30 * dense_flops / 5e14:
@@ -179,9 +190,24 @@ def _prefill_lengths(args, deadline, results, path, cfg):
                 "visible_pairs": pairs,
                 "tflops_useful": flops / min(kern) / 1e9,
             }
-            for base in ("flashinfer_fa3", "flashinfer_fa2", "torch_sdpa_flash"):
+            if fa3 is not None:
+                # everything after the plan: paged compaction, FA3 entries, FA3, the band launch
+                fa3_ms = cuda_ms(
+                    lambda: vertical_slash_attention(
+                        q, k, v, adm, ind, ind, pos, pos, W, plan=plan, config=cfg, fa3=fa3
+                    ),
+                    reps=reps,
+                    warmup=1 if n <= 131072 else 0,
+                )
+                wg["fa3_vertical_ms"] = min(fa3_ms)
+                wg["fa3_vertical_total_ms"] = min(fa3_ms) + min(plan_ms)
+            for base in ("flashinfer_fa3", "flashinfer_fa2", "torch_sdpa_flash", "sgl_kernel_fa3"):
                 if "ms" in entry.get(base, {}):
                     wg[f"speedup_vs_{base}"] = entry[base]["ms"] / total
+                    if "fa3_vertical_total_ms" in wg:
+                        wg[f"fa3_vertical_speedup_vs_{base}"] = (
+                            entry[base]["ms"] / wg["fa3_vertical_total_ms"]
+                        )
             entry.setdefault("wgkv_triton", []).append(wg)
             del plan, comp
         rows.append(entry)

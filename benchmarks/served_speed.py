@@ -224,6 +224,10 @@ def measure_profiles(srv, a, w: sw.Workload, body: dict | None, rec: dict, out_d
     rec.update(server_state(srv.url))
     log = srv.log_path.read_text(errors="replace")
     rec["max_running_seen"] = max((int(m) for m in re.findall(r"#running-req: (\d+)", log)), default=None)
+    if a.server == "wgkv":  # who ran the prefill's vertical range: FA3 or the Triton kernel
+        from sglang_wgkv.integration.backend.prefill_vertical import vertical_from_log
+
+        rec["prefill_vertical"] = vertical_from_log(log)
 
 
 def run(a) -> None:

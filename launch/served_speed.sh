@@ -48,8 +48,11 @@ beside-warm)
     cp /tmp/warm.log "$OUT/warm.log"; cp /tmp/warm/fi_cache.tgz "$OUT/" 2>/dev/null || true ;;
 run)
     server=$2 config=$3 workloads=$4; shift 4
-    case "$server:$config" in upstream:fa3*)
+    case "$server:$config" in
+    upstream:fa3*)
         [ -e /tmp/fa3-installed ] || { echo "FA3 is not installed on this machine: the launch/fa3_kit.sh join steps come first" >&2; exit 3; } ;;
+    wgkv:*)
+        [ -e /tmp/fa3-installed ] || echo "FA3 is not installed on this machine: WG-KV's prefill runs its vertical range in Triton (runs[].prefill_vertical)" >&2 ;;
     esac
     if [ -d .kit2 ] && [ ! -e /tmp/sglang-wheel-installed ]; then bash launch/h200.sh kit2; fi
     # (served_speed.py also refuses to start a server while another process holds the GPU)

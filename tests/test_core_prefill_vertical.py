@@ -9,7 +9,12 @@ import logging
 import pytest
 import torch
 
-from sglang_wgkv.integration.backend.prefill_vertical import choose_fa3
+from sglang_wgkv.integration.backend.prefill_vertical import (
+    LOG_FA3,
+    LOG_TRITON,
+    choose_fa3,
+    vertical_from_log,
+)
 from sglang_wgkv.integration.plugin.settings import ServingSettings
 
 pytestmark = pytest.mark.core
@@ -62,3 +67,16 @@ def test_settings_and_launcher(monkeypatch):
         ServingSettings(prefill_vertical="flashinfer")
     with pytest.raises(SystemExit):
         resolve(["--model-path", "/m", "--wgkv-prefill-vertical", "flashinfer"])
+
+
+def test_the_choice_is_read_back_from_the_server_log(caplog):
+    """served_speed.py records who ran the vertical range from the start-up lines the choice logs."""
+    with caplog.at_level(logging.INFO):
+        choose_fa3("triton", CPU, torch.bfloat16, SHAPE, load=_never_loaded)
+        choose_fa3("auto", CPU, torch.bfloat16, SHAPE, load=lambda d: None)
+    assert vertical_from_log(caplog.text) == "triton"
+    assert (
+        vertical_from_log(f"[t] {LOG_FA3} (start-up check: max |diff| = 0.004)\n[t] {LOG_FA3} (...)") == "fa3"
+    )
+    assert vertical_from_log(f"{LOG_FA3}\n{LOG_TRITON}: sgl_kernel's FA3 does not load here") == "mixed"
+    assert vertical_from_log("server_args=ServerArgs(...)") is None

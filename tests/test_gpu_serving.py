@@ -110,6 +110,38 @@ def _check_floor(got, ref, truth, prompt):
     )
 
 
+@pytest.fixture(scope="module")
+def fa3_server(gates_dir):
+    """The kernels server with FA3 on every prefill's vertical range (where sgl_kernel's FA3 loads)."""
+    from sglang_wgkv.attention.fa3_vertical import load_fa3
+
+    if load_fa3(torch.device("cuda")) is None:
+        pytest.skip("FA3 (sgl_kernel.flash_attn on a Hopper GPU) is not installed here")
+    args = [
+        *common_args(embedded_model_dir(), gates_dir),
+        *SERVER_ARGS["kernels"],
+        "--wgkv-prefill-vertical",
+        "fa3",
+    ]
+    srv = Server(args, gates_dir.parent / "kernels_fa3.log")
+    try:
+        yield srv.wait_healthy()
+    finally:
+        srv.stop()
+
+
+def test_fa3_vertical_prefill_served_matches_reference(fa3_server, servers, truth):
+    """``--wgkv-prefill-vertical fa3``: the same tokens as the bf16 reference up to near-ties, logprobs
+    as close to float32's as the reference's, batched (several sequences in one extend)."""
+    from sglang_wgkv.integration.backend.prefill_vertical import LOG_FA3
+
+    got, want = _run(fa3_server, PROMPTS), _run(servers[1], PROMPTS)
+    for p, g, w in zip(PROMPTS, got, want):
+        agree(g, w, p)
+        _check_floor(g, w, truth, p)
+    assert LOG_FA3 in fa3_server.log_path.read_text()
+
+
 @pytest.mark.parametrize("batched", [False, True], ids=["one_by_one", "batched"])
 def test_kernels_with_cuda_graphs_match_reference(servers, truth, batched):
     kernels, reference = servers

@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 # extra launches a layer weigh on host-bound forwards (docs/performance.md, "FA3 on the vertical range").
 FA3_MIN_KEYS = 8192
 CHECK_TOLERANCE = 0.05  # max |FA3 path - one-pass kernel| of the start-up case, bf16 outputs near 1
+# the server log's start-up line, one per process (served_speed.py records the choice from it)
+LOG_FA3 = "wgkv: FA3 runs the prefill's vertical range"
+LOG_TRITON = "wgkv: the prefill's vertical range runs in the Triton kernel"
 
 
 def startup_check(fa3: FA3Fn, device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int]) -> float:
@@ -49,6 +52,7 @@ def choose_fa3(
     """The FA3 call the served prefill uses, or None for the one-pass Triton kernel, per the table
     above. RuntimeError for ``fa3`` when FA3 cannot serve."""
     if mode == "triton":
+        logger.info("%s (--wgkv-prefill-vertical triton)", LOG_TRITON)
         return None
     fa3 = load(device)
     problem = None
@@ -65,9 +69,16 @@ def choose_fa3(
                     f"the start-up check differs from the Triton kernel by {worst:.3g} (> {CHECK_TOLERANCE})"
                 )
     if problem is None:
-        logger.info("wgkv: FA3 runs the prefill's vertical range (start-up check: max |diff| = %.2g)", worst)
+        logger.info("%s (start-up check: max |diff| = %.2g)", LOG_FA3, worst)
         return fa3
     if mode == "fa3":
         raise RuntimeError(f"--wgkv-prefill-vertical fa3: {problem}")
-    logger.warning("wgkv: %s; the prefill's vertical range runs in the Triton kernel", problem)
+    logger.warning("%s: %s", LOG_TRITON, problem)
     return None
+
+
+def vertical_from_log(log: str) -> str | None:
+    """``fa3``, ``triton`` or ``mixed`` (processes that chose differently) from a server log's start-up
+    lines; None where no process logged a choice (the reference attention, or not WG-KV)."""
+    found = {name for name, line in (("fa3", LOG_FA3), ("triton", LOG_TRITON)) if line in log}
+    return found.pop() if len(found) == 1 else ("mixed" if found else None)
