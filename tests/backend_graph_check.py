@@ -116,6 +116,9 @@ def make_backend(
         _writes=ExtendWrites(pool),
         _tensor_core_gate_rows=1,
         decode_launch=DecodeConfig.parse(decode_launch) if use_kernels else None,
+        _fa3=None,
+        _fa3_min_keys=0,
+        _longest_keys=None,
     )
     if tensor_core_gate:
         b.prefill_gate = PrefillGate(GATES, b.decode_gate.layers)
