@@ -23,18 +23,13 @@ import torch
 from interp_decode_check import pages_match
 from interp_gate_check import make_gates
 
-from sglang_wgkv.attention.decode_config import DecodeConfig
 from sglang_wgkv.attention.folded_index import build_folded_indices
 from sglang_wgkv.attention.reference import paged_decode_attention
 from sglang_wgkv.config import WGKVConfig
-from sglang_wgkv.gate.admission import DeferredGateCheck
-from sglang_wgkv.gate.triton_gate import DecodeGate
-from sglang_wgkv.gate.triton_prefill_gate import PrefillGate
-from sglang_wgkv.integration.backend.attn_backend import WGKVAttnBackend
 from sglang_wgkv.integration.backend.decode_layer import SCRATCH_SLOT, DecodeRows
 from sglang_wgkv.memory import DualCachePool
 from sglang_wgkv.memory.evictor import SnapKVEvictor
-from sglang_wgkv.memory.extend_writes import ExtendWrites
+from sglang_wgkv.testing.backend_harness import bare_backend
 
 L, H, HQ, D, W = 2, 2, 4, 64, 32
 DT = torch.bfloat16
@@ -73,55 +68,32 @@ def make_backend(
     tensor_core_gate: bool = False,
     decode_launch: str = "",
     evictor_rows: int | None = None,
-) -> WGKVAttnBackend:
+):
     """``tensor_core_gate``: the decode gate of every batch is the prefill gate's launch
     (:meth:`PrefillGate.admit`; served from ``DECODE_MIN_ROWS`` (row, head) pairs a step);
     ``decode_launch``: the split kernel's launch shape (``--wgkv-decode-launch``); ``evictor_rows``:
     an evictor without a server budget whose window has that many rows (the first slots are bound),
     which the split kernel writes through the evictor's slot-to-row map."""
-    b = object.__new__(WGKVAttnBackend)
     slot_tau = torch.full((pool.max_requests,), pool.config.tau)
     for r, t in TAU.items():
         slot_tau[r] = t
-    b.__dict__.update(
-        dual=pool,
-        config=pool.config,
-        device=pool.device,
-        use_kernels=use_kernels,
-        generator=None,
-        capture=Capture(),
-        gates=GATES,
-        req_pool=SimpleNamespace(slot_tau=slot_tau),
+    evictor = SnapKVEvictor(
+        pool=pool,
+        budget=10_000 if evictor_rows is None else None,
         num_q_heads=HQ,
-        decode_gate=DecodeGate(GATES, max_rows=8 * H) if use_kernels else None,
-        prefill_gate=None,
-        _sms=4,
-        evictor=SnapKVEvictor(
-            pool=pool,
-            budget=10_000 if evictor_rows is None else None,
-            num_q_heads=HQ,
-            window=16,
-            rows=evictor_rows,
-        ),
-        _extend=None,
-        _rows=None,
-        _row_tau=None,
-        batch_slots=None,
-        batch_prompt_ends=None,
-        _graph=None,
-        _graph_launch={},
-        _gate_stream=None,
-        _indptrs=None,
-        _gate_check=DeferredGateCheck(pool.num_layers, pool.device),
-        _writes=ExtendWrites(pool),
-        _tensor_core_gate_rows=1,
-        decode_launch=DecodeConfig.parse(decode_launch) if use_kernels else None,
-        _fa3=None,
-        _fa3_min_keys=0,
-        _longest_keys=None,
+        window=16,
+        rows=evictor_rows,
     )
-    if tensor_core_gate:
-        b.prefill_gate = PrefillGate(GATES, b.decode_gate.layers)
+    b = bare_backend(
+        pool,
+        GATES,
+        use_kernels=use_kernels,
+        slot_tau=slot_tau,
+        num_q_heads=HQ,
+        evictor=evictor,
+        tensor_core_gate=tensor_core_gate,
+        decode_launch=decode_launch,
+    )
     for slot in SLOTS[: evictor_rows or 0]:
         b.evictor.bound_request(slot, 10_000)
     return b

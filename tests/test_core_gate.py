@@ -295,15 +295,7 @@ def test_deferred_gate_check_buffers_count_each_layers_values_once():
     from sglang_wgkv.gate import GateOutputError
     from sglang_wgkv.gate.admission import DeferredGateCheck
 
-    class Landed:
-        def record(self):
-            pass
-
-        def query(self):
-            return True
-
-    check = DeferredGateCheck(3, "cpu")
-    check.deferred, check._event = True, Landed()
+    check = DeferredGateCheck(3, "cpu", deferred=True)
     for layer in range(3):
         g = check.slot(layer, (5, 2))
         assert g.shape == (5, 2) and g.is_contiguous() and g.data_ptr() % 16 == 0

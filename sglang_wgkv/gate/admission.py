@@ -26,16 +26,18 @@ class DeferredGateCheck:
     :meth:`poll` raises :class:`GateOutputError` once that copy has landed and is not zero (it never
     waits, so the error surfaces at a later forward than the one that produced it). The counts
     accumulate, so a copy overtaken by the next one loses nothing. Elsewhere :meth:`record` checks at
-    once (a sync costs nothing on the CPU).
+    once (a sync costs nothing on the CPU), unless ``deferred`` asks for the CUDA behaviour (a CPU
+    check of what the served path launches: the copy is then done when it is recorded).
     """
 
-    def __init__(self, num_layers: int, device):
+    def __init__(self, num_layers: int, device, deferred: bool | None = None):
         self.device = torch.device(device)
-        self.deferred = self.device.type == "cuda"
+        cuda = self.device.type == "cuda"
+        self.deferred = cuda if deferred is None else deferred
         self.num_layers = num_layers
         self.bad = torch.zeros(num_layers, dtype=torch.int64, device=self.device)
-        self.host = torch.zeros(num_layers, dtype=torch.int64, pin_memory=self.deferred)
-        self._event = torch.cuda.Event() if self.deferred else None
+        self.host = torch.zeros(num_layers, dtype=torch.int64, pin_memory=self.deferred and cuda)
+        self._event = (torch.cuda.Event() if cuda else _DoneEvent()) if self.deferred else None
         self._pending = False
         self._values: torch.Tensor | None = None  # [L, rows padded, ...]: this forward's gate values
         self._shape: torch.Size | None = None  # the gate values' shape
@@ -96,6 +98,16 @@ class DeferredGateCheck:
                 f"write gate produced {sum(bad)} NaN/out-of-range values (first in layer "
                 f"{layer}); the gate checkpoint or the model's keys are broken"
             )
+
+
+class _DoneEvent:
+    """A CUDA event's ``record``/``query`` where work completes as it is issued (the CPU)."""
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
 
 
 def admission_flags(

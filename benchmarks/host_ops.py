@@ -1,0 +1,183 @@
+"""What a served forward launches on the kernels path, counted on CPU (``sglang_wgkv.testing.op_count``):
+per layer and per forward, for extends of several sizes, a chunk after a cached prefix, a mixed
+forward and an eager decode step. A host-bound forward's time is about its launches times a launch's
+host cost, so these counts are what the host does; that they do not grow with the batch is checked
+by ``tests/test_core_host_ops.py``.
+
+    python -m benchmarks.host_ops --out benchmarks/results/host/host_ops.json
+
+Runs the Triton kernels under the interpreter (it re-executes itself with ``TRITON_INTERPRET=1``).
+Per layer = (count with 4 layers - count with 2) / 2; per forward = the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+SCENARIOS = {
+    # name: (kind, prefill lengths, cached prefix of each, decode rows)
+    "extend_1x96": ("extend", [96], [0], 0),
+    "extend_8x96": ("extend", [96] * 8, [0] * 8, 0),
+    "chunk_after_prefix_1": ("extend", [64], [160], 0),
+    "chunk_after_prefix_4": ("extend", [64] * 4, [160] * 4, 0),
+    "mixed_1_prefill_4_decode": ("mixed", [96], [0], 4),
+    "mixed_1_prefill_12_decode": ("mixed", [96], [0], 12),
+    "decode_4": ("decode", [], [], 4),
+    "decode_12": ("decode", [], [], 12),
+}
+H, HQ, D, W = 2, 4, 64, 32
+
+
+def _setup(num_layers: int, scenario: str):
+    """A kernels-path backend over a fresh pool, with the scenario's cached state in place, and the
+    counted forward as a function."""
+    import torch
+
+    from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
+    from sglang_wgkv.config import WGKVConfig
+    from sglang_wgkv.gate import GateConfig, WriteGates
+    from sglang_wgkv.memory import DualCachePool
+    from sglang_wgkv.testing.backend_harness import bare_backend, decode_batch, extend_batch, layer_of
+
+    kind, lens, prefix, decode_rows = SCENARIOS[scenario]
+    dt = torch.float16
+    pool = DualCachePool(
+        num_layers,
+        H,
+        D,
+        num_pages=600,
+        max_requests=32,
+        max_context_len=512,
+        config=WGKVConfig(local_window=W, tau=0.1),
+        triton_decode=True,
+        dtype=dt,
+    )
+    gates = WriteGates(GateConfig(num_layers=num_layers, num_kv_heads=H, head_dim=D, hidden=2 * D)).eval()
+    gates.requires_grad_(False)
+    backend = bare_backend(
+        pool,
+        gates,
+        use_kernels=True,
+        slot_tau=torch.full((32,), 0.1),
+        num_q_heads=HQ,
+        tensor_core_gate=True,
+        prefill=vertical_slash_attention,
+        deferred_gate_check=True,
+    )
+    layers = [layer_of(i, HQ, H, D) for i in range(num_layers)]
+    gen = torch.Generator().manual_seed(0)
+
+    def rows(n):
+        return [torch.randn(n, c * D, generator=gen).to(dt) for c in (HQ, H, H)]
+
+    def extend(kind, slots, pre, ext):
+        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(pre, ext)])
+        fb = extend_batch(kind, slots, pre, ext, positions)
+        backend.batch_slots = list(slots)
+        backend.init_forward_metadata(fb)
+        n = positions.numel()
+        q, k, v = rows(n)
+        for layer in layers:
+            backend.forward_extend(q, k, v, layer, fb)
+
+    decoding = list(range(20, 20 + decode_rows))  # requests already decoding, 48 tokens in
+    for r in decoding:
+        pool.alloc_request(r)
+    if decoding:
+        extend("extend", decoding, [0] * len(decoding), [48] * len(decoding))
+    slots = list(range(1, 1 + len(lens)))
+    for r in slots:
+        pool.alloc_request(r)
+    if any(prefix):
+        extend("extend", slots, [0] * len(slots), prefix)
+
+    if kind == "decode":
+
+        def forward():
+            fb = decode_batch(decoding, [49] * len(decoding))
+            backend.init_forward_metadata(fb)
+            q, k, v = rows(len(decoding))
+            for layer in layers:
+                backend.forward_decode(q, k, v, layer, fb)
+
+    elif kind == "mixed":
+
+        def forward():
+            backend.batch_decode_rows = len(decoding)
+            extend(
+                "mixed",
+                slots + decoding,
+                prefix + [48] * len(decoding),
+                lens + [1] * len(decoding),
+            )
+
+    else:
+
+        def forward():
+            extend("extend", slots, prefix, lens)
+
+    return forward
+
+
+def count(num_layers: int, scenario: str):
+    from sglang_wgkv.testing.op_count import counting_ops
+
+    forward = _setup(num_layers, scenario)
+    with counting_ops() as counts:
+        forward()
+    return counts
+
+
+def measure(scenario: str) -> dict:
+    """Per-layer and per-forward counts by kind, and the per-layer ops by name."""
+    from sglang_wgkv.testing.op_count import totals
+
+    two, four = count(2, scenario), count(4, scenario)
+    t2, t4 = totals(two), totals(four)
+    kinds = sorted(set(t2) | set(t4))
+    per_layer = {k: (t4.get(k, 0) - t2.get(k, 0)) / 2 for k in kinds}
+    per_forward = {k: t2.get(k, 0) - 2 * per_layer[k] for k in kinds}
+    by_name = {
+        f"{kind}:{name}": (four[(kind, name)] - two[(kind, name)]) / 2
+        for kind, name in sorted(set(two) | set(four))
+        if four[(kind, name)] != two[(kind, name)]
+    }
+    once = {
+        f"{kind}:{name}": two[(kind, name)] - 2 * (four[(kind, name)] - two[(kind, name)]) / 2
+        for kind, name in sorted(set(two) | set(four))
+        if two[(kind, name)] - (four[(kind, name)] - two[(kind, name)]) != 0
+    }
+    return {
+        "per_layer": per_layer,
+        "per_forward": per_forward,
+        "per_layer_by_name": dict(sorted(by_name.items(), key=lambda kv: -kv[1])),
+        "per_forward_by_name": dict(sorted(once.items(), key=lambda kv: -kv[1])),
+    }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None, help="JSON file (default: print only)")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") != "1":  # must be set before Triton is imported
+        env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.host_ops", *sys.argv[1:]], env)
+    results = {"command": " ".join(["python -m benchmarks.host_ops", *sys.argv[1:]]), "shape": [H, HQ, D, W]}
+    results["scenarios"] = {}
+    for name in args.scenarios.split(","):
+        results["scenarios"][name] = got = measure(name)
+        print(
+            name, json.dumps({"per_layer": got["per_layer"], "per_forward": got["per_forward"]}), flush=True
+        )
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
