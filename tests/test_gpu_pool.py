@@ -346,3 +346,33 @@ def test_triton_extend_chunks_match_torch(in_dtype):
         assert_same_pool(*pools)
     for pool in pools:
         pool.check_integrity()
+
+
+def test_batched_context_reads_without_sync_equal_the_reference():
+    """Two requests continuing after cached prefixes (one past the ring) and a new one, in one extend:
+    each layer's inputs through the plan's ContextIndex are issued with no host sync and equal the
+    request-by-request reads."""
+    dev, L, H, D, W = "cuda", 2, 4, 128, 64
+    pool = _pool(L, H, D, W, torch.bfloat16, dev)
+    gen = torch.Generator(device=dev).manual_seed(3)
+    for r in (0, 1, 2):
+        pool.alloc_request(r)
+    pool.begin_extend([0, 1], [0, 0], [300, 40])
+    for layer in range(L):
+        k, v = (torch.randn(340, H, D, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        pool.write_extend(layer, k, v, torch.rand(340, H, device=dev, generator=gen) < 0.5)
+    pool.begin_extend([0, 1, 2], [300, 40, 0], [70, 20, 90])
+    positions = torch.cat([torch.arange(300, 370), torch.arange(40, 60), torch.arange(90)]).to(dev)
+    for layer in range(L):
+        k, v = (torch.randn(180, H, D, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        admit = torch.rand(180, H, device=dev, generator=gen) < 0.5
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = pool.extend_inputs(layer, k, v, admit, positions, torch.bfloat16)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        want = pool.extend_inputs_reference(layer, k, v, admit, positions, torch.bfloat16)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        pool.write_extend(layer, k, v, admit)

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from sglang_wgkv.config import FAR_POSITION, PAGE_SIZE
+from sglang_wgkv.memory.context_index import ContextIndex, build_context_index
 from sglang_wgkv.memory.kv_quant import byte_view, gather, quantize
 
 
@@ -51,6 +52,7 @@ class ExtendPlan:
     rw_slot: torch.Tensor  # [M] its ring slot
     rw_src: torch.Tensor  # [M] its packed token index
     context_gcols: list  # [B][L] host: global page columns gather_context reads (0 without a prefix)
+    context: ContextIndex | None = None  # the torch path's context rows of every layer (None: no context)
 
 
 class ExtendStep:
@@ -134,6 +136,8 @@ class ExtendStep:
             rw_src=to_device(self.device, rw_src),
             context_gcols=self._context_gcols(req_slots, prefix_lens),
         )
+        if not self.triton_extend:  # (its launch reads the context itself)
+            plan.context = build_context_index(self, plan)
         self._extend, self._decode = plan, None
         return plan
 
@@ -255,24 +259,27 @@ class ExtendStep:
         dtype: torch.dtype,
     ):
         """One layer's attention inputs for the current extend: per request of the plan, its cached
-        context (:meth:`gather_context` with ``context_gcols``: no host sync) then its new rows,
-        concatenated over the batch. k, v ``[N, H, D]``, admit ``[N, H]``, positions ``[N]``: the
-        chunk's packed rows. Returns keys, values ``[Nk, H, D]`` in ``dtype``, k_pos ``[Nk]`` in
-        positions' dtype and admitted ``[Nk, H]`` bool. One Triton launch per request on a
-        ``triton_extend`` pool (:func:`~sglang_wgkv.memory.triton_extend.extend_context`), torch gathers
-        and concatenations otherwise; the same tensors either way."""
+        context (what :meth:`gather_context` reads with ``context_gcols``) then its new rows, over the
+        batch. k, v ``[N, H, D]``, admit ``[N, H]``, positions ``[N]``: the chunk's packed rows. Returns
+        keys, values ``[Nk, H, D]`` in ``dtype``, k_pos ``[Nk]`` in positions' dtype and admitted
+        ``[Nk, H]`` bool, with no host sync. On a ``triton_extend`` pool one Triton launch per request
+        (:func:`~sglang_wgkv.memory.triton_extend.extend_context`); otherwise the plan's
+        :class:`~sglang_wgkv.memory.context_index.ContextIndex`: eight launches a layer whatever the batch
+        (none without cached context: the new rows themselves). The same tensors either way, and as
+        :meth:`extend_inputs_reference`."""
         p = self._extend
         if p is None:
             raise RuntimeError("extend_inputs without begin_extend")
         H, D = self.num_kv_heads, self.head_dim
-        segments, start, out0 = [], 0, 0
-        for b, (r, S, n) in enumerate(zip(p.req_slots, p.prefix_lens, p.extend_lens)):
-            g_rows, ring_n = context_rows(S, p.context_gcols[b][layer], self.window)
-            segments.append((r, S, g_rows, ring_n, n, start, out0))
-            out0 += g_rows + ring_n + n
-            start += n
         if self.triton_extend:
             from sglang_wgkv.memory.triton_extend import extend_context
+
+            segments, start, out0 = [], 0, 0
+            for b, (r, S, n) in enumerate(zip(p.req_slots, p.prefix_lens, p.extend_lens)):
+                g_rows, ring_n = context_rows(S, p.context_gcols[b][layer], self.window)
+                segments.append((r, S, g_rows, ring_n, n, start, out0))
+                out0 += g_rows + ring_n + n
+                start += n
 
             keys = torch.empty(out0, H, D, dtype=dtype, device=self.device)
             values = torch.empty(out0, H, v.shape[2], dtype=dtype, device=self.device)
@@ -280,13 +287,35 @@ class ExtendStep:
             admitted = torch.empty(out0, H, dtype=torch.bool, device=self.device)
             extend_context(self, layer, segments, k, v, admit, positions, keys, values, k_pos, admitted)
             return keys, values, k_pos, admitted
+        ci = p.context
+        if ci is None:  # no cached context in this forward: the keys are the new rows
+            return k.to(dtype), v.to(dtype), positions, admit
+        (a, b), (ka, kb) = ci.bounds[layer], ci.key_bounds[layer]
+        dst, new_dst = ci.dst[a:b], ci.new_dst[layer]
+        keys = torch.empty(kb - ka, H, D, dtype=dtype, device=self.device)
+        keys[dst] = self.read_keys(gather(self.k_pages.view(-1, D), ci.flat[a:b]), layer, dtype)
+        keys[new_dst] = k.to(dtype)
+        values = torch.empty(kb - ka, H, v.shape[2], dtype=dtype, device=self.device)
+        values[dst] = self.read_values(gather(self.v_pages.view(-1, D), ci.flat[a:b]), layer, dtype)
+        values[new_dst] = v.to(dtype)
+        admitted = torch.empty(kb - ka, H, dtype=torch.bool, device=self.device)
+        admitted[dst] = ci.admitted[a:b]
+        admitted[new_dst] = admit
+        return keys, values, ci.k_pos[ka:kb].to(positions.dtype), admitted
+
+    def extend_inputs_reference(self, layer: int, k, v, admit, positions, dtype):
+        """:meth:`extend_inputs` request by request, through :meth:`gather_context` (reading the page
+        columns from the pool): the statement its batched gathers are checked against."""
+        p = self._extend
         keys, values, k_pos, admitted = [], [], [], []
-        for r, S, g_rows, _, n, start, _ in segments:
+        start = 0
+        for r, S, n in zip(p.req_slots, p.prefix_lens, p.extend_lens):
             if S:  # cached context first: global entries (admitted) and the ring
-                ck, cv, cpos, cadm = self.gather_context(layer, r, S, g_rows // PAGE_SIZE, dtype)
+                ck, cv, cpos, cadm = self.gather_context(layer, r, S, dtype=dtype)
                 keys.append(ck), values.append(cv), k_pos.append(cpos), admitted.append(cadm)
             keys.append(k[start : start + n]), values.append(v[start : start + n])
             k_pos.append(positions[start : start + n]), admitted.append(admit[start : start + n])
+            start += n
         return (
             torch.cat(keys).to(dtype),
             torch.cat(values).to(dtype),
