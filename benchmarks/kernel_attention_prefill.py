@@ -45,7 +45,12 @@ def prefill_configs():
 
 
 def run_prefill(args, deadline, results, path):
-    from sglang_wgkv.attention.triton_prefill import PrefillConfig, default_config, vertical_slash_attention
+    from sglang_wgkv.attention.triton_prefill import (
+        PrefillConfig,
+        compact_align,
+        default_config,
+        vertical_slash_attention,
+    )
     from sglang_wgkv.attention.vertical_slash_plan import build_vertical_slash_plan, compact_admitted
 
     if args.no_sweep:
@@ -56,8 +61,8 @@ def run_prefill(args, deadline, results, path):
     sweep = []
     for cfg in prefill_configs():
         try:
-            plan = build_vertical_slash_plan(adm, ind, ind, pos, pos, W, cfg.block_m)
-            comp = compact_admitted(k, v, adm, ind)
+            plan = build_vertical_slash_plan(adm, ind, ind, pos, pos, W, cfg.block_m, compact_align(cfg))
+            comp = compact_admitted(k, v, adm, ind, align=compact_align(cfg))
             ms = cuda_ms(
                 lambda: vertical_slash_attention(
                     q, k, v, adm, ind, ind, pos, pos, W, plan=plan, compacted=comp, config=cfg
@@ -85,6 +90,7 @@ def _prefill_lengths(args, deadline, results, path, cfg):
     from sglang_wgkv.attention.triton_prefill import (
         build_vertical_slash_plan_triton,
         compact_admitted_triton,
+        compact_align,
         vertical_slash_attention,
     )
     from sglang_wgkv.attention.vertical_slash_plan import (
@@ -94,6 +100,7 @@ def _prefill_lengths(args, deadline, results, path, cfg):
     )
 
     results["prefill_config"] = cfg.__dict__
+    align = compact_align(cfg)  # the compacted regions' alignment the kernel reads whole tiles of
     fa3 = load_fa3(torch.device("cuda"))
 
     def sgl_fa3(q, k, v, ind, n):
@@ -157,17 +164,20 @@ def _prefill_lengths(args, deadline, results, path, cfg):
             # and, same run, the torch plan, the torch scatter and the 2-D row scan used before.
             # Files without "served_plan" predate the switch: their plan_ms is the torch plan.
             plan_ms = cuda_ms(
-                lambda: build_vertical_slash_plan_triton(adm, ind, ind, pos, pos, W, cfg.block_m), reps=3
+                lambda: build_vertical_slash_plan_triton(
+                    adm, ind, ind, pos, pos, W, cfg.block_m, None, align
+                ),
+                reps=3,
             )
             plan_torch_ms = cuda_ms(
-                lambda: build_vertical_slash_plan(adm, ind, ind, pos, pos, W, cfg.block_m), reps=3
+                lambda: build_vertical_slash_plan(adm, ind, ind, pos, pos, W, cfg.block_m, align), reps=3
             )
-            comp_ms = cuda_ms(lambda: compact_admitted_triton(k, v, adm, ind), reps=3)
-            comp_torch_ms = cuda_ms(lambda: compact_admitted(k, v, adm, ind), reps=3)
+            comp_ms = cuda_ms(lambda: compact_admitted_triton(k, v, adm, ind, align=align), reps=3)
+            comp_torch_ms = cuda_ms(lambda: compact_admitted(k, v, adm, ind, align=align), reps=3)
             scan_1d_ms = cuda_ms(lambda: _exclusive_count(adm), reps=3)
             scan_2d_ms = cuda_ms(lambda: torch.cumsum(adm.t().contiguous(), 1, dtype=torch.int32), reps=3)
-            plan = build_vertical_slash_plan_triton(adm, ind, ind, pos, pos, W, cfg.block_m)
-            comp = compact_admitted_triton(k, v, adm, ind)
+            plan = build_vertical_slash_plan_triton(adm, ind, ind, pos, pos, W, cfg.block_m, None, align)
+            comp = compact_admitted_triton(k, v, adm, ind, align=align)
             kern = cuda_ms(
                 lambda: vertical_slash_attention(
                     q, k, v, adm, ind, ind, pos, pos, W, plan=plan, compacted=comp, config=cfg

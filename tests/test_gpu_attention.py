@@ -86,7 +86,7 @@ def test_fa3_vertical_prefill_long_context_and_groups(Hq, Hkv):
 def test_fa3_entries_equal_their_torch_statement():
     from sglang_wgkv.attention.fa3_vertical import PAGE, vertical_entries, vertical_entries_torch
     from sglang_wgkv.attention.triton_prefill import build_vertical_slash_plan_triton
-    from sglang_wgkv.attention.triton_prefill_plan import compacted_rows
+    from sglang_wgkv.attention.vertical_slash_plan import compacted_rows
 
     torch.manual_seed(5)
     _, _, _, adm, qo, kv, qp, kp = _packed_case(
@@ -94,8 +94,8 @@ def test_fa3_entries_equal_their_torch_statement():
     )
     plan = build_vertical_slash_plan_triton(adm, qo, kv, qp, kp, 64, 128)
     rows = compacted_rows(adm.shape[0], 3, PAGE)
-    got = vertical_entries(plan, kv, qp.numel(), rows, rows // PAGE)
-    want = vertical_entries_torch(plan, kv, qp.numel(), rows, rows // PAGE)
+    got = vertical_entries(plan, qp.numel(), rows, rows // PAGE)
+    want = vertical_entries_torch(plan, qp.numel(), rows, rows // PAGE)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     for e, n in enumerate(got[1].tolist()):
         assert torch.equal(got[2][e, : -(-n // PAGE)], want[2][e, : -(-n // PAGE)]), e
@@ -111,15 +111,16 @@ def test_triton_prefill_gqa_groups(Hq, Hkv):
 
 
 def test_triton_prefill_reused_plan_and_configs_and_scale():
-    from sglang_wgkv.attention.triton_prefill import PrefillConfig, vertical_slash_attention
+    from sglang_wgkv.attention.triton_prefill import PrefillConfig, compact_align, vertical_slash_attention
     from sglang_wgkv.attention.vertical_slash_plan import build_vertical_slash_plan, compact_admitted
 
     torch.manual_seed(7)
     q, k, v, adm, qo, kv, qp, kp = _packed_case([500, 260], [500, 300], 8, 2, 128, 0.25, torch.bfloat16)
     ref = reference.vertical_slash_attention(q, k, v, adm, qo, kv, qp, kp, 64, sm_scale=0.05)
     for cfg in (PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 128, 8, 2), PrefillConfig(64, 64, 4, 3)):
-        plan = build_vertical_slash_plan(adm, qo, kv, qp, kp, 64, cfg.block_m)
-        comp = compact_admitted(k, v, adm, kv)
+        align = compact_align(cfg)
+        plan = build_vertical_slash_plan(adm, qo, kv, qp, kp, 64, cfg.block_m, align)
+        comp = compact_admitted(k, v, adm, kv, align=align)
         out = vertical_slash_attention(
             q, k, v, adm, qo, kv, qp, kp, 64, 0.05, plan=plan, compacted=comp, config=cfg
         )
@@ -139,8 +140,16 @@ def test_triton_compaction_equals_torch_compaction(p):
     Nk = sum(lens)
     k, v = (torch.randn(Nk, 8, 128, device=DEV, dtype=torch.bfloat16) for _ in range(2))
     adm = torch.rand(Nk, 8, device=DEV) < p
+    from sglang_wgkv.attention.vertical_slash_plan import region_starts
+
     ref, out = compact_admitted(k, v, adm, kv), compact_admitted_triton(k, v, adm, kv)
-    assert torch.equal(out[0][:, :Nk], ref[0][:, :Nk]) and torch.equal(out[1][:, :Nk], ref[1][:, :Nk])
+    for b, start in enumerate(region_starts(kv).tolist()):  # the rows a kernel reads: admitted, then zeros
+        for h in range(8):
+            n = int(adm[kv[b] : kv[b + 1], h].sum())
+            read = slice(start, start + -(-n // 64) * 64)
+            assert torch.equal(out[0][h, read], ref[0][h, read]) and torch.equal(
+                out[1][h, read], ref[1][h, read]
+            )
 
 
 @pytest.mark.parametrize("case", PREFILL_CASES)
@@ -159,7 +168,7 @@ def test_triton_plan_equals_torch_plan(case):
     rows = ref.q_start < ref.q_end
     assert torch.equal(out.q_start, ref.q_start) and torch.equal(out.q_end, ref.q_end)
     assert torch.equal(out.vertical_len, ref.vertical_len)
-    for name in ("kv_start", "band_start", "band_end"):
+    for name in ("kv_start", "band_start", "band_end", "compact_start"):
         assert torch.equal(getattr(out, name)[rows], getattr(ref, name)[rows]), name
 
 

@@ -184,7 +184,7 @@ def test_prefill_with_fa3_launches_the_paged_compaction_entries_and_band():
     assert names == ["_plan_kernel", "_compact_fwd", "_entries_kernel", "_vertical_slash_fwd"], names
     assert got[1][1]["ALIGN"] == 64 and got[3][1]["VERTICAL_GIVEN"] is True
     plain = _prefill_launches(torch.bfloat16, SHAPES["llama8b"])
-    assert plain[1][1]["ALIGN"] == 1 and plain[-1][1]["VERTICAL_GIVEN"] is False
+    assert plain[1][1]["ALIGN"] == 64 and plain[-1][1]["VERTICAL_GIVEN"] is False
 
 
 def test_compile_takes_the_launch_specialization():
@@ -281,7 +281,6 @@ def test_fp8_decode_kernels_compile_for_sm90(kv_dtype):
 UNSPECIALIZED_SIZES = {
     "sglang_wgkv.attention.triton_prefill._vertical_slash_fwd": {"compact_rows", "num_blocks", "num_q"},
     "sglang_wgkv.attention.fa3_vertical._entries_kernel": {
-        "num_seqs",
         "num_q",
         "num_blocks",
         "rows_per_head",

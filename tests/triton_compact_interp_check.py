@@ -14,7 +14,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 import torch  # noqa: E402
 
 from sglang_wgkv.attention.triton_prefill import compact_admitted_triton  # noqa: E402
-from sglang_wgkv.attention.vertical_slash_plan import compact_admitted  # noqa: E402
+from sglang_wgkv.attention.vertical_slash_plan import compact_admitted, compacted_rows, region_starts  # noqa: E402
 from sglang_wgkv.testing.interp import check_seeds  # noqa: E402
 
 
@@ -34,17 +34,24 @@ def check(seed: int) -> None:
     else:
         k = torch.randn(Nk, H, D, generator=gen).to(torch.bfloat16)
         v = torch.randn(Nk, H, D, generator=gen).to(torch.bfloat16)
-    ref = compact_admitted(k, v, admitted, kv_indptr)
-    out = compact_admitted_triton(k, v, admitted, kv_indptr, block=16)
-    for name, a, b in (("k", out[0], ref[0]), ("v", out[1], ref[1])):
-        # Row Nk is scratch for the torch version (rejected rows land there); the Triton copy skips them.
-        if not torch.equal(a[:, :Nk], b[:, :Nk]):
-            raise SystemExit(f"seed {seed}: {name} differs (lens {lens}, H {H}, p {p})")
-    # Each sequence's admitted rows, in order, at the front of its range.
+    align = [64, 16, 128][seed % 3]
+    ref = compact_admitted(k, v, admitted, kv_indptr, align=align)
+    rows = compacted_rows(Nk, B, align)
+    # uninitialised buffers: every row a kernel reads (admitted, then zeros to the next multiple of
+    # align) must be written
+    out = tuple(torch.full((H, rows, D), float("nan")).to(torch.bfloat16) for _ in range(2))
+    compact_admitted_triton(k, v, admitted, kv_indptr, out=out, block=16, align=align)
+    starts = region_starts(kv_indptr, align).tolist()
     for b, (lo, hi) in enumerate(zip(kv_indptr[:-1].tolist(), kv_indptr[1:].tolist())):
         for h in range(H):
-            rows = k[lo:hi, h][admitted[lo:hi, h]]
-            if not torch.equal(out[0][h, lo : lo + rows.shape[0]], rows):
+            n = int(admitted[lo:hi, h].sum())
+            read = slice(starts[b], starts[b] + -(-n // align) * align)
+            for name, a, want in (("k", out[0], ref[0]), ("v", out[1], ref[1])):
+                if not torch.equal(a[h, read], want[h, read]):
+                    raise SystemExit(
+                        f"seed {seed}: sequence {b} head {h}: {name} rows differ (lens {lens}, p {p})"
+                    )
+            if not torch.equal(out[0][h, starts[b] : starts[b] + n], k[lo:hi, h][admitted[lo:hi, h]]):
                 raise SystemExit(f"seed {seed}: sequence {b} head {h} not compacted in order")
 
 

@@ -4,6 +4,8 @@ place (``vertical_slash_attention(..., fa3=...)``, the torch statement of the FA
 the GPU kernel) against the torch reference attention, and its launches against their torch
 statements: the paged compaction (pad rows zeroed in uninitialised buffers) and the FA3 entries.
 
+The one-pass kernel (``fa3=None``) runs beside it on the same uninitialised buffers.
+
 ``python tests/triton_fa3_vertical_interp_check.py SEED [SEED ...]`` prints a line per seed and exits
 non-zero if any differs. Seeds 0-5 run ``PREFILL_CASES``; later seeds draw batches; ``choice`` runs the
 server's start-up choice (``choose_fa3``) with a correct and a wrong stand-in.
@@ -28,19 +30,25 @@ from sglang_wgkv.attention.triton_prefill import PrefillConfig, vertical_slash_a
 from sglang_wgkv.attention.triton_prefill_plan import (  # noqa: E402
     build_vertical_slash_plan_triton,
     compact_admitted_triton,
-    compacted_rows,
 )
-from sglang_wgkv.attention.vertical_slash_plan import _exclusive_count  # noqa: E402
+from sglang_wgkv.attention.vertical_slash_plan import _exclusive_count, compacted_rows  # noqa: E402
 from sglang_wgkv.testing.interp import check_seeds  # noqa: E402
 from sglang_wgkv.testing.prefill_cases import PREFILL_CASES, packed_case  # noqa: E402
 
-_empty = torch.empty
+_empty, _new_empty = torch.empty, torch.Tensor.new_empty
+
+
+def _poisoned(t):
+    return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
 
 
 def nan_empty(*args, **kwargs):
     """``torch.empty`` whose floating buffers hold NaN: what no kernel may read unwritten."""
-    t = _empty(*args, **kwargs)
-    return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
+    return _poisoned(_empty(*args, **kwargs))
+
+
+def nan_new_empty(self, *args, **kwargs):
+    return _poisoned(_new_empty(self, *args, **kwargs))
 
 
 def case(seed: int):
@@ -89,8 +97,8 @@ def check(seed: int) -> str:
     # the FA3 entries against their torch statement
     plan = build_vertical_slash_plan_triton(adm, qo, kv, qp, kp, W, cfg.block_m, _exclusive_count(adm))
     pages = rows // PAGE
-    got = vertical_entries(plan, kv, Nq, rows, pages)
-    want = vertical_entries_torch(plan, kv, Nq, rows, pages)
+    got = vertical_entries(plan, Nq, rows, pages)
+    want = vertical_entries_torch(plan, Nq, rows, pages)
     for name, a, b in zip(("cu_seqlens_q", "cache_seqlens"), got[:2], want[:2]):
         if not torch.equal(a, b):
             raise SystemExit(f"{name} differs: {a.tolist()} vs {b.tolist()}")
@@ -101,14 +109,20 @@ def check(seed: int) -> str:
 
     # the attention: FA3's vertical part merged into the band launch
     ref = reference.vertical_slash_attention(q, k, v, adm, qo, kv, qp, kp, W, sm_scale=0.11)
-    with mock.patch("torch.empty", nan_empty):
+    with mock.patch("torch.empty", nan_empty), mock.patch.object(torch.Tensor, "new_empty", nan_new_empty):
         out = vertical_slash_attention(
             q, k, v, adm, qo, kv, qp, kp, W, 0.11, config=cfg, fa3=fa3_paged_reference
         )
-    err = (out.float() - ref.float()).abs().max().item() if Nq else 0.0
-    if not torch.isfinite(out).all() or err > 4e-3:
-        raise SystemExit(f"output differs by {err:.2e} (lens_q {lens_q}, lens_k {lens_k}, W {W}, p {p})")
-    return f"max |diff| {err:.1e}, {int((got[1] > 0).sum())} FA3 entries with keys"
+        one_pass = vertical_slash_attention(q, k, v, adm, qo, kv, qp, kp, W, 0.11, config=cfg)
+    errs = []
+    for name, got_out in (("with FA3", out), ("one-pass", one_pass)):
+        err = (got_out.float() - ref.float()).abs().max().item() if Nq else 0.0
+        if not torch.isfinite(got_out).all() or err > 4e-3:
+            raise SystemExit(
+                f"{name}: output differs by {err:.2e} (lens_q {lens_q}, lens_k {lens_k}, W {W}, p {p})"
+            )
+        errs.append(err)
+    return f"max |diff| {errs[0]:.1e} with FA3, {errs[1]:.1e} one-pass, {int((got[1] > 0).sum())} FA3 entries with keys"
 
 
 def check_choice() -> str:

@@ -55,14 +55,17 @@ def case(seed: int):
 
 def check(seed: int) -> None:
     args = case(seed)
-    ref = build_vertical_slash_plan(*args)
-    out = build_vertical_slash_plan_triton(*args)
+    align = [64, 128, 16][seed % 3]
+    ref = build_vertical_slash_plan(*args, compact_align=align)
+    out = build_vertical_slash_plan_triton(*args, compact_align=align)
+    if out.compact_align != align:
+        raise SystemExit(f"seed {seed}: compact_align {out.compact_align} != {align}")
     valid = ref.q_start < ref.q_end
     if not torch.equal(out.q_start, ref.q_start) or not torch.equal(out.q_end, ref.q_end):
         raise SystemExit(f"seed {seed}: query rows differ")
     if not torch.equal(out.vertical_len, ref.vertical_len):
         raise SystemExit(f"seed {seed}: vertical counts differ")
-    for name in ("kv_start", "band_start", "band_end"):
+    for name in ("kv_start", "band_start", "band_end", "compact_start"):
         a, b = getattr(out, name), getattr(ref, name)
         if not torch.equal(a[valid], b[valid]):
             raise SystemExit(f"seed {seed}: {name} differs on blocks with rows")

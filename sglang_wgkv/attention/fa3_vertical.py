@@ -11,7 +11,7 @@ mask of the block's queries against a run of the head's compacted keys. FA3 (``s
 | ``q`` rows of ``e`` (``cu_seqlens_q``) | the block's rows of ``q`` folded to ``[Hkv * Nq, G, D]`` |
 | ``k_cache``, ``v_cache`` | the compacted keys and values, ``[Hkv * R / PAGE, PAGE, 1, D]`` |
 | ``cache_seqlens[e]`` | ``vertical_len[i, h]`` |
-| ``page_table[e]`` | the pages of head ``h``'s region of the block's sequence (regions start at page bounds) |
+| ``page_table[e]`` | the pages of head ``h``'s region of the block's sequence (``plan.compact_start``, a page bound) |
 | ``causal``, ``window_size`` | off |
 
 It returns each row's output and log-sum-exp; the band launch of :mod:`.triton_prefill` starts its
@@ -49,17 +49,15 @@ def load_fa3(device: torch.device | str) -> FA3Fn | None:
     return flash_attn_with_kvcache
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_q", "num_blocks", "rows_per_head", "max_pages"])
+@triton.jit(do_not_specialize=["num_q", "num_blocks", "rows_per_head", "max_pages"])
 def _entries_kernel(
-    KV,
     QStart,
     QEnd,
-    KVStart,
+    CompactStart,
     Vertical,
     CuQ,
     SeqLens,
     PageTable,
-    num_seqs,
     num_q,
     num_blocks,
     rows_per_head,
@@ -73,14 +71,7 @@ def _entries_kernel(
     blk = tl.program_id(0)
     q_start = tl.load(QStart + blk)
     q_end = tl.load(QEnd + blk)
-    kv_start = tl.load(KVStart + blk).to(tl.int64)
-    region = kv_start * 0
-    ends = kv_start * 0
-    for b in range(0, num_seqs):  # the sequence holding key kv_start; regions rounded to pages
-        s = tl.load(KV + b).to(tl.int64)
-        e = tl.load(KV + b + 1).to(tl.int64)
-        region = tl.where((s <= kv_start) & (kv_start < e), ends, region)
-        ends += (e - s + PAGE_ROWS - 1) // PAGE_ROWS * PAGE_ROWS
+    region = tl.load(CompactStart + blk).to(tl.int64)
     hs = tl.arange(0, BLOCK_H)
     live = hs < num_heads
     entry = hs * num_blocks + blk
@@ -102,12 +93,16 @@ def _entries_kernel(
 
 
 def vertical_entries(
-    plan: VerticalSlashPlan, kv_indptr: torch.Tensor, num_q: int, rows_per_head: int, max_pages: int
+    plan: VerticalSlashPlan, num_q: int, rows_per_head: int, max_pages: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FA3's ``(cu_seqlens_q [E + 1], cache_seqlens [E], page_table [E, max_pages])``, int32, for the
     entries ``e = h * NB + i`` of the table above, in one launch. ``rows_per_head``: rows of each head's
-    compacted buffer (:func:`~.triton_prefill_plan.compacted_rows` with ``align=PAGE``); page-table
-    columns past an entry's pages are left unwritten (FA3 reads only ``ceil(cache_seqlens / PAGE)``)."""
+    compacted buffer (:func:`~.vertical_slash_plan.compacted_rows`); page-table columns past an entry's
+    pages are left unwritten (FA3 reads only ``ceil(cache_seqlens / PAGE)``)."""
+    if plan.compact_align % PAGE:
+        raise ValueError(
+            f"compacted regions aligned to {plan.compact_align} rows do not start at FA3 pages of {PAGE}"
+        )
     NB, H = plan.vertical_len.shape
     dev = plan.vertical_len.device
     cu_q = torch.empty(H * NB + 1, dtype=torch.int32, device=dev)
@@ -117,15 +112,13 @@ def vertical_entries(
         cu_q.fill_(0)
         return cu_q, seqlens, table
     _entries_kernel[(NB,)](
-        kv_indptr,
         plan.q_start,
         plan.q_end,
-        plan.kv_start,
+        plan.compact_start,
         plan.vertical_len,
         cu_q,
         seqlens,
         table,
-        kv_indptr.numel() - 1,
         num_q,
         NB,
         rows_per_head,
@@ -140,21 +133,18 @@ def vertical_entries(
 
 
 def vertical_entries_torch(
-    plan: VerticalSlashPlan, kv_indptr: torch.Tensor, num_q: int, rows_per_head: int, max_pages: int
+    plan: VerticalSlashPlan, num_q: int, rows_per_head: int, max_pages: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The torch statement of :func:`vertical_entries` (every page-table column filled: compare the
     first ``ceil(cache_seqlens / PAGE)`` of each row)."""
     NB, H = plan.vertical_len.shape
-    kv = kv_indptr.long()
-    aligned = (kv[1:] - kv[:-1] + PAGE - 1) // PAGE * PAGE
-    region = torch.cumsum(aligned, 0) - aligned
-    seq = torch.searchsorted(kv[1:], plan.kv_start.long(), right=True).clamp(max=max(kv.numel() - 2, 0))
-    heads = torch.arange(H, device=kv.device)
+    dev = plan.vertical_len.device
+    heads = torch.arange(H, device=dev)
     first = torch.where(plan.q_end > plan.q_start, plan.q_start.long(), num_q)
-    cu_q = torch.cat([(heads[:, None] * num_q + first[None, :]).reshape(-1), kv.new_tensor([H * num_q])])
+    cu_q = torch.cat([(heads[:, None] * num_q + first[None, :]).reshape(-1), first.new_tensor([H * num_q])])
     seqlens = plan.vertical_len.t().reshape(-1)
-    page0 = (heads[:, None] * rows_per_head + region[seq][None, :]) // PAGE  # [H, NB]
-    table = page0.reshape(-1, 1) + torch.arange(max_pages, device=kv.device)[None, :]
+    page0 = (heads[:, None] * rows_per_head + plan.compact_start.long()[None, :]) // PAGE  # [H, NB]
+    table = page0.reshape(-1, 1) + torch.arange(max_pages, device=dev)[None, :]
     return cu_q.int(), seqlens.int(), table.int()
 
 
@@ -169,17 +159,16 @@ def fa3_vertical(
     kc: torch.Tensor,
     vc: torch.Tensor,
     plan: VerticalSlashPlan,
-    kv_indptr: torch.Tensor,
     sm_scale: float,
     fa3: FA3Fn,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The vertical range of every (query block, KV head) in one FA3 call. q ``[Nq, Hq, D]``; kc, vc
-    ``[Hkv, R, D]`` compacted with ``align=PAGE``. Returns ``(out [Hkv * Nq, G, D], lse [G, Hkv * Nq])``
+    ``[Hkv, R, D]`` compacted in the plan's regions. Returns ``(out [Hkv * Nq, G, D], lse [G, Hkv * Nq])``
     in FA3's layout (natural log, float32); rows of an entry without keys are undefined."""
     Nq, Hq, D = q.shape
     Hkv, R = kc.shape[:2]
     max_pages = max(1, R // PAGE)  # a sequence's region is at most a head's rows
-    cu_q, seqlens, table = vertical_entries(plan, kv_indptr, Nq, R, max_pages)
+    cu_q, seqlens, table = vertical_entries(plan, Nq, R, max_pages)
     out, lse, *_ = fa3(
         q=fold_queries(q, Hkv),
         k_cache=kc.view(-1, PAGE, 1, D),

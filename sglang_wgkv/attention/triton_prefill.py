@@ -25,9 +25,13 @@ from sglang_wgkv.attention.fa3_vertical import PAGE, FA3Fn, fa3_vertical
 from sglang_wgkv.attention.triton_prefill_plan import (
     build_vertical_slash_plan_triton,
     compact_admitted_triton,
+)
+from sglang_wgkv.attention.vertical_slash_plan import (
+    COMPACT_ALIGN,
+    VerticalSlashPlan,
+    _exclusive_count,
     compacted_rows,
 )
-from sglang_wgkv.attention.vertical_slash_plan import VerticalSlashPlan, _exclusive_count
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,12 @@ class PrefillConfig:
 
 def default_config(head_dim: int) -> PrefillConfig:
     return PrefillConfig(128, 64, 8 if head_dim >= 128 else 4, 3)
+
+
+def compact_align(config: PrefillConfig) -> int:
+    """Rows the compacted regions align to under ``config``: a multiple of its key tile (the tail tile
+    is read whole) and of FA3's page (:data:`~.fa3_vertical.PAGE`)."""
+    return max(COMPACT_ALIGN, config.block_n, PAGE)
 
 
 @triton.jit
@@ -72,7 +82,7 @@ def _vertical_slash_fwd(
     KPos,
     BQStart,
     BQEnd,
-    BKVStart,
+    BCompactStart,
     BBandStart,
     BBandEnd,
     BVertical,
@@ -133,7 +143,7 @@ def _vertical_slash_fwd(
             l_i = tl.where(m_valid, 1.0, 0.0)
             acc = o_v.to(tl.float32)
     else:
-        row0 = kvh * compact_rows + tl.load(BKVStart + blk)
+        row0 = kvh * compact_rows + tl.load(BCompactStart + blk)
         n_full = (n_vert // BLOCK_N) * BLOCK_N
         for start in range(0, n_full, BLOCK_N):
             k = kc_desc.load([row0 + start, 0])
@@ -233,8 +243,9 @@ def vertical_slash_attention(
         ``vertical_slash_plan.build_vertical_slash_plan``; reusable across layers that share
         ``admitted`` and positions.
     compacted : ``(k_compact, v_compact)`` from :func:`compact_admitted_triton` (or the torch
-        :func:`compact_admitted`; built here when None).
-    config : launch shape (:func:`default_config` when None); ``plan.block_m`` must match it.
+        :func:`compact_admitted`; built here when None), with the plan's ``compact_align``.
+    config : launch shape (:func:`default_config` when None); ``plan.block_m`` must match it, and
+        ``plan.compact_align`` must be :func:`compact_align` of it (the kernel reads whole tiles).
     fa3 : ``flash_attn_with_kvcache`` (:func:`~.fa3_vertical.load_fa3`) or a stand-in with its
         contract: the vertical range runs there (:mod:`.fa3_vertical`) and this kernel adds the band
         to its output; ``compacted`` is then built here.
@@ -246,16 +257,22 @@ def vertical_slash_attention(
     Nq, Hq, D = q.shape
     Nk, Hkv = k.shape[:2]
     cfg = config or default_config(D)
+    align = compact_align(cfg)
     # the admitted-key counts both work lists start from, computed once
     excl = _exclusive_count(admitted) if plan is None or compacted is None else None
     if plan is None:
         # The one-launch plan: several times faster than the torch plan at 32K-128K keys, with the same
         # values (checked on the GPU and in the interpreter).
         plan = build_vertical_slash_plan_triton(
-            admitted, qo_indptr, kv_indptr, q_pos, k_pos, local_window, cfg.block_m, excl
+            admitted, qo_indptr, kv_indptr, q_pos, k_pos, local_window, cfg.block_m, excl, align
         )
-    elif plan.block_m != cfg.block_m:
-        raise ValueError(f"plan.block_m {plan.block_m} != config.block_m {cfg.block_m}")
+    elif (plan.block_m, plan.compact_align) != (cfg.block_m, align):
+        raise ValueError(
+            f"plan (block_m {plan.block_m}, compact_align {plan.compact_align}) != config's ({cfg.block_m}, {align})"
+        )
+    rows = compacted_rows(Nk, kv_indptr.numel() - 1, align)
+    if compacted is not None and any(c.shape != (Hkv, rows, D) for c in compacted):
+        raise ValueError(f"compacted buffers must be [{Hkv}, {rows}, {D}] (compact_align {align})")
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
     out = torch.empty_like(q)
     o_v = lse_v = out  # FA3's vertical output and log-sum-exp; not read without fa3
@@ -264,12 +281,10 @@ def vertical_slash_attention(
             raise ValueError("with fa3 the compacted keys are laid out in pages and built here")
         if Nq == 0:
             return out
-        rows = compacted_rows(Nk, kv_indptr.numel() - 1, PAGE)
-        kc, vc = (torch.empty(Hkv, rows, D, dtype=t.dtype, device=t.device) for t in (k, v))
-        compact_admitted_triton(k, v, admitted, kv_indptr, out=(kc, vc), excl=excl, align=PAGE)
-        o_v, lse_v = fa3_vertical(q, kc, vc, plan, kv_indptr, scale, fa3)
+        kc, vc = compact_admitted_triton(k, v, admitted, kv_indptr, excl=excl, align=align)
+        o_v, lse_v = fa3_vertical(q, kc, vc, plan, scale, fa3)
     elif compacted is None:
-        kc, vc = compact_admitted_triton(k, v, admitted, kv_indptr, excl=excl)
+        kc, vc = compact_admitted_triton(k, v, admitted, kv_indptr, excl=excl, align=align)
     else:
         kc, vc = compacted
     if Nq == 0:
@@ -296,7 +311,7 @@ def vertical_slash_attention(
         k_pos,
         plan.q_start,
         plan.q_end,
-        plan.kv_start,
+        plan.compact_start,
         plan.band_start,
         plan.band_end,
         plan.vertical_len,

@@ -11,7 +11,12 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang_wgkv.attention.vertical_slash_plan import VerticalSlashPlan, _exclusive_count
+from sglang_wgkv.attention.vertical_slash_plan import (
+    COMPACT_ALIGN,
+    VerticalSlashPlan,
+    _exclusive_count,
+    compacted_rows,
+)
 
 
 @triton.jit(do_not_specialize=["num_keys", "num_seqs"])
@@ -41,8 +46,8 @@ def _compact_fwd(
     """Rows ``BLOCK * pid(0) ..`` of KV head pid(1): each admitted row copied to its compacted row,
     the start of its sequence's region + the admitted rows before it there (``admitted_rank``, from
     the exclusive counts ``Excl`` and the sequences' starts ``KV``). A sequence's region starts where
-    the previous sequences' key counts, each rounded up to ``ALIGN``, end (``ALIGN`` 1: at its
-    ``kv_start``)."""
+    the previous sequences' key counts, each rounded up to ``ALIGN``, end; the program holding a
+    sequence's last key zeroes its rows from the admitted count to the next multiple of ``ALIGN``."""
     head = tl.program_id(1)
     n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = n < num_keys
@@ -58,8 +63,8 @@ def _compact_fwd(
         start = tl.where(n64 >= s, s, start)
         region = tl.where(n64 >= s, ends, region)
         if ALIGN > 1:
-            # Pages are read whole: the rows from the sequence's admitted count to its page bound
-            # get zeros (the buffers are not initialised; a NaN there would leak through 0 * NaN).
+            # Tiles and pages are read whole: the rows from the admitted count to the next multiple
+            # of ALIGN get zeros (the buffers are not initialised; a NaN would leak through 0 * NaN).
             lo = tl.program_id(0) * BLOCK
             if (e > s) & (e - 1 >= lo) & (e - 1 < lo + BLOCK):
                 total = tl.load(Excl + e * stride_en + head * stride_eh)
@@ -90,22 +95,19 @@ def compact_admitted_triton(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     block: int = 64,
     excl: torch.Tensor | None = None,
-    align: int = 1,
+    align: int = COMPACT_ALIGN,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`~sglang_wgkv.attention.vertical_slash_plan.compact_admitted` with one Triton copy: only
     admitted rows are read and written (the torch version scatters every row, the rejected ones to a
     scratch row, through a two-index ``index_put``). Same contract and result; k/v rows may be strided
     but each head's ``D`` values contiguous. ``excl``: ``_exclusive_count(admitted)`` when the caller
-    has it (the plan needs it too).
-
-    ``align`` > 1: each sequence's region starts at a multiple of ``align`` rows (the previous
-    sequences' key counts rounded up), in ``out`` buffers of :func:`compacted_rows` rows a head, which
-    need not be finite past the admitted rows (the FA3 vertical pass reads only those, whole pages of
-    ``align`` rows: :mod:`sglang_wgkv.attention.fa3_vertical`)."""
+    has it (the plan needs it too). ``out`` (allocated when None) need not be initialised: the rows
+    the kernels read are written here, admitted rows and the zeros after them (the layout of
+    :mod:`~sglang_wgkv.attention.vertical_slash_plan`); the rest of a region keeps what it held."""
     Nk, H, D = k.shape
     rows = compacted_rows(Nk, kv_indptr.numel() - 1, align)
     if out is None:
-        out = (k.new_zeros(H, rows, D), v.new_zeros(H, rows, D))
+        out = (k.new_empty(H, rows, D), v.new_empty(H, rows, D))
     if Nk == 0:
         return out
     if (
@@ -142,15 +144,6 @@ def compact_admitted_triton(
     return out
 
 
-def compacted_rows(num_keys: int, num_seqs: int, align: int = 1) -> int:
-    """Rows a head of :func:`compact_admitted_triton`'s buffers holds: ``num_keys + 1`` (a scratch row
-    last) when regions start at ``kv_start``; with ``align`` > 1, every sequence's region rounded up
-    to ``align`` rows, the total a multiple of ``align`` (pages of ``align`` rows)."""
-    if align == 1:
-        return num_keys + 1
-    return -(-(num_keys + num_seqs * (align - 1)) // align) * align
-
-
 @triton.jit
 def _count_le(KPos, lo, hi, x, n_iter):
     """Index of the first key in ``[lo, hi)`` with position > x (positions non-decreasing there)."""
@@ -178,6 +171,7 @@ def _plan_kernel(
     BandStart,
     BandEnd,
     Vertical,
+    CompactStart,
     num_seqs,
     num_q,
     stride_en,
@@ -187,19 +181,25 @@ def _plan_kernel(
     num_heads,
     n_iter,
     BLOCK_H: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
-    """One query block: its sequence (a walk over the sequences' block counts), rows, band and the
-    admitted count per KV head; the same values as the torch ``build_vertical_slash_plan``."""
+    """One query block: its sequence (a walk over the sequences' block counts), rows, band, the
+    admitted count per KV head and its sequence's compacted region; the same values as the torch
+    ``build_vertical_slash_plan``."""
     blk = tl.program_id(0).to(tl.int64)
     seen = blk * 0
     first = blk * 0
     found = blk * 0 + num_seqs
+    region = blk * 0
+    ends = blk * 0
     for b in range(0, num_seqs):
         nb = (tl.load(QO + b + 1).to(tl.int64) - tl.load(QO + b).to(tl.int64) + block_m - 1) // block_m
         hit = (found == num_seqs) & (blk >= seen) & (blk < seen + nb)
         found = tl.where(hit, b, found)
         first = tl.where(hit, seen, first)
+        region = tl.where(hit, ends, region)
         seen += nb
+        ends += (tl.load(KV + b + 1).to(tl.int64) - tl.load(KV + b).to(tl.int64) + ALIGN - 1) // ALIGN * ALIGN
     valid = found < num_seqs
     b = tl.minimum(found, num_seqs - 1)
     q_lo = tl.load(QO + b).to(tl.int64)
@@ -220,6 +220,7 @@ def _plan_kernel(
     tl.store(KVStart + blk, lo.to(tl.int32))
     tl.store(BandStart + blk, band_start.to(tl.int32))
     tl.store(BandEnd + blk, band_end.to(tl.int32))
+    tl.store(CompactStart + blk, region.to(tl.int32))
     hs = tl.arange(0, BLOCK_H)
     live = hs < num_heads
     vert = tl.load(Excl + band_start * stride_en + hs * stride_eh, mask=live, other=0) - tl.load(
@@ -237,6 +238,7 @@ def build_vertical_slash_plan_triton(
     local_window: int,
     block_m: int,
     excl: torch.Tensor | None = None,
+    compact_align: int = COMPACT_ALIGN,
 ) -> VerticalSlashPlan:
     """:func:`~sglang_wgkv.attention.vertical_slash_plan.build_vertical_slash_plan` as the admitted-count
     scan plus one Triton launch (one program per query block; binary searches over its sequence's key
@@ -248,8 +250,8 @@ def build_vertical_slash_plan_triton(
     H = admitted.shape[1]
     NB = -(-Nq // block_m) + B
     i32 = torch.int32
-    q_start, q_end, kv_start, band_start, band_end = (
-        torch.empty(NB, dtype=i32, device=dev) for _ in range(5)
+    q_start, q_end, kv_start, band_start, band_end, compact_start = (
+        torch.empty(NB, dtype=i32, device=dev) for _ in range(6)
     )
     vertical = torch.empty(NB, H, dtype=i32, device=dev)
     excl = _exclusive_count(admitted) if excl is None else excl
@@ -266,6 +268,7 @@ def build_vertical_slash_plan_triton(
             band_start,
             band_end,
             vertical,
+            compact_start,
             B,
             Nq,
             excl.stride(0),
@@ -275,6 +278,9 @@ def build_vertical_slash_plan_triton(
             H,
             max(1, (Nk + 1).bit_length()),
             BLOCK_H=triton.next_power_of_2(max(H, 1)),
+            ALIGN=compact_align,
             num_warps=1,
         )
-    return VerticalSlashPlan(block_m, q_start, q_end, kv_start, band_start, band_end, vertical)
+    return VerticalSlashPlan(
+        block_m, q_start, q_end, kv_start, band_start, band_end, vertical, compact_start, compact_align
+    )

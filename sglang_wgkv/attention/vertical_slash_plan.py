@@ -10,8 +10,13 @@ The keys split into two disjoint ranges::
     |   and to *every* query of the block       |   (query, key)              | visible    |
 
 so the vertical range is a dense, unmasked attention over the admitted keys of head ``h`` once they
-are compacted (``k_compact[h, kv_start : kv_start + vertical_len[i, h]]``), and only the band, at most
-``W + block_m - 1`` keys wide, needs a mask.
+are compacted (``k_compact[h, compact_start : compact_start + vertical_len[i, h]]``), and only the
+band, at most ``W + block_m - 1`` keys wide, needs a mask.
+
+Compacted regions: each sequence's admitted keys start at a multiple of ``align`` rows (the previous
+sequences' key counts rounded up), and the rows from its admitted count to the next multiple are
+zero, so that whole tiles or pages of ``align`` rows read past the count meet finite values in
+buffers that are otherwise not initialised.
 """
 
 from dataclasses import dataclass
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 _SEQ_SHIFT = 40  # composite sort key: sequence id * 2**40 + position (positions stay below 2**40)
+COMPACT_ALIGN = 64  # rows: the kernels' key tile and FA3's page (triton_prefill, fa3_vertical)
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,21 @@ class VerticalSlashPlan:
     band_start: torch.Tensor  # [NB] int32 packed key rows [band_start, band_end) need the mask
     band_end: torch.Tensor  # [NB] int32
     vertical_len: torch.Tensor  # [NB, Hkv] int32 admitted keys fully visible to the block
+    compact_start: torch.Tensor  # [NB] int32 first compacted row of the block's sequence
+    compact_align: int  # regions of the compacted keys start at multiples of this
+
+
+def compacted_rows(num_keys: int, num_seqs: int, align: int = COMPACT_ALIGN) -> int:
+    """Rows a head of the compacted buffers holds: every sequence's region rounded up to ``align``
+    rows (at most ``num_keys + num_seqs * (align - 1)``), the total a multiple of ``align``."""
+    return -(-(num_keys + num_seqs * (align - 1)) // align) * align
+
+
+def region_starts(kv_indptr: torch.Tensor, align: int = COMPACT_ALIGN) -> torch.Tensor:
+    """``[B]`` int64: the first compacted row of each sequence's region."""
+    lens = kv_indptr[1:].long() - kv_indptr[:-1].long()
+    rounded = (lens + align - 1) // align * align
+    return torch.cumsum(rounded, 0) - rounded
 
 
 def compact_admitted(
@@ -40,28 +61,37 @@ def compact_admitted(
     admitted: torch.Tensor,
     kv_indptr: torch.Tensor,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    align: int = COMPACT_ALIGN,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Admitted rows of each KV head moved to the front of their sequence's range, in position order.
+    """Admitted rows of each KV head moved to the front of their sequence's region, in position order.
 
     Parameters
     ----------
     k, v : ``[Nk, Hkv, D]`` packed keys and values; admitted : ``[Nk, Hkv]`` bool; kv_indptr : ``[B + 1]``.
-    out : optional ``([Hkv, Nk + 1, D], [Hkv, Nk + 1, D])`` buffers whose rows are finite (e.g.
-        zero-filled once).
+    out : optional ``[Hkv, compacted_rows(Nk, B, align), D]`` buffers, zero-filled.
 
-    Returns ``(k_compact, v_compact)``, each ``[Hkv, Nk + 1, D]``: for sequence b and head h, rows
-    ``kv_indptr[b] ..`` hold its admitted rows in order; the rest of its range keeps its old (finite)
-    values, row ``Nk`` is scratch. The kernel reads whole tiles past the admitted count and masks
-    their scores, so a NaN there would leak through ``0 * NaN`` in the value product.
+    Returns ``(k_compact, v_compact)``: for sequence b and head h, rows ``region_starts(kv_indptr)[b]
+    ..`` hold its admitted rows in order, every other row zero (the module's layout; the kernels read
+    whole tiles past the admitted count and mask their scores, so a NaN there would leak through
+    ``0 * NaN`` in the value product).
     """
     Nk, H, D = k.shape
-    dest = torch.where(admitted, admitted_rank(admitted, kv_indptr), Nk)
+    rows = compacted_rows(Nk, kv_indptr.numel() - 1, align)
+    rank = admitted_rank(admitted, kv_indptr) - kv_indptr.long()[_seq_of_keys(kv_indptr, Nk)][:, None]
+    dest = region_starts(kv_indptr, align)[_seq_of_keys(kv_indptr, Nk)][:, None] + rank
     if out is None:
-        out = (k.new_zeros(H, Nk + 1, D), v.new_zeros(H, Nk + 1, D))
-    heads = torch.arange(H, device=k.device)[None, :].expand(Nk, H)
-    out[0][heads, dest] = k
-    out[1][heads, dest] = v
+        out = (k.new_zeros(H, rows, D), v.new_zeros(H, rows, D))
+    n, h = admitted.nonzero(as_tuple=True)
+    out[0][h, dest[n, h]] = k[n, h]
+    out[1][h, dest[n, h]] = v[n, h]
     return out
+
+
+def _seq_of_keys(kv_indptr: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """``[Nk]`` the sequence of each packed key."""
+    return torch.searchsorted(
+        kv_indptr.long()[1:], torch.arange(num_keys, device=kv_indptr.device), right=True
+    )
 
 
 def admitted_rank(admitted: torch.Tensor, kv_indptr: torch.Tensor) -> torch.Tensor:
@@ -100,8 +130,10 @@ def build_vertical_slash_plan(
     k_pos: torch.Tensor,
     local_window: int,
     block_m: int,
+    compact_align: int = COMPACT_ALIGN,
 ) -> VerticalSlashPlan:
-    """Per query block: its rows, the band key range and the admitted count per KV head.
+    """Per query block: its rows, the band key range, the admitted count per KV head and the start of
+    its sequence's compacted region (regions rounded to ``compact_align`` rows).
 
     Positions must not decrease within each sequence (keys and queries), as in
     prefill, chunked prefill and extend after a cached prefix (global entries placed at one far
@@ -145,4 +177,6 @@ def build_vertical_slash_plan(
         band_start.to(i32),
         band_end.to(i32),
         vertical.to(i32).contiguous(),
+        region_starts(kv_indptr, compact_align)[b].to(i32) if B else q_start.to(i32),
+        compact_align,
     )
