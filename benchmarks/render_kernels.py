@@ -340,3 +340,22 @@ def chunked_prefill_host(d: dict) -> list[str]:
         "RSS MiB over start",
     ]
     return [head, "", *table(header, rows), ""]
+
+
+def host_ops(d: dict) -> list[str]:
+    """``benchmarks/host_ops.py``: the launches of a served forward on the kernels path, counted on CPU."""
+
+    def launches(part: dict) -> str:
+        return " + ".join(f"{f(part[k], 0)} {k}" for k in ("torch", "triton", "sync") if part.get(k))
+
+    rows = [
+        [name, launches(r["per_layer"]), launches(r["per_forward"])] for name, r in d["scenarios"].items()
+    ]
+    H, Hq, D, W = d["shape"]
+    head = (
+        f"Command: {cmd(d['command'])}. {H} KV heads, {Hq} query heads, head_dim {D}, W_local {W}; aten ops that "
+        "launch a kernel (torch), Triton launches, host syncs; counted on CPU, the Triton kernels interpreted."
+    )
+    return [head, ""] + table(
+        ["forward", "launches a layer", "launches a forward (besides the layers)"], rows
+    )

@@ -35,6 +35,7 @@ from benchmarks.render_kernels import (
     evictor_step,
     extend_step,
     fig8,
+    host_ops,
     kernel_attention,
     kernel_decode,
     pool_update_cpu,
@@ -96,6 +97,7 @@ RENDERERS = {
     "prompt_window": prompt_window,  # evals/prompt_window.py
     "agreement": agreement,  # evals/agreement.py
     "chunked_prefill_host": chunked_prefill_host,  # chunked_prefill_host.py
+    "host_ops": host_ops,  # host_ops.py
 }
 __all__ = ["RENDERERS", "SECTIONS", "clean_path", "render", "renderer"]
 

@@ -92,14 +92,19 @@ class ExtendStep:
         self.allocator.ensure(ring_total + worst)
         if ring_total:
             pages = self.allocator.alloc(ring_total).to(torch.int32)
-            off = 0
-            for r, (c0, c1) in zip(req_slots, ring_new):
-                k = LH * (c1 - c0)
-                if k:
-                    self.page_table[r, :, :, c0:c1] = pages[off : off + k].view(
-                        self.num_layers, self.num_kv_heads, -1
-                    )
-                    off += k
+            # request b's pages, laid out [L, H, its new columns], go to (slot, column) pairs: one write
+            ncols = np.array([c1 - c0 for c0, c1 in ring_new], dtype=np.int64)
+            pair_b = np.repeat(np.arange(len(ring_new)), ncols)
+            j = np.arange(len(pair_b)) - np.repeat(np.cumsum(ncols) - ncols, ncols)  # column within b
+            start = np.repeat(LH * (np.cumsum(ncols) - ncols), ncols)  # b's first page
+            lh = np.arange(LH)
+            src = start[:, None] + lh[None, :] * ncols[pair_b][:, None] + j[:, None]  # [P, LH]
+            slot_col = np.stack([np.asarray(req_slots)[pair_b], np.asarray([c0 for c0, _ in ring_new])[pair_b] + j])
+            idx = to_device(self.device, [slot_col.reshape(-1), src.reshape(-1)])
+            P = len(pair_b)
+            self.page_table[idx[:P], :, :, idx[P : 2 * P]] = pages[idx[2 * P :]].view(
+                P, self.num_layers, self.num_kv_heads
+            )
         cand_b, cand_ring, cand_slot, cand_src, cand_start = [], [], [], [], []
         rw_b, rw_slot, rw_src = [], [], []
         offset = 0

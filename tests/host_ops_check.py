@@ -1,0 +1,40 @@
+"""Run as a script with ``TRITON_INTERPRET=1`` by ``test_core_host_ops.py``: what a served forward
+launches on the kernels path (``benchmarks.host_ops``), per layer and per forward, must not grow with
+the requests of the batch, must hold no host sync, and must stay within the counts it has reached.
+
+``python tests/host_ops_check.py CASE [CASE ...]``: a line per case, exit code 1 if any fails.
+"""
+
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+from benchmarks.host_ops import measure  # noqa: E402
+from sglang_wgkv.testing.interp import check_seeds  # noqa: E402
+
+# case: (the same forward with few and with more requests, most launches a layer it may make)
+CASES = {
+    "extend": (("extend_1x40", "extend_4x40"), 13),
+    "chunk_after_prefix": (("chunk_after_prefix_1", "chunk_after_prefix_4"), 21),
+    "mixed": (("mixed_1_prefill_4_decode", "mixed_1_prefill_8_decode"), 18),
+    "decode": (("decode_4", "decode_8"), 4),
+}
+
+
+def check(case: str) -> str:
+    (few, more), ceiling = CASES[case]
+    a, b = measure(few), measure(more)
+    for part in ("per_layer", "per_forward"):
+        if a[part] != b[part]:
+            raise SystemExit(f"{part} launches grow with the requests: {few} {a[part]}, {more} {b[part]}")
+    if a["per_layer"].get("sync") or a["per_forward"].get("sync"):
+        raise SystemExit(f"host syncs: {a['per_layer_by_name']} {a['per_forward_by_name']}")
+    per_layer = sum(a["per_layer"].values())
+    if per_layer > ceiling:
+        raise SystemExit(f"{per_layer} launches a layer (at most {ceiling}): {a['per_layer_by_name']}")
+    return f"{per_layer:g} a layer, {sum(a['per_forward'].values()):g} a forward"
+
+
+if __name__ == "__main__":
+    sys.exit(check_seeds(check, sys.argv[1:]))
