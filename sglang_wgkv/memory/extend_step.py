@@ -99,7 +99,9 @@ class ExtendStep:
             start = np.repeat(LH * (np.cumsum(ncols) - ncols), ncols)  # b's first page
             lh = np.arange(LH)
             src = start[:, None] + lh[None, :] * ncols[pair_b][:, None] + j[:, None]  # [P, LH]
-            slot_col = np.stack([np.asarray(req_slots)[pair_b], np.asarray([c0 for c0, _ in ring_new])[pair_b] + j])
+            slot_col = np.stack(
+                [np.asarray(req_slots)[pair_b], np.asarray([c0 for c0, _ in ring_new])[pair_b] + j]
+            )
             idx = to_device(self.device, [slot_col.reshape(-1), src.reshape(-1)])
             P = len(pair_b)
             self.page_table[idx[:P], :, :, idx[P : 2 * P]] = pages[idx[2 * P :]].view(
