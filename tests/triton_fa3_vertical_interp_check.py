@@ -127,9 +127,10 @@ def check(seed: int) -> str:
 
 def check_choice() -> str:
     """The server's start-up choice with a correct and a wrong FA3 stand-in (SmolLM2's heads)."""
-    from sglang_wgkv.integration.backend.prefill_vertical import choose_fa3
+    from sglang_wgkv.integration.backend.prefill_vertical import choose_fa3, warm_up
 
     cpu, shape = torch.device("cpu"), (9, 3, 64)
+    warm_up(cpu, torch.float16, shape)  # the backend's start-up launch of the one-pass prefill
     if (
         choose_fa3("fa3", cpu, torch.float16, shape, load=lambda d: fa3_paged_reference)
         is not fa3_paged_reference

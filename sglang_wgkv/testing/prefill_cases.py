@@ -18,21 +18,24 @@ PREFILL_CASES = [
 ]
 
 
-def packed_case(lens_q, lens_k, Hq, Hkv, D, p_admit, dtype, far_prefix=0, device="cpu"):
+def packed_case(
+    lens_q, lens_k, Hq, Hkv, D, p_admit, dtype, far_prefix=0, device="cpu", index_dtype=torch.int32
+):
     """``(q, k, v, admitted, qo_indptr, kv_indptr, q_pos, k_pos)`` of a packed batch (torch's global
     generator); queries are the last lens_q positions of each sequence. far_prefix > 0 puts that many
     extra keys per sequence at ``FAR_POSITION`` (the pool's layout of global entries in
-    ``gather_context``), admitted with probability p_admit."""
-    qo = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32).to(device)
+    ``gather_context``), admitted with probability p_admit. ``index_dtype``: of the indptrs and
+    positions (the served prefill's are int64)."""
+    qo = torch.tensor([0] + lens_q).cumsum(0).to(index_dtype).to(device)
     kl = [lk + far_prefix for lk in lens_k]
-    kv = torch.tensor([0] + kl).cumsum(0).to(torch.int32).to(device)
+    kv = torch.tensor([0] + kl).cumsum(0).to(index_dtype).to(device)
     Nq, Nk = int(qo[-1]), int(kv[-1])
     q = torch.randn(Nq, Hq, D, device=device).to(dtype)
     k = torch.randn(Nk, Hkv, D, device=device).to(dtype)
     v = torch.randn(Nk, Hkv, D, device=device).to(dtype)
     admitted = torch.rand(Nk, Hkv, device=device) < p_admit
-    q_pos = torch.cat([torch.arange(lk - lq, lk) for lq, lk in zip(lens_q, lens_k)]).to(torch.int32)
+    q_pos = torch.cat([torch.arange(lk - lq, lk) for lq, lk in zip(lens_q, lens_k)]).to(index_dtype)
     k_pos = torch.cat(
         [torch.cat([torch.full((far_prefix,), FAR_POSITION), torch.arange(lk)]) for lk in lens_k]
     )
-    return q, k, v, admitted, qo, kv, q_pos.to(device), k_pos.to(torch.int32).to(device)
+    return q, k, v, admitted, qo, kv, q_pos.to(device), k_pos.to(index_dtype).to(device)

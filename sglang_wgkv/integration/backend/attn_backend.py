@@ -150,9 +150,10 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
         if mode == "fa3" and not self.use_kernels:
             raise RuntimeError("--wgkv-prefill-vertical fa3 needs the kernels path (a CUDA device)")
         if self.use_kernels:
-            from sglang_wgkv.integration.backend.prefill_vertical import FA3_MIN_KEYS, choose_fa3
+            from sglang_wgkv.integration.backend.prefill_vertical import FA3_MIN_KEYS, choose_fa3, warm_up
 
             shape = (self.num_q_heads, self.dual.num_kv_heads, self.dual.head_dim)
+            warm_up(self.device, model_runner.model_config.dtype, shape)  # no compile in a request's prefill
             self._fa3 = choose_fa3(mode, self.device, model_runner.model_config.dtype, shape)
             self._fa3_min_keys = 0 if mode == "fa3" else FA3_MIN_KEYS
         self._row_tau = None  # [tokens, 1] admission threshold of each extend row

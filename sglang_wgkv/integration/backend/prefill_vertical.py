@@ -28,19 +28,34 @@ LOG_FA3 = "wgkv: FA3 runs the prefill's vertical range"
 LOG_TRITON = "wgkv: the prefill's vertical range runs in the Triton kernel"
 
 
-def startup_check(fa3: FA3Fn, device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int]) -> float:
-    """Max |difference| between the prefill with FA3 on the vertical range and the one-pass Triton
-    kernel, on a batch like a served chunk (a cached context with global entries at the far position,
-    several pages a block) of the model's ``shape`` (query heads, KV heads, head_dim): it compiles the
-    launches the FA3 path will make."""
-    from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
+def served_case(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int]) -> tuple:
+    """A batch like a served chunk for the model's ``shape`` (query heads, KV heads, head_dim): a cached
+    context with global entries at the far position and a short new prompt beside it, several pages a
+    block, int64 indptrs and positions as the served prefill passes them (Triton compiles per dtype)."""
     from sglang_wgkv.testing.prefill_cases import packed_case
 
-    with torch.random.fork_rng(
-        devices=[device] if device.type == "cuda" else []
-    ):  # the server's RNG untouched
+    # the server's RNG left as it was
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)
-        args = packed_case([700, 33], [1500, 33], *shape, 0.25, dtype, far_prefix=600, device=device)
+        return packed_case(
+            [700, 33], [1500, 33], *shape, 0.25, dtype, far_prefix=600, device=device, index_dtype=torch.int64
+        )
+
+
+def warm_up(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
+    """The one-pass prefill's launches (plan, compaction, kernel) compiled at start-up for the served
+    dtypes, so that no request waits for them."""
+    from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
+
+    vertical_slash_attention(*served_case(device, dtype, shape), 256)
+
+
+def startup_check(fa3: FA3Fn, device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int]) -> float:
+    """Max |difference| between the prefill with FA3 on the vertical range and the one-pass Triton
+    kernel on :func:`served_case`: it compiles the launches the FA3 path will make."""
+    from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
+
+    args = served_case(device, dtype, shape)
     with_fa3 = vertical_slash_attention(*args, 256, fa3=fa3)
     one_pass = vertical_slash_attention(*args, 256)
     return float((with_fa3.float() - one_pass.float()).abs().max())
