@@ -8,7 +8,7 @@ each layer's packed keys, so that a layer's attention inputs are a fixed handful
 scatters however many requests the batch holds (:meth:`ExtendStep.extend_inputs`); reading them one
 request at a time took about twenty small launches per request and layer.
 
-| per forward (``build_context_index``, after ``begin_extend``) | per layer (``extend_inputs``) |
+| per forward (``build_context_index``, by the first ``extend_inputs``) | per layer (``extend_inputs``) |
 | --- | --- |
 | host: every context row's (slot, layer, page column, offset), packed rows, key positions | K: one gather from the pages, two scatters (context rows, new rows); V the same |
 | one copy to the device; page ids, global lengths and ring flags read in five launches | admission flags: two scatters; positions: a slice |

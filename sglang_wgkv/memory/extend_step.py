@@ -52,7 +52,9 @@ class ExtendPlan:
     rw_slot: torch.Tensor  # [M] its ring slot
     rw_src: torch.Tensor  # [M] its packed token index
     context_gcols: list  # [B][L] host: global page columns gather_context reads (0 without a prefix)
-    context: ContextIndex | None = None  # the torch path's context rows of every layer (None: no context)
+    # the torch path's context rows of every layer, built by its first extend_inputs (None: no context)
+    context: ContextIndex | None = None
+    context_built: bool = False
 
 
 class ExtendStep:
@@ -143,8 +145,6 @@ class ExtendStep:
             rw_src=to_device(self.device, rw_src),
             context_gcols=self._context_gcols(req_slots, prefix_lens),
         )
-        if not self.triton_extend:  # (its launch reads the context itself)
-            plan.context = build_context_index(self, plan)
         self._extend, self._decode = plan, None
         return plan
 
@@ -294,6 +294,8 @@ class ExtendStep:
             admitted = torch.empty(out0, H, dtype=torch.bool, device=self.device)
             extend_context(self, layer, segments, k, v, admit, positions, keys, values, k_pos, admitted)
             return keys, values, k_pos, admitted
+        if not p.context_built:  # once a forward; a layer's context is unchanged until its own write
+            p.context, p.context_built = build_context_index(self, p), True
         ci = p.context
         if ci is None:  # no cached context in this forward: the keys are the new rows
             return k.to(dtype), v.to(dtype), positions, admit
