@@ -97,6 +97,7 @@ def bare_backend(
         _rows=None,
         _row_tau=None,
         _row_uniform=None,
+        _all_kept=None,
         _mixed_split=None,
         batch_slots=None,
         batch_prompt_ends=None,

@@ -157,6 +157,7 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
             self._fa3 = choose_fa3(mode, self.device, model_runner.model_config.dtype, shape)
             self._fa3_min_keys = 0 if mode == "fa3" else FA3_MIN_KEYS
         self._row_tau = None  # [tokens, 1] admission threshold of each extend row
+        self._all_kept = None  # [tokens, H] all True: every extend row's request keeps every token
         self._row_uniform = None  # [tokens, L, H] random-admission draws of the extend rows (kernels)
         self._rows: DecodeRows | None = None  # the current decode step
         self.batch_slots: list[int] | None = None  # record_batch_slots
@@ -243,6 +244,13 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
         if self.evictor is not None and declared is not None and declared[0] == self._extend[0]:
             self.evictor.mark_extend(*declared)
         rows = sum(self._extend[2])
+        self._all_kept = None
+        admissions = getattr(self.req_pool, "slot_admission", None)
+        if admissions is not None and not any(admissions[s].admission for s in self._extend[0]):
+            # every prefill row's request keeps every token: no gate to run, in any layer
+            self._all_kept = torch.ones(rows, self.dual.num_kv_heads, dtype=torch.bool, device=self.device)
+            self._row_tau = self._row_uniform = None
+            return
         tau = self.req_pool.slot_tau[slots]
         self._row_tau = torch.repeat_interleave(tau, extend_lens, output_size=rows).unsqueeze(1)
         # the prefill gate decides in its own launch: one [N, L, H] draw a forward, not one a layer
@@ -303,9 +311,11 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
 
     # -- per layer ------------------------------------------------------------------------------
     def _admit_extend(self, layer: RadixAttention, k_pre: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """The extend rows' admission flags ``[N, H]``: on the kernels path gate values, check copy and
-        flags in the prefill gate's one launch (its values land in the gate check's buffer); else
-        :meth:`_admit`."""
+        """The extend rows' admission flags ``[N, H]``: all True where every request of the rows keeps
+        every token (no gate runs); on the kernels path gate values, check copy and flags in the prefill
+        gate's one launch (its values land in the gate check's buffer); else :meth:`_admit`."""
+        if self._all_kept is not None:
+            return self._all_kept
         if self.prefill_gate is None:
             return self._admit(layer, k_pre, k, self._row_tau, check=True)
         lid = layer.layer_id
