@@ -44,10 +44,14 @@ def served_case(device: torch.device, dtype: torch.dtype, shape: tuple[int, int,
 
 def warm_up(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
     """The one-pass prefill's launches (plan, compaction, kernel) compiled at start-up for the served
-    dtypes, so that no request waits for them."""
+    dtypes, so that no request waits for them; a failure is logged, not raised (the first prefill then
+    compiles, or reports what fails)."""
     from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
 
-    vertical_slash_attention(*served_case(device, dtype, shape), 256)
+    try:
+        vertical_slash_attention(*served_case(device, dtype, shape), 256)
+    except Exception as exc:  # a warm-up must not take the server down
+        logger.warning("wgkv: the prefill warm-up failed (%s: %s)", type(exc).__name__, str(exc)[:300])
 
 
 def startup_check(fa3: FA3Fn, device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int]) -> float:
