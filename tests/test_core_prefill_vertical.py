@@ -80,3 +80,13 @@ def test_the_choice_is_read_back_from_the_server_log(caplog):
     )
     assert vertical_from_log(f"{LOG_FA3}\n{LOG_TRITON}: sgl_kernel's FA3 does not load here") == "mixed"
     assert vertical_from_log("server_args=ServerArgs(...)") is None
+
+
+def test_a_failed_warm_up_is_logged_not_raised(caplog):
+    """The backend's start-up compile of the one-pass prefill never takes the server down (here it
+    cannot launch: CPU tensors without the interpreter)."""
+    from sglang_wgkv.integration.backend.prefill_vertical import warm_up
+
+    with caplog.at_level(logging.WARNING):
+        warm_up(CPU, torch.bfloat16, SHAPE)
+    assert "prefill warm-up failed (ValueError" in caplog.text
