@@ -125,7 +125,7 @@ def _vertical_slash_fwd(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
     # 1. compacted admitted keys, fully visible: unmasked full tiles, then one masked tail tile
-    #    (rows past the admitted count are finite: zero-initialised or other admitted keys).
+    #    (its rows past the admitted count are the zeros the compaction writes up to the region's tile).
     n_vert = tl.load(BVertical + blk * num_kv_heads + kvh)
     if VERTICAL_GIVEN:
         # FA3 ran them (fa3_vertical): its normalised output and log-sum-exp are the softmax state

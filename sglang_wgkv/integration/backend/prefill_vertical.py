@@ -3,9 +3,9 @@ Triton kernel (:mod:`sglang_wgkv.attention.fa3_vertical`).
 
 | setting | FA3 loads and passes the start-up check | it does not |
 | --- | --- | --- |
-| ``auto`` (default) | FA3 for forwards whose longest key range reaches :data:`FA3_MIN_KEYS` | Triton, a warning logged |
+| ``auto`` | FA3 for forwards whose longest key range reaches :data:`FA3_MIN_KEYS` | Triton, a warning logged |
 | ``fa3`` | FA3 for every extend | the server refuses to start |
-| ``triton`` | Triton | Triton |
+| ``triton`` (default) | Triton | Triton |
 """
 
 from __future__ import annotations
