@@ -29,34 +29,13 @@ from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.integration.backend.decode_layer import SCRATCH_SLOT, DecodeRows
 from sglang_wgkv.memory import DualCachePool
 from sglang_wgkv.memory.evictor import SnapKVEvictor
-from sglang_wgkv.testing.backend_harness import bare_backend
+from sglang_wgkv.testing.backend_harness import Mode, bare_backend, decode_batch
+from sglang_wgkv.testing.backend_harness import layer_of as harness_layer
 
 L, H, HQ, D, W = 2, 2, 4, 64, 32
 DT = torch.bfloat16
 SLOTS, PLENS = [3, 1, 2], [45, 20, 33]  # batch order != slot order
 TAU = {1: float("-inf"), 2: 0.5, 3: 0.3}  # per-request thresholds (slot 1: admission off)
-
-
-class Mode:
-    def __init__(self, decode: bool):
-        self.decode = decode
-
-    def is_idle(self):
-        return False
-
-    def is_decode(self):
-        return self.decode
-
-    def is_extend(self):
-        return not self.decode
-
-    def is_mixed(self):
-        return False
-
-
-class Capture:
-    def take(self, k):
-        return k
 
 
 GATES = make_gates(D, H, 2 * D, seed=5, device="cpu")  # real write gates with varied decisions
@@ -126,15 +105,7 @@ def build_pool(kv_dtype=None) -> DualCachePool:
 
 
 def layer_of(i):
-    return SimpleNamespace(
-        layer_id=i,
-        tp_q_head_num=HQ,
-        tp_k_head_num=H,
-        qk_head_dim=D,
-        v_head_dim=D,
-        scaling=D**-0.5,
-        sliding_window_size=None,
-    )
+    return harness_layer(i, HQ, H, D)
 
 
 def run_layers(backend, fb, q, k, v):
@@ -180,7 +151,7 @@ def main(tensor_core_gate: bool, decode_launch: str = "", evictor_rows: int | No
     b.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
     before = live_state(pool_b)
     cap = SimpleNamespace(
-        forward_mode=Mode(True),
+        forward_mode=Mode("decode"),
         batch_size=BS,
         num_padding=0,
         req_pool_indices=torch.zeros(BS, dtype=torch.int64),
@@ -200,20 +171,13 @@ def main(tensor_core_gate: bool, decode_launch: str = "", evictor_rows: int | No
     # -- one step: A eager reference, B replay preparation of 3 rows padded to 5 + kernels path
     seq = torch.tensor(PLENS) + 1
     q, k, v = (torch.randn(L, B, n * D, generator=gen).to(DT) for n in (HQ, H, H))
-    fb_a = SimpleNamespace(
-        forward_mode=Mode(True),
-        batch_size=B,
-        req_pool_indices=torch.tensor(SLOTS),
-        seq_lens=seq,
-        seq_lens_cpu=seq,
-        wgkv_req_slots=list(SLOTS),
-    )
+    fb_a = decode_batch(SLOTS, seq)
     a.init_forward_metadata(fb_a)
     out_a = run_layers(a, fb_a, q, k, v)
 
     pad = lambda t, fill: torch.cat([t, torch.full((BS - B,), fill, dtype=t.dtype)])  # noqa: E731
     view = SimpleNamespace(
-        forward_mode=Mode(True),
+        forward_mode=Mode("decode"),
         batch_size=BS,
         num_padding=BS - B,
         req_pool_indices=pad(torch.tensor(SLOTS), 0),

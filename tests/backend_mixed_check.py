@@ -17,7 +17,6 @@ windows hold the same queries, and the pool counted one mixed forward. Prints ``
 """
 
 import copy
-from types import SimpleNamespace
 
 import torch
 from backend_graph_check import (
@@ -36,40 +35,9 @@ from backend_graph_check import (
 
 from sglang_wgkv.attention import reference
 from sglang_wgkv.memory.extend_step import FAR_POSITION
+from sglang_wgkv.testing.backend_harness import decode_batch, extend_batch
 
 NEW_SLOT, PROMPT = 4, 40
-
-
-class Mode:
-    def __init__(self, kind: str):
-        self.kind = kind
-
-    def is_idle(self):
-        return False
-
-    def is_decode(self):
-        return self.kind == "decode"
-
-    def is_extend(self):
-        return self.kind in ("extend", "mixed")
-
-    def is_mixed(self):
-        return self.kind == "mixed"
-
-
-def extend_batch(kind, slots, prefix, extend, seq, positions):
-    return SimpleNamespace(
-        forward_mode=Mode(kind),
-        batch_size=len(slots),
-        req_pool_indices=torch.tensor(slots),
-        seq_lens=torch.tensor(seq),
-        seq_lens_cpu=torch.tensor(seq),
-        extend_prefix_lens_cpu=prefix,
-        extend_seq_lens_cpu=extend,
-        extend_seq_lens=torch.tensor(extend),
-        positions=positions,
-        wgkv_req_slots=list(slots),
-    )
 
 
 def pool_state(pool, live):
@@ -109,32 +77,17 @@ def main():
     pos_e = torch.arange(PROMPT)
 
     # A: an extend forward, then a decode forward (reference path)
-    fb = extend_batch("extend", [NEW_SLOT], [0], [PROMPT], [PROMPT], pos_e)
+    fb = extend_batch("extend", [NEW_SLOT], [0], [PROMPT], pos_e)
     a.batch_slots = [NEW_SLOT]
     a.init_forward_metadata(fb)
     want_e = [a.forward_extend(qe[i], ke[i], ve[i], layer_of(i), fb) for i in range(L)]
-    seq = torch.tensor(PLENS) + 1
-    fb = SimpleNamespace(
-        forward_mode=Mode("decode"),
-        batch_size=B,
-        req_pool_indices=torch.tensor(SLOTS),
-        seq_lens=seq,
-        seq_lens_cpu=seq,
-        wgkv_req_slots=list(SLOTS),
-    )
+    fb = decode_batch(SLOTS, [p + 1 for p in PLENS])
     a.init_forward_metadata(fb)
     want_d = [a.forward_decode(qd[i], kd[i], vd[i], layer_of(i), fb) for i in range(L)]
 
     # B: one mixed forward (prefill rows first, the decode rows as one-token extends at the end)
     slots = [NEW_SLOT, *SLOTS]
-    fb = extend_batch(
-        "mixed",
-        slots,
-        [0, *PLENS],
-        [PROMPT, 1, 1, 1],
-        [PROMPT, *(p + 1 for p in PLENS)],
-        torch.cat([pos_e, torch.tensor(PLENS)]),
-    )
+    fb = extend_batch("mixed", slots, [0, *PLENS], [PROMPT, 1, 1, 1], torch.cat([pos_e, torch.tensor(PLENS)]))
     b.batch_slots, b.batch_decode_rows = list(slots), B
     b.init_forward_metadata(fb)
     got = [
