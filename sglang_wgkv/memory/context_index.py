@@ -35,6 +35,15 @@ def ragged_arange(lengths: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
 
 
+def context_counts(plan, num_layers: int, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(global rows [L, B], ring rows [L, B])`` of each request's cached context per layer, as
+    :func:`~sglang_wgkv.memory.extend_step.context_rows` counts them, for a whole ``ExtendPlan``."""
+    B = len(plan.prefix_lens)
+    S = np.asarray(plan.prefix_lens, dtype=np.int64)
+    g = np.asarray(plan.context_gcols, dtype=np.int64).reshape(B, num_layers).T * PAGE_SIZE
+    return g, np.broadcast_to(np.minimum(S, window), g.shape)
+
+
 @dataclass(frozen=True)
 class ContextIndex:
     """One extend forward's context rows (``R`` over all layers) and packed keys, on the device."""
@@ -54,9 +63,9 @@ def build_context_index(pool, plan) -> ContextIndex | None:
     L, W, B = pool.num_layers, pool.window, len(plan.prefix_lens)
     S = np.asarray(plan.prefix_lens, dtype=np.int64)
     n = np.asarray(plan.extend_lens, dtype=np.int64)
-    g = np.asarray(plan.context_gcols, dtype=np.int64).reshape(B, L).T * PAGE_SIZE  # [L, B] global rows
+    g, rings = context_counts(plan, L, W)  # [L, B]
     ring = np.minimum(S, W)  # [B]
-    ctx = g + ring[None]  # [L, B]
+    ctx = g + rings
     if not ctx.any():
         return None
     keys = ctx + n[None]

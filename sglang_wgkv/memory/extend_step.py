@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from sglang_wgkv.config import FAR_POSITION, PAGE_SIZE
-from sglang_wgkv.memory.context_index import ContextIndex, build_context_index
+from sglang_wgkv.memory.context_index import ContextIndex, build_context_index, ragged_arange
 from sglang_wgkv.memory.kv_quant import byte_view, gather, quantize
 
 
@@ -97,7 +97,7 @@ class ExtendStep:
             # request b's pages, laid out [L, H, its new columns], go to (slot, column) pairs: one write
             ncols = np.array([c1 - c0 for c0, c1 in ring_new], dtype=np.int64)
             pair_b = np.repeat(np.arange(len(ring_new)), ncols)
-            j = np.arange(len(pair_b)) - np.repeat(np.cumsum(ncols) - ncols, ncols)  # column within b
+            j = ragged_arange(ncols)  # column within b
             start = np.repeat(LH * (np.cumsum(ncols) - ncols), ncols)  # b's first page
             lh = np.arange(LH)
             src = start[:, None] + lh[None, :] * ncols[pair_b][:, None] + j[:, None]  # [P, LH]

@@ -57,7 +57,8 @@ from sglang_wgkv.integration.plugin.runtime import get_runtime
 from sglang_wgkv.integration.plugin.settings import BACKEND_NAME
 from sglang_wgkv.integration.pools.kv_dtype import model_kv_scales
 from sglang_wgkv.integration.pools.kv_pool import WGKVTokenToKVPool
-from sglang_wgkv.memory.extend_step import context_rows, to_device
+from sglang_wgkv.memory.context_index import context_counts
+from sglang_wgkv.memory.extend_step import to_device
 from sglang_wgkv.memory.extend_writes import ExtendWrites
 
 if TYPE_CHECKING:
@@ -283,18 +284,10 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
         """``qo_indptr [B + 1]`` and ``kv_indptr [L, B + 1]`` of the extend forward, built on the host
         (each request's keys: its gathered context, ``gather_context`` with ``plan.context_gcols``, then
         its new tokens) and copied once, so no layer waits for the host."""
-        W, L = self.dual.window, self.dual.num_layers
+        L = self.dual.num_layers
         qo = np.concatenate([[0], np.cumsum(plan.extend_lens)])
-        keys = np.array(
-            [
-                [
-                    n + sum(context_rows(S, gc[layer], W))
-                    for gc, S, n in zip(plan.context_gcols, plan.prefix_lens, plan.extend_lens)
-                ]
-                for layer in range(L)
-            ],
-            dtype=np.int64,
-        ).reshape(L, -1)
+        g_rows, ring_rows = context_counts(plan, L, self.dual.window)
+        keys = g_rows + ring_rows + np.asarray(plan.extend_lens, dtype=np.int64)[None]  # [L, B]
         kv = np.concatenate([np.zeros((L, 1), np.int64), np.cumsum(keys, 1)], 1)
         self._longest_keys = keys.max(1, initial=0).tolist()
         return to_device(self.device, qo), to_device(self.device, kv)
