@@ -77,8 +77,9 @@ def compact_admitted(
     """
     Nk, H, D = k.shape
     rows = compacted_rows(Nk, kv_indptr.numel() - 1, align)
-    rank = admitted_rank(admitted, kv_indptr) - kv_indptr.long()[_seq_of_keys(kv_indptr, Nk)][:, None]
-    dest = region_starts(kv_indptr, align)[_seq_of_keys(kv_indptr, Nk)][:, None] + rank
+    seq = _seq_of_keys(kv_indptr, Nk)
+    shift = region_starts(kv_indptr, align)[seq] - kv_indptr.long()[seq]  # kv_start -> region start
+    dest = admitted_rank(admitted, kv_indptr) + shift[:, None]
     if out is None:
         out = (k.new_zeros(H, rows, D), v.new_zeros(H, rows, D))
     n, h = admitted.nonzero(as_tuple=True)
@@ -98,9 +99,7 @@ def admitted_rank(admitted: torch.Tensor, kv_indptr: torch.Tensor) -> torch.Tens
     """``[Nk, Hkv]`` int64: kv_start of the key's sequence + admitted keys before it in that sequence."""
     Nk, H = admitted.shape
     excl = _exclusive_count(admitted)
-    kv = kv_indptr.long()
-    kseq = torch.searchsorted(kv[1:], torch.arange(Nk, device=admitted.device), right=True)
-    start = kv[kseq]
+    start = kv_indptr.long()[_seq_of_keys(kv_indptr, Nk)]
     return start[:, None] + excl[:-1].long() - excl[start].long()
 
 
@@ -159,7 +158,7 @@ def build_vertical_slash_plan(
     p_lo = q_pos.long()[q_start.clamp(max=max(Nq - 1, 0))] if Nq else q_start
     p_hi = q_pos.long()[(q_end - 1).clamp(min=0)] if Nq else q_start
 
-    kseq = torch.searchsorted(kv[1:], torch.arange(Nk, device=dev), right=True)
+    kseq = _seq_of_keys(kv_indptr, Nk)
     key = (kseq << _SEQ_SHIFT) + k_pos.long()
     base = b << _SEQ_SHIFT
     lo, hi = kv[b], kv[b + 1]
