@@ -128,30 +128,30 @@ def count(num_layers: int, scenario: str):
     return counts
 
 
+def _split(with_two: dict, with_four: dict) -> tuple[dict, dict]:
+    """``(per layer, per forward)`` of counts made with 2 and with 4 layers, key by key."""
+    keys = sorted(set(with_two) | set(with_four))
+    layer = {k: (with_four.get(k, 0) - with_two.get(k, 0)) / 2 for k in keys}
+    return layer, {k: with_two.get(k, 0) - 2 * layer[k] for k in keys}
+
+
 def measure(scenario: str) -> dict:
     """Per-layer and per-forward counts by kind, and the per-layer ops by name."""
     from sglang_wgkv.testing.op_count import totals
 
     two, four = count(2, scenario), count(4, scenario)
-    t2, t4 = totals(two), totals(four)
-    kinds = sorted(set(t2) | set(t4))
-    per_layer = {k: (t4.get(k, 0) - t2.get(k, 0)) / 2 for k in kinds}
-    per_forward = {k: t2.get(k, 0) - 2 * per_layer[k] for k in kinds}
-    by_name = {
-        f"{kind}:{name}": (four[(kind, name)] - two[(kind, name)]) / 2
-        for kind, name in sorted(set(two) | set(four))
-        if four[(kind, name)] != two[(kind, name)]
-    }
-    once = {
-        f"{kind}:{name}": two[(kind, name)] - 2 * (four[(kind, name)] - two[(kind, name)]) / 2
-        for kind, name in sorted(set(two) | set(four))
-        if two[(kind, name)] - (four[(kind, name)] - two[(kind, name)]) != 0
-    }
+    per_layer, per_forward = _split(totals(two), totals(four))
+
+    def by_name(counts: dict) -> dict:
+        named = {f"{kind}:{name}": n for (kind, name), n in counts.items() if n}
+        return dict(sorted(named.items(), key=lambda kv: -kv[1]))
+
+    layer_ops, forward_ops = _split(two, four)
     return {
         "per_layer": per_layer,
         "per_forward": per_forward,
-        "per_layer_by_name": dict(sorted(by_name.items(), key=lambda kv: -kv[1])),
-        "per_forward_by_name": dict(sorted(once.items(), key=lambda kv: -kv[1])),
+        "per_layer_by_name": by_name(layer_ops),
+        "per_forward_by_name": by_name(forward_ops),
     }
 
 
