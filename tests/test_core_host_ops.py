@@ -6,13 +6,10 @@ a few requests and for several, hold no host sync, and stay within the counts re
 import os
 
 import pytest
-import torch
 
-from sglang_wgkv.testing.interp import InterpCheck, assert_seed_ok
+from sglang_wgkv.testing.interp import InterpCheck, assert_seed_ok, cpu_only
 
-CPU_ONLY = pytest.mark.skipif(
-    torch.cuda.is_available(), reason="counts the CPU run of the kernels path (the interpreter's)"
-)
+CPU_ONLY = cpu_only("counts the CPU run of the kernels path (the interpreter's)")
 pytestmark = [pytest.mark.core, CPU_ONLY]
 
 CHECK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_ops_check.py")

@@ -7,14 +7,10 @@ the compiled kernels are tested by tests/test_gpu_attention.py."""
 import os
 
 import pytest
-import torch
 
-from sglang_wgkv.testing.interp import InterpCheck, assert_seed_ok
+from sglang_wgkv.testing.interp import InterpCheck, assert_seed_ok, cpu_only
 
-CPU_ONLY = pytest.mark.skipif(
-    torch.cuda.is_available(),
-    reason="the Triton interpreter is the CPU CI stand-in; the GPU runs the compiled kernel (gpu marker)",
-)
+CPU_ONLY = cpu_only()
 pytestmark = [pytest.mark.core, CPU_ONLY]
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -11,12 +11,9 @@ import sys
 import pytest
 import torch
 
-from sglang_wgkv.testing.interp import InterpCheck, interp_env
+from sglang_wgkv.testing.interp import InterpCheck, cpu_only, interp_env
 
-CPU_ONLY = pytest.mark.skipif(
-    torch.cuda.is_available(),
-    reason="the Triton interpreter is the CPU CI stand-in; the GPU runs the compiled kernel (gpu marker)",
-)
+CPU_ONLY = cpu_only()
 pytestmark = pytest.mark.core
 
 HERE = os.path.dirname(os.path.abspath(__file__))

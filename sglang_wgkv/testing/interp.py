@@ -21,6 +21,19 @@ def interp_env() -> dict[str, str]:
     return {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path}
 
 
+INTERPRETER_STANDS_IN = (
+    "the Triton interpreter is the CPU CI stand-in; the GPU runs the compiled kernel (gpu marker)"
+)
+
+
+def cpu_only(reason: str = INTERPRETER_STANDS_IN):
+    """A pytest mark skipping a test where CUDA is available: the interpreter checks run on CPU only."""
+    import pytest
+    import torch
+
+    return pytest.mark.skipif(torch.cuda.is_available(), reason=reason)
+
+
 def run_interp_check(script: str | os.PathLike, *args, timeout: float = 600) -> subprocess.CompletedProcess:
     """``python script args...`` under :func:`interp_env`, output captured as text."""
     return subprocess.run(
