@@ -11,13 +11,18 @@ from sglang_wgkv.testing.pool_driver import run_decode, run_extend
 pytestmark = pytest.mark.core
 
 
-@pytest.mark.parametrize("prefix,W", [(10, 16), (50, 16), (45, 32), (100, 16)])
-def test_restored_request_continues_identically(prefix, W):
+# admitting every token, a prefix of W + 32 leaves every stream's last global page full (restore
+# shares it) and W + 37 partial (restore copies it)
+@pytest.mark.parametrize(
+    "prefix,W,p_admit",
+    [(10, 16, 0.5), (50, 16, 0.5), (45, 32, 0.5), (100, 16, 0.5), (48, 16, 1.0), (53, 16, 1.0)],
+)
+def test_restored_request_continues_identically(prefix, W, p_admit):
     torch.manual_seed(prefix)
     L, H, G, D, steps = 2, 2, 2, 16, 30
     T = prefix + steps
     q, k, v = torch.randn(L, T, H * G, D), torch.randn(L, T, H, D), torch.randn(L, T, H, D)
-    admit = torch.rand(L, T, H) < 0.5
+    admit = torch.rand(L, T, H) < p_admit
     pool = DualCachePool(L, H, D, 512, 4, T + 1, WGKVConfig(local_window=W), dtype=torch.float32)
     store = SnapshotStore(pool)
 

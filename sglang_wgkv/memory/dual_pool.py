@@ -186,48 +186,46 @@ class DualCachePool(ExtendStep, DecodeStep, MixedStep, KVScales, PoolIntegrity):
             pages[copies] = pages[src]
         rows = self.page_table[r].clone()
         rows[:, :, :ring_used] = copies.to(rows.dtype)
-        glob = rows[:, :, self.ring_cols : self.dump_col]
-        self.allocator.incref(glob[glob != self.dump_page])
+        self.allocator.incref(rows[:, :, self.ring_cols : self.dump_col])  # (dump entries ignored)
         return PrefixSnapshot(
             S, rows[:, :, : self.dump_col], self.global_len[r].clone(), self.ring_flag[r].clone()
         )
 
     def restore_snapshot(self, r: int, snap: PrefixSnapshot) -> None:
         """Make the freshly allocated, empty slot ``r`` continue from ``snap``: the ring and the
-        partial last global page copied (this request writes into them), full global pages shared."""
+        partial last global page copied (this request writes into them), full global pages shared.
+        No host sync beyond :meth:`PageAllocator.ensure`: a stream whose last global page is full
+        copies it to the dump page instead."""
         if not self.active[r] or self.cached_len[r] != 0:
             raise ValueError(f"request slot {r} must be allocated and empty to restore a prefix")
-        L, H, R = self.num_layers, self.num_kv_heads, self.ring_cols
+        R = self.ring_cols
         ring_used = -(-min(snap.length, self.window) // PAGE_SIZE)
-        glen = snap.global_len.long()
-        partial = (glen % PAGE_SIZE) != 0  # [L, H]
-        n_partial = int(partial.sum())
-        self.allocator.ensure(L * H * ring_used + n_partial)
+        self.allocator.ensure(self.restore_bound(snap.length))
         rows = snap.rows.clone()
-        ring = self.allocator.alloc(L * H * ring_used).view(L, H, ring_used)
+        ring = self.allocator.alloc(self.num_layers * self.num_kv_heads * ring_used)
+        ring = ring.view(self.num_layers, self.num_kv_heads, ring_used)
+        glen = snap.global_len.long()
+        last_col = (R + (glen - 1).clamp(min=0) // PAGE_SIZE)[..., None]  # [L, H, 1]
+        last = snap.rows.gather(2, last_col).long()  # [L, H, 1]: the last global page (or dump)
+        partial = ((glen % PAGE_SIZE) != 0)[..., None]
+        fresh = self.allocator.alloc_where(partial)  # the dump page where the last page is full
         for pages in (byte_view(self.k_pages), byte_view(self.v_pages)):
             pages[ring] = pages[snap.rows[:, :, :ring_used].long()]
+            pages[fresh] = pages[last]
         rows[:, :, :ring_used] = ring.to(rows.dtype)
-        last_col = R + (glen - 1).clamp(min=0) // PAGE_SIZE  # [L, H]
-        if n_partial:
-            fresh = self.allocator.alloc(n_partial)
-            li, hi = torch.nonzero(partial, as_tuple=True)
-            old = snap.rows[li, hi, last_col[li, hi]].long()
-            for pages in (byte_view(self.k_pages), byte_view(self.v_pages)):
-                pages[fresh] = pages[old]
-            rows[li, hi, last_col[li, hi]] = fresh.to(rows.dtype)
+        rows.scatter_(2, last_col, torch.where(partial, fresh, last).to(rows.dtype))
         shared = snap.rows[:, :, R:].clone()
-        if n_partial:
-            shared[li, hi, last_col[li, hi] - R] = self.dump_page
-        self.allocator.incref(shared[shared != self.dump_page])
+        shared.scatter_(2, last_col - R, torch.where(partial, self.dump_page, last).to(shared.dtype))
+        self.allocator.incref(shared)  # (dump entries ignored)
         self.page_table[r, :, :, : self.dump_col] = rows
         self.global_len[r] = snap.global_len.to(self.global_len.dtype)
         self.ring_flag[r] = snap.ring_flag
         self.cached_len[r] = snap.length
 
     def release_snapshot(self, snap: PrefixSnapshot) -> None:
-        """Drop the snapshot's page references (pages no one else holds return to the free stack)."""
-        self.allocator.free(snap.pages(self.dump_page))
+        """Drop the snapshot's page references (pages no one else holds return to the free stack);
+        no host sync (dump entries are ignored)."""
+        self.allocator.free(snap.rows)
 
     # -- eviction (memory/evictor.py) ------------------------------------------------------------
     def compact_global(
