@@ -9,7 +9,10 @@ exactly the node's depth (global pages shared by refcount, ring and flags copied
     ---------------------------------  ----------------------------------------------------------
     cache_unfinished_req / _finished   after SGLang's insert, split the path at the request's cached
                                        length S and snapshot its slot there (chunked prefill: every
-                                       chunk boundary; a finished prefill: the prompt; finish: all)
+                                       chunk boundary; a finished prefill: the prompt; finish: all);
+                                       never deeper than the path SGLang inserted
+    before a forward is launched       a slot at the end of an extend whose cache call has not run
+    (:meth:`before_forward`)           (overlap scheduler) is snapshotted ahead: the call takes that one
     match_prefix                       SGLang's match, cut back to the deepest node with a snapshot
                                        (the snapshot is pinned until the request pool's next alloc)
     WGKVReqToTokenPool.alloc           a fresh slot with prefix S > 0 restores that snapshot
@@ -21,7 +24,11 @@ Physical pages. After a restore the request's global pages are shared, but its r
 copy of tokens the tree already counts, up to ``W_local + 16`` tokens per stream beyond the capacity
 rule of :mod:`sglang_wgkv.integration.pools.capacity`. The dual pool is sized with that much extra for
 ``restore_slots`` requests, and a match only hits while fewer restored requests run (and are pending).
-Snapshot pages themselves are never needed by a forward: they are dropped when a step would not fit.
+Snapshot pages themselves are never needed by a forward: they are dropped when a step would not fit
+(snapshots taken ahead included).
+
+Streams. Takes, restores and releases issued by the scheduler wait for the last launched forward first
+(the store's ``order``: the runtime's forward fence, :mod:`sglang_wgkv.integration.plugin.overlap`).
 """
 
 from __future__ import annotations
@@ -45,13 +52,16 @@ class SnapshotRadixCache(RadixCache):
 
     def __init__(self, params, runtime):
         self.dual = runtime.dual
-        self.store = SnapshotStore(self.dual)
+        self.store = SnapshotStore(self.dual, order=runtime.forward_fence.wait)
         self.restore_slots = runtime.plan.restore_slots
         self._snap_nodes = set()  # nodes that own a snapshot
         self._pinned = {}  # id(snapshot) -> snapshot matched since the last alloc
         self._restored = {}  # request slot -> pool generation at restore
+        self._owed = {}  # request slot -> length a launched extend reached, its cache call not run yet
+        self._ahead = {}  # request slot -> snapshot at that length, taken before a forward moved it
         self._raw_match = False
         self.hits = self.hit_tokens = self.snapshots_taken = self.snapshots_dropped = 0
+        self.snapshots_ahead = self.snapshots_missed = 0
         super().__init__(params)
         runtime.attach_prefix_cache(self)
 
@@ -73,13 +83,30 @@ class SnapshotRadixCache(RadixCache):
             if allocator.can_allocate(worst_case):
                 return
             self._drop(node)
+        for r in list(self._ahead):
+            if allocator.can_allocate(worst_case):
+                return
+            self._release_ahead(r)
 
-    def _snapshot_request(self, req, priority: int) -> None:
-        """Snapshot ``req``'s slot at its cached length S on the node ending at S (split if needed);
-        the path up to S is already in the tree (SGLang just inserted at least S tokens)."""
+    def _release_ahead(self, r: int) -> None:
+        self._owed.pop(r, None)
+        snap = self._ahead.pop(r, None)
+        if snap is not None:
+            self.store.release(snap)
+
+    def _snapshot_request(self, req, path_len: int, priority: int) -> None:
+        """Snapshot ``req``'s slot on the node ending at its length S (split if needed): the snapshot
+        taken ahead of a launch if any, else the slot as it is now, only if S is within the
+        ``path_len`` tokens SGLang just inserted."""
         r = req.req_pool_idx
-        S = int(self.dual.cached_len[r])
-        if S == 0:
+        self._owed.pop(r, None)
+        snap = self._ahead.pop(r, None)
+        S = snap.length if snap is not None else int(self.dual.cached_len[r])
+        if S == 0 or S > path_len:
+            if 0 < path_len < S:  # a forward moved the slot past the path before this call
+                self.snapshots_missed += 1
+            if snap is not None:
+                self.store.release(snap)
             return
         token_ids = (req.origin_input_ids + req.output_ids)[:S]
         key = RadixKey(token_ids, req.extra_key)
@@ -90,13 +117,39 @@ class SnapshotRadixCache(RadixCache):
                 f"radix path of request slot {r} is shorter ({prefix_len}) than its cache ({S})"
             )
         if getattr(node, "snapshot", None) is not None:
+            if snap is not None:
+                self.store.release(snap)
             return
-        try:
-            node.snapshot = self.store.take(r)
-        except PoolExhausted:
-            return  # no room even after dropping snapshots: this prefix is simply not cached
+        if snap is None:
+            try:
+                snap = self.store.take(r)
+            except PoolExhausted:
+                return  # no room even after dropping snapshots: this prefix is simply not cached
+        node.snapshot = snap
         self._snap_nodes.add(node)
         self.snapshots_taken += 1
+
+    def before_forward(self, slots: list[int], extend_rows: list[tuple[int, int]]) -> None:
+        """Before a forward over request ``slots`` is launched: snapshot those of them still at the
+        end of an extend whose cache call has not run (it runs after this launch under the overlap
+        scheduler, and this forward moves the slot), then owe the forward's ``extend_rows``
+        (``(slot, length it reaches)``) a cache call."""
+        if self.disable:
+            return
+        for r in slots:
+            length = self._owed.pop(r, None)
+            if length is None or r in self._ahead or int(self.dual.cached_len[r]) != length:
+                continue
+            try:
+                self._ahead[r] = self.store.take(r)
+            except PoolExhausted:
+                continue  # the cache call then finds the slot past its path: not cached
+            self.snapshots_ahead += 1
+        self._owed.update(extend_rows)
+
+    def slot_freed(self, r: int) -> None:
+        """Called by the request pool when slot ``r`` is freed: what it owed or had taken ahead goes."""
+        self._release_ahead(r)
 
     def restore_prefixes(self, reqs) -> None:
         """Called by the request pool with the requests that just got a fresh slot."""
@@ -146,17 +199,13 @@ class SnapshotRadixCache(RadixCache):
             super().cache_unfinished_req(req, chunked=chunked)
         finally:
             self._raw_match = False
-        self._snapshot_request(req, getattr(req, "priority", 0) or 0)
+        self._snapshot_request(req, len(req.get_fill_ids()), getattr(req, "priority", 0) or 0)
 
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
         super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
-        if (
-            is_insert
-            and not self.disable
-            and not self.disable_finished_insert
-            and int(self.dual.cached_len[req.req_pool_idx]) <= kv_len_to_handle
-        ):
-            self._snapshot_request(req, getattr(req, "priority", 0) or 0)
+        inserted = is_insert and not self.disable and not self.disable_finished_insert
+        path_len = min(kv_len_to_handle, len(req.origin_input_ids) + len(req.output_ids)) if inserted else 0
+        self._snapshot_request(req, path_len, getattr(req, "priority", 0) or 0)
 
     def _delete_leaf(self, node):
         if getattr(node, "snapshot", None) is not None:
@@ -167,6 +216,9 @@ class SnapshotRadixCache(RadixCache):
         if hasattr(self, "_snap_nodes"):  # RadixCache.__init__ calls reset() before ours finished
             for node in list(self._snap_nodes):
                 self._drop(node)
+            for r in list(self._ahead):
+                self._release_ahead(r)
+            self._owed.clear()
             self._pinned.clear()
             self._restored.clear()
         super().reset()
@@ -174,8 +226,11 @@ class SnapshotRadixCache(RadixCache):
     # -- checks and stats -------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Raise RuntimeError when a snapshot disagrees with its node or the store."""
-        if len(self.store) != len(self._snap_nodes):
-            raise RuntimeError(f"{len(self.store)} live snapshots, {len(self._snap_nodes)} nodes own one")
+        if len(self.store) != len(self._snap_nodes) + len(self._ahead):
+            raise RuntimeError(
+                f"{len(self.store)} live snapshots, {len(self._snap_nodes)} nodes own one, "
+                f"{len(self._ahead)} taken ahead"
+            )
         for node in self._snap_nodes:
             depth, n = 0, node
             while n is not self.root_node:
@@ -192,6 +247,8 @@ class SnapshotRadixCache(RadixCache):
             "snapshot_pages": self.dual.num_ref_holder_pages(),
             "snapshots_taken": self.snapshots_taken,
             "snapshots_dropped": self.snapshots_dropped,
+            "snapshots_ahead": self.snapshots_ahead,
+            "snapshots_missed": self.snapshots_missed,
             "prefix_hits": self.hits,
             "prefix_hit_tokens": self.hit_tokens,
             "restore_slots": self.restore_slots,

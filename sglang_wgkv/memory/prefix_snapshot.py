@@ -29,10 +29,12 @@ class PrefixSnapshot:
 
 class SnapshotStore:
     """The live snapshots of one pool (the pool takes, restores and releases their pages); registers
-    their pages with the pool's integrity check."""
+    their pages with the pool's integrity check. ``order()``, if given, runs before each take, restore
+    and release (a server's: wait for the forward in flight, :mod:`sglang_wgkv.integration.plugin.overlap`)."""
 
-    def __init__(self, pool):
+    def __init__(self, pool, order=None):
         self.pool = pool
+        self.order = order or (lambda: None)
         self._live: dict[int, PrefixSnapshot] = {}
         pool.register_ref_holder(self._held_pages)
 
@@ -46,6 +48,7 @@ class SnapshotStore:
 
     def take(self, r: int) -> PrefixSnapshot:
         """Snapshot slot ``r`` at its cached length. Raises PoolExhausted if the ring copy does not fit."""
+        self.order()
         snap = self.pool.take_snapshot(r)
         self._live[id(snap)] = snap
         return snap
@@ -54,10 +57,12 @@ class SnapshotStore:
         """Make the freshly allocated, empty slot ``r`` continue from ``snap``."""
         if id(snap) not in self._live:
             raise ValueError("snapshot was released")
+        self.order()
         self.pool.restore_snapshot(r, snap)
 
     def release(self, snap: PrefixSnapshot) -> None:
         """Drop the snapshot's references (pages no one else holds return to the free stack)."""
         if self._live.pop(id(snap), None) is None:
             raise ValueError("snapshot already released")
+        self.order()
         self.pool.release_snapshot(snap)

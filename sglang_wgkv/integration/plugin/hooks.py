@@ -1,5 +1,5 @@
 """The HookRegistry hooks of the WG-KV plugin (registered in :mod:`sglang_wgkv.integration.plugin.register`;
-the request-control and metrics hooks are listed there and live in their own modules).
+the request-control, metrics and overlap-scheduler hooks are listed there and live in their own modules).
 
 Every hook is inert unless ``--attention-backend wgkv`` is selected.
 
@@ -20,6 +20,8 @@ managers.schedule_batch.ScheduleBatch.check_decode_mem  AFTER   overcommit: the 
 ...scheduler.Scheduler._get_new_batch_prefill_raw       AROUND  mixed_batches: mixing, forward budget
 managers.schedule_policy.PrefillAdder.add_one_req       AROUND  prefill_guard: overcommit / bounded prompts
 managers.schedule_policy.PrefillAdder.add_chunked_req   AROUND  prefill_guard: the chunked prompt counts
+managers.scheduler.Scheduler.run_batch                  BEFORE  overlap: prefix snapshots ahead of launch
+managers.scheduler.Scheduler.run_batch                  AFTER   overlap: the forward fence
 ======================================================  ======  ==========================================
 """
 
@@ -46,10 +48,10 @@ def wgkv_selected(server_args) -> bool:
 
 def prepare_server_args(server_args, *args, **kwargs):
     """BEFORE ``ServerArgs.__post_init__``: reject what the wgkv backend cannot run, select radix_ext's
-    snapshot radix cache unless ``--disable-radix-cache`` (snapshots are restored into request slots
-    between scheduling and the forward, so the overlap scheduler is off with it), turn off prefill
-    CUDA graphs (extend gathers context on the host) and decode CUDA graphs where the backend cannot
-    run under them (:meth:`ServingSettings.decode_graph_blocker`: CPU, reference attention)."""
+    snapshot radix cache unless ``--disable-radix-cache`` (the overlap scheduler stays as SGLang sets
+    it: :mod:`~sglang_wgkv.integration.plugin.overlap` orders the pool work under it), turn off
+    prefill CUDA graphs (extend gathers context on the host) and decode CUDA graphs where the backend
+    cannot run under them (:meth:`ServingSettings.decode_graph_blocker`: CPU, reference attention)."""
     chosen = {
         server_args.attention_backend,
         server_args.prefill_attention_backend,
@@ -88,7 +90,6 @@ def prepare_server_args(server_args, *args, **kwargs):
                 f"or --disable-radix-cache, got {server_args.radix_cache_backend!r}"
             )
         server_args.radix_cache_backend = RADIX_BACKEND
-        server_args.disable_overlap_schedule = True
     server_args.disable_prefill_cuda_graph = True
     blocker = settings.decode_graph_blocker(server_args.device, server_args.dtype)
     if blocker:

@@ -27,7 +27,7 @@ def load_plugin() -> None:
 
     from radix_ext import factory as radix_factory
     from sglang_wgkv.integration.backend.batch_slots import record_batch_slots
-    from sglang_wgkv.integration.plugin import hooks, metrics
+    from sglang_wgkv.integration.plugin import hooks, metrics, overlap
     from sglang_wgkv.integration.requests import control as request_control
     from sglang_wgkv.integration.requests import validation as request_validation
     from sglang_wgkv.integration.scheduling import mixed_batches, overcommit, prefill_guard
@@ -123,6 +123,12 @@ def load_plugin() -> None:
             request_control.isolate_prefix_cache,
             HookType.AFTER,
         ),
+        (
+            "sglang.srt.managers.scheduler.Scheduler.run_batch",
+            overlap.snapshot_ahead_of_launch,
+            HookType.BEFORE,
+        ),
+        ("sglang.srt.managers.scheduler.Scheduler.run_batch", overlap.fence_forward, HookType.AFTER),
         ("sglang.srt.managers.scheduler.Scheduler.init_metrics_reporter", metrics.install, HookType.AFTER),
         (
             "sglang.srt.observability.metrics_collector.SchedulerMetricsCollector.log_stats",

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sglang_wgkv.integration.plugin.overlap import ForwardFence
 from sglang_wgkv.integration.plugin.settings import BACKEND_NAME, ServingSettings
 from sglang_wgkv.integration.pools.capacity import CapacityPlan, physical_pages, plan_capacity
 from sglang_wgkv.integration.pools.slot_costs import ModelShape
@@ -117,6 +118,8 @@ class WGKVRuntime:
         self._evictor = evictor
         self.use_kernels = use_kernels
         self._prefix_cache = None
+        # the last forward launched under the overlap scheduler, which scheduler-side pool ops wait for
+        self.forward_fence = ForwardFence()
         # TP: ``reduce(sums, maxes)`` of request usage over the attention-TP ranks (None on one rank)
         self.reduce_usage: Callable | None = None
         self.kv_heads: list[int] | None = None

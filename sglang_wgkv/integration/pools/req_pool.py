@@ -7,6 +7,10 @@ A dual-pool slot lives exactly as long as SGLang's request slot (``req_pool_idx`
     ReqToTokenPool.clear()      -> flush_cache              -> every active slot freed
 
 so no extra scheduler hook is needed and a retracted request simply starts over (prefix 0).
+
+Each of them waits first for the forward in flight under the overlap scheduler
+(``runtime.forward_fence``, :mod:`sglang_wgkv.integration.plugin.overlap`): a decode graph may still
+write the ring of a slot freed here, or of one handed out again.
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ class WGKVReqToTokenPool(ReqToTokenPool):
 
     def alloc(self, reqs):
         fresh = [req for req in reqs if req.req_pool_idx is None]
+        if fresh:
+            self.runtime.forward_fence.wait()
         slots = super().alloc(reqs)
         if slots is not None:
             for req in fresh:
@@ -76,6 +82,7 @@ class WGKVReqToTokenPool(ReqToTokenPool):
     def free(self, req):
         slot = req.req_pool_idx
         runtime = self.runtime
+        runtime.forward_fence.wait()
         usage = request_usage(
             self.dual,
             slot,
@@ -89,6 +96,8 @@ class WGKVReqToTokenPool(ReqToTokenPool):
         if req.finished():  # not on retraction: the request starts over in a new slot
             attach_usage(req, usage)
         super().free(req)
+        if runtime.prefix_cache is not None:
+            runtime.prefix_cache.slot_freed(slot)
         self.dual.free_request(slot)
         if runtime.evictor is not None:
             runtime.evictor.release_request(slot)
@@ -98,7 +107,10 @@ class WGKVReqToTokenPool(ReqToTokenPool):
     def clear(self):
         super().clear()
         if self.runtime.has_pool():
+            self.runtime.forward_fence.wait()
             for slot in self.dual.active.nonzero()[0].tolist():
+                if self.runtime.prefix_cache is not None:
+                    self.runtime.prefix_cache.slot_freed(slot)
                 self.dual.free_request(slot)
                 if self.runtime.evictor is not None:
                     self.runtime.evictor.release_request(slot)

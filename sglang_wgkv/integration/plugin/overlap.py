@@ -1,0 +1,119 @@
+"""WG-KV under SGLang's overlap scheduler (its default): what orders the scheduler's dual-pool work
+against the forwards, and the prefix snapshot a prompt's end needs before the next forward moves it.
+
+Under overlap the scheduler launches forward N on its forward stream and then, while N runs,
+processes forward N-1's results and schedules N+1 on its schedule stream. SGLang 0.5.17 orders the two
+streams (``managers/scheduler.py``) as follows:
+
+=====================================================  ================================================
+SGLang's ordering                                      covers
+=====================================================  ================================================
+launch: forward stream waits the schedule stream       every scheduler op issued before N's launch is
+(``run_batch``)                                        done before N reads the pool
+after launch: schedule stream waits forward N          an extend or mixed forward: all of it; a decode
+(``_apply_war_barrier``)                               CUDA graph: only what precedes its replay (the
+                                                       read-done event; ``SGLANG_FORCE_COARSE_WAR_BARRIER``
+                                                       makes it all)
+=====================================================  ================================================
+
+A decode graph's replay writes ring pages and admission flags and reads page tables, lengths and
+pages of its rows, among them a request that finished at N-1 and runs its overlap step in N. The
+scheduler-side ops below run on the schedule stream while that replay may still run, so each waits
+first for the whole last forward (:class:`ForwardFence`; the forward stream needs nothing more: it
+waits the schedule stream at every launch):
+
+=====================================  ==========================================  =======================================
+scheduler-side op                      GPU state it writes or reads                what a decode replay in flight does there
+=====================================  ==========================================  =======================================
+request pool ``alloc``                 ``slot_tau`` row; evictor bound; restore:   the overlap step of the slot's previous
+(``pools/req_pool.py``)                allocator, page copies into fresh pages,    owner writes its ring page (now free,
+                                       the slot's page-table row, lengths, flags   perhaps just handed out) and reads the row
+request pool ``free`` / ``clear``      usage read; allocator frees of the row,     the same overlap step
+                                       row reset; evictor row released
+snapshot take (``radix_ext``)          copies the slot's ring pages; row, lengths  the slot's overlap step writes its ring
+                                       and flags cloned; allocator                 page and flags
+snapshot restore, release              allocator (refcounts, free stack)           nothing on snapshot-only pages (waits
+                                                                                   all the same: one rule)
+=====================================  ==========================================  =======================================
+
+The forward's own pool work (``begin_extend`` / ``begin_decode`` / ``begin_mixed``, the evictor's
+boundary pass, the allocator's reclaim of snapshots) runs on the forward stream, in launch order.
+
+Host mirrors. The dual pool's ``cached_len`` / ``active`` / ``generation`` and SGLang's
+``Req.kv_committed_len`` advance when a forward is launched, so the scheduler reads them as of every
+launched forward, which (after the fence) is also the GPU state its ops see:
+
+======================================  ===========================================================
+a cache call's radix path               against the slot's ``cached_len`` when the call runs
+======================================  ===========================================================
+``cache_finished_req``:                 equal (both as of every launched forward, the overlap step
+``kv_committed_len``                    included): the snapshot at the finish is the slot's state
+chunk stash (``cache_unfinished_req``,  equal: it runs before the next chunk is launched
+chunked)
+a prompt's end                          one decode step behind when the request's next forward was
+(``cache_unfinished_req``)              launched before the prefill's results were processed (the
+                                        overlap order): :func:`snapshot_ahead_of_launch` took the
+                                        snapshot at the prompt's end before that launch
+======================================  ===========================================================
+
+A cache call never places a snapshot deeper than the path SGLang inserted (the radix cache counts a
+slot found past it in ``snapshots_missed``).
+"""
+
+from __future__ import annotations
+
+
+class ForwardFence:
+    """The completion event of the last forward launched on SGLang's forward stream under the overlap
+    scheduler (none without it: one stream); :meth:`wait` orders the current stream's next work after
+    that forward."""
+
+    def __init__(self):
+        self._done = None
+
+    def record(self, device_module, stream) -> None:
+        done = device_module.Event()
+        done.record(stream)
+        self._done = done
+
+    def wait(self) -> None:
+        if self._done is not None:
+            self._done.wait()
+
+
+def _runtime_of(scheduler):
+    from sglang_wgkv.integration.pools.req_pool import WGKVReqToTokenPool
+
+    pool = getattr(scheduler, "req_to_token_pool", None)
+    return pool.runtime if isinstance(pool, WGKVReqToTokenPool) else None
+
+
+def fence_forward(result, scheduler, *args, **kwargs):
+    """AFTER ``Scheduler.run_batch``: under overlap, the forward just launched is what the scheduler's
+    next pool ops wait for."""
+    runtime = _runtime_of(scheduler)
+    if runtime is not None and scheduler.enable_overlap:
+        runtime.forward_fence.record(scheduler.device_module, scheduler.forward_stream)
+    return None
+
+
+def extend_rows(batch) -> list[tuple[int, int]]:
+    """``(request slot, length it reaches)`` of the rows a forward extends (a mixed forward's prefill
+    rows; none for a decode forward)."""
+    from sglang_wgkv.integration.backend.batch_slots import mixed_decode_rows
+
+    if not batch.forward_mode.is_extend():
+        return []
+    prefill = batch.reqs[: len(batch.reqs) - mixed_decode_rows(batch)]
+    return [(req.req_pool_idx, req.extend_range.end) for req in prefill]
+
+
+def snapshot_ahead_of_launch(scheduler, batch, *args, **kwargs):
+    """BEFORE ``Scheduler.run_batch``: the prefix cache snapshots the slots of this forward that sit
+    at the end of an extend whose results are not processed yet (the forward moves them), then owes
+    this forward's extend rows a cache call."""
+    runtime = _runtime_of(scheduler)
+    cache = runtime.prefix_cache if runtime is not None else None
+    if cache is not None and not batch.is_empty():
+        cache.before_forward([req.req_pool_idx for req in batch.reqs], extend_rows(batch))
+    return None
