@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from sglang_wgkv.config import WGKVConfig
-from sglang_wgkv.integration.plugin.overlap import ForwardFence, fence_forward
+from sglang_wgkv.integration.plugin.forward_fence import ForwardFence
+from sglang_wgkv.integration.plugin.overlap import fence_forward
 from sglang_wgkv.memory import DualCachePool
 from sglang_wgkv.testing.pool_driver import run_decode, run_extend
 from sglang_wgkv.testing.server_pool import ShippedGates, shared_server

@@ -7,6 +7,7 @@
 ``runtime``     the process's ``WGKVRuntime``: settings, capacity plan, dual pool, evictor, prefix
                 cache; the KV heads of a tensor-parallel rank and usage summed over ranks
 ``metrics``     WG-KV series in SGLang's Prometheus exporter
-``overlap``     the order of the scheduler's pool work against forwards under SGLang's overlap scheduler
+``overlap``     the order of the scheduler's pool work against forwards under SGLang's overlap
+                scheduler (hooks); ``forward_fence``: the event that work waits for
 ``cpu_compat``  entry point ``sglang.srt.platforms``: ``sgl_kernel`` import stand-in on CPU-only machines
 """

@@ -19,8 +19,9 @@ after launch: schedule stream waits forward N          an extend or mixed forwar
 A decode graph's replay writes ring pages and admission flags and reads page tables, lengths and
 pages of its rows, among them a request that finished at N-1 and runs its overlap step in N. The
 scheduler-side ops below run on the schedule stream while that replay may still run, so each waits
-first for the whole last forward (:class:`ForwardFence`; the forward stream needs nothing more: it
-waits the schedule stream at every launch):
+first for the whole last forward (the runtime's
+:class:`~sglang_wgkv.integration.plugin.forward_fence.ForwardFence`; the forward stream needs nothing
+more: it waits the schedule stream at every launch):
 
 =====================================  ==========================================  =======================================
 scheduler-side op                      GPU state it writes or reads                what a decode replay in flight does there
@@ -61,24 +62,6 @@ slot found past it in ``snapshots_missed``).
 """
 
 from __future__ import annotations
-
-
-class ForwardFence:
-    """The completion event of the last forward launched on SGLang's forward stream under the overlap
-    scheduler (none without it: one stream); :meth:`wait` orders the current stream's next work after
-    that forward."""
-
-    def __init__(self):
-        self._done = None
-
-    def record(self, device_module, stream) -> None:
-        done = device_module.Event()
-        done.record(stream)
-        self._done = done
-
-    def wait(self) -> None:
-        if self._done is not None:
-            self._done.wait()
 
 
 def _runtime_of(scheduler):

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sglang_wgkv.integration.plugin.overlap import ForwardFence
+from sglang_wgkv.integration.plugin.forward_fence import ForwardFence
 from sglang_wgkv.integration.plugin.settings import BACKEND_NAME, ServingSettings
 from sglang_wgkv.integration.pools.capacity import CapacityPlan, physical_pages, plan_capacity
 from sglang_wgkv.integration.pools.slot_costs import ModelShape
