@@ -225,6 +225,8 @@ class DualCachePool(ExtendStep, DecodeStep, MixedStep, KVScales, PoolIntegrity):
     def release_snapshot(self, snap: PrefixSnapshot) -> None:
         """Drop the snapshot's page references (pages no one else holds return to the free stack);
         no host sync (dump entries are ignored)."""
+        if snap.rows.is_cuda:  # a release inside a forward reads rows the scheduler's stream allocated
+            snap.rows.record_stream(torch.cuda.current_stream(snap.rows.device))
         self.allocator.free(snap.rows)
 
     # -- eviction (memory/evictor.py) ------------------------------------------------------------
