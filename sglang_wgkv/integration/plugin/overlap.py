@@ -38,7 +38,10 @@ snapshot restore, release              allocator (refcounts, free stack)        
 =====================================  ==========================================  =======================================
 
 The forward's own pool work (``begin_extend`` / ``begin_decode`` / ``begin_mixed``, the evictor's
-boundary pass, the allocator's reclaim of snapshots) runs on the forward stream, in launch order.
+boundary pass, the allocator's reclaim of snapshots) runs on the forward stream, in launch order; a
+snapshot released there is recorded on that stream (its rows were allocated on the schedule stream).
+In a decode graph's replay the pool sees only ring-slot K/V, admission flags and the evictor's query
+rows written; page tables, lengths and the allocator change before the replay.
 
 Host mirrors. The dual pool's ``cached_len`` / ``active`` / ``generation`` and SGLang's
 ``Req.kv_committed_len`` advance when a forward is launched, so the scheduler reads them as of every
