@@ -128,9 +128,19 @@ def test_fence_records_only_under_overlap():
     runtime = SimpleNamespace(forward_fence=ForwardFence())
     pool = WGKVReqToTokenPool.__new__(WGKVReqToTokenPool)
     pool.runtime = runtime
-    module = SimpleNamespace(Event=Event)
+
+    class Stream:
+        def wait_stream(self, other):
+            events.append(("wait_stream", other))
+
     scheduler = SimpleNamespace(
-        req_to_token_pool=pool, enable_overlap=False, device_module=module, forward_stream="fwd"
+        req_to_token_pool=pool,
+        enable_overlap=False,
+        device_module=SimpleNamespace(Event=Event),
+        device="cuda",
+        forward_stream="fwd",
+        schedule_stream=Stream(),
+        _war_barrier_enabled=True,
     )
     fence_forward(None, scheduler)
     runtime.forward_fence.wait()
@@ -139,6 +149,9 @@ def test_fence_records_only_under_overlap():
     fence_forward(None, scheduler)
     runtime.forward_fence.wait()
     assert events == [("record", "fwd"), ("wait", None)]
+    scheduler._war_barrier_enabled = False  # no SGLang barrier: the scheduler's stream waits it all
+    fence_forward(None, scheduler)
+    assert events[2:] == [("record", "fwd"), ("wait_stream", "fwd")]
 
 
 # -- servers -----------------------------------------------------------------------------------------

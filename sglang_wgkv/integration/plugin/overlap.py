@@ -16,32 +16,38 @@ after launch: schedule stream waits forward N          an extend or mixed forwar
                                                        makes it all)
 =====================================================  ================================================
 
-A decode graph's replay writes ring pages and admission flags and reads page tables, lengths and
-pages of its rows, among them a request that finished at N-1 and runs its overlap step in N. The
-scheduler-side ops below run on the schedule stream while that replay may still run, so each waits
-first for the whole last forward (the runtime's
-:class:`~sglang_wgkv.integration.plugin.forward_fence.ForwardFence`; the forward stream needs nothing
-more: it waits the schedule stream at every launch):
+A decode graph's replay writes ring-slot K/V, admission flags and the evictor's query rows of its rows,
+among them a request that finished at N-1 and runs its overlap step in N (SGLang drops that step's
+token). The scheduler-side ops below run on the schedule stream while that replay may still run; those
+that write what a new owner reads, or read what the replay writes, first wait for the whole last
+forward (the runtime's :class:`~sglang_wgkv.integration.plugin.forward_fence.ForwardFence`; the
+forward stream needs nothing more: it waits the schedule stream at every launch):
 
-=====================================  ==========================================  =======================================
-scheduler-side op                      GPU state it writes or reads                what a decode replay in flight does there
-=====================================  ==========================================  =======================================
-request pool ``alloc``                 ``slot_tau`` row; evictor bound; restore:   the overlap step of the slot's previous
-(``pools/req_pool.py``)                allocator, page copies into fresh pages,    owner writes its ring page (now free,
-                                       the slot's page-table row, lengths, flags   perhaps just handed out) and reads the row
-request pool ``free`` / ``clear``      usage read; allocator frees of the row,     the same overlap step
-                                       row reset; evictor row released
-snapshot take (``radix_ext``)          copies the slot's ring pages; row, lengths  the slot's overlap step writes its ring
-                                       and flags cloned; allocator                 page and flags
-snapshot restore, release              allocator (refcounts, free stack)           nothing on snapshot-only pages (waits
-                                                                                   all the same: one rule)
-=====================================  ==========================================  =======================================
+=====================================  ==========================================  ==========================================
+scheduler-side op                      GPU state it writes or reads                with a decode replay in flight
+=====================================  ==========================================  ==========================================
+request pool ``alloc``                 ``slot_tau`` row; the evictor's window row  waits: the replay of the slot's or row's
+(``pools/req_pool.py``)                (``bound_request`` resets its positions)    previous owner may still write them
+snapshot take (``radix_ext``)          copies the slot's ring pages; clones its    waits: the slot's overlap step writes its
+                                       row, lengths and flags; allocator           ring page and flags
+snapshot restore                       allocator; copies into fresh pages; the     waits: a fresh page may be one the replay
+                                       slot's page-table row, lengths, flags       still writes (its owner freed meanwhile)
+snapshot release                       allocator (refcounts, free stack)           waits (one rule for the store; nothing
+                                                                                   in a replay reads snapshot-only pages)
+request pool ``free`` / ``clear``      usage read (lengths); allocator frees of    no wait: the replay writes only the freed
+                                       the row; row, lengths, flags reset; the     request's dropped step (into its old
+                                       evictor row returned                        pages, the dump page or flags a new owner
+                                                                                   writes before reading); its pages and row
+                                                                                   reach a new owner only through a forward
+                                                                                   or an op above, which waits
+=====================================  ==========================================  ==========================================
 
 The forward's own pool work (``begin_extend`` / ``begin_decode`` / ``begin_mixed``, the evictor's
 boundary pass, the allocator's reclaim of snapshots) runs on the forward stream, in launch order; a
 snapshot released there is recorded on that stream (its rows were allocated on the schedule stream).
-In a decode graph's replay the pool sees only ring-slot K/V, admission flags and the evictor's query
-rows written; page tables, lengths and the allocator change before the replay.
+Page tables, lengths and the allocator change before a decode graph's replay, never in it: so a free
+after SGLang's barrier (its read-done event) follows them; where that barrier is off,
+:func:`fence_forward` makes the scheduler's stream wait for the whole forward.
 
 Host mirrors. The dual pool's ``cached_len`` / ``active`` / ``generation`` and SGLang's
 ``Req.kv_committed_len`` advance when a forward is launched, so the scheduler reads them as of every
@@ -76,10 +82,15 @@ def _runtime_of(scheduler):
 
 def fence_forward(result, scheduler, *args, **kwargs):
     """AFTER ``Scheduler.run_batch``: under overlap, the forward just launched is what the scheduler's
-    next pool ops wait for."""
+    next pool ops wait for; where SGLang's WAR barrier is off (a GPU that is not CUDA, without
+    ``SGLANG_ENABLE_WAR_BARRIER``) the scheduler's stream waits for all of it."""
     runtime = _runtime_of(scheduler)
-    if runtime is not None and scheduler.enable_overlap:
-        runtime.forward_fence.record(scheduler.device_module, scheduler.forward_stream)
+    if runtime is None or not scheduler.enable_overlap:
+        return None
+    runtime.forward_fence.record(scheduler.device_module, scheduler.forward_stream)
+    if not getattr(scheduler, "_war_barrier_enabled", True) and scheduler.device != "cpu":
+        # request frees change the allocator, which the forward's own step allocates from
+        scheduler.schedule_stream.wait_stream(scheduler.forward_stream)
     return None
 
 

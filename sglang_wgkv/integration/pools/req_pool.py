@@ -8,9 +8,10 @@ A dual-pool slot lives exactly as long as SGLang's request slot (``req_pool_idx`
 
 so no extra scheduler hook is needed and a retracted request simply starts over (prefix 0).
 
-Each of them waits first for the forward in flight under the overlap scheduler
-(``runtime.forward_fence``, :mod:`sglang_wgkv.integration.plugin.overlap`): a decode graph may still
-write the ring of a slot freed here, or of one handed out again.
+Under the overlap scheduler a decode graph may still run the freed request's last step while the
+scheduler frees its slot, and may still write pages or a query-window row that ``alloc`` hands to a
+new owner: so ``alloc`` waits for the forward in flight (``runtime.forward_fence``) and ``free`` does
+not (:mod:`sglang_wgkv.integration.plugin.overlap` says why each is safe).
 """
 
 from __future__ import annotations
@@ -82,7 +83,6 @@ class WGKVReqToTokenPool(ReqToTokenPool):
     def free(self, req):
         slot = req.req_pool_idx
         runtime = self.runtime
-        runtime.forward_fence.wait()
         usage = request_usage(
             self.dual,
             slot,
@@ -107,7 +107,6 @@ class WGKVReqToTokenPool(ReqToTokenPool):
     def clear(self):
         super().clear()
         if self.runtime.has_pool():
-            self.runtime.forward_fence.wait()
             for slot in self.dual.active.nonzero()[0].tolist():
                 if self.runtime.prefix_cache is not None:
                     self.runtime.prefix_cache.slot_freed(slot)
