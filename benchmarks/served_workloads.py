@@ -10,6 +10,8 @@ field              meaning
 ``client``         bench_serving: prompts, input_len, output_len, range_ratio, request_rate
 ``wgkv_request``   WG-KV only: ``custom_params.wgkv`` of every request
 ``upstream_from``  a workload whose upstream runs stand for this one's (the same requests)
+``keep_defaults``  flags of ``common_server_args`` this workload leaves out, so SGLang's defaults
+                   hold (e.g. the radix cache and upstream's prefill CUDA graphs: what a user runs)
 ``metrics``        the summary rows (names in ``metrics``), first the goal's
 =================  ==========================================================================
 """
@@ -85,6 +87,7 @@ class Workload:
     wgkv_request: dict = field(default_factory=dict)
     upstream_from: str | None = None
     upstream_may_refuse: bool = False
+    keep_defaults: tuple[str, ...] = ()
     bench_timeout_s: float = 540.0
     # GiB SGLang may hold for weights and the KV pool; the fraction of the card's memory is computed at
     # start (server_command), so the pool is the same size on any card
@@ -94,7 +97,8 @@ class Workload:
     def server_key(self, server: str) -> tuple:
         """Workloads with equal keys share one server start."""
         wgkv_args = self.wgkv_args if server == "wgkv" else ""
-        return (self.server_args, self.static_memory_gib, wgkv_args, tuple(sorted(self.env.items())))
+        env = tuple(sorted(self.env.items()))
+        return (self.server_args, self.static_memory_gib, wgkv_args, env, self.keep_defaults)
 
 
 @dataclass(frozen=True)
@@ -125,7 +129,8 @@ class WorkloadSet:
                     raise ValueError(
                         f"{w.name}: upstream_from {w.upstream_from!r} is not a measured workload"
                     )
-                if (src.server_args, src.client, src.env) != (w.server_args, w.client, w.env):
+                same = (src.server_args, src.client, src.env, src.keep_defaults)
+                if same != (w.server_args, w.client, w.env, w.keep_defaults):
                     raise ValueError(f"{w.name}: upstream_from {src.name} sends other requests or servers")
         if "best" in self.baselines:
             raise ValueError("'best' is the summary's pick among baselines, not a baseline")
@@ -136,6 +141,13 @@ class WorkloadSet:
                 f"unknown workload {name!r} (benchmarks/workloads.json has {', '.join(self.workloads)})"
             )
         return self.workloads[name]
+
+
+def _switches(args: str) -> set[str]:
+    """The flags of ``args`` that take no value."""
+    words = shlex.split(args)
+    nxt = words[1:] + ["--"]
+    return {a for a, b in zip(words, nxt) if a.startswith("--") and b.startswith("--")}
 
 
 def _fields(kind: str, d: dict, allowed: set[str], required: set[str]) -> None:
@@ -177,8 +189,14 @@ def parse(d: dict) -> WorkloadSet:
             )
         if memory is not None and "--mem-fraction-static" in e["server_args"]:
             raise ValueError(f"workload {e['name']}: static_memory_gib and --mem-fraction-static both given")
+        keep = tuple(e.get("keep_defaults", ()))
+        if not all(flag in _switches(d["common_server_args"]) for flag in keep):
+            raise ValueError(
+                f"workload {e['name']}: keep_defaults {list(keep)} must be switches (flags without a "
+                "value) of common_server_args"
+            )
         workloads[e["name"]] = Workload(
-            **{**e, "client": Client(**e["client"]), "metrics": tuple(e["metrics"])}
+            **{**e, "client": Client(**e["client"]), "metrics": tuple(e["metrics"]), "keep_defaults": keep}
         )
     configs = {
         key: {n: Config(n, c["server_args"], c.get("about", "")) for n, c in d[key].items()}
@@ -213,7 +231,8 @@ def server_command(
 ) -> list[str]:
     """``config``: a baseline name (upstream) or a WG-KV configuration name (wgkv); ``gpu_total_mib``:
     the card's memory, for a workload that sizes its memory in GiB."""
-    args = ["--model-path", str(model), "--port", str(port), *shlex.split(ws.common_server_args)]
+    common = [a for a in shlex.split(ws.common_server_args) if a not in w.keep_defaults]
+    args = ["--model-path", str(model), "--port", str(port), *common]
     args += shlex.split(w.server_args) + memory_args(w, gpu_total_mib)
     if tp > 1:
         args += ["--tp-size", str(tp), "--disable-custom-all-reduce"]

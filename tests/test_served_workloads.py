@@ -17,7 +17,21 @@ DOC = json.loads(sw.WORKLOADS_JSON.read_text())
 
 def test_the_shipped_file_holds_every_workload_and_baseline():
     ws = sw.parse(DOC)
-    assert list(ws.workloads) == ["W1", "W0", "W2", "W3", "W4", "W4L", "W5", "W6", "W6B", "W7", "M1", "M1P"]
+    assert list(ws.workloads) == [
+        "W1",
+        "W0",
+        "W2",
+        "W3",
+        "W4",
+        "W4L",
+        "W5",
+        "W6",
+        "W6B",
+        "W7",
+        "M1",
+        "M1P",
+        "M1D",
+    ]
     assert set(ws.baselines) == {"fa3", "fa3_fp8", "flashinfer", "flashinfer_fp8"}
     assert set(ws.wgkv_configs) == {"bf16", "fp8"}
     assert ws["W7"].client.input_len == 2_000_000 and ws["W6B"].upstream_from == "W6"
@@ -44,6 +58,20 @@ def test_commands_of_each_baseline_and_config():
     assert bench[bench.index("--random-range-ratio") + 1] == "0.5"
     with pytest.raises(ValueError, match="random output lengths"):
         sw.bench_command(ws["M1"], "http://h", Path("o"), 1, {"admission": False})
+
+
+def test_a_workload_on_sglangs_defaults_leaves_the_common_switches_out():
+    """M1D is M1 with the radix cache and upstream's prefill CUDA graphs on: both engines start without
+    those two switches, with every other common argument, and on servers of their own."""
+    ws = sw.parse(DOC)
+    m1, m1d = ws["M1"], ws["M1D"]
+    assert (m1d.client, m1d.server_args, m1d.wgkv_args) == (m1.client, m1.server_args, m1.wgkv_args)
+    for server, config in (("upstream", "fa3"), ("wgkv", "bf16")):
+        full = sw.server_command(ws, server, config, m1, Path("/m"), 1)
+        kept = sw.server_command(ws, server, config, m1d, Path("/m"), 1)
+        assert [a for a in full if a not in m1d.keep_defaults] == kept
+        assert {"--disable-radix-cache", "--disable-prefill-cuda-graph"} <= set(full) - set(kept)
+        assert m1.server_key(server) != m1d.server_key(server)
 
 
 def test_memory_in_gib_is_a_fraction_of_each_card():
@@ -102,6 +130,8 @@ def _workload(doc: dict, name: str) -> dict:
         (lambda d: d["baselines"].update(best={"server_args": ""}), "'best' is the summary's pick"),
         (lambda d: d.update(kind="other"), "not 'served_workloads'"),
         (lambda d: _workload(d, "W4").update(static_memory_gib=0), "must be a positive number"),
+        (lambda d: _workload(d, "M1D").update(keep_defaults=["--log-level"]), "must be switches"),
+        (lambda d: _workload(d, "M1D").update(keep_defaults=["--enable-mixed-chunk"]), "must be switches"),
         (
             lambda d: _workload(d, "W4").update(server_args="--mem-fraction-static 0.19"),
             "static_memory_gib and --mem-fraction-static",
