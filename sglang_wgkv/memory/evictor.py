@@ -387,6 +387,11 @@ class SnapKVEvictor(ObservationWindow, StreamEviction):
         return levels
 
     # -- reporting ------------------------------------------------------------------------------
+    def request_counters(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per slot, on the host (no sync): eviction triggers, evicted tokens, early prompt compressions."""
+        self._refresh_slots()
+        return self.triggers, self.evicted_tokens, self.early_compressions
+
     def request_stats(self, r: int) -> dict:
         """Eviction counters and cache sizes of slot ``r`` (syncs; read before the slot is freed)."""
         self._refresh_slots()

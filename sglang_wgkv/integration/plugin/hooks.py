@@ -21,7 +21,9 @@ managers.schedule_batch.ScheduleBatch.check_decode_mem  AFTER   overcommit: the 
 managers.schedule_policy.PrefillAdder.add_one_req       AROUND  prefill_guard: overcommit / bounded prompts
 managers.schedule_policy.PrefillAdder.add_chunked_req   AROUND  prefill_guard: the chunked prompt counts
 managers.scheduler.Scheduler.run_batch                  BEFORE  overlap: prefix snapshots ahead of launch
+managers.scheduler.Scheduler.run_batch                  BEFORE  overlap: usage counts at launch
 managers.scheduler.Scheduler.run_batch                  AFTER   overlap: the forward fence
+...scheduler.Scheduler.process_batch_result             BEFORE  overlap: results processed (usage)
 ======================================================  ======  ==========================================
 """
 

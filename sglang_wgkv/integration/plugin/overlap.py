@@ -34,10 +34,10 @@ snapshot restore                       allocator; copies into fresh pages; the  
                                        slot's page-table row, lengths, flags       still writes (its owner freed meanwhile)
 snapshot release                       allocator (refcounts, free stack)           waits (one rule for the store; nothing
                                                                                    in a replay reads snapshot-only pages)
-request pool ``free`` / ``clear``      usage read (lengths); allocator frees of    no wait: the replay writes only the freed
-                                       the row; row, lengths, flags reset; the     request's dropped step (into its old
-                                       evictor row returned                        pages, the dump page or flags a new owner
-                                                                                   writes before reading); its pages and row
+request pool ``free`` / ``clear``      usage counts (the ledger's copy at the      no wait: the replay writes only the freed
+                                       launch, ``requests/usage_ledger.py``);      request's dropped step (into its old
+                                       allocator frees of the row; row, lengths,   pages, the dump page or flags a new owner
+                                       flags reset; the evictor row returned       writes before reading); its pages and row
                                                                                    reach a new owner only through a forward
                                                                                    or an op above, which waits
 =====================================  ==========================================  ==========================================
@@ -103,6 +103,25 @@ def extend_rows(batch) -> list[tuple[int, int]]:
         return []
     prefill = batch.reqs[: len(batch.reqs) - mixed_decode_rows(batch)]
     return [(req.req_pool_idx, req.extend_range.end) for req in prefill]
+
+
+def record_usage_at_launch(scheduler, batch, *args, **kwargs):
+    """BEFORE ``Scheduler.run_batch`` under overlap: every slot's usage counts as of the forward before
+    (:class:`~sglang_wgkv.integration.requests.usage_ledger.UsageLedger`), for the frees of its results."""
+    runtime = _runtime_of(scheduler)
+    if runtime is not None and scheduler.enable_overlap and runtime.has_pool():
+        runtime.usage_ledger.record(
+            runtime.dual, runtime.evictor, scheduler.device_module, scheduler.forward_stream
+        )
+    return None
+
+
+def count_processed(scheduler, *args, **kwargs):
+    """BEFORE ``Scheduler.process_batch_result`` under overlap: one more forward's results handled."""
+    runtime = _runtime_of(scheduler)
+    if runtime is not None and scheduler.enable_overlap and runtime.has_pool():
+        runtime.usage_ledger.processed += 1
+    return None
 
 
 def snapshot_ahead_of_launch(scheduler, batch, *args, **kwargs):

@@ -128,7 +128,17 @@ def load_plugin() -> None:
             overlap.snapshot_ahead_of_launch,
             HookType.BEFORE,
         ),
+        (
+            "sglang.srt.managers.scheduler.Scheduler.run_batch",
+            overlap.record_usage_at_launch,
+            HookType.BEFORE,
+        ),
         ("sglang.srt.managers.scheduler.Scheduler.run_batch", overlap.fence_forward, HookType.AFTER),
+        (
+            "sglang.srt.managers.scheduler.Scheduler.process_batch_result",
+            overlap.count_processed,
+            HookType.BEFORE,
+        ),
         ("sglang.srt.managers.scheduler.Scheduler.init_metrics_reporter", metrics.install, HookType.AFTER),
         (
             "sglang.srt.observability.metrics_collector.SchedulerMetricsCollector.log_stats",

@@ -36,6 +36,7 @@ from sglang_wgkv.integration.plugin.forward_fence import ForwardFence
 from sglang_wgkv.integration.plugin.settings import BACKEND_NAME, ServingSettings
 from sglang_wgkv.integration.pools.capacity import CapacityPlan, physical_pages, plan_capacity
 from sglang_wgkv.integration.pools.slot_costs import ModelShape
+from sglang_wgkv.integration.requests.usage_ledger import UsageLedger
 from sglang_wgkv.memory import DualCachePool
 
 if TYPE_CHECKING:
@@ -120,6 +121,8 @@ class WGKVRuntime:
         self._prefix_cache = None
         # the last forward launched under the overlap scheduler, which scheduler-side pool ops wait for
         self.forward_fence = ForwardFence()
+        # a freed slot's usage counts without a sync behind the forward in flight
+        self.usage_ledger = UsageLedger()
         # TP: ``reduce(sums, maxes)`` of request usage over the attention-TP ranks (None on one rank)
         self.reduce_usage: Callable | None = None
         self.kv_heads: list[int] | None = None

@@ -83,6 +83,7 @@ class WGKVReqToTokenPool(ReqToTokenPool):
     def free(self, req):
         slot = req.req_pool_idx
         runtime = self.runtime
+        counts = runtime.usage_ledger.counts_for_free(self.dual, slot, runtime.evictor)
         usage = request_usage(
             self.dual,
             slot,
@@ -90,6 +91,7 @@ class WGKVReqToTokenPool(ReqToTokenPool):
             runtime.evictor,
             runtime.reduce_usage,
             bound=self.slot_bound[slot],
+            counts=counts,
         )
         self.eviction_triggers_released += usage["eviction_triggers"]
         self.evicted_tokens_released += usage["evicted_tokens"]

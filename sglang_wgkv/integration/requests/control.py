@@ -29,6 +29,7 @@ import os
 from dataclasses import dataclass
 
 from sglang_wgkv.integration.plugin.settings import ENV_VAR
+from sglang_wgkv.integration.requests.usage_ledger import read_counts
 
 PARAM_KEY = "wgkv"
 USAGE_KEY = "wgkv"
@@ -154,9 +155,10 @@ def isolate_prefix_cache(result, req, *args, **kwargs):
 
 
 def request_usage(
-    dual, slot: int, admission: RequestAdmission, evictor=None, reduce=None, bound=None
+    dual, slot: int, admission: RequestAdmission, evictor=None, reduce=None, bound=None, counts=None
 ) -> dict:
-    """Usage of the request in dual-pool ``slot`` (read before the slot is freed; syncs).
+    """Usage of the request in dual-pool ``slot`` (read before the slot is freed), from ``counts``
+    (:class:`~.usage_ledger.SlotCounts`; read from the slot, a sync, when not given).
 
     ``mean_kv_tokens_per_head``: ring + global tokens per (layer, KV head) at the end;
     ``admitted_fraction``: tokens admitted to the global cache over tokens that left the ring, summed
@@ -173,20 +175,11 @@ def request_usage(
     ``reduce(sums, maxes) -> (sums, maxes)`` combines the per-rank counts under tensor parallelism
     (each rank's pool holds its own KV heads), so every rank reports the whole model's usage.
     """
-    glen = dual.global_len[slot].long()
+    c = counts if counts is not None else read_counts(dual, slot, evictor)
     streams = dual.num_layers * dual.num_kv_heads
-    cached = int(dual.cached_len[slot])
-    triggers = evicted = early = 0
-    if evictor is not None:
-        ev = evictor.request_stats(slot)
-        triggers, evicted, early = (
-            ev["eviction_triggers"],
-            ev["evicted_tokens"],
-            ev["early_prompt_compressions"],
-        )
-    kept = int(glen.sum())
-    sums = [kept, evicted, max(cached - dual.window, 0) * streams, streams]
-    maxes = [triggers, int(glen.max()), early]
+    cached = c.cached
+    sums = [c.kept, c.evicted, max(cached - dual.window, 0) * streams, streams]
+    maxes = [c.triggers, c.max_global, c.early]
     if reduce is not None:
         sums, maxes = reduce(sums, maxes)
     kept, evicted, left, streams = sums
