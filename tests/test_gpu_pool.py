@@ -376,3 +376,25 @@ def test_batched_context_reads_without_sync_equal_the_reference():
         for a, b in zip(got, want):
             assert torch.equal(a, b)
         pool.write_extend(layer, k, v, admit)
+
+
+def test_usage_ledger_copy_is_queued_behind_the_forward_before():
+    """The ledger's copy on a forward stream sees that stream's earlier writes and none of its later
+    ones, and reading it waits for the copy only (a long later launch is still running)."""
+    from sglang_wgkv.integration.requests.usage_ledger import UsageLedger
+
+    dual = DualCachePool(4, 8, 64, 256, 4, 512, WGKVConfig(local_window=32), device="cuda")
+    dual.alloc_request(1)
+    forward, ledger = torch.cuda.Stream(), UsageLedger()
+    forward.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(forward):
+        torch.cuda._sleep(50_000_000)  # forward k, still running when the copy is queued
+        dual.global_len[1].fill_(3)
+    ledger.record(dual, None, torch.cuda, forward)
+    with torch.cuda.stream(forward):
+        dual.global_len[1].fill_(9)  # forward k + 1
+        torch.cuda._sleep(500_000_000)
+    counts = ledger.counts(1)
+    assert (counts.kept, counts.max_global) == (3 * 4 * 8, 3)
+    assert not forward.query()  # only the copy was waited for, not forward k + 1
+    forward.synchronize()
