@@ -59,6 +59,20 @@ def test_no_forward_in_flight_reads_the_slot():
     assert read_counts(dual, 2, None) == SlotCounts(12, 9, 30, 0, 0, 0)
 
 
+def test_a_slot_owned_anew_since_the_launch_reads_itself():
+    """A request given the slot after the launch (and freed before any forward ran it) is not
+    reported with the counts of the slot's previous owner."""
+    dual, evictor, ledger = _pool(), Counters(4), UsageLedger()
+    _set(dual, evictor, 3, [[8, 8, 8], [8, 8, 8]], 90, (1, 1, 0))
+    ledger.record(dual, evictor, None, None)
+    dual.free_request(3)
+    dual.alloc_request(3)
+    for array in evictor.arrays:
+        array[3] = 0
+    assert ledger.in_flight()
+    assert ledger.counts_for_free(dual, 3, evictor) == SlotCounts(0, 0, 0, 0, 0, 0)
+
+
 def test_without_an_evictor_the_eviction_counts_are_zero():
     dual, ledger = _pool(), UsageLedger()
     dual.global_len[0] = 4

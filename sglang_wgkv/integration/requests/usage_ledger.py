@@ -14,7 +14,8 @@ a forward was launched after the   the copy made at that launch: the  that copy,
 last one processed (overlap)       slot after the forward handled     the forward handled (done: its
                                                                       results are being processed)
 none was (no overlap; or nothing   the slot itself                    nothing in flight
-launched since)
+launched since); or the slot got
+a new owner after that launch
 =================================  =================================  ================================
 
 So a request's usage is the same with and without overlap: as of the last token it was given.
@@ -56,6 +57,7 @@ class UsageLedger:
         self.launched = self.processed = 0
         self._table: torch.Tensor | None = None  # [slots, 2] int64 on the host: kept, max_global
         self._host: tuple[np.ndarray, ...] = ()  # cached, triggers, evicted, early, per slot
+        self._generation: np.ndarray | None = None  # each slot's owner at the launch
         self._done = None
 
     def record(self, dual, evictor, device_module, stream) -> None:
@@ -74,6 +76,7 @@ class UsageLedger:
             self._table.copy_(torch.stack((glen.sum(1, dtype=torch.int64), glen.amax(1).long()), 1))
         counters = evictor.request_counters() if evictor is not None else ()
         self._host = (dual.cached_len.copy(), *(c.copy() for c in counters))
+        self._generation = dual.generation.copy()
         self.launched += 1
 
     def in_flight(self) -> bool:
@@ -90,4 +93,6 @@ class UsageLedger:
 
     def counts_for_free(self, dual, slot: int, evictor=None) -> SlotCounts:
         """A freed slot's counts (module table)."""
-        return self.counts(slot) if self.in_flight() else read_counts(dual, slot, evictor)
+        if self.in_flight() and self._generation[slot] == dual.generation[slot]:
+            return self.counts(slot)
+        return read_counts(dual, slot, evictor)
