@@ -23,6 +23,7 @@ So a request's usage is the same with and without overlap: as of the last token 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,14 +67,12 @@ class UsageLedger:
         glen = dual.global_len.flatten(1)
         if self._table is None:
             self._table = torch.empty((glen.shape[0], 2), dtype=torch.int64, pin_memory=glen.is_cuda)
-        if glen.is_cuda:
-            with device_module.stream(stream):
-                counts = torch.stack((glen.sum(1, dtype=torch.int64), glen.amax(1).long()), 1)
-                self._table.copy_(counts, non_blocking=True)
+        with device_module.stream(stream) if glen.is_cuda else contextlib.nullcontext():
+            counts = torch.stack((glen.sum(1, dtype=torch.int64), glen.amax(1).long()), 1)
+            self._table.copy_(counts, non_blocking=glen.is_cuda)
+            if glen.is_cuda:
                 self._done = device_module.Event()
                 self._done.record(stream)
-        else:
-            self._table.copy_(torch.stack((glen.sum(1, dtype=torch.int64), glen.amax(1).long()), 1))
         counters = evictor.request_counters() if evictor is not None else ()
         self._host = (dual.cached_len.copy(), *(c.copy() for c in counters))
         self._generation = dual.generation.copy()
