@@ -15,6 +15,9 @@ one machine, one hour      every run of a workload in one merge started within
                            made on one machine, one after the other
 the workload's arguments   each run's server command holds the workload's ``server_args``
                            (a changed definition is another workload)
+nothing compiled           no run's timed part compiled a Triton kernel (``compiled_in_timed_run``):
+                           a compile stops the scheduler for seconds, so the ratio would time
+                           the JIT (run the workload again on the warm machine)
 ``best``                   per workload, metric and WG-KV configuration: the best upstream value
                            among the baselines measured in that merge (that machine), paired
                            with the same WG-KV run; ``best_of`` names the baseline
@@ -80,8 +83,8 @@ def collect(parts: list[dict], ws: sw.WorkloadSet) -> dict[tuple[str, int], dict
 
 
 def check_comparable(groups: dict[tuple[str, int], dict[str, dict[str, dict]]], ws: sw.WorkloadSet) -> None:
-    """ValueError unless each workload's runs used its current server arguments and started within
-    :data:`MAX_PAIR_SPAN_S` of each other."""
+    """ValueError unless each workload's runs used its current server arguments, compiled nothing in
+    their timed runs and started within :data:`MAX_PAIR_SPAN_S` of each other."""
     for (name, _), group in groups.items():
         want = shlex.split(ws[name].server_args)
         stamps = []
@@ -92,6 +95,11 @@ def check_comparable(groups: dict[tuple[str, int], dict[str, dict[str, dict]]], 
                     raise ValueError(
                         f"{name} {server} {config}: its server ran without the workload's arguments "
                         f"{ws[name].server_args!r}"
+                    )
+                if rec.get("compiled_in_timed_run"):
+                    raise ValueError(
+                        f"{name} {server} {config}: its timed run compiled Triton kernels "
+                        f"{rec['compiled_in_timed_run']} (run it again on the warm machine)"
                     )
                 if rec.get("date_utc"):
                     stamps.append(datetime.datetime.fromisoformat(rec["date_utc"]))

@@ -46,6 +46,21 @@ def test_one_machine_same_arguments_pass():
     )
 
 
+def test_a_timed_run_that_compiled_is_refused():
+    w = WS["W4L"]
+    compiled = {**_rec(w.server_args + " " + w.wgkv_args, "2026-12-03T22:31:00+00:00")}
+    compiled["compiled_in_timed_run"] = ["_split_kernel"]
+    with pytest.raises(ValueError, match=r"compiled Triton kernels \['_split_kernel'\]"):
+        sr.check_comparable(
+            {
+                ("W4L", 1): _group(
+                    wgkv__bf16=compiled, upstream__fa3=_rec(w.server_args, "2026-12-03T22:46:00+00:00")
+                )
+            },
+            WS,
+        )
+
+
 def test_changed_definition_is_refused():
     old = "--context-length 8192 --cuda-graph-max-bs-decode 64 --max-running-requests 64 --mem-fraction-static 0.19"
     with pytest.raises(ValueError, match="without the workload's arguments"):
