@@ -28,6 +28,16 @@ SCENARIOS = {
     "decode_4": ("decode", [], [], 4),
     "decode_8": ("decode", [], [], 8),
 }
+# The forwards of SCENARIOS' kinds again at other sizes (odd lengths, one and eleven decode rows): the
+# Triton variants a forward compiles must depend on its kind only (jit_variants).
+SIZE_VARIANTS = {
+    "extend_3_odd": ("extend", [37, 50, 41], [0] * 3, 0),
+    "chunk_after_prefix_3_odd": ("extend", [24, 33, 17], [72, 40, 90], 0),
+    "mixed_2_prefill_5_decode": ("mixed", [33, 41], [0, 0], 5),
+    "mixed_1_prefill_11_decode": ("mixed", [40], [0], 11),
+    "decode_1": ("decode", [], [], 1),
+    "decode_11": ("decode", [], [], 11),
+}
 H, HQ, D, W = 2, 4, 64, 32
 
 
@@ -43,7 +53,7 @@ def _setup(num_layers: int, scenario: str):
     from sglang_wgkv.memory import DualCachePool
     from sglang_wgkv.testing.backend_harness import bare_backend, decode_batch, extend_batch, layer_of
 
-    kind, lens, prefix, decode_rows = SCENARIOS[scenario]
+    kind, lens, prefix, decode_rows = {**SCENARIOS, **SIZE_VARIANTS}[scenario]
     dt = torch.float16
     pool = DualCachePool(
         num_layers,
@@ -126,6 +136,22 @@ def count(num_layers: int, scenario: str):
     with counting_ops() as counts:
         forward()
     return counts
+
+
+def jit_variants(scenarios) -> dict[str, dict[tuple, list[str]]]:
+    """``{kernel: {variant key: [scenarios that launch it]}}`` of two-layer forwards: the variant each
+    Triton launch would compile on an sm_90 GPU (``sglang_wgkv.testing.jit_keys``)."""
+    from sglang_wgkv.testing.jit_keys import recording_jit_keys
+
+    out: dict[str, dict[tuple, list[str]]] = {}
+    for name in scenarios:
+        forward = _setup(2, name)
+        with recording_jit_keys() as keys:
+            forward()
+        for kernel, got in keys.items():
+            for key in got:
+                out.setdefault(kernel, {}).setdefault(key, []).append(name)
+    return out
 
 
 def _split(with_two: dict, with_four: dict) -> tuple[dict, dict]:

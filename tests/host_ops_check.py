@@ -2,6 +2,8 @@
 launches on the kernels path (``benchmarks.host_ops``), per layer and per forward, must not grow with
 the requests of the batch, must hold no host sync, and must stay within the counts it has reached.
 
+``variants``: the Triton variants a forward compiles do not depend on its sizes (:func:`check_variants`).
+
 ``python tests/host_ops_check.py CASE [CASE ...]``: a line per case, exit code 1 if any fails.
 """
 
@@ -10,7 +12,7 @@ import sys
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
-from benchmarks.host_ops import measure  # noqa: E402
+from benchmarks.host_ops import SCENARIOS, SIZE_VARIANTS, jit_variants, measure  # noqa: E402
 from sglang_wgkv.testing.interp import check_seeds  # noqa: E402
 
 # case: (the same forward with few and with more requests, most launches a layer it may make)
@@ -36,5 +38,28 @@ def check(case: str) -> str:
     return f"{per_layer:g} a layer, {sum(a['per_forward'].values()):g} a forward"
 
 
+def check_variants() -> str:
+    """The Triton variants (``testing/jit_keys.py``) that the forwards of SIZE_VARIANTS need are those
+    that SCENARIOS' forwards of the same kinds need: a served batch of another size compiles nothing
+    that the start-up's forwards did not."""
+    from sglang_wgkv.testing.jit_keys import differences
+
+    base, other = jit_variants(SCENARIOS), jit_variants(SIZE_VARIANTS)
+    for kernel in sorted(set(base) | set(other)):
+        new = set(other.get(kernel, {})) - set(base.get(kernel, {}))
+        if new:
+            every = set(base.get(kernel, {})) | new
+            raise SystemExit(
+                f"{kernel}: {len(new)} variant(s) only at other sizes "
+                f"({sorted({n for k in new for n in other[kernel][k]})}); they differ in signature "
+                f"positions {differences(every)}"
+            )
+    return f"{sum(len(v) for v in base.values())} variants of {len(base)} kernels"
+
+
+def run_case(case: str) -> str:
+    return check_variants() if case == "variants" else check(case)
+
+
 if __name__ == "__main__":
-    sys.exit(check_seeds(check, sys.argv[1:]))
+    sys.exit(check_seeds(run_case, sys.argv[1:]))

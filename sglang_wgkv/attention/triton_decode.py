@@ -45,7 +45,12 @@ import os
 import torch
 import triton
 
-from sglang_wgkv.attention.decode_config import DecodeConfig, FoldedDecodeWorkspace, choose_num_splits
+from sglang_wgkv.attention.decode_config import (
+    MAX_SPLIT_COUNT,
+    DecodeConfig,
+    FoldedDecodeWorkspace,
+    choose_num_splits,
+)
 from sglang_wgkv.attention.triton_decode_merge import _merge_kernel
 from sglang_wgkv.attention.triton_decode_split import _split_kernel
 from sglang_wgkv.config import PAGE_SIZE
@@ -58,6 +63,9 @@ _LOG2E = 1.4426950408889634
 # 2 or 8 rows, or an 8192 tile, took more at some groups.
 _MERGE_ROWS = 4
 _MERGE_TILE = 4096
+# The merge's split axis, padded to the most splits any batch takes rather than to this batch's count:
+# one compiled variant for every batch size and length (testing/jit_keys.py).
+_SPLITS_PAD = triton.next_power_of_2(MAX_SPLIT_COUNT)
 
 
 def _check_inputs(q, k_pages, v_pages, page_table, global_len, req, ring_tokens, layer, scales):
@@ -256,7 +264,7 @@ def folded_decode(
     pt = page_table[:, layer]
     gl = global_len[:, layer]
     po, pl, done = ws.part_out, ws.part_lse, ws.splits_done
-    splits_pad = triton.next_power_of_2(num_splits)
+    splits_pad = _SPLITS_PAD
     options = cfg.launch_options(q.device.type)
     nk, nv, npos = (new_k, new_v, pos) if write_new else (q, q, req)  # placeholders: never read
     xq = obs_q if obs_q is not None else q.unsqueeze(0)  # placeholders: never written

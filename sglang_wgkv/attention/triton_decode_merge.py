@@ -119,7 +119,11 @@ def _merge_group(
         )
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+# Index and per-forward buffers are views at batch-dependent offsets and strides: their alignment and
+# divisibility left unspecialized, so one compiled variant serves every batch (testing/jit_keys.py).
+@triton.jit(
+    do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["GlobalLen", "Req", "RingTokens"]
+)
 def _merge_kernel(
     Out,
     GlobalLen,

@@ -19,7 +19,23 @@ def _dot(a, b, UPCAST: tl.constexpr):
     return tl.dot(a, b)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+# Index and per-forward buffers are views at batch-dependent offsets and strides: their alignment and
+# divisibility left unspecialized, so one compiled variant serves every batch (testing/jit_keys.py).
+@triton.jit(
+    do_not_specialize=["num_splits", "stride_yr", "obs_window"],
+    do_not_specialize_on_alignment=[
+        "PageTable",
+        "GlobalLen",
+        "Req",
+        "RingTokens",
+        "SplitsDone",
+        "Pos",
+        "ObsPos",
+        "ObsRow",
+        "KScale",
+        "VScale",
+    ],
+)
 def _split_kernel(
     Q,
     K,

@@ -69,7 +69,32 @@ def _update(q, k, v, m_i, l_i, acc, visible, qk_scale, MASKED: tl.constexpr):
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["compact_rows", "num_blocks", "num_q"])
+# Index and per-forward buffers are views at batch-dependent offsets and strides: their alignment and
+# divisibility left unspecialized, so one compiled variant serves every batch (testing/jit_keys.py).
+@triton.jit(
+    do_not_specialize=[
+        "compact_rows",
+        "num_blocks",
+        "num_q",
+        "stride_an",
+        "stride_vn",
+        "stride_vg",
+        "stride_lg",
+    ],
+    do_not_specialize_on_alignment=[
+        "Adm",
+        "QPos",
+        "KPos",
+        "BQStart",
+        "BQEnd",
+        "BCompactStart",
+        "BBandStart",
+        "BBandEnd",
+        "BVertical",
+        "OV",
+        "LseV",
+    ],
+)
 def _vertical_slash_fwd(
     q_desc,
     k_desc,

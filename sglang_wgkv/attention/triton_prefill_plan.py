@@ -19,7 +19,12 @@ from sglang_wgkv.attention.vertical_slash_plan import (
 )
 
 
-@triton.jit(do_not_specialize=["num_keys", "num_seqs"])
+# Index and per-forward buffers are views at batch-dependent offsets and strides: their alignment and
+# divisibility left unspecialized, so one compiled variant serves every batch (testing/jit_keys.py).
+@triton.jit(
+    do_not_specialize=["num_keys", "num_seqs", "stride_an", "stride_ah", "stride_en", "stride_eh"],
+    do_not_specialize_on_alignment=["Adm", "Excl", "KV"],
+)
 def _compact_fwd(
     K,
     V,
@@ -158,7 +163,25 @@ def _count_le(KPos, lo, hi, x, n_iter):
     return left
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_q", "n_iter"])
+# Index and per-forward buffers are views at batch-dependent offsets and strides: their alignment and
+# divisibility left unspecialized, so one compiled variant serves every batch (testing/jit_keys.py).
+@triton.jit(
+    do_not_specialize=["num_seqs", "num_q", "n_iter", "stride_en", "stride_eh"],
+    do_not_specialize_on_alignment=[
+        "QO",
+        "KV",
+        "QPos",
+        "KPos",
+        "Excl",
+        "QStart",
+        "QEnd",
+        "KVStart",
+        "BandStart",
+        "BandEnd",
+        "Vertical",
+        "CompactStart",
+    ],
+)
 def _plan_kernel(
     QO,
     KV,

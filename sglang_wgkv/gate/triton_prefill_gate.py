@@ -51,7 +51,11 @@ CHECK_TOLERANCE = 1e-4
 logger = logging.getLogger(__name__)
 
 
-@triton.jit(do_not_specialize=["T"])
+# Index and per-forward buffers are views at batch-dependent offsets and strides: their alignment and
+# divisibility left unspecialized, so one compiled variant serves every batch (testing/jit_keys.py).
+@triton.jit(
+    do_not_specialize=["T", "stride_ut"], do_not_specialize_on_alignment=["G", "Tau", "Uniform", "Admit"]
+)
 def _prefill_gate_kernel(
     KPre,
     KPost,

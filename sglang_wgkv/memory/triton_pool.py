@@ -33,6 +33,9 @@ from sglang_wgkv.memory.triton_promote_kernels import (
 PROMOTE_SCAN_BLOCK = (
     1024  # promotion items per block (a power of two): one program below it, a grid of blocks above
 )
+# Block counts summed per step of the scans' loops. The block sizes are fixed, not fitted to the batch,
+# so that every batch runs the variants compiled at start-up (testing/jit_keys.py).
+PROMOTE_COUNTS_BLOCK = 64
 
 
 def begin_prefill(pool, r: int, n: int) -> None:
@@ -232,13 +235,12 @@ def decode_promote(
             W,
             pool.ring_cols,
             cols,
-            BLOCK=triton.next_power_of_2(n_items),
+            BLOCK=PROMOTE_SCAN_BLOCK,
             num_warps=4,
         )
     else:
         n_blocks = triton.cdiv(n_items, PROMOTE_SCAN_BLOCK)
         counts = torch.empty(n_blocks, dtype=torch.int64, device=req.device)
-        pad = triton.next_power_of_2(n_blocks)
         _promote_count_kernel[(n_blocks,)](
             *common, counts, n_items, LH, W, BLOCK=PROMOTE_SCAN_BLOCK, num_warps=4
         )
@@ -257,10 +259,12 @@ def decode_promote(
             pool.ring_cols,
             cols,
             BLOCK=PROMOTE_SCAN_BLOCK,
-            BLOCKS_PAD=pad,
+            BLOCKS_PAD=PROMOTE_COUNTS_BLOCK,
             num_warps=4,
         )
-        _promote_take_kernel[(1,)](alloc.num_free, counts, n_blocks, BLOCKS_PAD=pad, num_warps=1)
+        _promote_take_kernel[(1,)](
+            alloc.num_free, counts, n_blocks, BLOCKS_PAD=PROMOTE_COUNTS_BLOCK, num_warps=1
+        )
     if lower_floor:
         alloc.free_floor -= B * LH
     block_r = min(64, triton.next_power_of_2(LH))

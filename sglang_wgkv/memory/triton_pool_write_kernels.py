@@ -20,7 +20,12 @@ def stored_value(x, Pages, Scale, layer, QUANT: tl.constexpr, FP8_MAX: tl.conste
     return x.to(Pages.dtype.element_ty)
 
 
-@triton.jit(do_not_specialize=["n_tokens", "leaving"])
+# Index and per-forward buffers are views at batch-dependent offsets and strides: their alignment and
+# divisibility left unspecialized, so one compiled variant serves every batch (testing/jit_keys.py).
+@triton.jit(
+    do_not_specialize=["n_tokens", "leaving", "stride_an"],
+    do_not_specialize_on_alignment=["PageRow", "Admit", "Rank", "GlobalLen"],
+)
 def _prefill_write_kernel(
     K,
     V,
@@ -63,7 +68,12 @@ def _prefill_write_kernel(
     tl.store(VPages + dst, v.to(VPages.dtype.element_ty), mask=write[:, None])
 
 
-@triton.jit(do_not_specialize=["layer"])
+# Index and per-forward buffers are views at batch-dependent offsets and strides: their alignment and
+# divisibility left unspecialized, so one compiled variant serves every batch (testing/jit_keys.py).
+@triton.jit(
+    do_not_specialize=["layer", "stride_ab"],
+    do_not_specialize_on_alignment=["PageTable", "RingFlag", "Admit", "Req", "Pos", "KScale", "VScale"],
+)
 def _decode_write_kernel(
     K,
     V,

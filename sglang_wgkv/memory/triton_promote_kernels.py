@@ -62,7 +62,7 @@ def _promote_block(
     return tl.sum(need.to(tl.int64), 0)
 
 
-@triton.jit(do_not_specialize=["n_items"])
+@triton.jit(do_not_specialize=["n_items"], do_not_specialize_on_alignment=["Req", "Pos"])
 def _promote_alloc_kernel(
     Req,
     Pos,
@@ -110,14 +110,14 @@ def _promote_alloc_kernel(
 # over the blocks in parallel: count the new pages of every block, then each block takes its pages
 # after the earlier blocks' (a prefix sum of the counts), then one program lowers num_free. At W3's
 # batch (128 x 256 streams, 32 blocks) a single-program scan was a visible share of the decode step.
-@triton.jit(do_not_specialize=["n_items"])
+@triton.jit(do_not_specialize=["n_items"], do_not_specialize_on_alignment=["Req", "Pos"])
 def _promote_count_kernel(Req, Pos, RingFlag, GlobalLen, Counts, n_items, LH, window, BLOCK: tl.constexpr):
     blk = tl.program_id(0)
     need = _promote_items(Req, Pos, RingFlag, GlobalLen, blk * BLOCK, n_items, LH, window, BLOCK)[6]
     tl.store(Counts + blk, tl.sum(need.to(tl.int64), 0))
 
 
-@triton.jit(do_not_specialize=["n_items"])
+@triton.jit(do_not_specialize=["n_items"], do_not_specialize_on_alignment=["Req", "Pos"])
 def _promote_alloc_blocks_kernel(
     Req,
     Pos,
@@ -139,8 +139,10 @@ def _promote_alloc_blocks_kernel(
     BLOCKS_PAD: tl.constexpr,
 ):
     blk = tl.program_id(0)
-    k = tl.arange(0, BLOCKS_PAD)
-    taken = tl.sum(tl.load(Counts + k, mask=k < blk, other=0), 0)  # pages of the blocks before this one
+    taken = tl.full([], 0, tl.int64)  # pages of the blocks before this one
+    for k0 in range(0, blk, BLOCKS_PAD):
+        k = k0 + tl.arange(0, BLOCKS_PAD)
+        taken += tl.sum(tl.load(Counts + k, mask=k < blk, other=0), 0)
     _promote_block(
         Req,
         Pos,
@@ -165,11 +167,14 @@ def _promote_alloc_blocks_kernel(
 
 @triton.jit(do_not_specialize=["n_blocks"])
 def _promote_take_kernel(NumFree, Counts, n_blocks, BLOCKS_PAD: tl.constexpr):
-    k = tl.arange(0, BLOCKS_PAD)
-    tl.store(NumFree, tl.load(NumFree) - tl.sum(tl.load(Counts + k, mask=k < n_blocks, other=0), 0))
+    taken = tl.full([], 0, tl.int64)
+    for k0 in range(0, n_blocks, BLOCKS_PAD):
+        k = k0 + tl.arange(0, BLOCKS_PAD)
+        taken += tl.sum(tl.load(Counts + k, mask=k < n_blocks, other=0), 0)
+    tl.store(NumFree, tl.load(NumFree) - taken)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["Req", "Pos", "RingPage", "RingOff", "RingTokens"])
 def _promote_move_kernel(
     Req,
     Pos,
