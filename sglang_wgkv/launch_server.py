@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--wgkv-decode-launch", default="")
     parser.add_argument("--wgkv-extend-kernels", action="store_true")
     parser.add_argument("--wgkv-forward-tokens", type=int, default=None)
-    parser.add_argument("--wgkv-prefill-vertical", choices=PREFILL_VERTICAL, default="triton")
+    parser.add_argument("--wgkv-prefill-vertical", choices=PREFILL_VERTICAL, default="auto")
     parser.add_argument("--disable-wgkv", action="store_true")
     return parser
 

@@ -56,7 +56,7 @@ def test_settings_and_launcher(monkeypatch):
     from sglang_wgkv.launch_server import resolve
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert resolve(["--model-path", "/m"])[0].prefill_vertical == "triton"  # opt-in until run on a GPU
+    assert resolve(["--model-path", "/m"])[0].prefill_vertical == "auto"
     settings, _, env = resolve(["--model-path", "/m", "--wgkv-prefill-vertical", "triton"])
     assert settings.prefill_vertical == "triton" and ServingSettings.from_env(env) == settings
     with pytest.raises(ValueError, match="needs a Hopper GPU"):

@@ -3,9 +3,9 @@ Triton kernel (:mod:`sglang_wgkv.attention.fa3_vertical`).
 
 | setting | FA3 loads and passes the start-up check | it does not |
 | --- | --- | --- |
-| ``auto`` | FA3 for forwards whose longest key range reaches :data:`FA3_MIN_KEYS` | Triton, a warning logged |
+| ``auto`` (default) | FA3 for forwards whose longest key range reaches :data:`FA3_MIN_KEYS` | Triton, a warning logged |
 | ``fa3`` | FA3 for every extend | the server refuses to start |
-| ``triton`` (default) | Triton | Triton |
+| ``triton`` | Triton | Triton |
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from sglang_wgkv.attention.fa3_vertical import FA3Fn, load_fa3
 logger = logging.getLogger(__name__)
 
 # The forward's longest key range (one request's context and chunk) from which ``auto`` hands the
-# vertical range to FA3: shorter ranges span a few pages a block, where FA3 saves little and its three
-# extra launches a layer weigh on host-bound forwards (docs/performance.md, "FA3 on the vertical range").
-FA3_MIN_KEYS = 8192
+# vertical range to FA3: the shortest measured length where the FA3 path beat the Triton kernel
+# (kernels/kernel_attention_fa3_vertical.json); on M1D's 2K-4K forwards it cost 17% of the output rate
+# (serving/M1D_prefill_vertical_ab.json).
+FA3_MIN_KEYS = 32768
 CHECK_TOLERANCE = 0.05  # max |FA3 path - one-pass kernel| of the start-up case, bf16 outputs near 1
 # the server log's start-up line, one per process (served_speed.py records the choice from it)
 LOG_FA3 = "wgkv: FA3 runs the prefill's vertical range"

@@ -63,9 +63,8 @@ class ServingSettings:
         (``DualCachePool(triton_extend=True)``); off by default until they have run on a GPU.
     prefill_vertical : who runs the kernels path's prefill over the admitted keys before each query
         block's band (:mod:`~sglang_wgkv.integration.backend.prefill_vertical`): ``fa3`` (FA3, Hopper,
-        every extend), ``triton`` (the one-pass Triton kernel; the default until FA3's path has run on a
-        GPU) or ``auto`` (FA3 where it loads and passes the start-up check, for forwards with a long key
-        range; Triton otherwise).
+        every extend), ``triton`` (the one-pass Triton kernel) or ``auto``, the default (FA3 where it loads
+        and passes the start-up check, for forwards with a long key range; Triton otherwise).
     forward_tokens : while requests decode, a forward's tokens (prefill share + decode rows,
         :class:`~sglang_wgkv.integration.scheduling.mixed_batches.ForwardBudget`); None: SGLang's own chunk
         sizes. The launcher's default on CUDA: :data:`DEFAULT_GPU_FORWARD_TOKENS`, with
@@ -80,7 +79,7 @@ class ServingSettings:
     decode_launch: str = ""
     extend_kernels: bool = False
     forward_tokens: int | None = None
-    prefill_vertical: str = "triton"  # FA3's path opt-in until it has run on a GPU (docs/performance.md)
+    prefill_vertical: str = "auto"
 
     def __post_init__(self):
         if self.attention not in ATTENTION_IMPLS:
@@ -152,7 +151,7 @@ class ServingSettings:
                 decode_launch=data.get("decode_launch", ""),
                 extend_kernels=bool(data.get("extend_kernels", False)),
                 forward_tokens=data.get("forward_tokens"),
-                prefill_vertical=data.get("prefill_vertical", "triton"),
+                prefill_vertical=data.get("prefill_vertical", "auto"),
             )
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"malformed {ENV_VAR}={raw!r}: {e}") from e
