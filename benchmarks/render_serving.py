@@ -129,7 +129,7 @@ def served_workload(d: dict) -> list[str]:
         ],
         rows,
     )
-    machines = d.get("machines") or d.get("leases")  # "leases": files merged before the rename
+    machines = d.get("machines")
     if machines:
         lines += ["", f"Machines: {machines}."]
     for what, got in (
@@ -223,10 +223,10 @@ def decode_log(d: dict) -> list[str]:
 
 def decode_ab(d: dict) -> list[str]:
     """Two versions of the WG-KV decode, each on its own H200 against an upstream run on that machine
-    (``leases``: one entry per machine): TPOT, profiled step and per-layer kernel times."""
+    (``machines``: one entry each): TPOT, profiled step and per-layer kernel times."""
     head = f"{d['what']}. Commands: {cmds(list(d['commands'].values()), '; ')}."
     rows = []
-    for machine in d["leases"]:
+    for machine in d["machines"]:
         for w in ("W1", "W0"):
             rows.append(
                 [

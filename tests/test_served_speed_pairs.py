@@ -267,7 +267,7 @@ def test_merge_keeps_older_named_runs_and_sets_the_machines_text(tmp_path):
     out = tmp_path / "serving"
     out.mkdir()
     (out / "W1.json").write_text(
-        json.dumps({"runs": {"wgkv:bf16": {"old": 1}, "wgkv_profiled": {"kept": 1}}, "leases": "earlier"})
+        json.dumps({"runs": {"wgkv:bf16": {"old": 1}, "wgkv_profiled": {"kept": 1}}, "machines": "earlier"})
     )
     t = "2026-12-05T01:{:02d}:00+00:00"
     wg = _part(tmp_path / "a.json", "wgkv", "bf16", {"W1": _w1(6.0, 5.8)}, t.format(0))
@@ -275,6 +275,6 @@ def test_merge_keeps_older_named_runs_and_sets_the_machines_text(tmp_path):
     sr.main(["merge", wg, up, "--out-dir", str(out), "--machines", "one H200"])
     w1 = json.loads((out / "W1.json").read_text())
     assert w1["runs"]["wgkv_profiled"] == {"kept": 1} and "old" not in w1["runs"]["wgkv:bf16"]
-    assert w1["machines"] == "one H200" and "leases" not in w1
+    assert w1["machines"] == "one H200"
     sr.main(["merge", wg, up, "--out-dir", str(out)])
     assert "machines" not in json.loads((out / "W1.json").read_text())
