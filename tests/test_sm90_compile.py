@@ -315,6 +315,15 @@ UNSPECIALIZED_SIZES = {
 # alignment and their strides' divisibility are left unspecialized. Strides and pointers of the K/V
 # pages, queries and outputs keep theirs: the loads' width depends on it.
 UNSPECIALIZED_VIEWS = {
+    "sglang_wgkv.attention.fa3_vertical._entries_kernel": {
+        "QStart",
+        "QEnd",
+        "CompactStart",
+        "Vertical",
+        "CuQ",
+        "SeqLens",
+        "PageTable",
+    },
     "sglang_wgkv.attention.triton_prefill._vertical_slash_fwd": {
         "stride_an",
         "stride_vn",

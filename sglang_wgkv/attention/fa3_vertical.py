@@ -49,7 +49,20 @@ def load_fa3(device: torch.device | str) -> FA3Fn | None:
     return flash_attn_with_kvcache
 
 
-@triton.jit(do_not_specialize=["num_q", "num_blocks", "rows_per_head", "max_pages"])
+# The plan's arrays may be views at offsets that follow the block count: their alignment unspecialized,
+# so one compiled variant serves every forward (testing/jit_keys.py).
+@triton.jit(
+    do_not_specialize=["num_q", "num_blocks", "rows_per_head", "max_pages"],
+    do_not_specialize_on_alignment=[
+        "QStart",
+        "QEnd",
+        "CompactStart",
+        "Vertical",
+        "CuQ",
+        "SeqLens",
+        "PageTable",
+    ],
+)
 def _entries_kernel(
     QStart,
     QEnd,
