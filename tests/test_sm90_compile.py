@@ -30,6 +30,32 @@ def test_decode_split_kernel_compiles_for_sm90(pdl):
     assert compiled.metadata.launch_pdl == pdl
 
 
+SM90_REGISTERS_PER_SM = 65536
+SM90_SHARED_PER_SM = 233472  # bytes an SM holds for its resident blocks (228 KiB)
+
+
+@pytest.mark.parametrize(
+    "kv_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2], ids=["bf16", "e4m3", "e5m2"]
+)
+def test_served_decode_shape_fits_the_programs_it_plans(kv_dtype):
+    """The split count plans ``programs_per_sm`` programs per SM (choose_num_splits); the served shape
+    for each page dtype (DecodeConfig.for_pages) must let that many be resident, by registers and by
+    shared memory, without spills: otherwise the last programs of each SM run in a second wave (FP8's
+    conversions took the bf16 shape to 168 registers: three of four)."""
+    from benchmarks.sm90_registers import ptxas_stats
+    from sglang_wgkv.attention import decode_config as dc
+
+    cfg = dc.DecodeConfig.for_pages(kv_dtype)
+    pages = None if kv_dtype == torch.bfloat16 else kv_dtype
+    splits = dc.choose_num_splits(1, 8, 131072, "cpu")
+    compiled = compile_sm90(*split_kernel_launch(cfg, splits=splits, kv_dtype=pages))
+    stats = ptxas_stats(compiled.asm["ptx"])
+    threads = 32 * cfg.num_warps
+    assert stats["spill_store_bytes"] == 0, stats
+    assert SM90_REGISTERS_PER_SM // (stats["registers"] * threads) >= cfg.programs_per_sm, stats
+    assert SM90_SHARED_PER_SM // max(compiled.metadata.shared, 1) >= cfg.programs_per_sm
+
+
 def test_decode_split_kernel_register_cap():
     """``--wgkv-decode-launch maxnreg=N`` reaches the compiled kernel: the PTX carries the cap (ptxas
     then allocates at most N registers per thread); without it, no cap."""

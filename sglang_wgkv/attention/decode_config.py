@@ -13,6 +13,10 @@ from sglang_wgkv.config import PAGE_SIZE
 MAX_SPLIT_COUNT = 128
 
 
+# The split kernel's shape over FP8 pages: fields that differ from DecodeConfig's defaults (see there).
+FP8_SHAPE = {"block_n": 32}
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     """Launch shape of the split kernel: tokens per step (a multiple of 16), warps, pipeline stages;
@@ -27,8 +31,13 @@ class DecodeConfig:
     gathers are ``cp.async`` copies. No other shape beat it at the served W1 length
     (``benchmarks/results/kernels/decode_launch_configs.json``).
 
-    The served path uses the defaults unless ``--wgkv-decode-launch`` (:meth:`parse`) says otherwise:
-    a switch for measuring launch shapes in service (issue 15), not a tuning knob for users."""
+    FP8 pages start from :data:`FP8_SHAPE` instead (:meth:`for_pages`): converting the FP8 tiles to the
+    dots' fp16 takes the default shape to 168 registers, so three of the four programs per SM that the
+    split count plans for fit, and the fourth runs in a second wave; at 32 tokens a step it takes 128,
+    without spills (``tests/test_sm90_compile.py`` checks the served shapes fit their programs).
+
+    The served path uses these unless ``--wgkv-decode-launch`` (:meth:`parse`) says otherwise: a switch
+    for measuring launch shapes in service (issue 15), not a tuning knob for users."""
 
     block_n: int = 64
     num_warps: int = 4
@@ -65,10 +74,18 @@ class DecodeConfig:
         }
 
     @classmethod
-    def parse(cls, spec: str) -> "DecodeConfig":
-        """``"block_n=32,pdl=1"`` -> DecodeConfig (unnamed fields keep their defaults; ``""``: all).
-        ValueError naming the field on an unknown name or a bad value."""
-        kwargs: dict = {}
+    def for_pages(cls, dtype, spec: str = "") -> "DecodeConfig":
+        """The served shape for K/V pages of ``dtype`` (:data:`FP8_SHAPE` for FP8 ones), with ``spec``'s
+        fields (:meth:`parse`) over it."""
+        from sglang_wgkv.memory.kv_quant import is_fp8
+
+        return cls.parse(spec, FP8_SHAPE if is_fp8(dtype) else {})
+
+    @classmethod
+    def parse(cls, spec: str, base: dict | None = None) -> "DecodeConfig":
+        """``"block_n=32,pdl=1"`` -> DecodeConfig (unnamed fields keep ``base``'s values or the defaults;
+        ``""``: all). ValueError naming the field on an unknown name or a bad value."""
+        kwargs: dict = dict(base or {})
         ints, flags = (
             ("block_n", "num_warps", "num_stages", "programs_per_sm", "maxnreg"),
             ("fused_merge", "pdl"),

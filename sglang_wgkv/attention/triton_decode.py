@@ -173,7 +173,7 @@ def folded_decode(
     quant = is_fp8(k_pages.dtype)
     B, Hq, D = q.shape
     H = page_table.shape[2]
-    cfg = config or DecodeConfig()
+    cfg = config or DecodeConfig.for_pages(k_pages.dtype)
     if num_splits is None:
         num_splits = choose_num_splits(B, H, page_table.shape[3] * PAGE_SIZE, q.device, cfg.programs_per_sm)
     if workspace is None:

@@ -127,7 +127,7 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
             from sglang_wgkv.gate.triton_prefill_gate import DECODE_MIN_ROWS, checked_prefill_gate
 
             self._prefill = vertical_slash_attention
-            self.decode_launch = DecodeConfig.parse(self.settings.decode_launch)
+            self.decode_launch = DecodeConfig.for_pages(self.dual.dtype, self.settings.decode_launch)
             self.decode_gate = DecodeGate(
                 self.gates, max_rows=model_runner.req_to_token_pool.size * len(self.kv_heads)
             )
