@@ -4,6 +4,7 @@
 #   bash launch/served_speed.sh setup                                   (with .kit; a machine's first step)
 #   bash launch/served_speed.sh run upstream BASELINE WORKLOADS [served_speed args]   BASELINE: fa3, fa3_fp8, flashinfer, flashinfer_fp8
 #   bash launch/served_speed.sh run wgkv CONFIG WORKLOADS [served_speed args]         CONFIG: bf16, fp8
+#     (FRESH_TRITON_CACHE=1: the run starts from an empty Triton cache of its own)
 #   bash launch/served_speed.sh tests-beside-warm WORKLOAD     GPU tests while a FlashInfer server warms up
 #   bash launch/served_speed.sh beside-warm WORKLOAD CMD...     CMD while a FlashInfer server warms up
 # Parts, bench_serving lines, server logs and the compile caches that grew come back in $OUT; merge the
@@ -63,11 +64,18 @@ run)
     . /tmp/pp
     export PYTHONPATH="$PWD:/tmp/site:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
     OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+    if [ -n "${FRESH_TRITON_CACHE:-}" ]; then  # what a new user's first server compiles, start-up included
+        export TRITON_CACHE_DIR; TRITON_CACHE_DIR=$(mktemp -d /tmp/triton_fresh.XXXX)
+        echo "Triton cache for this run: $TRITON_CACHE_DIR (empty)"
+    fi
     if [ "$server" = upstream ]; then pick=(--baseline "$config"); else pick=(--wgkv-config "$config"); fi
     python3 -m benchmarks.served_speed --server "$server" "${pick[@]}" --workloads "$workloads" --out-dir "$OUT" "$@"
     if [ -n "$(find ~/.cache/flashinfer -name '*.so' -newer /tmp/fi_mark 2>/dev/null)" ]; then
         find ~/.cache/flashinfer -name '*.so' -newer /tmp/fi_mark | sed 's/^/FlashInfer built: /'
         tar czf "$OUT/fi_cache.tgz" -C ~/.cache flashinfer
+    fi
+    if [ -n "${FRESH_TRITON_CACHE:-}" ]; then  # later runs on this machine start warm from it
+        mkdir -p ~/.triton/cache && cp -r "$TRITON_CACHE_DIR"/. ~/.triton/cache/
     fi
     triton_cache_save "$OUT" ;;
 *)
