@@ -12,7 +12,7 @@ import sys
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
-from benchmarks.host_ops import SCENARIOS, SIZE_VARIANTS, jit_variants, measure  # noqa: E402
+from benchmarks.host_ops import SIZE_VARIANTS, jit_variants, measure  # noqa: E402
 from sglang_wgkv.testing.interp import check_seeds  # noqa: E402
 
 # case: (the same forward with few and with more requests, most launches a layer it may make)
@@ -38,13 +38,17 @@ def check(case: str) -> str:
     return f"{per_layer:g} a layer, {sum(a['per_forward'].values()):g} a forward"
 
 
+# one forward of each kind (benchmarks.host_ops.SCENARIOS)
+BASE_KINDS = ("extend_1x40", "chunk_after_prefix_1", "mixed_1_prefill_4_decode", "decode_4")
+
+
 def check_variants() -> str:
     """The Triton variants (``testing/jit_keys.py``) that the forwards of SIZE_VARIANTS need are those
-    that SCENARIOS' forwards of the same kinds need: a served batch of another size compiles nothing
-    that the start-up's forwards did not."""
+    that one forward of each kind needs: a served batch of another size compiles nothing that the
+    first forwards of its kind did not."""
     from sglang_wgkv.testing.jit_keys import differences
 
-    base, other = jit_variants(SCENARIOS), jit_variants(SIZE_VARIANTS)
+    base, other = jit_variants(BASE_KINDS), jit_variants(SIZE_VARIANTS)
     for kernel in sorted(set(base) | set(other)):
         new = set(other.get(kernel, {})) - set(base.get(kernel, {}))
         if new:
