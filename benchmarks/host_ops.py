@@ -37,6 +37,9 @@ SIZE_VARIANTS = {
     "mixed_1_prefill_11_decode": ("mixed", [40], [0], 11),
     "decode_1": ("decode", [], [], 1),
     "decode_11": ("decode", [], [], 11),
+    # decode rows 300 tokens in: two splits a stream where 40 tokens take one
+    "mixed_1_prefill_3_decode_long": ("mixed", [40], [0], 3, 300),
+    "decode_3_long": ("decode", [], [], 3, 300),
 }
 H, HQ, D, W = 2, 4, 64, 32
 
@@ -53,7 +56,8 @@ def _setup(num_layers: int, scenario: str):
     from sglang_wgkv.memory import DualCachePool
     from sglang_wgkv.testing.backend_harness import bare_backend, decode_batch, extend_batch, layer_of
 
-    kind, lens, prefix, decode_rows = {**SCENARIOS, **SIZE_VARIANTS}[scenario]
+    kind, lens, prefix, decode_rows, *rest = {**SCENARIOS, **SIZE_VARIANTS}[scenario]
+    decode_len = rest[0] if rest else 40  # tokens each decoding request holds before the forward
     dt = torch.float16
     pool = DualCachePool(
         num_layers,
@@ -101,11 +105,11 @@ def _setup(num_layers: int, scenario: str):
     # the cached state, prefilled on the torch path (not counted; the interpreter is slow)
     served = backend._prefill, backend.prefill_gate
     backend._prefill, backend.prefill_gate = reference.vertical_slash_attention, None
-    decoding = list(range(20, 20 + decode_rows))  # requests already decoding, 40 tokens in
+    decoding = list(range(20, 20 + decode_rows))  # requests already decoding, decode_len tokens in
     for r in decoding:
         pool.alloc_request(r)
     if decoding:
-        extend("extend", decoding, [0] * len(decoding), [40] * len(decoding))()
+        extend("extend", decoding, [0] * len(decoding), [decode_len] * len(decoding))()
     slots = list(range(1, 1 + len(lens)))
     for r in slots:
         pool.alloc_request(r)
@@ -114,7 +118,7 @@ def _setup(num_layers: int, scenario: str):
     backend._prefill, backend.prefill_gate = served
 
     if kind == "decode":
-        fb = decode_batch(decoding, [41] * len(decoding))
+        fb = decode_batch(decoding, [decode_len + 1] * len(decoding))
         q, k, v = rows(len(decoding))
 
         def forward():
@@ -125,7 +129,9 @@ def _setup(num_layers: int, scenario: str):
         return forward
     if kind == "mixed":
         backend.batch_decode_rows = len(decoding)
-        return extend("mixed", slots + decoding, prefix + [40] * len(decoding), lens + [1] * len(decoding))
+        return extend(
+            "mixed", slots + decoding, prefix + [decode_len] * len(decoding), lens + [1] * len(decoding)
+        )
     return extend("extend", slots, prefix, lens)
 
 

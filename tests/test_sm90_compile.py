@@ -394,6 +394,8 @@ UNSPECIALIZED_VIEWS = {
     },
     "sglang_wgkv.attention.triton_decode_split._split_kernel": {
         "stride_yr",
+        "stride_lb",
+        "stride_lh",
         "obs_window",
         "PageTable",
         "GlobalLen",
@@ -406,7 +408,13 @@ UNSPECIALIZED_VIEWS = {
         "KScale",
         "VScale",
     },
-    "sglang_wgkv.attention.triton_decode_merge._merge_kernel": {"GlobalLen", "Req", "RingTokens"},
+    "sglang_wgkv.attention.triton_decode_merge._merge_kernel": {
+        "stride_lb",
+        "stride_lh",
+        "GlobalLen",
+        "Req",
+        "RingTokens",
+    },
     "sglang_wgkv.gate.triton_gate._decode_gate_kernel": {
         "stride_ub",
         "Tau",

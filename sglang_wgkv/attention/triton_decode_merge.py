@@ -122,7 +122,8 @@ def _merge_group(
 # Index and per-forward buffers are views at batch-dependent offsets and strides: their alignment and
 # divisibility left unspecialized, so one compiled variant serves every batch (testing/jit_keys.py).
 @triton.jit(
-    do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["GlobalLen", "Req", "RingTokens"]
+    do_not_specialize=["num_splits", "stride_lb", "stride_lh"],
+    do_not_specialize_on_alignment=["GlobalLen", "Req", "RingTokens"],
 )
 def _merge_kernel(
     Out,

@@ -22,7 +22,7 @@ def _dot(a, b, UPCAST: tl.constexpr):
 # Index and per-forward buffers are views at batch-dependent offsets and strides: their alignment and
 # divisibility left unspecialized, so one compiled variant serves every batch (testing/jit_keys.py).
 @triton.jit(
-    do_not_specialize=["num_splits", "stride_yr", "obs_window"],
+    do_not_specialize=["num_splits", "stride_yr", "obs_window", "stride_lb", "stride_lh"],
     do_not_specialize_on_alignment=[
         "PageTable",
         "GlobalLen",
