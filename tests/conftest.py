@@ -39,6 +39,11 @@ from sglang_wgkv.testing.interp import InterpCheck, InterpRunner
 from sglang_wgkv.testing.server_pool import ServerPool, server_key, sharing_groups
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# One OpenMP thread per process (this one, and the servers and interpreter checks, which inherit it):
+# the suite keeps both cores busy with several processes at once, and a process whose OpenMP team
+# spans both cores waits at every parallel op for a thread another process holds (the core tests'
+# small tensors ran up to 50x slower beside an interpreter check). Set before torch is imported.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 STARTS_SERVER = re.compile(r"\b(?:Server|ServerProcess)\(|[\"']sglang(?:_wgkv)?\.launch_server[\"']")
 RUNS_INTERPRETER = re.compile(
