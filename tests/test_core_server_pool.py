@@ -1,5 +1,6 @@
 """The shared-server pool's bookkeeping (sglang_wgkv/testing/server_pool.py) with stand-in servers:
-planned prefetch, stop after the last planned lease, no restart of a server that died."""
+planned prefetch, stop after the last planned lease, no restart of a server that died (a new start
+after a lease that kills its server)."""
 
 import json
 from pathlib import Path
@@ -91,6 +92,19 @@ def test_an_unplanned_lease_stops_at_its_end_and_a_dead_server_is_not_restarted(
     with pytest.raises(RuntimeError, match=r"died after use by \['m1'\]"):
         with pool.lease(("a",), "m2"):
             pass
+    pool.close()
+
+
+def test_a_killing_lease_drops_its_server_and_a_later_lease_starts_another(tmp_path):
+    events = []
+    pool = _pool(tmp_path, [("a",), ("a",), ("a",)], events)
+    with pool.lease(("a",), "m1"):
+        pass
+    with pool.lease(("a",), "m2", kills=True) as server:
+        server.running = False  # a fault test kills it
+    with pool.lease(("a",), "m3") as server:
+        assert server.running
+    assert events == [("start", "a"), ("start", "a"), ("stop", "a")]
     pool.close()
 
 

@@ -156,7 +156,8 @@ def test_fence_records_only_under_overlap():
 
 
 # -- servers -----------------------------------------------------------------------------------------
-# test_radix_serving's server (the overlap scheduler on), and the same without it
+# test_radix_serving's server (the overlap scheduler on), and the same without it (test_scale_router's
+# two workers after this module)
 ARGS = (
     "--model-path", ShortModel(), "--wgkv-local-window", "32", "--chunked-prefill-size", "64",
     "--wgkv-gates", ShippedGates(32, SHORT_LAYERS),

@@ -1,8 +1,9 @@
 """Two WG-KV servers behind SGLang's router (``sglang-router``, cache-aware policy), started through
 ``python -m sglang_wgkv.launch_router``: requests, prefix caching across workers, a worker killed
-under load and restarted. One module-scoped cluster (two CPU servers of the radix tests' settings,
-one of them their shared server, and the router); the fault test runs last and restarts the worker
-it kills, the one of this module.
+under load and restarted. One module-scoped cluster: the router over ``test_radix_overlap``'s two
+shared servers, the radix tests' server (overlap scheduler on) and the same with
+``--disable-overlap-schedule`` (equal greedy outputs, which that module checks). The fault test runs
+last, kills the second one (the pool drops it after this module) and restarts it as a server of its own.
 
 What the router itself does to requests (``docs/scale-out.md``) is pinned here too, so that the
 document stays true when the router changes: its typed ``/generate`` body adds ``model`` and drops
@@ -21,7 +22,7 @@ import requests
 from sglang_wgkv import launch_router
 from sglang_wgkv.server_process import ServerProcess, free_port
 from sglang_wgkv.testing.server_pool import ShippedGates, command_args, shared_server
-from sglang_wgkv.testing.serving import Server, flush_cache, long_prompt, shipped_gates_at
+from sglang_wgkv.testing.serving import Server, flush_cache, long_prompt
 from sglang_wgkv.testing.short_model import SHORT_LAYERS, ShortModel
 
 pytestmark = [pytest.mark.serving, pytest.mark.scale]
@@ -34,8 +35,12 @@ WORKER_ARGS = [
     str(LOCAL_WINDOW),
     "--chunked-prefill-size",
     "64",
+    "--wgkv-gates",
+    ShippedGates(LOCAL_WINDOW, SHORT_LAYERS),
 ]
-survivor = shared_server(*WORKER_ARGS, "--wgkv-gates", ShippedGates(LOCAL_WINDOW, SHORT_LAYERS))
+survivor = shared_server(*WORKER_ARGS)
+VICTIM_ARGS = [*WORKER_ARGS, "--disable-overlap-schedule"]
+victim = shared_server(*VICTIM_ARGS, kills=True)  # by the fault test
 # Health checks every second, one failure marks a worker down, one success brings it back.
 ROUTER_ARGS = [
     "--policy",
@@ -55,15 +60,14 @@ GREEDY = {"temperature": 0}
 
 
 class Cluster:
-    """The router over ``survivor`` (the radix tests' shared server) and a worker of the same settings
-    started here, the one the fault test kills and restarts."""
+    """The router over ``survivor`` and ``victim`` (both shared), the one the fault test kills and
+    restarts."""
 
-    def __init__(self, tmp, survivor: Server):
+    def __init__(self, tmp, survivor: Server, victim: Server):
         self.tmp = tmp
-        gates = shipped_gates_at(tmp / "gates", LOCAL_WINDOW, SHORT_LAYERS)
-        self.worker_args = command_args(WORKER_ARGS, tmp)
-        self.worker_args += ["--wgkv-gates", str(gates)]
-        self.workers = [survivor, Server(self.worker_args, tmp / "worker1.log").wait_healthy()]
+        self.victim_args = command_args(VICTIM_ARGS, tmp)  # its restart's
+        self.workers = [survivor, victim]
+        self.restarted = None
         port = free_port()
         urls = [w.url for w in self.workers]
         self.router = ServerProcess(
@@ -97,12 +101,13 @@ class Cluster:
 
     def stop(self):
         self.router.stop()
-        self.workers[1].stop()  # the pool stops the survivor
+        if self.restarted is not None:  # the pool stops the shared ones
+            self.restarted.stop()
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, survivor):
-    c = Cluster(tmp_path_factory.mktemp("router"), survivor)
+def cluster(tmp_path_factory, survivor, victim):
+    c = Cluster(tmp_path_factory.mktemp("router"), survivor, victim)
     try:
         yield c
     finally:
@@ -315,8 +320,8 @@ def test_worker_killed_under_load_then_restarted(cluster):
     survivor.wait_idle_checked()
 
     victim.stop()
-    restarted = Server(cluster.worker_args, cluster.tmp / "worker1-restarted.log", port=victim.port)
-    cluster.workers[1] = restarted
+    restarted = Server(cluster.victim_args, cluster.tmp / "worker1-restarted.log", port=victim.port)
+    cluster.workers[1] = cluster.restarted = restarted
     restarted.wait_healthy()
     cluster.wait_workers(healthy={survivor.url, restarted.url}, timeout=60)
     # cache_aware sends a prompt that matches no worker's prefixes to the worker with the smallest

@@ -16,7 +16,10 @@ sends requests and checks their answers,    yes, where the arguments match
 deltas of counters, or stats it drained
 reads lifetime counters (admitted fraction  no: arguments no other module uses (a pooled server that
 per head, metrics totals) as absolute       is still started ahead and stopped after use)
-kills, poisons or restarts the server       no: a ``Server`` of its own (the pool restarts nothing)
+poisons or restarts the server              no: a ``Server`` of its own (the pool restarts nothing)
+kills the server (a fault test)             yes, as ``shared_server(..., kills=True)``: the pool drops
+                                            it at the end of that lease (a later lease, if any, gets a
+                                            fresh start)
 ==========================================  ==========================================================
 
 A pooled server that died (a leak found by the strict idle check kills the scheduler) is not restarted:
@@ -134,9 +137,10 @@ class ServerPool:
         self._entries: dict[str, _Entry] = {}
 
     @contextmanager
-    def lease(self, args: Sequence[ServerArg], user: str) -> Iterator[Server]:
+    def lease(self, args: Sequence[ServerArg], user: str, kills: bool = False) -> Iterator[Server]:
         """The healthy server of ``args`` for the duration of the block (``user`` names the taker in
-        error messages)."""
+        error messages). ``kills``: the taker kills the server; it is dropped (stopped) at the block's
+        end, whatever the plan says."""
         key = server_key(args)
         if key in (k for k, _ in self._plan):
             self._plan.remove(next(entry for entry in self._plan if entry[0] == key))
@@ -150,7 +154,8 @@ class ServerPool:
         finally:
             entry.leases -= 1
             # a server that never got healthy was already removed (and stopped) by _wait_healthy
-            if not entry.leases and key not in (k for k, _ in self._plan) and self._entries.get(key) is entry:
+            planned = key in (k for k, _ in self._plan)
+            if not entry.leases and (kills or not planned) and self._entries.get(key) is entry:
                 self._entries.pop(key).server.stop()
 
     def _wait_healthy(self, key: str, entry: _Entry) -> None:
@@ -193,13 +198,13 @@ class ServerPool:
         self._entries.clear()
 
 
-def shared_server(*args: ServerArg):
+def shared_server(*args: ServerArg, kills: bool = False):
     """A module-scoped fixture: the session pool's server of ``args`` (the ``server_pool`` fixture of
-    tests/conftest.py), leased for the module."""
+    tests/conftest.py), leased for the module; ``kills``: the module kills it (:meth:`ServerPool.lease`)."""
     import pytest
 
     def fixture(server_pool, request):
-        with server_pool.lease(args, request.module.__name__) as server:
+        with server_pool.lease(args, request.module.__name__, kills=kills) as server:
             yield server
 
     fixture.server_args = args  # read by the conftest to plan the pool and order the modules
