@@ -22,8 +22,8 @@ soak       (set by the test file: long runs)                    ``slow``; left o
 Modules run in four blocks: plain, with servers of their own, with ``shared_server`` fixtures
 (modules sharing a server, directly or through another module, one after another), with interpreter
 checks. The interpreter checks (:class:`~sglang_wgkv.testing.interp.InterpCheck` constants of the
-selected modules) start after collection and run one at a time in the background through the blocks
-before theirs; the session's :class:`~sglang_wgkv.testing.server_pool.ServerPool` starts each planned
+selected modules) start as their modules are collected and run one at a time in the background
+through the blocks before theirs; the session's :class:`~sglang_wgkv.testing.server_pool.ServerPool` starts each planned
 server while the module before it runs.
 """
 
@@ -53,6 +53,7 @@ CALLED_NAME = re.compile(r"\b([A-Za-z_]\w*)\(")
 PLAN_KEY = pytest.StashKey[list]()
 AHEAD_KEY = pytest.StashKey[str]()  # the module beside which the pool's first server starts
 RUNNER_KEY = pytest.StashKey[InterpRunner]()
+AHEAD_CHECKS_KEY = pytest.StashKey[set]()  # interpreter checks started while collecting
 # Module blocks in run order. The interpreter modules come last: their checks run in the background
 # through the server modules (whose waits leave a core idle), so the results are ready when read.
 PLAIN, OWN_SERVERS, POOLED, INTERPRETER = range(4)
@@ -66,6 +67,19 @@ def _fixture_functions(item):
             yield defs[-1].func
 
 
+_SOURCES: dict = {}
+
+
+def _source(obj) -> str | None:
+    """``inspect.getsource``, once per object: the helpers and fixtures recur across a module's items."""
+    if obj not in _SOURCES:
+        try:
+            _SOURCES[obj] = inspect.getsource(obj)
+        except (OSError, TypeError):
+            _SOURCES[obj] = None
+    return _SOURCES[obj]
+
+
 def _sources(item):
     """The source of the test, of its fixtures and of the module-level functions and classes they call
     (those of the module that defines the caller), transitively."""
@@ -77,9 +91,8 @@ def _sources(item):
         if obj is None or obj in seen or not (inspect.isfunction(obj) or inspect.isclass(obj)):
             continue
         seen.add(obj)
-        try:
-            source = inspect.getsource(obj)
-        except (OSError, TypeError):
+        source = _source(obj)
+        if source is None:
             continue
         yield source
         module = sys.modules.get(obj.__module__)
@@ -113,6 +126,8 @@ def _interrupt(signum, frame):
 
 
 def pytest_configure(config):
+    config.stash[RUNNER_KEY] = InterpRunner()
+    config.stash[AHEAD_CHECKS_KEY] = set()
     config.pluginmanager.register(ModuleOrder(), "wgkv_module_order")
     # SIGTERM (a `timeout` wrapper, CI) as an interrupt: fixtures tear down and stop their servers,
     # which run in sessions of their own and would outlive the test process
@@ -120,6 +135,9 @@ def pytest_configure(config):
 
 
 class ModuleOrder:
+    def pytest_itemcollected(self, item):
+        _start_checks_ahead(item)
+
     @pytest.hookimpl(trylast=True)  # after -k/-m deselection: only what will run is planned and started
     def pytest_collection_modifyitems(self, config, items):
         _group_modules_by_shared_server(config, items)
@@ -131,10 +149,26 @@ class ModuleOrder:
             runner.close()
 
 
+def _start_checks_ahead(item) -> None:
+    """Start the :class:`~sglang_wgkv.testing.interp.InterpCheck` constants of an item's module as it is
+    collected: collecting the rest keeps one core busy for ~15 s, a check takes the other. The checks
+    of modules whose interpreter tests are then deselected are dropped (``-m "not slow"``: one check
+    cut short)."""
+    config, module = item.config, getattr(item, "module", None)
+    if config.option.collectonly or module is None or _skipped_outright(item):
+        return
+    ahead = config.stash[AHEAD_CHECKS_KEY]
+    for value in vars(module).values():
+        if isinstance(value, InterpCheck) and value not in ahead:
+            ahead.add(value)
+            config.stash[RUNNER_KEY].submit(value)
+
+
 def _start_interpreter_checks(config, items) -> None:
     """Start the :class:`~sglang_wgkv.testing.interp.InterpCheck` constants of the modules whose
-    interpreter tests were selected: they run one at a time beside the tests, which read their results."""
-    runner = config.stash[RUNNER_KEY] = InterpRunner()
+    interpreter tests were selected (most already run, see :func:`_start_checks_ahead`) and drop the
+    others: they run one at a time beside the tests, which read their results."""
+    runner = config.stash[RUNNER_KEY]
     if config.option.collectonly:
         return
     modules = {
@@ -142,10 +176,16 @@ def _start_interpreter_checks(config, items) -> None:
         for item in items
         if item.get_closest_marker("interp") and not _skipped_outright(item)
     }
-    for module in modules.values():
-        for value in vars(module).values():
-            if isinstance(value, InterpCheck):
-                runner.submit(value)
+    wanted = [
+        value
+        for module in modules.values()
+        for value in vars(module).values()
+        if isinstance(value, InterpCheck)
+    ]
+    for check in wanted:
+        runner.submit(check)
+    for check in config.stash[AHEAD_CHECKS_KEY].difference(wanted):
+        runner.discard(check)
 
 
 def _group_modules_by_shared_server(config, items) -> None:

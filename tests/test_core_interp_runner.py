@@ -93,3 +93,24 @@ def test_seed_lines_and_verdicts():
 
     with pytest.raises(AssertionError, match="Segmentation"):
         assert_seed_ok(Crashed, 1)
+
+
+def test_discarded_checks_end_or_never_start(tmp_path, script):
+    path = tmp_path / "stamp.py"
+    path.write_text(STAMP)
+    runner = InterpRunner()
+    try:
+        running, queued = InterpCheck(script, ("sleep",)), InterpCheck(str(path), (str(tmp_path / "q"), "0"))
+        runner.submit(running)
+        runner.submit(queued)
+        time.sleep(1)
+        start = time.monotonic()
+        runner.discard(queued)
+        runner.discard(running)  # killed: the slot is free again
+        kept = InterpCheck(script, ("c",))
+        assert runner.result(kept).stdout.split() == ["1", "''", "c"]
+        assert time.monotonic() - start < 30 and not (tmp_path / "q").exists()
+        with pytest.raises(RuntimeError, match="discarded"):
+            runner.submit(running)
+    finally:
+        runner.close()

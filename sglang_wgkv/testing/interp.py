@@ -95,18 +95,21 @@ class InterpCheck:
 class InterpRunner:
     """Runs interpreter checks in background threads, ``workers`` at a time in submission order (the
     checks are single-threaded, the test process keeps the other core), one more while the test
-    process waits in :meth:`result` (its core is free then); :meth:`close` ends the ones still
-    running."""
+    process waits in :meth:`result` (its core is free then); :meth:`discard` drops one submitted
+    ahead and no longer wanted; :meth:`close` ends the ones still running."""
 
     def __init__(self, workers: int = 1):
         self._executor = ThreadPoolExecutor(max_workers=workers + 1, thread_name_prefix="interp")
         self._futures: dict[InterpCheck, Future] = {}
-        self._running: set[subprocess.Popen] = set()
+        self._running: dict[InterpCheck, subprocess.Popen] = {}
+        self._discarded: set[InterpCheck] = set()
         self._closed = False
         self._slots = threading.Condition()
         self._allowed, self._active = workers, 0
 
     def submit(self, check: InterpCheck) -> None:
+        if check in self._discarded:
+            raise RuntimeError(f"{check} was discarded")
         if check not in self._futures:
             self._futures[check] = self._executor.submit(self._run, check)
 
@@ -124,9 +127,27 @@ class InterpRunner:
             with self._slots:
                 self._allowed -= 1
 
-    def _run(self, check: InterpCheck) -> subprocess.CompletedProcess:
+    def discard(self, check: InterpCheck) -> None:
+        """Drop ``check`` for good (submitted ahead, then not wanted): it does not start, or is ended
+        if it runs."""
+        future = self._futures.pop(check, None)
+        if future is None:
+            return
         with self._slots:
-            self._slots.wait_for(lambda: self._active < self._allowed or self._closed)
+            self._discarded.add(check)
+            self._slots.notify_all()
+        future.cancel()
+        proc = self._running.get(check)
+        if proc is not None:
+            proc.kill()
+
+    def _run(self, check: InterpCheck) -> subprocess.CompletedProcess | None:
+        with self._slots:
+            self._slots.wait_for(
+                lambda: self._active < self._allowed or self._closed or check in self._discarded
+            )
+            if check in self._discarded:
+                return None
             self._active += 1
         try:
             return self._run_process(check)
@@ -140,9 +161,9 @@ class InterpRunner:
         proc = subprocess.Popen(
             command, env=interp_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
-        self._running.add(proc)
+        self._running[check] = proc
         try:
-            if self._closed:
+            if self._closed or check in self._discarded:
                 proc.kill()
             stdout, stderr = proc.communicate(timeout=check.timeout)
         except subprocess.TimeoutExpired:
@@ -150,7 +171,7 @@ class InterpRunner:
             stdout, stderr = proc.communicate()
             stderr += f"\ntimed out after {check.timeout} s"
         finally:
-            self._running.discard(proc)
+            self._running.pop(check, None)
         return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
     def close(self) -> None:
@@ -159,6 +180,6 @@ class InterpRunner:
             self._slots.notify_all()
         for future in self._futures.values():
             future.cancel()
-        for proc in list(self._running):
+        for proc in list(self._running.values()):
             proc.kill()
         self._executor.shutdown(wait=True)
