@@ -60,11 +60,12 @@ def collect(parts: list[dict], ws: sw.WorkloadSet) -> dict[tuple[str, int], dict
     part's ``date_utc``. A workload's ``upstream_from`` borrows that workload's upstream runs."""
     groups: dict[tuple[str, int], dict[str, dict[str, dict]]] = {}
     for part in parts:
-        if part.get("wgkv_extra"):
-            raise ValueError(
-                f"a part ran with --wgkv-extra {part['wgkv_extra']!r}: an A/B part (served_report ab), "
-                "not the workload's row"
-            )
+        for key in ("wgkv_extra", "upstream_extra"):
+            if part.get(key):
+                raise ValueError(
+                    f"a part ran with --{key.replace('_', '-')} {part[key]!r}: an A/B part "
+                    "(served_report ab), not the workload's row"
+                )
         config = part_config(part)
         for rec in part["runs"]:
             if "workload" not in rec:  # a server that never started: no row
@@ -268,41 +269,55 @@ def merge(a) -> None:
 
 def ab(a) -> None:
     """WG-KV server variants (``served_speed --wgkv-extra``) run on one machine within the hour, side by
-    side: each part's
-    TTFT, TPOT and output tok/s with its server command; ratios against the part without extra
-    arguments (the served default) where one is given."""
+    side, with the upstream parts of that machine as references: each part's metrics (the workload
+    file's) with its server command; ratios against the WG-KV part without extra arguments (the served
+    default) and, per metric, against the best upstream part (``vs_best_upstream``, > 1: WG-KV better).
+    A run that compiled a Triton kernel while it was timed is kept but marked ``result: false``."""
     ws = sw.load(Path(a.workloads_file))
     m = ws.metrics
     rows, envs = [], []
     for path in a.parts:
         part = json.loads(Path(path).read_text())
-        if part["server"] != "wgkv":
-            raise ValueError(f"{path}: an {part['server']} part (ab compares WG-KV variants)")
         envs.append(part["environment"])
+        if part["server"] == "wgkv":
+            variant = part.get("wgkv_extra") or "default"
+        else:
+            variant = " ".join(filter(None, ("upstream", part_config(part), part.get("upstream_extra"))))
         for rec in part["runs"]:
             if "workload" in rec and not rec.get("error"):
                 r = rec.get("result")
+                compiled = rec.get("compiled_in_timed_run") or []
                 rows.append(
                     {
-                        "variant": part.get("wgkv_extra") or "default",
+                        "variant": variant,
+                        "server": part["server"],
                         "workload": rec["workload"],
-                        "ttft_s": m["ttft_s"].value(r),
-                        "tpot_ms": m["tpot_ms"].value(r),
-                        "output_tok_s": m["output_tok_s"].value(r),
+                        **{name: metric.value(r) for name, metric in m.items()},
                         "completed": (r or {}).get("completed"),
                         "max_running_seen": rec.get("max_running_seen"),
+                        "compiled_in_timed_run": compiled,
+                        "result": not compiled,
                         "server_command": rec["server_command"],
                         "bench_command": rec.get("bench_command"),
                     }
                 )
+    if not any(r["server"] == "wgkv" for r in rows):
+        raise ValueError("ab compares WG-KV variants: no WG-KV part given")
     stamps = [datetime.datetime.fromisoformat(env["date_utc"]) for env in envs]
     if (max(stamps) - min(stamps)).total_seconds() > MAX_PAIR_SPAN_S:
         raise ValueError(f"the parts are {max(stamps) - min(stamps)} apart (not one machine's hour)")
     base = {r["workload"]: r for r in rows if r["variant"] == "default"}
+    upstream = [r for r in rows if r["server"] == "upstream" and r["result"]]
     for r in rows:
         b = base.get(r["workload"])
         r["tpot_vs_default"] = b["tpot_ms"] / r["tpot_ms"] if b and r["tpot_ms"] else None
         r["tok_s_vs_default"] = r["output_tok_s"] / b["output_tok_s"] if b and b["output_tok_s"] else None
+        refs = [u for u in upstream if u["workload"] == r["workload"]]
+        if r["server"] == "wgkv" and refs:
+            r["vs_best_upstream"] = {
+                name: metric.ratio(metric.best([u[name] for u in refs if u[name]] or [0.0]), r[name])
+                for name, metric in m.items()
+            }
     out = {
         "kind": "served_ab",
         "what": a.what,
@@ -313,11 +328,8 @@ def ab(a) -> None:
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     for r in rows:
-        print(
-            json.dumps(
-                {k: r[k] for k in ("variant", "workload", "tpot_ms", "output_tok_s", "tpot_vs_default")}
-            )
-        )
+        shown = ("variant", "workload", "ttft_s", "tpot_ms", "p99_tpot_ms", "e2e_s", "output_tok_s", "result")
+        print(json.dumps({k: r.get(k) for k in shown}))
 
 
 def plot(rows: list[dict], png: Path) -> None:

@@ -241,6 +241,8 @@ def run(a) -> None:
         )
     if a.wgkv_extra and a.server != "wgkv":
         raise SystemExit("--wgkv-extra is for the wgkv server")
+    if a.upstream_extra and a.server != "upstream":
+        raise SystemExit("--upstream-extra is for the upstream server")
     workloads = [ws[name] for name in a.workloads.split(",")]
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -258,6 +260,8 @@ def run(a) -> None:
     part |= {"environment": environment(), "runs": []}
     if a.wgkv_extra:
         part["wgkv_extra"] = a.wgkv_extra  # an A/B part (served_report ab), never a workload row
+    if a.upstream_extra:
+        part["upstream_extra"] = a.upstream_extra  # a reference of an A/B (served_report ab) only
     part_file = out_dir / f"part.{a.server}.{config}.{a.tag}.json"
 
     def write_part() -> None:
@@ -277,7 +281,7 @@ def run(a) -> None:
             part["runs"].append({"workloads": names, "error": str(exc)})
             print(part["runs"][-1]["error"], flush=True)
             continue
-        cmd += shlex.split(a.wgkv_extra)
+        cmd += shlex.split(a.wgkv_extra) + shlex.split(a.upstream_extra)
         try:  # a warm-up run (compiles, times nothing) may share the GPU with other work
             gpu_before = gpu_used_mib() if a.warm_only else wait_gpu_idle()
         except RuntimeError as exc:
@@ -361,6 +365,11 @@ def main(argv=None) -> None:
         "--wgkv-extra",
         default="",
         help='more WG-KV server arguments (e.g. "--wgkv-decode-launch pdl=1"): an A/B part, refused by merge',
+    )
+    p.add_argument(
+        "--upstream-extra",
+        default="",
+        help='more upstream server arguments (e.g. "--cuda-graph-backend-prefill disabled"): an A/B reference, refused by merge',
     )
     run(p.parse_args(argv))
 

@@ -17,7 +17,7 @@ WG-KV options (all others go to SGLang unchanged)::
                                   settings.DEFAULT_GPU_OVERCOMMIT (4); on CPU: off (dense-equivalent)
     --wgkv-forward-tokens T       while requests decode, a forward carries them all and at most T tokens in all
                                   (prefill share at least T/4), with --enable-mixed-chunk; 0: off (SGLang's own
-                                  chunks). Default on CUDA: settings.DEFAULT_GPU_FORWARD_TOKENS (2048); CPU: off
+                                  chunks). Default on CUDA: settings.DEFAULT_GPU_FORWARD_TOKENS (8192); CPU: off
     --wgkv-attention IMPL         auto (kernels on CUDA), reference (torch) or kernels; the kernels' decode
                                   runs under SGLang's decode CUDA graphs (off with --disable-decode-cuda-graph;
                                   always off on CPU and with reference)

@@ -258,9 +258,58 @@ def test_ab_parts_compare_variants_and_never_become_rows(tmp_path):
     )
     with pytest.raises(ValueError, match="not one machine's hour"):
         sr.main(["ab", default, late, "--out", str(out), "--what", "x"])
-    up = _part(tmp_path / "d.json", "upstream", "fa3", {"W1": _w1(20.0, 8.8)}, t.format(5))
-    with pytest.raises(ValueError, match="WG-KV variants"):
-        sr.main(["ab", default, up, "--out", str(out), "--what", "x"])
+    with pytest.raises(ValueError, match="no WG-KV part"):
+        sr.main(
+            [
+                "ab",
+                _part(tmp_path / "e.json", "upstream", "fa3", {}, t.format(5)),
+                "--out",
+                str(out),
+                "--what",
+                "x",
+            ]
+        )
+
+
+def test_ab_rates_each_variant_against_the_best_upstream_part_and_marks_compiles(tmp_path):
+    """Upstream parts of the machine are references: each WG-KV row gets, per metric, its ratio against
+    the best upstream value (> 1: WG-KV better); a run that compiled while timed is no result and is
+    never a reference."""
+    t = "2026-12-05T01:{:02d}:00+00:00"
+    up = _part(tmp_path / "a.json", "upstream", "fa3", {"W1": _w1(20.0, 8.0)}, t.format(0))
+    up_fp8 = _part(tmp_path / "b.json", "upstream", "fa3_fp8", {"W1": _w1(25.0, 6.0)}, t.format(5))
+    wg = _part(tmp_path / "c.json", "wgkv", "bf16", {"W1": _w1(10.0, 12.0)}, t.format(10))
+    data = json.loads(Path(wg).read_text())
+    data["runs"][0]["compiled_in_timed_run"] = ["_split_kernel"]
+    Path(wg).write_text(json.dumps(data))
+    big = _part(
+        tmp_path / "d.json",
+        "wgkv",
+        "bf16",
+        {"W1": _w1(8.0, 4.0)},
+        t.format(15),
+        extra="--wgkv-forward-tokens 8192",
+    )
+    out = tmp_path / "ab.json"
+    sr.main(["ab", up, up_fp8, wg, big, "--out", str(out), "--what", "forward budget"])
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["ab_rows"]}
+    assert set(rows) == {"upstream fa3", "upstream fa3_fp8", "default", "--wgkv-forward-tokens 8192"}
+    assert rows["default"]["result"] is False and rows["default"]["compiled_in_timed_run"] == [
+        "_split_kernel"
+    ]
+    ratios = rows["--wgkv-forward-tokens 8192"]["vs_best_upstream"]
+    assert ratios["ttft_s"] == pytest.approx(20.0 / 8.0) and ratios["tpot_ms"] == pytest.approx(6.0 / 4.0)
+    assert ratios["output_tok_s"] == pytest.approx((1000 / 4.0) / (1000 / 6.0))
+    assert "vs_best_upstream" not in rows["upstream fa3"]
+    nograph = _part(tmp_path / "e.json", "upstream", "fa3", {"W1": _w1(19.0, 8.0)}, t.format(20))
+    data = json.loads(Path(nograph).read_text())
+    data["upstream_extra"] = "--cuda-graph-backend-prefill disabled"
+    Path(nograph).write_text(json.dumps(data))
+    sr.main(["ab", up, nograph, big, "--out", str(out), "--what", "prefill graphs"])
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["ab_rows"]}
+    assert "upstream fa3 --cuda-graph-backend-prefill disabled" in rows
+    with pytest.raises(ValueError, match="A/B part"):
+        sr.main(["merge", nograph, big, "--out-dir", str(tmp_path / "m")])
 
 
 def test_merge_keeps_older_named_runs_and_sets_the_machines_text(tmp_path):

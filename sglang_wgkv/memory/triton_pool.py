@@ -185,6 +185,88 @@ def decode_write(
     )
 
 
+def _launch(kernel, grid, *args, **kwargs):
+    kernel[grid](*args, **kwargs)
+
+
+def _compile(kernel, grid, *args, **kwargs):
+    kernel.warmup(*args, grid=grid, **kwargs)
+
+
+def _promote_scan(pool, req: torch.Tensor, pos: torch.Tensor, n_items: int, launch) -> None:
+    """The allocation scan of :func:`decode_promote` over ``n_items = B * L * H`` items: one program up
+    to :data:`PROMOTE_SCAN_BLOCK` items, else counts, allocation and ``num_free`` over blocks.
+    ``launch(kernel, grid, *args, **kwargs)`` runs (or only compiles) each launch."""
+    L, H, W = pool.num_layers, pool.num_kv_heads, pool.window
+    LH = L * H
+    alloc = pool.allocator
+    cols = pool.page_table.shape[-1]
+    common = (req, pos, pool.ring_flag.view(torch.uint8), pool.global_len)
+    tail = (pool.page_table, alloc.free_stack, alloc.num_free, alloc.ref, pool.left_ring, pool.promoted)
+    if n_items <= PROMOTE_SCAN_BLOCK:
+        launch(
+            _promote_alloc_kernel,
+            (1,),
+            *common,
+            *tail,
+            n_items,
+            LH,
+            W,
+            pool.ring_cols,
+            cols,
+            BLOCK=PROMOTE_SCAN_BLOCK,
+            num_warps=4,
+        )
+        return
+    n_blocks = triton.cdiv(n_items, PROMOTE_SCAN_BLOCK)
+    counts = torch.empty(n_blocks, dtype=torch.int64, device=req.device)
+    launch(
+        _promote_count_kernel,
+        (n_blocks,),
+        *common,
+        counts,
+        n_items,
+        LH,
+        W,
+        BLOCK=PROMOTE_SCAN_BLOCK,
+        num_warps=4,
+    )
+    launch(
+        _promote_alloc_blocks_kernel,
+        (n_blocks,),
+        *common,
+        *tail,
+        counts,
+        n_items,
+        LH,
+        W,
+        pool.ring_cols,
+        cols,
+        BLOCK=PROMOTE_SCAN_BLOCK,
+        BLOCKS_PAD=PROMOTE_COUNTS_BLOCK,
+        num_warps=4,
+    )
+    launch(
+        _promote_take_kernel,
+        (1,),
+        alloc.num_free,
+        counts,
+        n_blocks,
+        BLOCKS_PAD=PROMOTE_COUNTS_BLOCK,
+        num_warps=1,
+    )
+
+
+def compile_decode_promote(pool) -> None:
+    """Compile, without launching, both allocation scans of :func:`decode_promote` for ``pool``: a
+    server's warm-up decodes one request (the one-program scan), while a batch of more than
+    ``PROMOTE_SCAN_BLOCK / (L * H)`` requests runs the block scan, which would otherwise compile
+    in the middle of a request."""
+    one = torch.zeros(1, dtype=torch.int64, device=pool.page_table.device)
+    for n_items in (1, PROMOTE_SCAN_BLOCK + 1):
+        _promote_scan(pool, one, one, n_items, _compile)
+
+
 def decode_promote(
     pool, req: torch.Tensor, pos: torch.Tensor, plan_out=None, lower_floor: bool = True
 ) -> None:
@@ -219,52 +301,7 @@ def decode_promote(
         return
     cols = pool.page_table.shape[-1]
     flags = pool.ring_flag.view(torch.uint8)
-    n_items = B * LH
-    common = (req, pos, flags, pool.global_len)
-    if n_items <= PROMOTE_SCAN_BLOCK:
-        _promote_alloc_kernel[(1,)](
-            *common,
-            pool.page_table,
-            alloc.free_stack,
-            alloc.num_free,
-            alloc.ref,
-            pool.left_ring,
-            pool.promoted,
-            n_items,
-            LH,
-            W,
-            pool.ring_cols,
-            cols,
-            BLOCK=PROMOTE_SCAN_BLOCK,
-            num_warps=4,
-        )
-    else:
-        n_blocks = triton.cdiv(n_items, PROMOTE_SCAN_BLOCK)
-        counts = torch.empty(n_blocks, dtype=torch.int64, device=req.device)
-        _promote_count_kernel[(n_blocks,)](
-            *common, counts, n_items, LH, W, BLOCK=PROMOTE_SCAN_BLOCK, num_warps=4
-        )
-        _promote_alloc_blocks_kernel[(n_blocks,)](
-            *common,
-            pool.page_table,
-            alloc.free_stack,
-            alloc.num_free,
-            alloc.ref,
-            pool.left_ring,
-            pool.promoted,
-            counts,
-            n_items,
-            LH,
-            W,
-            pool.ring_cols,
-            cols,
-            BLOCK=PROMOTE_SCAN_BLOCK,
-            BLOCKS_PAD=PROMOTE_COUNTS_BLOCK,
-            num_warps=4,
-        )
-        _promote_take_kernel[(1,)](
-            alloc.num_free, counts, n_blocks, BLOCKS_PAD=PROMOTE_COUNTS_BLOCK, num_warps=1
-        )
+    _promote_scan(pool, req, pos, B * LH, _launch)
     if lower_floor:
         alloc.free_floor -= B * LH
     block_r = min(64, triton.next_power_of_2(LH))

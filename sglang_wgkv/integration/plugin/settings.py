@@ -29,10 +29,11 @@ PREFILL_VERTICAL = ("auto", "fa3", "triton")
 DEFAULT_GPU_OVERCOMMIT = 4.0
 
 # The launcher's forward token budget on CUDA (--wgkv-forward-tokens, integration/scheduling/mixed_batches.py): while
-# requests decode, a forward carries them all and at most this many tokens in all (a prefill share of
-# at least a quarter of it); with mixed batches on. Near the smallest forward whose matmuls still fill
-# an H200 for an 8B model, a quarter of SGLang's 8,192-token chunk there (docs/mixed-traffic.md).
-DEFAULT_GPU_FORWARD_TOKENS = 2048
+# requests decode, a forward carries them all and at most this many tokens in all, with mixed batches on.
+# SGLang's own chunk on Hopper: of 2048, 4096, 8192 and 0 it gave the most output tokens/s, the lowest
+# median TTFT of the mixed settings and the lowest median end-to-end latency on M1D
+# (benchmarks/results/serving/M1D_forward_tokens_ab.json).
+DEFAULT_GPU_FORWARD_TOKENS = 8192
 
 # MiB of GPU memory by which the wgkv backend lowers SGLang's own choice of --mem-fraction-static (none
 # given; hooks.reserve_gpu_memory), for what it holds outside the static pool: SGLang sets nothing aside
