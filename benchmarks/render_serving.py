@@ -160,18 +160,27 @@ def served_workload(d: dict) -> list[str]:
 
 
 def served_ab(d: dict) -> list[str]:
-    """``served_report ab``: WG-KV server variants of one machine's hour, workload by workload."""
-    rows = [
-        [
-            r["variant"],
-            r["workload"],
-            f(r["ttft_s"]),
-            f(r["tpot_ms"], 3),
-            f(r["output_tok_s"], 1),
-            f(r["tpot_vs_default"], 3),
-        ]
-        for r in d["ab_rows"]
-    ]
+    """``served_report ab``: WG-KV server variants of one machine's hour, workload by workload, beside
+    the upstream parts of that hour where given."""
+    rows = []
+    for r in d["ab_rows"]:
+        vs = r.get("vs_best_upstream") or {}
+        label = r["variant"] if r["variant"] != "default" else "(none: the served default then)"
+        if r.get("result") is False:
+            label += " (compiled while timed: no result)"
+        rows.append(
+            [
+                label,
+                r["workload"],
+                f(r["ttft_s"]),
+                f(r["tpot_ms"], 3),
+                f(r.get("p99_tpot_ms"), 3),
+                f(r.get("e2e_s")),
+                f(r["output_tok_s"], 1),
+                f(r["tpot_vs_default"], 3),
+                f(vs.get("output_tok_s"), 3),
+            ]
+        )
     return (
         [
             f"{d['what']}. Command: {cmd(d['command'])}; {d['environment'].get('gpu') or 'CPU'}, "
@@ -180,12 +189,15 @@ def served_ab(d: dict) -> list[str]:
         ]
         + table(
             [
-                "variant (WG-KV server arguments)",
+                "variant (extra server arguments)",
                 "workload",
                 "TTFT p50 s",
                 "TPOT p50 ms",
+                "TPOT p99 ms",
+                "e2e p50 s",
                 "output tok/s",
                 "default TPOT / TPOT",
+                "tok/s vs best upstream",
             ],
             rows,
         )
