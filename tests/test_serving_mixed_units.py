@@ -213,3 +213,27 @@ def test_mixed_chunk_accepted_by_the_backend_options():
     )
     prepare_server_args(args)
     assert args.enable_mixed_chunk and args.disable_decode_cuda_graph and args.disable_prefill_cuda_graph
+
+
+def test_running_batch_capped_at_the_largest_decode_graph():
+    """Without ``--max-running-requests`` a wgkv server with decode CUDA graphs runs at most its
+    largest captured decode batch; a given cap, graphs off or another backend leave SGLang's own."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    from sglang_wgkv.integration.plugin.hooks import cap_running_requests
+
+    def args(backend="wgkv", cap=None, graphs=Backend.FULL):
+        decode = SimpleNamespace(backend=graphs, max_bs=256)
+        return SimpleNamespace(
+            attention_backend=backend,
+            prefill_attention_backend=None,
+            decode_attention_backend=None,
+            max_running_requests=cap,
+            cuda_graph_config=SimpleNamespace(decode=decode),
+        )
+
+    cases = [(args(), 256), (args(cap=1000), 1000), (args(graphs=Backend.DISABLED), None)]
+    cases.append((args(backend="fa3"), None))
+    for a, want in cases:
+        cap_running_requests(None, a)
+        assert a.max_running_requests == want

@@ -7,6 +7,7 @@ Every hook is inert unless ``--attention-backend wgkv`` is selected.
 target (sglang.srt. ...)                                type    effect with wgkv
 ======================================================  ======  ==========================================
 server_args.ServerArgs.__post_init__                    BEFORE  validate options; radix_ext cache, graphs
+server_args.ServerArgs.__post_init__                    AFTER   running batch capped at the largest decode graph
 server_args.ServerArgs._handle_gpu_memory_settings      AROUND  SGLang's own memory fraction, less a reserve
 ...KVCacheConfigurator._derive_pool_sizes               AFTER   capacity plan; the process's WGKVRuntime
 ...KVCacheConfigurator._build_default_req_pool          AROUND  dual pool + evictor; WGKVReqToTokenPool
@@ -98,6 +99,23 @@ def prepare_server_args(server_args, *args, **kwargs):
         logger.info("wgkv: decode CUDA graphs off: %s", blocker)
         server_args.disable_decode_cuda_graph = True
     return None
+
+
+def cap_running_requests(result, server_args, *args, **kwargs):
+    """AFTER ``ServerArgs.__post_init__``: without ``--max-running-requests``, a wgkv server with decode
+    CUDA graphs runs at most its largest captured decode batch. Its pool admits far more than a dense
+    one, and a decode step past that batch runs eagerly: on M1D (an H100), 344 running decoded at 5-7K
+    tokens/s eagerly against 11K at 193 under graphs (``benchmarks/results/serving/
+    M1D_forward_tokens_ab.json``, the 8,192 run's log)."""
+    if not wgkv_selected(server_args) or server_args.max_running_requests is not None:
+        return result
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    decode = server_args.cuda_graph_config.decode
+    if decode.backend != Backend.DISABLED and decode.max_bs:
+        server_args.max_running_requests = decode.max_bs
+        logger.info("wgkv: --max-running-requests %d (the largest decode CUDA graph)", decode.max_bs)
+    return result
 
 
 def reserve_gpu_memory(original, server_args, gpu_mem):

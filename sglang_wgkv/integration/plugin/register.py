@@ -38,6 +38,7 @@ def load_plugin() -> None:
         add_attention_backend_choices([BACKEND_NAME])
     for target, fn, kind in (
         ("sglang.srt.server_args.ServerArgs.__post_init__", hooks.prepare_server_args, HookType.BEFORE),
+        ("sglang.srt.server_args.ServerArgs.__post_init__", hooks.cap_running_requests, HookType.AFTER),
         (
             "sglang.srt.server_args.ServerArgs._handle_gpu_memory_settings",
             hooks.reserve_gpu_memory,
