@@ -359,3 +359,36 @@ def host_ops(d: dict) -> list[str]:
     return [head, ""] + table(
         ["forward", "launches a layer", "launches a forward (besides the layers)"], rows
     )
+
+
+def kernel_gate(d: dict) -> list[str]:
+    """``kernel_gate.py``: the prefill write gate's launch shapes, one layer at a time."""
+    env, s = d["environment"], d["shape"]
+    rows = [
+        [
+            r["rows"],
+            r["variant"],
+            " ".join(f"{k}={v}" for k, v in (r.get("launch") or {}).items()),
+            f(r.get("ms"), 3),
+            "" if r.get("max_abs_err") is None else f"{r['max_abs_err']:.1e}",
+            {True: "yes", False: "no"}.get(r.get("within_check"), ""),
+            r.get("error", ""),
+        ]
+        for r in d["rows"]
+    ]
+    return [
+        f"One layer of the prefill gate ({s['kv_heads']} KV heads, head_dim {s['head_dim']}, inner "
+        f"{s['inner']}, bf16 keys); {env.get('gpu')}, {env.get('date_utc')}. Command: {cmd(env['command'])}.",
+        "",
+    ] + table(
+        [
+            "rows",
+            "variant",
+            "launch",
+            "ms / layer",
+            "max abs err vs torch",
+            "within the start-up check",
+            "error",
+        ],
+        rows,
+    )

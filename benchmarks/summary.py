@@ -38,6 +38,7 @@ from benchmarks.render_kernels import (
     host_ops,
     kernel_attention,
     kernel_decode,
+    kernel_gate,
     pool_update_cpu,
     sm90_registers,
 )
@@ -71,6 +72,7 @@ RENDERERS = {
     "kernel_decode": kernel_decode,  # kernel_decode.py
     "decode_fixed_cost": decode_fixed_cost,  # decode_fixed_cost.py
     "kernel_attention": kernel_attention,  # kernel_attention.py
+    "kernel_gate": kernel_gate,  # kernel_gate.py
     "evictor_step": evictor_step,  # evictor_step.py
     "extend_step": extend_step,  # extend_step.py
     "pool_update_cpu": pool_update_cpu,  # pool_update_cpu.py

@@ -143,3 +143,23 @@ def test_serving_memory_samples_the_gpu_through_nvidia_smi(tmp_path, monkeypatch
     assert "peak GPU GiB" in text and "Peak GPU memory used 4.88 of 140.4 GiB (3.5%)" in text
     del d["peak_gpu_used_bytes"]
     assert "GPU" not in "\n".join(summary.serving_memory(d))
+
+
+def test_kernel_gate_rows_render_with_errors_and_failed_shapes():
+    """A ``kernel_gate`` file (written on a GPU host) renders each shape's time, its error against the
+    torch gate and whether the start-up check would take it, and a shape that failed with its error."""
+    summary = _summary_module()
+    d = {
+        "kind": "kernel_gate",
+        "environment": {"gpu": "H100", "date_utc": "x", "command": "python -m benchmarks.kernel_gate"},
+        "shape": {"kv_heads": 8, "head_dim": 128, "inner": 512},
+        "rows": [
+            {"rows": 8192, "variant": "torch", "ms": 2.5},
+            {"rows": 8192, "variant": "served", "launch": {"block_t": 32}, "ms": 0.6, "max_abs_err": 2e-6,
+             "within_check": True},
+            {"rows": 8192, "variant": "bf16x3", "launch": {"precision": "bf16x3"}, "error": "OutOfResources: x"},
+        ],
+    }  # fmt: skip
+    text = "\n".join(summary.renderer(d)(d))
+    assert "| 8192 | served | block_t=32 | 0.600 | 2.0e-06 | yes |" in text
+    assert "OutOfResources" in text and "| 8192 | torch |  | 2.500 |" in text

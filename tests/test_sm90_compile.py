@@ -66,17 +66,25 @@ def test_decode_split_kernel_register_cap():
     assert ".maxnreg" not in compile_sm90(*split_kernel_launch(DecodeConfig(block_n=16))).asm["ptx"]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_prefill_gate_compiles_for_sm90_within_shared_memory(dtype):
+def _gate_cases():
+    from benchmarks.kernel_gate import VARIANTS
+
+    return [(torch.float32, "served")] + [(torch.bfloat16, name) for name in VARIANTS]
+
+
+@pytest.mark.parametrize("dtype,variant", _gate_cases())
+def test_prefill_gate_compiles_for_sm90_within_shared_memory(dtype, variant):
     """The Triton prefill write gate at Llama-3.1-8B's shape (D 128, 8 KV heads, inner 512) with the
-    admission epilogue: its tile (BLOCK_T x BLOCK_I, stages) must fit sm_90's 227 KiB; the first tile
-    (64 x 64, 3 stages) asked for 320 KiB, which only a GPU run would otherwise reveal."""
+    admission epilogue, in the served launch shape and each one ``benchmarks/kernel_gate.py`` times:
+    its tile (block_t x block_i, stages, precision) must fit sm_90's 227 KiB; the first tile (64 x 64,
+    3 stages) asked for 320 KiB, which only a GPU run would otherwise reveal."""
+    from benchmarks.kernel_gate import VARIANTS
     from sglang_wgkv.gate import GateConfig, WriteGates
     from sglang_wgkv.gate.triton_prefill_gate import PrefillGate
 
     T, H, D = 64, 8, 128
     gates = WriteGates(GateConfig(num_layers=1, num_kv_heads=H, head_dim=D, local_window=256))
-    gate = PrefillGate(gates)
+    gate = PrefillGate(gates, launch=VARIANTS[variant])
     k = torch.zeros(T, H, D, dtype=dtype)
     tau = torch.full((T,), 0.1)
     ((kernel, bound, options),) = launches(lambda: gate.admit(0, k, k.clone(), tau))

@@ -21,20 +21,31 @@ product: about float32 accuracy). Admission is ``g >= tau``, so a logit must sta
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
 
 # Shared memory bounds the tiles (float32 tf32x3 operands): at D = 128, BLOCK_T x BLOCK_I = 64 x 64
 # asks 320 KiB with Triton's default 3 stages and 128 x 64 asks 320 KiB even with one, over the
 # H200's 227 KiB per block, so the kernel does not compile. 32 x 64 in one stage with 4 warps was
 # the fastest that compiled in a sweep over BLOCK_T 16-128, BLOCK_I 32-128, 4/8 warps and 1-3 stages
 # (Llama-3.1-8B shape).
-BLOCK_T = 32
-BLOCK_I = 64
-NUM_WARPS = 4
-NUM_STAGES = 1
+@dataclass(frozen=True)
+class GateLaunch:
+    """A launch shape of the prefill gate: rows and hidden units a program takes per step, warps,
+    pipeline stages and the dots' ``input_precision`` (``benchmarks/kernel_gate.py`` sweeps them)."""
+
+    block_t: int = 32
+    block_i: int = 64
+    num_warps: int = 4
+    num_stages: int = 1
+    precision: str = "tf32x3"
+
+
+SERVED_LAUNCH = GateLaunch()
 
 # In decode, the backend takes this kernel instead of DecodeGate's from this many (row, KV head) pairs
 # a step (batch 16 at 8 KV heads). DecodeGate gives every pair a program that reads its head's whole w1
@@ -84,6 +95,7 @@ def _prefill_gate_kernel(
     BLOCK_I: tl.constexpr,
     WRITE_G: tl.constexpr,
     ADMIT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     h = tl.program_id(1)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -107,8 +119,8 @@ def _prefill_gate_kernel(
         # Hidden units past I load zero weights and bias: GELU(0) * 0 adds nothing.
         top = tl.load(w1 + d[:, None] * INNER + i[None, :], mask=live[None, :], other=0.0)
         bottom = tl.load(w1 + (d[:, None] + HEAD_DIM) * INNER + i[None, :], mask=live[None, :], other=0.0)
-        hidden = tl.dot(pre, top, input_precision="tf32x3")
-        hidden = tl.dot(post, bottom, hidden, input_precision="tf32x3")
+        hidden = tl.dot(pre, top, input_precision=PRECISION)
+        hidden = tl.dot(post, bottom, hidden, input_precision=PRECISION)
         hidden += tl.load(B1 + h * INNER + i, mask=live, other=0.0)[None, :]
         gelu = 0.5 * hidden * (1.0 + tl.math.erf(hidden * 0.7071067811865476))
         acc += tl.sum(gelu * tl.load(W2 + h * INNER + i, mask=live, other=0.0)[None, :], 1)
@@ -137,8 +149,10 @@ class PrefillGate:
         of the same gates (``DecodeGate.layers``), shared instead of copied again.
     """
 
-    def __init__(self, gates, weights: list[tuple] | None = None):
+    def __init__(self, gates, weights: list[tuple] | None = None, launch: GateLaunch = SERVED_LAUNCH):
         from sglang_wgkv.gate.triton_gate import float32_weights
+
+        self.launch = launch
 
         self.layers = weights if weights is not None else float32_weights(gates)
         if len(self.layers) != len(gates.layers):
@@ -228,7 +242,8 @@ class PrefillGate:
         pre_norm, post_norm, w1, b1, w2, b2 = self.layers[layer]
         admit = (_NO_ADMIT if flags is None else _RANDOM if uniform is not None else _THRESHOLD).value
         any_f32 = g if g is not None else tau  # placeholders where a pointer is not read
-        _prefill_gate_kernel[(triton.cdiv(T, BLOCK_T), H)](
+        shape = self.launch
+        _prefill_gate_kernel[(triton.cdiv(T, shape.block_t), H)](
             k_pre,
             k_post,
             pre_norm,
@@ -252,12 +267,13 @@ class PrefillGate:
             float(self.eps),
             HEAD_DIM=D,
             INNER=self.inner,
-            BLOCK_T=BLOCK_T,
-            BLOCK_I=BLOCK_I,
+            BLOCK_T=shape.block_t,
+            BLOCK_I=shape.block_i,
             WRITE_G=g is not None,
             ADMIT=admit,
-            num_warps=NUM_WARPS,
-            num_stages=NUM_STAGES,
+            PRECISION=shape.precision,
+            num_warps=shape.num_warps,
+            num_stages=shape.num_stages,
         )
 
     def _check(self, layer, k_pre, k_post) -> tuple[int, int]:
