@@ -180,11 +180,11 @@ def chat(url: str) -> None:
     r.raise_for_status()
 
 
-def stream(url: str) -> None:
+def stream(url: str, max_new_tokens: int = 48) -> None:
     body = {
         "text": "Once upon a time",
         "stream": True,
-        "sampling_params": {"max_new_tokens": 48, "temperature": 0},
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
     }
     with requests.post(url + "/generate", json=body, stream=True, timeout=600) as r:
         r.raise_for_status()
@@ -209,7 +209,12 @@ def long_prompts(url: str, n: int, tokens: int) -> list[int]:
 
 
 def measure(
-    server_args: list[str], label: str, log_path: Path, long_prompt_count: int = 3, long_tokens: int = 6000
+    server_args: list[str],
+    label: str,
+    log_path: Path,
+    long_prompt_count: int = 3,
+    long_tokens: int = 6000,
+    stream_tokens: int = 48,
 ) -> dict:
     """Start the launcher with ``server_args``, run the phases, stop it; the result dict (module
     docstring). The server is always stopped, also when a phase fails."""
@@ -251,7 +256,7 @@ def measure(
         for name, fn in (
             ("frontend", lambda: frontend_program(url)),
             ("chat", lambda: chat(url)),
-            ("stream", lambda: stream(url)),
+            ("stream", lambda: stream(url, stream_tokens)),
             ("long_prompts", lambda: long_prompts(url, long_prompt_count, long_tokens)),
         ):
             t = time.monotonic()
