@@ -148,3 +148,20 @@ def test_modules_sharing_a_server_through_others_form_one_group():
     # a-d share k1, c-d k3, b-c k2: one group, named by its first module; e alone; plain in none
     assert sharing_groups(keys) == {"a": "a", "b": "a", "c": "a", "d": "a", "e": "e"}
     assert sharing_groups({"x": ["k"], "y": ["k"]}) == {"x": "x", "y": "x"}
+
+
+def test_server_env_goes_to_the_launch_not_the_command_and_keys_the_server(tmp_path):
+    from sglang_wgkv.testing.server_pool import ServerEnv
+
+    launches = []
+    pool = ServerPool(
+        tmp_path, launch=lambda args, log, **kw: launches.append((args, kw)) or FakeServer(args, log, [])
+    )
+    env = ServerEnv.of(B="2", A="1")
+    with pool.lease(("a", env), "m"):
+        assert launches == [(["a"], {"env": {"A": "1", "B": "2"}})]
+    with pool.lease(("a",), "m"):
+        assert launches[-1] == (["a"], {})
+    assert server_key(("a", env)) != server_key(("a",)) == server_key(("a",))
+    assert server_key(("a", env)) == server_key(("a", ServerEnv.of(A="1", B="2")))
+    pool.close()

@@ -5,14 +5,13 @@ TP=1.
 The gates make the ranks differ (KV head 0 never admits, heads 1-2 always, W_local = 16), so a rank
 running another head's gate, or a pool holding the wrong head, changes the greedy tokens; with
 ``--kv-budget`` each rank's evictor cuts its admitting head, and the tokens it evicts must add up to
-TP=1's. The TP=1 server comes from the session's pool; the TP=3 one starts after it answered (two
-cores).
+TP=1's. Both servers come from the session's pool.
 """
 
 import pytest
 
-from sglang_wgkv.testing.server_pool import HeadGates, shared_server
-from sglang_wgkv.testing.serving import Server, flush_cache, long_prompt
+from sglang_wgkv.testing.server_pool import HeadGates, ServerEnv, shared_server
+from sglang_wgkv.testing.serving import flush_cache, long_prompt
 from sglang_wgkv.testing.short_model import SHORT_LAYERS, ShortModel
 
 pytestmark = pytest.mark.scale
@@ -65,45 +64,28 @@ def _outputs(srv) -> tuple[list, list]:
     return [o["output_ids"] for o in outs], [o["meta_info"]["wgkv"][-1] for o in outs]
 
 
-def _tp3_outputs(tmp) -> tuple[list, list]:
-    # SGLang's CPU engine wants one core set per rank when there are more ranks than NUMA nodes (it
-    # binds threads to them only with AMX/arm64 kernels; here they are just a label per rank). The
-    # venv's CUDA build of torch ships libnccl, which SGLang would then try to use on the CPU: point
-    # it at no library so the TP group falls back to torch.distributed over gloo. At TP > 1 SGLang's
-    # vocab-parallel embedding is torch.compile'd: on CPU each rank's first forward then builds the
-    # inductor's ISA probes (about 25 s on two cores), which the eager function does not need.
-    env = {
-        "SGLANG_CPU_OMP_THREADS_BIND": "0|1|0",
-        "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2",
-        "TORCHDYNAMO_DISABLE": "1",
-    }
-    gates = HEAD_GATES.save(tmp / "gates")
-    srv = Server(
-        [
-            "--model-path",
-            ShortModel().as_arg(tmp),
-            "--wgkv-local-window",
-            str(W_LOCAL),
-            "--wgkv-gates",
-            str(gates),
-            "--kv-budget",
-            str(KV_BUDGET),
-            "--tp-size",
-            "3",
-        ],
-        tmp / "server_tp3.log",
-        env=env,
-    )
-    try:
-        return _outputs(srv.wait_healthy())
-    finally:
-        srv.stop()
+# SGLang's CPU engine wants one core set per rank when there are more ranks than NUMA nodes (it binds
+# threads to them only with AMX/arm64 kernels; here they are just a label per rank). The venv's CUDA
+# build of torch ships libnccl, which SGLang would then try to use on the CPU: point it at no library
+# so the TP group falls back to torch.distributed over gloo. At TP > 1 SGLang's vocab-parallel
+# embedding is torch.compile'd: on CPU each rank's first forward then builds the inductor's ISA probes
+# (about 25 s on two cores), which the eager function does not need.
+TP3_ENV = ServerEnv.of(
+    SGLANG_CPU_OMP_THREADS_BIND="0|1|0",
+    SGLANG_NCCL_SO_PATH="/nonexistent/libnccl.so.2",
+    TORCHDYNAMO_DISABLE="1",
+)
+# pooled as well (no other module shares it): it starts ahead, while the modules before this one run
+tp3_server = shared_server(
+    "--model-path", ShortModel(), "--wgkv-local-window", str(W_LOCAL), "--wgkv-gates", HEAD_GATES,
+    "--kv-budget", str(KV_BUDGET), "--tp-size", "3", TP3_ENV,
+)  # fmt: skip
 
 
-def test_tp3_greedy_equals_tp1(tp1_server, tmp_path):
+def test_tp3_greedy_equals_tp1(tp1_server, tp3_server):
     flush_cache(tp1_server)  # shared: no prefix of another module's requests
     ids1, usage1 = _outputs(tp1_server)
-    ids3, usage3 = _tp3_outputs(tmp_path)
+    ids3, usage3 = _outputs(tp3_server)
     assert ids3 == ids1
     for u1, u3 in zip(usage1, usage3):  # rank 0 holds head 0 only; usage is reduced over the ranks
         assert u3["admitted_fraction"] == pytest.approx(u1["admitted_fraction"])

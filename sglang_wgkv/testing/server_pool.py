@@ -70,7 +70,19 @@ class ShippedGates:
         return str(self.save(folder / "gates"))
 
 
-ServerArg = str | int | float | HeadGates | ShippedGates | ShortModel
+@dataclass(frozen=True)
+class ServerEnv:
+    """Environment variables a pooled server starts with (beside the test settings of
+    :class:`~sglang_wgkv.testing.serving.Server`): no command-line argument, but part of its key."""
+
+    variables: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def of(cls, **variables: str) -> ServerEnv:
+        return cls(tuple(sorted(variables.items())))
+
+
+ServerArg = str | int | float | HeadGates | ShippedGates | ShortModel | ServerEnv
 # A module leasing two servers (a pair it compares) still lets the next planned one start beside them.
 MAX_LEASED_TO_PREFETCH = 2
 # Servers started ahead and not yet leased: a start is mostly imports, which fill the cores' idle time
@@ -79,8 +91,16 @@ MAX_WAITING_AHEAD = 2
 
 
 def command_args(args: Sequence[ServerArg], folder: Path) -> list[str]:
-    """The command-line strings of ``args``; gate specs and models are written under ``folder``."""
-    return [a.as_arg(folder) if hasattr(a, "as_arg") else str(a) for a in args]
+    """The command-line strings of ``args`` (:class:`ServerEnv` left out); gate specs and models are
+    written under ``folder``."""
+    return [
+        a.as_arg(folder) if hasattr(a, "as_arg") else str(a) for a in args if not isinstance(a, ServerEnv)
+    ]
+
+
+def server_env(args: Sequence[ServerArg]) -> dict[str, str]:
+    """The environment variables of the :class:`ServerEnv` entries of ``args``."""
+    return {name: value for a in args if isinstance(a, ServerEnv) for name, value in a.variables}
 
 
 def server_key(args: Sequence[ServerArg]) -> str:
@@ -132,7 +152,7 @@ class ServerPool:
 
     def __init__(self, root: Path, plan: Sequence[Sequence[ServerArg]] = (), launch=Server):
         self.root = Path(root)
-        self.launch = launch  # (args, log_path) -> a started Server
+        self.launch = launch  # (args, log_path[, env=...]) -> a started Server
         self._plan = [(server_key(args), tuple(args)) for args in plan]
         self._entries: dict[str, _Entry] = {}
 
@@ -189,8 +209,8 @@ class ServerPool:
         """Launch (not awaited: :meth:`lease` waits until it is healthy)."""
         folder = self.root / key
         folder.mkdir(parents=True, exist_ok=True)
-        command = command_args(args, folder)
-        return _Entry(self.launch(command, folder / "server.log"))
+        command, env = command_args(args, folder), server_env(args)
+        return _Entry(self.launch(command, folder / "server.log", **({"env": env} if env else {})))
 
     def close(self) -> None:
         for entry in self._entries.values():
