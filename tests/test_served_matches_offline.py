@@ -1,7 +1,8 @@
 """The served float32 reference path against the offline harness, token by token: the short model
-(``sglang_wgkv.testing.short_model``: the embedded SmolLM2's first layers) with the GPU test's gates (head 0 admits nothing, heads 1-2 everything, W_local 64) through a real CPU
-server, greedy, and the same tokens teacher-forced through ``sglang_wgkv.testing.serving.OfflineTruth``
-(``evals.harness.teacher_forced_logprobs``: key j visible to query i iff i - j < W_local or admitted).
+(``sglang_wgkv.testing.short_model``: the embedded SmolLM2's first layers) with the GPU test's
+per-head gates (head 0 admits nothing, heads 1-2 everything) at W_local 32 through a real CPU server
+(the soak's, shared), greedy, and the same tokens teacher-forced through
+``sglang_wgkv.testing.serving.OfflineTruth`` (``evals.harness.teacher_forced_logprobs``: key j visible to query i iff i - j < W_local or admitted).
 
 Both compute in float32, so they agree to float32 rounding (measured 1e-5): the ring, promotion and
 the decode path's attention of the server are the paper's semantics, and OfflineTruth is a float32
@@ -12,15 +13,17 @@ window, so the tolerance below tells the semantics apart.
 
 import pytest
 
-from sglang_wgkv.testing.gpu_serving_cases import HEAD_BIAS, PROMPTS, SERVER_SETTINGS, W_LOCAL
+from sglang_wgkv.testing.gpu_serving_cases import HEAD_BIAS, PROMPTS
 from sglang_wgkv.testing.server_pool import HeadGates, shared_server
-from sglang_wgkv.testing.serving import OfflineTruth, embedded_model_dir, save_head_gates
-from sglang_wgkv.testing.short_model import SHORT_LAYERS, ShortModel, short_model_dir
+from sglang_wgkv.testing.serving import OfflineTruth, embedded_model_dir, flush_cache, save_head_gates
+from sglang_wgkv.testing.short_model import SHORT_LAYERS, short_model_dir
+from sglang_wgkv.testing.soak import CPU_SERVER_ARGS
 
 pytestmark = pytest.mark.serving
 TOLERANCE = 1e-3  # float32 against float32; a bf16 path lies ~0.1 from it (benchmarks/logprob_floor.py)
-# the GPU test's 48 halved: the ~50-token prompt still crosses W_local = 64 while decoding
-NEW_TOKENS = 24
+W_LOCAL = 32
+# the shortest prompt (~6 tokens) crosses W_local = 32 while decoding, the others while prefilling
+NEW_TOKENS = 32
 
 
 def _greedy(server, prompts):
@@ -35,19 +38,10 @@ def _max_error(truth, prompt, run) -> float:
     return max(abs(a - b) for a, b in zip(lps, truth.logprobs(prompt, ids)))
 
 
-# the GPU comparison's server settings on the short model, in float32 on the reference path; pooled:
-# it starts while the modules before this one run
-server = shared_server(
-    "--model-path",
-    ShortModel(),
-    *SERVER_SETTINGS,
-    "--wgkv-gates",
-    HeadGates(tuple(HEAD_BIAS), W_LOCAL, SHORT_LAYERS),
-    "--dtype",
-    "float32",
-    "--wgkv-attention",
-    "reference",
-)
+# the soak's server (shared): the short model in float32 on the reference path (CPU), the GPU
+# comparison's per-head biases at W_local 32, 128-token chunks (the longer prompts span several)
+assert HeadGates(tuple(HEAD_BIAS), W_LOCAL, SHORT_LAYERS) in CPU_SERVER_ARGS
+server = shared_server(*CPU_SERVER_ARGS)
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +52,7 @@ def model_dir():
 
 def test_float32_server_equals_offline_harness(model_dir, server, tmp_path):
     gates = save_head_gates(tmp_path / "gates", HEAD_BIAS, W_LOCAL, num_layers=SHORT_LAYERS)
+    flush_cache(server)  # shared: no prefix of another module's requests
     alone = [_greedy(server, [p])[0] for p in PROMPTS]
     batched = _greedy(server, PROMPTS)  # one concurrent batch of four lengths
     truth = OfflineTruth(model_dir, gates, W_LOCAL)
