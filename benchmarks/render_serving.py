@@ -233,6 +233,61 @@ def decode_log(d: dict) -> list[str]:
     )
 
 
+def served_model(d: dict) -> list[str]:
+    """``benchmarks/served_model.py``: each engine's fitted costs, and the running batch's effect."""
+    ref = d["reference"]
+    out = [f"{d['what']}. {d['note']} Command: {cmd(d['command'])}.", ""]
+    out += table(
+        [
+            "engine",
+            "decode step a (ms)",
+            "per running request b (ms)",
+            "per prompt token g (us)",
+            "measured tok/s",
+            "measured median TPOT (ms)",
+            "most running",
+        ],
+        [
+            [
+                e["engine"],
+                f(e["fit"]["a_ms"], 2),
+                f(e["fit"]["b_ms"], 3),
+                f(1000 * e["fit"]["g_ms"], 1),
+                f(e["measured"]["output_tok_s"], 0),
+                f(e["measured"]["median_tpot_ms"], 1),
+                e["measured"]["max_running_seen"],
+            ]
+            for e in d["engines"]
+        ],
+    )
+    rows = []
+    for name, v in d["against_reference"].items():
+        rows.append(
+            [
+                name,
+                f"{v['reference_running']}",
+                f"{f(v['rate_at_reference_running'], 2)}x / {f(v['tpot_at_reference_running'], 2)}x",
+                f(v["running_at_tpot_parity"], 0),
+                f"{f(v['rate_at_tpot_parity'], 2)}x",
+                f"{f(v['rate_limit'], 2)}x",
+                f(1000 * v["g_ms_for_1p1x_at_parity"], 1),
+            ]
+        )
+    out += [""] + table(
+        [
+            "predicted, against " + ref,
+            f"{ref}'s running",
+            "tok/s / TPOT at that running",
+            "running at TPOT parity",
+            "tok/s there",
+            "tok/s, no limit",
+            "g (us) for 1.1x at parity",
+        ],
+        rows,
+    )
+    return out + [""]
+
+
 def decode_ab(d: dict) -> list[str]:
     """Two versions of the WG-KV decode, each on its own H200 against an upstream run on that machine
     (``machines``: one entry each): TPOT, profiled step and per-layer kernel times."""

@@ -48,6 +48,7 @@ from benchmarks.render_serving import (
     decode_log,
     logprob_floor,
     served_ab,
+    served_model,
     served_summary,
     served_workload,
     serving_memory,
@@ -82,6 +83,7 @@ RENDERERS = {
     "served_workload": served_workload,  # served_report.py merge
     "served_ab": served_ab,  # served_report.py ab
     "decode_log": decode_log,  # decode_log_compare.py
+    "served_model": served_model,  # served_model.py
     "decode_ab": decode_ab,  # a decode-step A/B, each side on its own machine
     "logprob_floor": logprob_floor,  # logprob_floor.py
     "serving_memory": serving_memory,  # serving_memory.py

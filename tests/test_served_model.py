@@ -1,0 +1,95 @@
+"""benchmarks/served_model.py: the costs fitted from SGLang's log lines, and the model's identities."""
+
+import json
+
+import pytest
+
+from benchmarks import served_model as sm
+
+A, B, G = 5.0, 0.06, 0.03  # ms: step's fixed cost, per running request, per prompt token
+
+
+def decode_line(running: int, queued: int = 0, graph: bool = True, step_ms: float | None = None) -> str:
+    step = A + B * running if step_ms is None else step_ms
+    return (
+        f"[2026-01-01 00:00:00] Decode batch, #running-req: {running}, #token: {running * 3000}, token usage: "
+        f"0.50, cuda graph: {graph}, gen throughput (token/s): {1000 * running / step:.2f}, #queue-req: {queued}"
+    )
+
+
+def prefill_line(new_tokens: int, running: int, tok_s: float) -> str:
+    return (
+        f"[2026-01-01 00:00:00] Prefill batch, #new-seq: 3, #new-token: {new_tokens}, #cached-token: 0, token "
+        f"usage: 0.10, #running-req: {running}, #queue-req: 10, #pending-token: 9000, cuda graph: False, "
+        f"input throughput (token/s): {tok_s:.2f}"
+    )
+
+
+def burst_log() -> str:
+    lines = [prefill_line(8192, r, 1000 / G) for r in (1, 5, 9)]
+    lines += [prefill_line(8192, 300, 1000 / (2 * G))]  # many decoding beside it: not a prompt's cost
+    lines += [prefill_line(3000, 2, 1000 / (3 * G))]  # a partial chunk
+    lines += [decode_line(300, queued=5, step_ms=90.0)]  # prefills in its interval
+    lines += [decode_line(280, step_ms=60.0)]  # first line with nothing queued: left out
+    lines += [decode_line(r) for r in (240, 200, 150)]
+    lines += [
+        decode_line(260, graph=False, step_ms=40.0),
+        decode_line(120, step_ms=30.0),
+    ]  # eager, then after it
+    lines += [decode_line(r) for r in (90, 40, 12, 4)]  # 4: under min_running
+    return "\n".join(lines)
+
+
+def test_fit_recovers_the_costs_and_skips_contaminated_lines():
+    text = burst_log()
+    assert [r for r, _ in sm.decode_points(text)] == [240, 200, 150, 90, 40, 12]
+    f = sm.fit(text, chunk=8192, max_decoding=64)
+    assert f.a_ms == pytest.approx(A, rel=1e-3) and f.b_ms == pytest.approx(B, rel=1e-3)
+    assert f.g_ms == pytest.approx(G, rel=1e-4) and f.prefill_points == 3
+
+
+def test_model_identities():
+    f = sm.Fit(A, B, G, 0, 0)
+    p, o = 3000.0, 400.0
+    for running in (10, 100, 500):
+        assert f.tpot_ms(running, p, o) == pytest.approx(1000 * running / f.rate(running, p, o))  # Little
+        assert f.running_for_tpot(f.tpot_ms(running, p, o), p, o) == pytest.approx(running)
+    assert (
+        f.rate(10, p, o) < f.rate(100, p, o) < f.rate(1e9, p, o) == pytest.approx(1000 * o / (p * G + o * B))
+    )
+
+
+def test_g_for_goal_is_the_boundary():
+    ref = sm.Fit(5.0, 0.15, 0.024, 0, 0)
+    mine = sm.Fit(5.0, 0.06, 0.031, 0, 0)
+    p, o = 3072.0, 384.0
+    rate, tpot = ref.rate(126, p, o), ref.tpot_ms(126, p, o)
+    g = sm.g_for_goal(mine, rate, tpot, p, o, 1.1)
+    for trial_g, meets in ((0.99 * g, True), (1.01 * g, False)):
+        t = sm.Fit(mine.a_ms, mine.b_ms, trial_g, 0, 0)
+        assert (t.rate(t.running_for_tpot(tpot, p, o), p, o) >= 1.1 * rate) is meets
+
+
+def test_cli_writes_a_rendered_result(tmp_path):
+    from benchmarks.summary import renderer
+
+    log = tmp_path / "server.log"
+    log.write_text(burst_log())
+    part = tmp_path / "part.json"
+    result = {
+        "completed": 10,
+        "total_input_tokens": 30000,
+        "total_output_tokens": 4000,
+        "output_throughput": 1000.0,
+        "median_tpot_ms": 50.0,
+        "median_ttft_ms": 1.0,
+        "median_e2e_latency_ms": 2.0,
+    }
+    part.write_text(json.dumps({"runs": [{"result": result, "max_running_seen": 120}]}))
+    out = tmp_path / "model.json"
+    spec = f"{log},{part}"
+    sm.main(["--engine", f"up={spec}", "--engine", f"wg={spec}", "--reference", "up", "--out", str(out)])
+    d = json.loads(out.read_text())
+    assert d["kind"] == "served_model"
+    assert d["against_reference"]["wg"]["rate_at_reference_running"] == pytest.approx(1.0)
+    assert any("running at TPOT parity" in line for line in renderer(d)(d))
