@@ -1,10 +1,13 @@
 """benchmarks/served_model.py: the costs fitted from SGLang's log lines, and the model's identities."""
 
+
 import json
 
 import pytest
 
 from benchmarks import served_model as sm
+
+pytestmark = pytest.mark.tools
 
 A, B, G = 5.0, 0.06, 0.03  # ms: step's fixed cost, per running request, per prompt token
 
