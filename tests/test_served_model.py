@@ -1,6 +1,5 @@
 """benchmarks/served_model.py: the costs fitted from SGLang's log lines, and the model's identities."""
 
-
 import json
 
 import pytest
