@@ -18,6 +18,10 @@ WG-KV options (all others go to SGLang unchanged)::
     --wgkv-forward-tokens T       while requests decode, a forward carries them all and at most T tokens in all
                                   (prefill share at least T/4), with --enable-mixed-chunk; 0: off (SGLang's own
                                   chunks). Default on CUDA: settings.DEFAULT_GPU_FORWARD_TOKENS (8192); CPU: off
+    --wgkv-running-knee K         once the running requests fill what a dense pool of the same memory holds,
+                                  admit new ones only while their TPOT is under (1 + K) decode steps' fixed
+                                  cost (integration/scheduling/running_knee.py); one scheduler only (no TP,
+                                  PP or DP). Default: off
     --wgkv-attention IMPL         auto (kernels on CUDA), reference (torch) or kernels; the kernels' decode
                                   runs under SGLang's decode CUDA graphs (off with --disable-decode-cuda-graph;
                                   always off on CPU and with reference)
@@ -65,6 +69,7 @@ WGKV_FLAGS = (
     "--wgkv-extend-kernels",
     "--wgkv-forward-tokens",
     "--wgkv-prefill-vertical",
+    "--wgkv-running-knee",
 )
 
 
@@ -86,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--wgkv-extend-kernels", action="store_true")
     parser.add_argument("--wgkv-forward-tokens", type=int, default=None)
     parser.add_argument("--wgkv-prefill-vertical", choices=PREFILL_VERTICAL, default="auto")
+    parser.add_argument("--wgkv-running-knee", type=float, default=None)
     parser.add_argument("--disable-wgkv", action="store_true")
     return parser
 
@@ -277,6 +283,22 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
         forward_tokens = None
     elif forward_tokens is not None and "--enable-mixed-chunk" not in sglang_argv:
         sglang_argv += ["--enable-mixed-chunk"]
+    running_knee = ours.wgkv_running_knee or None  # 0: off
+    if running_knee is not None:
+        ranks = {
+            name: int(_option(sglang_argv, *flags) or 1)
+            for name, flags in (
+                ("TP", ("--tp-size", "--tp")),
+                ("PP", ("--pp-size",)),
+                ("DP", ("--dp-size", "--dp")),
+            )
+        }
+        split = [f"{name} {n}" for name, n in ranks.items() if n > 1]
+        if split:
+            # each scheduler would time its own forwards and could admit apart from the others
+            raise ValueError(
+                f"invalid WG-KV option: --wgkv-running-knee runs on one scheduler, got {', '.join(split)}"
+            )
     try:
         settings = ServingSettings(
             config=config,
@@ -288,6 +310,7 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
             extend_kernels=ours.wgkv_extend_kernels,
             forward_tokens=forward_tokens,
             prefill_vertical=ours.wgkv_prefill_vertical,
+            running_knee=running_knee,
         )
     except ValueError as e:
         raise ValueError(f"invalid WG-KV option: {e}") from e

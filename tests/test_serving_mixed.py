@@ -29,9 +29,17 @@ LONG = [long_prompt(25, seed=1), long_prompt(30, seed=2)]  # ~300-360 tokens: se
 
 
 # ``separate`` is the reliability tests' server (shared; it also exports metrics); ``mixed`` adds the
-# forward budget and turns the radix cache off
+# forward budget, turns the radix cache off and times its forwards for the running knee (which at most
+# delays a prompt here: the outputs are greedy)
 separate_server = shared_server(*CPU_SERVER_ARGS)
-mixed_server = shared_server(*CPU_SERVER_ARGS, "--wgkv-forward-tokens", str(BUDGET), "--disable-radix-cache")
+mixed_server = shared_server(
+    *CPU_SERVER_ARGS,
+    "--wgkv-forward-tokens",
+    str(BUDGET),
+    "--disable-radix-cache",
+    "--wgkv-running-knee",
+    "8",
+)
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +96,11 @@ def test_mixed_forwards_give_the_greedy_outputs_of_separate_ones(servers):
     assert stats["tokens_left_ring"] > 0 and 0 < stats["admitted_fraction"] < 1
     # the budget bounded every mixed forward's prefill share (SGLang's own: 128 less the decode rows)
     assert 0 < stats["mixed_prefill_tokens_max"] <= BUDGET
+    knee = stats["running_knee"]  # the launches were timed in the scheduler: a decode step's fixed cost
+    assert knee["fixed_step_ms"] > 0 and knee["target_ms"] == pytest.approx(
+        9 * knee["fixed_step_ms"], rel=1e-3
+    )
+    assert "running_knee" not in plain
 
 
 # a mixed server with the SnapKV evictor (``--kv-budget 16``: streams past the ring are cut); pooled

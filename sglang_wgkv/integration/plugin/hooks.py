@@ -239,6 +239,9 @@ def add_internal_state(result, scheduler, *args, **kwargs):
     pool = scheduler.req_to_token_pool
     if isinstance(pool, WGKVReqToTokenPool):
         result.internal_state["wgkv"] = pool.stats()
+        knee = pool.runtime.running_knee
+        if knee is not None:
+            result.internal_state["wgkv"]["running_knee"] = knee.state()
     return None
 
 

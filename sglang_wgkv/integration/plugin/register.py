@@ -30,7 +30,7 @@ def load_plugin() -> None:
     from sglang_wgkv.integration.plugin import hooks, metrics, overlap
     from sglang_wgkv.integration.requests import control as request_control
     from sglang_wgkv.integration.requests import validation as request_validation
-    from sglang_wgkv.integration.scheduling import mixed_batches, overcommit, prefill_guard
+    from sglang_wgkv.integration.scheduling import mixed_batches, overcommit, prefill_guard, running_knee
 
     register_attention_backend(BACKEND_NAME)(create_wgkv_backend)
     radix_factory.register()
@@ -134,6 +134,7 @@ def load_plugin() -> None:
             overlap.record_usage_at_launch,
             HookType.BEFORE,
         ),
+        ("sglang.srt.managers.scheduler.Scheduler.run_batch", running_knee.observe_launch, HookType.BEFORE),
         ("sglang.srt.managers.scheduler.Scheduler.run_batch", overlap.fence_forward, HookType.AFTER),
         (
             "sglang.srt.managers.scheduler.Scheduler.process_batch_result",

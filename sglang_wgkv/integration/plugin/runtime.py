@@ -126,6 +126,12 @@ class WGKVRuntime:
         # TP: ``reduce(sums, maxes)`` of request usage over the attention-TP ranks (None on one rank)
         self.reduce_usage: Callable | None = None
         self.kv_heads: list[int] | None = None
+        # --wgkv-running-knee: the admission rule past the dense pool's running count (None: off)
+        self.running_knee = None
+        if settings.running_knee is not None:
+            from sglang_wgkv.integration.scheduling.running_knee import RunningKnee
+
+            self.running_knee = RunningKnee(settings.running_knee)
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod

@@ -70,6 +70,9 @@ class ServingSettings:
         :class:`~sglang_wgkv.integration.scheduling.mixed_batches.ForwardBudget`); None: SGLang's own chunk
         sizes. The launcher's default on CUDA: :data:`DEFAULT_GPU_FORWARD_TOKENS`, with
         ``--enable-mixed-chunk``.
+    running_knee : ``K`` of :mod:`~sglang_wgkv.integration.scheduling.running_knee` (past the dense pool's
+        running count, new requests wait while TPOT exceeds ``(1 + K)`` decode steps' fixed cost); None:
+        off (the default until served runs choose ``K``). One scheduler only (no TP, PP or DP).
     """
 
     config: WGKVConfig = field(default_factory=WGKVConfig)
@@ -81,6 +84,7 @@ class ServingSettings:
     extend_kernels: bool = False
     forward_tokens: int | None = None
     prefill_vertical: str = "auto"
+    running_knee: float | None = None
 
     def __post_init__(self):
         if self.attention not in ATTENTION_IMPLS:
@@ -105,6 +109,8 @@ class ServingSettings:
             )
         if self.prefill_vertical == "fa3" and self.attention == "reference":
             raise ValueError("prefill_vertical 'fa3' needs the kernels path (attention 'kernels' or 'auto')")
+        if self.running_knee is not None and not self.running_knee > 0:
+            raise ValueError(f"running_knee must be > 0 (or None: off), got {self.running_knee}")
         if self.extend_kernels and self.attention == "reference":
             raise ValueError("extend_kernels needs the kernels path (attention 'kernels' or 'auto')")
 
@@ -132,6 +138,7 @@ class ServingSettings:
                 "extend_kernels": self.extend_kernels,
                 "forward_tokens": self.forward_tokens,
                 "prefill_vertical": self.prefill_vertical,
+                "running_knee": self.running_knee,
             }
         )
 
@@ -153,6 +160,7 @@ class ServingSettings:
                 extend_kernels=bool(data.get("extend_kernels", False)),
                 forward_tokens=data.get("forward_tokens"),
                 prefill_vertical=data.get("prefill_vertical", "auto"),
+                running_knee=data.get("running_knee"),
             )
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"malformed {ENV_VAR}={raw!r}: {e}") from e

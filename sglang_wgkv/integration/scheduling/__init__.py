@@ -5,4 +5,5 @@ its memory checks and its prefill pass; what a request would do to the pool, not
 ``prefill_guard``  which requests a prefill batch may take, by the capacity plan's mode
 ``long_requests``  requests bounded by the evictor: their own ``kv_budget``, or longer than the pool
 ``mixed_batches``  which forward a pass builds while requests decode (``--wgkv-forward-tokens``)
+``running_knee``   new requests held past the running batch's knee (``--wgkv-running-knee``)
 """

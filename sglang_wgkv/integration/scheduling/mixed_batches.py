@@ -118,6 +118,10 @@ def schedule_prefill(original, scheduler, *args, **kwargs):
     running = kwargs["running_batch"] if "running_batch" in kwargs else args[1]
     if runtime is None or not running.reqs:
         return original(scheduler, *args, **kwargs)
+    from sglang_wgkv.integration.scheduling.running_knee import holds_new_requests
+
+    if holds_new_requests(runtime, scheduler, running.reqs):
+        return None, running  # the running batch decodes; the waiting requests wait (running_knee.py)
     own = PassInputs(scheduler.chunked_prefill_size, scheduler.max_prefill_tokens, scheduler.is_mixed_chunk)
     tokens = runtime.settings.forward_tokens
     inputs = pass_inputs(

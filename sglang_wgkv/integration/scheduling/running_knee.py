@@ -1,0 +1,178 @@
+"""The running batch at its knee (``--wgkv-running-knee K``): once as many requests run as a dense pool
+of the same memory would hold, a new request is admitted only while the running requests' recent TPOT
+is under ``(1 + K)`` times a decode step's fixed cost.
+
+Why. With ``B`` requests running, a request's output costs its prompt ``P g`` and ``O`` decode steps
+shared by ``B``: TPOT is ``a + B (b + P g / O)`` (``a`` the step's fixed cost, the weights' read; ``b``
+its cost per running request) while the output rate saturates at ``O / (P g + O b)``. TPOT reaches
+``(1 + K) a`` where the rate is ``K / (K + 1)`` of that limit, so past that point a request admitted buys
+little throughput and costs every running request TPOT in proportion. On prompt-heavy traffic the knee
+is a few hundred requests or fewer (M1D on an H100: ~135 at ``K = 8``, against 344 admitted without
+it; ``benchmarks/results/serving/M1D_model.json``); on decode-heavy traffic TPOT stays near ``a + b B``
+and the rule never binds. Below the dense pool's count it never holds, so the running batch is never
+smaller than upstream's.
+
+======================  =======================================================================
+quantity                measured as (host clock, at each forward's launch)
+======================  =======================================================================
+a forward's period      from its launch to the next one, when a forward was in flight before it
+                        (under SGLang's overlap scheduler the launch waits for the forward before
+                        it: the period is one forward's time, host work included)
+``a``                   the shortest period of a decode forward that followed a decode forward
+                        (SGLang's warm-up request decodes one row at start-up; a server started
+                        with ``--skip-server-warmup`` learns it at its first such pair)
+TPOT                    over the last :data:`WINDOW_S`: the periods of the forwards launched while
+                        requests decoded, divided by the forwards that gave them a token (decode
+                        and mixed ones; a prefill-only forward makes them wait)
+dense running count     SGLang's KV budget (dense tokens) / the running requests' mean of prompt
+                        plus half their ``max_new_tokens``
+======================  =======================================================================
+
+Off by default until served runs choose ``K`` (``launch/README.md``, plan 0); it holds nothing until
+``a`` has been timed.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from dataclasses import dataclass
+
+# TPOT is averaged over the forwards of the last this many seconds (a burst's prefill phase is tens).
+WINDOW_S = 2.0
+# A longer gap between launches is an idle server, not a forward.
+MAX_PERIOD_S = WINDOW_S
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the scheduler launched: its decode rows (decode and mixed forwards), whether it prefills
+    (extend and mixed forwards), and whether requests were decoding at all (a prefill-only forward
+    launched beside running requests makes them wait)."""
+
+    decode_rows: int
+    prefill: bool
+    decoding: bool
+
+    @property
+    def gives_tokens(self) -> bool:
+        return self.decode_rows > 0
+
+    @property
+    def decode_only(self) -> bool:
+        return self.decode_rows > 0 and not self.prefill
+
+
+class RunningKnee:
+    """The admission rule of the module docstring for one scheduler; ``clock`` in seconds."""
+
+    def __init__(self, k: float, clock=time.perf_counter):
+        if not k > 0:
+            raise ValueError(f"the running knee K must be > 0, got {k}")
+        self.k = k
+        self.clock = clock
+        self.fixed_step_s: float | None = None  # ``a``
+        self._last: tuple[float, Launch] | None = None  # the previous launch: time, what
+        self._before_last: Launch | None = None
+        self._window: collections.deque[tuple[float, float, Launch]] = collections.deque()  # t, period, what
+        self.held_passes = 0  # prefill passes that kept new requests waiting
+
+    def observe(self, launch: Launch, pipelined: bool) -> None:
+        """A forward is launched now; ``pipelined``: a forward ran right before it (the scheduler was
+        not idle), so the time since the last launch is that forward's period."""
+        now = self.clock()
+        previous = self._last if pipelined else None
+        if previous is not None:
+            t, prev = previous
+            period = now - t
+            if 0 < period <= MAX_PERIOD_S:
+                # under overlap the period ends when the forward before ``prev`` ends: both decode-only
+                if prev.decode_only and self._before_last is not None and self._before_last.decode_only:
+                    self.fixed_step_s = (
+                        period if self.fixed_step_s is None else min(self.fixed_step_s, period)
+                    )
+                if prev.decoding:
+                    self._window.append((t, period, prev))
+        self._before_last = previous[1] if previous is not None else None
+        self._last = (now, launch)
+        while self._window and self._window[0][0] < now - WINDOW_S:
+            self._window.popleft()
+
+    def tpot_s(self) -> float | None:
+        """The running requests' time per token over the window (None: no token in it)."""
+        tokens = sum(1 for _, _, what in self._window if what.gives_tokens)
+        return sum(p for _, p, _ in self._window) / tokens if tokens else None
+
+    def target_s(self) -> float | None:
+        return None if self.fixed_step_s is None else (1 + self.k) * self.fixed_step_s
+
+    def state(self) -> dict:
+        """For ``/server_info`` (``internal_states``): the knee's inputs in ms and its held passes."""
+        ms = lambda x: None if x is None else round(1000 * x, 3)  # noqa: E731
+        return {
+            "k": self.k,
+            "fixed_step_ms": ms(self.fixed_step_s),
+            "tpot_ms": ms(self.tpot_s()),
+            "target_ms": ms(self.target_s()),
+            "held_passes": self.held_passes,
+        }
+
+    def holds(self, running: int, dense_running: float) -> bool:
+        """Whether a pass with ``running`` requests running keeps new requests waiting."""
+        if running < dense_running:
+            return False
+        tpot, target = self.tpot_s(), self.target_s()
+        return tpot is not None and target is not None and tpot > target
+
+
+def dense_running(dense_tokens: int, requests) -> float:
+    """How many of ``requests`` (SGLang ``Req``) a dense pool of ``dense_tokens`` would run at once:
+    its tokens over their mean prompt plus half their output budget (inf with none running)."""
+    if not requests:
+        return math.inf
+    mean = sum(len(r.origin_input_ids) + r.sampling_params.max_new_tokens / 2 for r in requests) / len(
+        requests
+    )
+    return dense_tokens / max(mean, 1.0)
+
+
+def launch_of(scheduler, batch) -> Launch:
+    """The :class:`Launch` of ``batch`` as ``Scheduler.run_batch`` receives it (a mixed batch's decode
+    rows are SGLang's ``decoding_reqs``)."""
+    mode = batch.forward_mode
+    if mode.is_decode():
+        rows = batch.batch_size()
+    elif mode.is_mixed():
+        rows = len(batch.decoding_reqs or ())
+    else:
+        rows = 0
+    running = getattr(scheduler, "running_batch", None)
+    decoding = rows > 0 or bool(running is not None and not running.is_empty())
+    return Launch(rows, prefill=mode.is_extend(), decoding=decoding)
+
+
+def _runtime(scheduler):
+    allocator = getattr(scheduler, "token_to_kv_pool_allocator", None)
+    return getattr(allocator.get_kvcache(), "runtime", None) if allocator is not None else None
+
+
+def observe_launch(scheduler, batch, *args, **kwargs):
+    """BEFORE ``Scheduler.run_batch``: the launch, for the knee's periods (``last_batch`` is None after
+    an idle pass: nothing was in flight)."""
+    runtime = _runtime(scheduler)
+    knee = getattr(runtime, "running_knee", None)
+    if knee is not None and not batch.is_empty():
+        knee.observe(launch_of(scheduler, batch), pipelined=scheduler.last_batch is not None)
+    return None
+
+
+def holds_new_requests(runtime, scheduler, running_reqs) -> bool:
+    """Whether this prefill pass keeps the waiting requests waiting (never a chunked prompt's next chunk)."""
+    knee = getattr(runtime, "running_knee", None)
+    if knee is None or runtime.plan is None or scheduler.chunked_req is not None or not running_reqs:
+        return False
+    dense = dense_running(runtime.plan.physical_tokens + runtime.plan.fixed_tokens, running_reqs)
+    held = knee.holds(len(running_reqs), dense)
+    knee.held_passes += held
+    return held

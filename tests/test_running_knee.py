@@ -1,0 +1,207 @@
+"""integration/scheduling/running_knee.py: the periods it times, TPOT and ``a`` from them, when it
+holds new requests, and that a burst under it settles at the model's knee."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_wgkv.integration.plugin.settings import ServingSettings
+from sglang_wgkv.integration.scheduling import running_knee as rk
+from sglang_wgkv.integration.scheduling.mixed_batches import schedule_prefill
+
+pytestmark = pytest.mark.serving
+
+DECODE = rk.Launch(decode_rows=8, prefill=False, decoding=True)
+MIXED = rk.Launch(decode_rows=8, prefill=True, decoding=True)
+PREFILL_BESIDE = rk.Launch(
+    decode_rows=0, prefill=True, decoding=True
+)  # a prefill-only forward, requests decoding
+FIRST_PREFILL = rk.Launch(decode_rows=0, prefill=True, decoding=False)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def run(knee, clock, launches_and_periods, pipelined=True):
+    """Launch each ``(launch, period)``: the period is the time until the next launch."""
+    for launch, period in launches_and_periods:
+        knee.observe(launch, pipelined)
+        clock.t += period
+
+
+def test_fixed_step_is_the_shortest_decode_period_after_a_decode():
+    clock = Clock()
+    knee = rk.RunningKnee(8, clock)
+    run(knee, clock, [(MIXED, 0.25), (DECODE, 0.012)])
+    knee.observe(DECODE, True)
+    assert knee.fixed_step_s is None  # a decode period after the mixed forward: it may end with it
+    clock.t += 0.010
+    knee.observe(DECODE, True)
+    assert knee.fixed_step_s == pytest.approx(0.010)  # a decode period after a decode one
+    clock.t += 0.008
+    knee.observe(DECODE, True)
+    assert knee.fixed_step_s == pytest.approx(0.008)
+    # after an idle pass (nothing in flight) the time since the last launch is no forward's
+    clock.t += 0.001
+    knee.observe(DECODE, False)
+    clock.t += 0.001
+    knee.observe(DECODE, True)
+    assert knee.fixed_step_s == pytest.approx(0.008)  # the 1-ms gaps around it were not taken
+    clock.t += 0.007
+    knee.observe(DECODE, True)
+    assert knee.fixed_step_s == pytest.approx(0.007)
+
+
+def test_tpot_counts_waits_without_tokens_and_forgets_the_window():
+    clock = Clock()
+    knee = rk.RunningKnee(8, clock)
+    assert knee.tpot_s() is None and not knee.holds(10**6, 1)  # nothing timed: never holds
+    run(knee, clock, [(FIRST_PREFILL, 0.2)] * 3)  # nobody decoding: not a token's wait
+    run(knee, clock, [(DECODE, 0.01)] * 4 + [(MIXED, 0.25), (PREFILL_BESIDE, 0.2), (DECODE, 0.01)])
+    knee.observe(DECODE, True)
+    assert knee.tpot_s() == pytest.approx((5 * 0.01 + 0.25 + 0.2) / 6)
+    clock.t += rk.WINDOW_S + 1  # an idle gap longer than the window: no period, and the window empties
+    knee.observe(DECODE, True)
+    assert knee.tpot_s() is None
+
+
+def test_holds_only_past_the_dense_count_and_above_the_target():
+    clock = Clock()
+    knee = rk.RunningKnee(4, clock)
+    run(knee, clock, [(DECODE, 0.01)] * 5)
+    knee.observe(DECODE, True)
+    assert knee.target_s() == pytest.approx(0.05)
+    assert not knee.holds(running=100, dense_running=50)  # TPOT 10 ms: under the target
+    run(knee, clock, [(MIXED, 0.3)] * 5)
+    knee.observe(DECODE, True)
+    assert knee.tpot_s() > knee.target_s()
+    assert knee.holds(running=100, dense_running=50)
+    assert not knee.holds(running=49, dense_running=50)  # never below what a dense pool runs
+    with pytest.raises(ValueError, match="> 0"):
+        rk.RunningKnee(0)
+
+
+def test_dense_running_uses_the_mean_lifetime_footprint():
+    reqs = [
+        SimpleNamespace(origin_input_ids=[0] * p, sampling_params=SimpleNamespace(max_new_tokens=o))
+        for p, o in ((3000, 400), (1000, 200))
+    ]
+    assert rk.dense_running(410_000, reqs) == pytest.approx(410_000 / ((3200 + 1100) / 2))
+    assert rk.dense_running(410_000, []) == math.inf
+
+
+def test_a_burst_settles_at_the_knee():
+    """A toy scheduler under the model of the module docstring: 600 requests at once, a pass admits one
+    prompt (a mixed forward: its prefill beside every decode row) unless the knee holds. The running
+    count settles near ``B* = K a / (b + P g / O)`` and TPOT near ``(1 + K) a``."""
+    a, b, prompt, out, k, dense = 0.005, 0.00006, 0.095, 384, 8, 50
+    clock = Clock()
+    knee = rk.RunningKnee(k, clock)
+    for _ in range(8):  # SGLang's warm-up request: a few decode steps of one row
+        knee.observe(rk.Launch(decode_rows=1, prefill=False, decoding=True), pipelined=True)
+        clock.t += a + b
+    clock.t += 5.0  # idle until the burst
+    waiting, running, seen = 600, [], []
+    first = True
+    while waiting or running:
+        admit = waiting and not knee.holds(len(running), dense)
+        launch = rk.Launch(decode_rows=len(running), prefill=bool(admit), decoding=bool(running))
+        if not running and not admit:
+            break
+        knee.observe(launch, pipelined=not first)
+        first = False
+        clock.t += a + b * len(running) + (prompt if admit else 0.0)
+        running = [left - 1 for left in running if left > 1]
+        if admit:
+            waiting -= 1
+            running.append(out)
+        if 200 < 600 - waiting < 450:  # steady: the first wave is past, the queue not yet empty
+            seen.append(len(running))
+    knee_b = k * a / (b + prompt / out)
+    assert knee_b * 0.85 < sum(seen) / len(seen) < knee_b * 1.15, (knee_b, sum(seen) / len(seen))
+    assert knee.fixed_step_s == pytest.approx(a + b, rel=0.01)  # the drain's last decode: one row
+
+
+class _Scheduler:
+    def __init__(self, runtime, running_reqs, chunked_req=None, last_batch="prev"):
+        self.token_to_kv_pool_allocator = SimpleNamespace(
+            get_kvcache=lambda: SimpleNamespace(runtime=runtime)
+        )
+        self.chunked_prefill_size, self.max_prefill_tokens, self.is_mixed_chunk = 8192, 16384, True
+        self.chunked_req = chunked_req
+        self.running_batch = SimpleNamespace(reqs=running_reqs, is_empty=lambda: not running_reqs)
+        self.last_batch = last_batch
+        self.passes = 0
+
+    def raw(self, prefill_delayer_single_pass=None, running_batch=None):
+        self.passes += 1
+        return "batch", running_batch
+
+
+def test_hooks_time_launches_and_hold_the_pass():
+    clock = Clock()
+    knee = rk.RunningKnee(1, clock)
+    plan = SimpleNamespace(mode="dense", physical_tokens=900, fixed_tokens=100)
+    runtime = SimpleNamespace(plan=plan, settings=ServingSettings(), running_knee=knee)
+    reqs = [
+        SimpleNamespace(origin_input_ids=[0] * 90, sampling_params=SimpleNamespace(max_new_tokens=20))
+    ] * 10
+    scheduler = _Scheduler(runtime, reqs)  # a dense pool of 1,000 tokens runs 10 of them
+
+    class Mode:
+        def __init__(self, name):
+            self.name = name
+
+        def is_decode(self):
+            return self.name == "decode"
+
+        def is_mixed(self):
+            return self.name == "mixed"
+
+        def is_extend(self):
+            return self.name in ("mixed", "extend")
+
+    decode = SimpleNamespace(forward_mode=Mode("decode"), batch_size=lambda: 10, is_empty=lambda: False)
+    extend = SimpleNamespace(forward_mode=Mode("extend"), is_empty=lambda: False)
+    assert rk.launch_of(scheduler, decode) == rk.Launch(10, prefill=False, decoding=True)
+    assert rk.launch_of(scheduler, extend) == rk.Launch(0, prefill=True, decoding=True)
+    for batch, period in [(decode, 0.01)] * 3 + [(extend, 0.5)] * 3:
+        rk.observe_launch(scheduler, batch)
+        clock.t += period
+    rk.observe_launch(scheduler, decode)
+    assert knee.fixed_step_s == pytest.approx(0.01) and knee.tpot_s() > knee.target_s()
+
+    def call(s):
+        return schedule_prefill(
+            type(s).raw, s, prefill_delayer_single_pass=None, running_batch=s.running_batch
+        )
+
+    assert call(scheduler) == (None, scheduler.running_batch) and scheduler.passes == 0
+    assert knee.held_passes == 1 and knee.state()["held_passes"] == 1
+    scheduler.chunked_req = object()  # a chunked prompt's next chunk always runs
+    assert call(scheduler) == ("batch", scheduler.running_batch) and scheduler.passes == 1
+    scheduler.chunked_req = None
+    runtime.running_knee = None  # off: SGLang's pass
+    assert call(scheduler) == ("batch", scheduler.running_batch)
+
+
+def test_launcher_option(monkeypatch):
+    from sglang_wgkv.launch_server import resolve
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    settings, _, env = resolve(["--model-path", "/m"])
+    assert settings.running_knee is None
+    settings, _, env = resolve(["--model-path", "/m", "--wgkv-running-knee", "8"])
+    assert settings.running_knee == 8 and ServingSettings.from_env(env) == settings
+    assert resolve(["--model-path", "/m", "--wgkv-running-knee", "0"])[0].running_knee is None
+    with pytest.raises(ValueError, match="running_knee must be > 0"):
+        resolve(["--model-path", "/m", "--wgkv-running-knee", "-1"])
+    with pytest.raises(ValueError, match="one scheduler, got TP 2"):
+        resolve(["--model-path", "/m", "--wgkv-running-knee", "8", "--tp-size", "2"])
