@@ -131,9 +131,8 @@ def dense_running(dense_tokens: int, requests) -> float:
     its tokens over their mean prompt plus half their output budget (inf with none running)."""
     if not requests:
         return math.inf
-    mean = sum(len(r.origin_input_ids) + r.sampling_params.max_new_tokens / 2 for r in requests) / len(
-        requests
-    )
+    total = sum(len(r.origin_input_ids) + (r.sampling_params.max_new_tokens or 0) / 2 for r in requests)
+    mean = total / len(requests)
     return dense_tokens / max(mean, 1.0)
 
 
