@@ -210,7 +210,9 @@ def main(argv=None) -> int:
         "--engine", action="append", required=True, help="NAME=SERVER_LOG,PART_JSON (twice or more)"
     )
     ap.add_argument("--reference", required=True, help="the engine the others are compared with")
-    ap.add_argument("--chunk", type=int, default=8192, help="a full prefill chunk's tokens")
+    ap.add_argument(
+        "--chunk", type=int, default=8192, help="a full prefill chunk's tokens (engines without their own)"
+    )
     ap.add_argument(
         "--max-decoding", type=int, default=64, help="prefill lines kept: at most this many decoding"
     )
@@ -221,10 +223,10 @@ def main(argv=None) -> int:
     engines = []
     for spec in a.engine:
         name, _, paths = spec.partition("=")
-        log, _, part = paths.partition(",")
-        if not (name and log and part):
-            ap.error(f"--engine {spec!r}: expected NAME=SERVER_LOG,PART_JSON")
-        engines.append(engine_report(name, log, part, a.chunk, a.max_decoding))
+        log, part, *chunk = paths.split(",")
+        if not (name and log and part) or len(chunk) > 1 or (chunk and not chunk[0].isdigit()):
+            ap.error(f"--engine {spec!r}: expected NAME=SERVER_LOG,PART_JSON[,CHUNK]")
+        engines.append(engine_report(name, log, part, int(chunk[0]) if chunk else a.chunk, a.max_decoding))
     if a.reference not in {e["engine"] for e in engines}:
         ap.error(f"--reference {a.reference!r} names no --engine")
     against = compare(engines, a.reference, [int(x) for x in a.running.split(",")])

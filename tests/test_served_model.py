@@ -90,7 +90,7 @@ def test_cli_writes_a_rendered_result(tmp_path):
     part.write_text(json.dumps({"runs": [{"result": result, "max_running_seen": 120}]}))
     out = tmp_path / "model.json"
     spec = f"{log},{part}"
-    sm.main(["--engine", f"up={spec}", "--engine", f"wg={spec}", "--reference", "up", "--out", str(out)])
+    sm.main(["--engine", f"up={spec}", "--engine", f"wg={spec},8192", "--reference", "up", "--out", str(out)])
     d = json.loads(out.read_text())
     assert d["kind"] == "served_model"
     assert d["against_reference"]["wg"]["rate_at_reference_running"] == pytest.approx(1.0)
