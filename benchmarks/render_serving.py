@@ -271,6 +271,9 @@ def served_model(d: dict) -> list[str]:
                 f"{f(v['rate_at_tpot_parity'], 2)}x",
                 f"{f(v['rate_limit'], 2)}x",
                 f(1000 * v["g_ms_for_1p1x_at_parity"], 1),
+                f"{f(v['running_at_knee'], 0)}: {f(v['rate_at_knee'], 2)}x / {f(v['tpot_at_knee'], 2)}x"
+                if "running_at_knee" in v
+                else "",
             ]
         )
     out += [""] + table(
@@ -282,6 +285,9 @@ def served_model(d: dict) -> list[str]:
             "tok/s there",
             "tok/s, no limit",
             "g (us) for 1.1x at parity",
+            "running knee K={:g}: running, tok/s / TPOT".format(
+                next(iter(d["against_reference"].values()), {}).get("knee", 0)
+            ),
         ],
         rows,
     )

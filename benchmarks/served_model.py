@@ -155,9 +155,11 @@ def engine_report(name: str, log: str, part: str, chunk: int, max_decoding: int)
     }
 
 
-def compare(engines: list[dict], reference: str, running_grid: list[int]) -> dict:
+def compare(engines: list[dict], reference: str, running_grid: list[int], knee: float = 8.0) -> dict:
     """Each engine's predicted rate and TPOT over ``running_grid``, and against the reference engine
-    at the reference's running batch: the running batch at TPOT parity and its rate there."""
+    at the reference's running batch: the running batch at TPOT parity and its rate there, and where
+    ``--wgkv-running-knee knee`` would hold it (TPOT ``(1 + knee) a``; floored at the reference's count
+    as the rule floors at a dense pool's)."""
     ref = next(e for e in engines if e["engine"] == reference)
     ref_running = ref["measured"]["max_running_seen"]
     if not ref_running:
@@ -188,6 +190,13 @@ def compare(engines: list[dict], reference: str, running_grid: list[int]) -> dic
             # The prompt-token cost that would give 1.1x the reference's rate at its TPOT.
             "g_ms_for_1p1x_at_parity": g_for_goal(f, ref_rate, ref_tpot, p, o, 1.1),
         }
+        at_knee = max(f.running_for_tpot((1 + knee) * f.a_ms, p, o), ref_running)
+        against[e["engine"]].update(
+            knee=knee,
+            running_at_knee=at_knee,
+            rate_at_knee=f.rate(at_knee, p, o) / ref_rate,
+            tpot_at_knee=f.tpot_ms(at_knee, p, o) / ref_tpot,
+        )
     return against
 
 
@@ -217,6 +226,7 @@ def main(argv=None) -> int:
         "--max-decoding", type=int, default=64, help="prefill lines kept: at most this many decoding"
     )
     ap.add_argument("--running", default="32,64,96,128,160,192,256,384")
+    ap.add_argument("--knee", type=float, default=8.0, help="the K of --wgkv-running-knee predicted")
     ap.add_argument("--note", default="")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
@@ -229,7 +239,7 @@ def main(argv=None) -> int:
         engines.append(engine_report(name, log, part, int(chunk[0]) if chunk else a.chunk, a.max_decoding))
     if a.reference not in {e["engine"] for e in engines}:
         ap.error(f"--reference {a.reference!r} names no --engine")
-    against = compare(engines, a.reference, [int(x) for x in a.running.split(",")])
+    against = compare(engines, a.reference, [int(x) for x in a.running.split(",")], a.knee)
     for e in engines:
         del e["_fit"]
     from benchmarks.common import write_json
