@@ -14,7 +14,8 @@ max_prefill_tokens  the same                                      (SGLang's ``nu
 ==================  ===========================================  ==========================================
 
 with ``share(d) = max(T - d, T // 4)`` (:class:`ForwardBudget`). With no request decoding the pass is
-SGLang's own (full chunks: the first wave's TTFT is unchanged).
+SGLang's own (full chunks: the first wave's TTFT is unchanged). With ``--wgkv-running-knee`` the same
+hook first asks :mod:`~.running_knee` whether the pass admits at all.
 
 Why a budget (docs/mixed-traffic.md). SGLang runs a prefill whenever one can be formed and decodes
 only in between; the time a decoding request waits for its next token is the prefill work run
@@ -39,6 +40,8 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+
+from sglang_wgkv.integration.scheduling.running_knee import holds_new_requests
 
 
 @dataclass(frozen=True)
@@ -118,8 +121,6 @@ def schedule_prefill(original, scheduler, *args, **kwargs):
     running = kwargs["running_batch"] if "running_batch" in kwargs else args[1]
     if runtime is None or not running.reqs:
         return original(scheduler, *args, **kwargs)
-    from sglang_wgkv.integration.scheduling.running_knee import holds_new_requests
-
     if holds_new_requests(runtime, scheduler, running.reqs):
         return None, running  # the running batch decodes; the waiting requests wait (running_knee.py)
     own = PassInputs(scheduler.chunked_prefill_size, scheduler.max_prefill_tokens, scheduler.is_mixed_chunk)
