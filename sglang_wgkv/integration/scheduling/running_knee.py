@@ -7,9 +7,8 @@ shared by ``B``: TPOT is ``a + B (b + P g / O)`` (``a`` the step's fixed cost, t
 its cost per running request) while the output rate saturates at ``O / (P g + O b)``. TPOT reaches
 ``(1 + K) a`` where the rate is ``K / (K + 1)`` of that limit, so past that point a request admitted buys
 little throughput and costs every running request TPOT in proportion. On prompt-heavy traffic the knee
-is a few hundred requests or fewer (M1D on an H100: ~135 at ``K = 8``, against 344 admitted without
-it; ``benchmarks/results/serving/M1D_model.json``); on decode-heavy traffic TPOT stays near ``a + b B``
-and the rule never binds. Below the dense pool's count it never holds, so the running batch is never
+comes well before the pool is full (``running_at_knee`` in ``benchmarks/results/serving/M1D_model.json``);
+on decode-heavy traffic TPOT stays near ``a + b B`` and the rule never binds. Below the dense pool's count it never holds, so the running batch is never
 smaller than upstream's.
 
 ======================  =======================================================================
