@@ -41,7 +41,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-from sglang_wgkv.integration.scheduling.running_knee import holds_new_requests
+from sglang_wgkv.integration.scheduling.running_knee import holds_new_requests, scheduler_runtime
 
 
 @dataclass(frozen=True)
@@ -85,11 +85,6 @@ def pass_inputs(
     )
 
 
-def _runtime(scheduler):
-    allocator = getattr(scheduler, "token_to_kv_pool_allocator", None)
-    return getattr(allocator.get_kvcache(), "runtime", None) if allocator is not None else None
-
-
 def pool_holds_mixed(runtime, chunked_req, running_reqs) -> bool:
     """Overcommit only (else True): the dual pool holds the chunked prompt's remaining reserve and a
     decode step of ``running_reqs`` (module docstring)."""
@@ -117,7 +112,7 @@ def _overridden(obj, inputs: PassInputs):
 
 def schedule_prefill(original, scheduler, *args, **kwargs):
     """AROUND ``Scheduler._get_new_batch_prefill_raw`` (module docstring)."""
-    runtime = _runtime(scheduler)
+    runtime = scheduler_runtime(scheduler)
     running = kwargs["running_batch"] if "running_batch" in kwargs else args[1]
     if runtime is None or not running.reqs:
         return original(scheduler, *args, **kwargs)

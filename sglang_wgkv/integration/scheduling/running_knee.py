@@ -75,6 +75,8 @@ class RunningKnee:
         self._last: tuple[float, Launch] | None = None  # the previous launch: time, what
         self._before_last: Launch | None = None
         self._window: collections.deque[tuple[float, float, Launch]] = collections.deque()  # t, period, what
+        self._window_s = 0.0  # the window's periods and token-giving forwards, kept as it moves
+        self._window_tokens = 0
         self.held_passes = 0  # prefill passes that kept new requests waiting
 
     def observe(self, launch: Launch, pipelined: bool) -> None:
@@ -93,15 +95,20 @@ class RunningKnee:
                     )
                 if prev.decoding:
                     self._window.append((t, period, prev))
+                    self._window_s += period
+                    self._window_tokens += prev.gives_tokens
         self._before_last = previous[1] if previous is not None else None
         self._last = (now, launch)
         while self._window and self._window[0][0] < now - WINDOW_S:
-            self._window.popleft()
+            _, period, what = self._window.popleft()
+            self._window_s -= period
+            self._window_tokens -= what.gives_tokens
+        if not self._window:
+            self._window_s = 0.0  # no float residue carried over an idle gap
 
     def tpot_s(self) -> float | None:
         """The running requests' time per token over the window (None: no token in it)."""
-        tokens = sum(1 for _, _, what in self._window if what.gives_tokens)
-        return sum(p for _, p, _ in self._window) / tokens if tokens else None
+        return self._window_s / self._window_tokens if self._window_tokens else None
 
     def target_s(self) -> float | None:
         return None if self.fixed_step_s is None else (1 + self.k) * self.fixed_step_s
@@ -119,8 +126,10 @@ class RunningKnee:
 
     def holds(self, running: int, dense_running: float) -> bool:
         """Whether a pass with ``running`` requests running keeps new requests waiting."""
-        if running < dense_running:
-            return False
+        return self.over_target() and running >= dense_running
+
+    def over_target(self) -> bool:
+        """Whether the window's TPOT exceeds ``(1 + K) a`` (False until both are known)."""
         tpot, target = self.tpot_s(), self.target_s()
         return tpot is not None and target is not None and tpot > target
 
@@ -150,7 +159,9 @@ def launch_of(scheduler, batch) -> Launch:
     return Launch(rows, prefill=mode.is_extend(), decoding=decoding)
 
 
-def _runtime(scheduler):
+def scheduler_runtime(scheduler):
+    """The WG-KV runtime behind ``scheduler``'s KV pool (None: not a WG-KV pool); the scheduling hooks'
+    one way to it."""
     allocator = getattr(scheduler, "token_to_kv_pool_allocator", None)
     return getattr(allocator.get_kvcache(), "runtime", None) if allocator is not None else None
 
@@ -158,7 +169,7 @@ def _runtime(scheduler):
 def observe_launch(scheduler, batch, *args, **kwargs):
     """BEFORE ``Scheduler.run_batch``: the launch, for the knee's periods (``last_batch`` is None after
     an idle pass: nothing was in flight)."""
-    runtime = _runtime(scheduler)
+    runtime = scheduler_runtime(scheduler)
     knee = getattr(runtime, "running_knee", None)
     if knee is not None and not batch.is_empty():
         knee.observe(launch_of(scheduler, batch), pipelined=scheduler.last_batch is not None)
@@ -169,6 +180,8 @@ def holds_new_requests(runtime, scheduler, running_reqs) -> bool:
     """Whether this prefill pass keeps the waiting requests waiting (never a chunked prompt's next chunk)."""
     knee = getattr(runtime, "running_knee", None)
     if knee is None or runtime.plan is None or scheduler.chunked_req is not None or not running_reqs:
+        return False
+    if not knee.over_target():  # the usual pass: no walk over the running requests
         return False
     dense = dense_running(runtime.plan.physical_tokens + runtime.plan.fixed_tokens, running_reqs)
     held = knee.holds(len(running_reqs), dense)
