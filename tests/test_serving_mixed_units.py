@@ -217,23 +217,27 @@ def test_mixed_chunk_accepted_by_the_backend_options():
 
 def test_running_batch_capped_at_the_largest_decode_graph():
     """Without ``--max-running-requests`` a wgkv server with decode CUDA graphs runs at most its
-    largest captured decode batch; a given cap, graphs off or another backend leave SGLang's own."""
-    from sglang.srt.model_executor.cuda_graph_config import Backend
+    largest captured decode batch; a given cap, graphs off or another backend leave SGLang's own. The
+    cap runs after ``__post_init__``, where SGLang's ``ServerArgs`` refuse plain assignment, so the
+    cases are SGLang's own resolved objects (on CPU its decode graphs default to ``full``)."""
+    from sglang.srt.server_args import ServerArgs
 
     from sglang_wgkv.integration.plugin.hooks import cap_running_requests
+    from sglang_wgkv.testing.short_model import SHORT_LAYERS, short_model_dir
 
-    def args(backend="wgkv", cap=None, graphs=Backend.FULL):
-        decode = SimpleNamespace(backend=graphs, max_bs=256)
-        return SimpleNamespace(
-            attention_backend=backend,
-            prefill_attention_backend=None,
-            decode_attention_backend=None,
-            max_running_requests=cap,
-            cuda_graph_config=SimpleNamespace(decode=decode),
-        )
+    def resolved(backend="wgkv", **kwargs):
+        args = ServerArgs(model_path=str(short_model_dir(SHORT_LAYERS)), device="cpu", **kwargs)
+        if backend:
+            args.override("test", attention_backend=backend)
+        return args
 
-    cases = [(args(), 256), (args(cap=1000), 1000), (args(graphs=Backend.DISABLED), None)]
-    cases.append((args(backend="fa3"), None))
-    for a, want in cases:
-        cap_running_requests(None, a)
-        assert a.max_running_requests == want
+    plain = resolved()
+    with pytest.raises(AttributeError, match="read-only"):
+        plain.max_running_requests = 1
+    largest = plain.cuda_graph_config.decode.max_bs
+    assert largest and plain.max_running_requests is None
+    cases = [(plain, largest), (resolved(max_running_requests=1000), 1000)]
+    cases += [(resolved(disable_cuda_graph=True), None), (resolved(backend=None), None)]
+    for args, want in cases:
+        cap_running_requests(None, args)
+        assert args.max_running_requests == want

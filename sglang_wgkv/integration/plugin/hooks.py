@@ -113,7 +113,8 @@ def cap_running_requests(result, server_args, *args, **kwargs):
 
     decode = server_args.cuda_graph_config.decode
     if decode.backend != Backend.DISABLED and decode.max_bs:
-        server_args.max_running_requests = decode.max_bs
+        # resolved ServerArgs are read-only: override() is SGLang's one mutation point after __post_init__
+        server_args.override("wgkv", max_running_requests=decode.max_bs)
         logger.info("wgkv: --max-running-requests %d (the largest decode CUDA graph)", decode.max_bs)
     return result
 
