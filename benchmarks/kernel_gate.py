@@ -1,4 +1,4 @@
-"""Prefill write-gate kernel: the served launch shape against other tiles and input precisions, and the
+"""Prefill write-gate kernel: the served launch shapes against other tiles and input precisions, and the
 torch gate, at Llama-3.1-8B's gate shape (8 KV heads, head_dim 128, inner 512), bf16 keys.
 
 For each row count (the new keys of one forward) and :class:`GateLaunch`: the time of one layer's
@@ -23,17 +23,23 @@ import torch
 
 from benchmarks.common import Deadline, cuda_ms, environment, write_json
 from sglang_wgkv.gate import GateConfig, WriteGates
-from sglang_wgkv.gate.triton_prefill_gate import CHECK_TOLERANCE, SERVED_LAUNCH, GateLaunch, PrefillGate
+from sglang_wgkv.gate.triton_prefill_gate import (
+    CHECK_TOLERANCE,
+    LARGE_LAUNCH,
+    SMALL_LAUNCH,
+    GateLaunch,
+    PrefillGate,
+)
 
 H, D, INNER = 8, 128, 512
 VARIANTS = {
-    "served": SERVED_LAUNCH,
+    "served_small": SMALL_LAUNCH,
+    "served_large": LARGE_LAUNCH,
     "tf32x3_2stage": GateLaunch(num_stages=2),
     "bf16x3": GateLaunch(precision="bf16x3"),
     "bf16x3_t64": GateLaunch(block_t=64, precision="bf16x3"),
     "bf16x3_t64_2stage": GateLaunch(block_t=64, num_stages=2, precision="bf16x3"),
     "bf16x3_t64_w8": GateLaunch(block_t=64, num_warps=8, precision="bf16x3"),
-    "bf16x3_t128_w8": GateLaunch(block_t=128, num_warps=8, precision="bf16x3"),
     "bf16x3_t128_i32": GateLaunch(block_t=128, block_i=32, precision="bf16x3"),
     "tf32_t64": GateLaunch(block_t=64, precision="tf32"),
 }

@@ -69,13 +69,15 @@ def test_decode_split_kernel_register_cap():
 def _gate_cases():
     from benchmarks.kernel_gate import VARIANTS
 
-    return [(torch.float32, "served")] + [(torch.bfloat16, name) for name in VARIANTS]
+    return [(torch.float32, "served_small"), (torch.float32, "served_large")] + [
+        (torch.bfloat16, name) for name in VARIANTS
+    ]
 
 
 @pytest.mark.parametrize("dtype,variant", _gate_cases())
 def test_prefill_gate_compiles_for_sm90_within_shared_memory(dtype, variant):
     """The Triton prefill write gate at Llama-3.1-8B's shape (D 128, 8 KV heads, inner 512) with the
-    admission epilogue, in the served launch shape and each one ``benchmarks/kernel_gate.py`` times:
+    admission epilogue, in the served launch shapes and each one ``benchmarks/kernel_gate.py`` times:
     its tile (block_t x block_i, stages, precision) must fit sm_90's 227 KiB; the first tile (64 x 64,
     3 stages) asked for 320 KiB, which only a GPU run would otherwise reveal."""
     from benchmarks.kernel_gate import VARIANTS

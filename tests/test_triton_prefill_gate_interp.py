@@ -84,7 +84,7 @@ def test_start_up_check_falls_back_where_the_kernel_cannot_run(caplog):
     from sglang_wgkv.gate.triton_prefill_gate import checked_prefill_gate
 
     with caplog.at_level("WARNING"):
-        assert checked_prefill_gate(make_gates(2, 64, 96, 0, "cpu"), rows=8) is None
+        assert checked_prefill_gate(make_gates(2, 64, 96, 0, "cpu"), rows=(8,)) is None
     assert "failed its start-up check" in caplog.text
 
 
@@ -95,10 +95,10 @@ from triton_prefill_gate_interp_check import make_gates
 from sglang_wgkv.gate import triton_prefill_gate as m
 
 gates = make_gates(2, 64, 96, 1, "cpu")
-kept = m.checked_prefill_gate(gates, rows=40, dtype=torch.bfloat16)
+kept = m.checked_prefill_gate(gates, rows=(40, m.LARGE_FROM_ROWS), dtype=torch.bfloat16, random_p=0.25)
 call = m.PrefillGate.__call__
 m.PrefillGate.__call__ = lambda self, *a, **k: call(self, *a, **k) + 3 * m.CHECK_TOLERANCE
-wrong = m.checked_prefill_gate(gates, rows=40)
+wrong = m.checked_prefill_gate(gates, rows=(40,))
 print(json.dumps({"kept": type(kept).__name__, "wrong": wrong is None}))
 """
 

@@ -19,10 +19,11 @@ import torch
 from sglang_wgkv.gate import WriteGates
 from sglang_wgkv.gate.triton_prefill_gate import PrefillGate
 
-G_TOL = 1e-5  # gate values: float32 (tf32x3 on the GPU) sums in another order
+G_TOL = 1e-5  # gate values: float32 (tf32x3 or bf16x3 on the GPU) sums in another order
 
-# (T, H, D, I, dtype, layout). Row counts on and off the row blocks (1, 63, 64, 65, 129, 200), I = 4D
-# and the Qwen3 layout's 1.5D (not a multiple of the 64-unit block at D = 64), and three key layouts:
+# (T, H, D, I, dtype, layout). Row counts on and off the row blocks (1, 63, 64, 65, 129, 200; 1100 in
+# the 128-row tiles a prefill chunk takes), I = 4D and the Qwen3 layout's 1.5D (not a multiple of the
+# 64-unit block at D = 64), and three key layouts:
 # "fused" (k_pre, k_post as column slices of a [T, 3*H*D] qkv-like buffer: row stride 3HD),
 # "heads" (from a [T, H, 2, D] buffer: head stride 2D), "contig".
 CASES = [
@@ -37,6 +38,7 @@ CASES = [
     (1, 8, 128, 512, torch.bfloat16, "fused"),
     (129, 3, 64, 256, torch.bfloat16, "fused"),
     (0, 3, 64, 96, torch.bfloat16, "fused"),
+    (1100, 2, 64, 96, torch.bfloat16, "fused"),
 ]
 
 

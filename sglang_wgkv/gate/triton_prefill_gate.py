@@ -13,26 +13,26 @@ and RMS-normalises them in float32 in registers, then walks the hidden width in 
 exact-erf GELU, and ``acc += sum(gelu * w2[h, i])``; it stores ``sigmoid(acc + b2[h])``. Nothing of
 ``[T, H, I]`` or ``[T, H, 2D]`` reaches memory.
 
-The matmuls take float32 operands with ``input_precision="tf32x3"`` (three TF32 products per
-product: about float32 accuracy). Admission is ``g >= tau``, so a logit must stay within about
+The served launch's matmuls take float32 operands with ``input_precision="bf16x3"`` (three bf16
+products per product: about float32 accuracy). Admission is ``g >= tau``, so a logit must stay within about
 ``1e-5`` of the float32 torch gate; plain TF32's 10-bit mantissa would not keep it there.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
 
-# Shared memory bounds the tiles (float32 tf32x3 operands): at D = 128, BLOCK_T x BLOCK_I = 64 x 64
-# asks 320 KiB with Triton's default 3 stages and 128 x 64 asks 320 KiB even with one, over the
-# H200's 227 KiB per block, so the kernel does not compile. 32 x 64 in one stage with 4 warps was
-# the fastest that compiled in a sweep over BLOCK_T 16-128, BLOCK_I 32-128, 4/8 warps and 1-3 stages
-# (Llama-3.1-8B shape).
+# Shared memory bounds the tiles: float32 tf32x3 operands at D = 128 fit sm_90's 227 KiB per block only
+# at 32 x 64 in one stage (the fastest tf32x3 tile that compiled in a sweep of BLOCK_T 16-128, BLOCK_I
+# 32-128, 4/8 warps, 1-3 stages). bf16x3 (three bf16 products: the same ~1e-7 error against the float32
+# torch gate) halves the operands, so 128-row tiles with 8 warps fit and read each head's w1 a quarter
+# as often.
 @dataclass(frozen=True)
 class GateLaunch:
     """A launch shape of the prefill gate: rows and hidden units a program takes per step, warps,
@@ -45,7 +45,22 @@ class GateLaunch:
     precision: str = "tf32x3"
 
 
-SERVED_LAUNCH = GateLaunch()
+# A prefill chunk takes 128-row bf16x3 tiles: 2.7x faster than 32-row tf32x3 ones at 2,048 and 8,192
+# rows (results/kernels/kernel_gate_h100.json). Fewer rows (a decode step's gate, a short chunk) keep
+# the 32-row tiles, whose four times as many programs spread over the SMs.
+SMALL_LAUNCH = GateLaunch()
+LARGE_LAUNCH = GateLaunch(block_t=128, num_warps=8, precision="bf16x3")
+LARGE_FROM_ROWS = 1024
+
+
+def served_launch(rows: int, device: torch.device) -> GateLaunch:
+    """The launch shape a served gate takes for ``rows`` new keys on ``device``."""
+    if rows < LARGE_FROM_ROWS:
+        return SMALL_LAUNCH
+    if device.type != "cuda":  # Triton's interpreter knows no bf16x3: the same tiles in float32
+        return replace(LARGE_LAUNCH, precision="ieee")
+    return LARGE_LAUNCH
+
 
 # In decode, the backend takes this kernel instead of DecodeGate's from this many (row, KV head) pairs
 # a step (batch 16 at 8 KV heads). DecodeGate gives every pair a program that reads its head's whole w1
@@ -147,12 +162,13 @@ class PrefillGate:
         ``head_dim`` must be a power of two, at least 16 (a ``tl.dot`` operand dimension).
     weights : the per-layer float32 tuples of a :class:`~sglang_wgkv.gate.triton_gate.DecodeGate`
         of the same gates (``DecodeGate.layers``), shared instead of copied again.
+    launch : the launch shape of every call (default: :func:`served_launch` of its rows).
     """
 
-    def __init__(self, gates, weights: list[tuple] | None = None, launch: GateLaunch = SERVED_LAUNCH):
+    def __init__(self, gates, weights: list[tuple] | None = None, launch: GateLaunch | None = None):
         from sglang_wgkv.gate.triton_gate import float32_weights
 
-        self.launch = launch
+        self.launch = launch  # None: :func:`served_launch` of each call's rows
 
         self.layers = weights if weights is not None else float32_weights(gates)
         if len(self.layers) != len(gates.layers):
@@ -242,7 +258,7 @@ class PrefillGate:
         pre_norm, post_norm, w1, b1, w2, b2 = self.layers[layer]
         admit = (_NO_ADMIT if flags is None else _RANDOM if uniform is not None else _THRESHOLD).value
         any_f32 = g if g is not None else tau  # placeholders where a pointer is not read
-        shape = self.launch
+        shape = self.launch or served_launch(T, self.device)
         _prefill_gate_kernel[(triton.cdiv(T, shape.block_t), H)](
             k_pre,
             k_post,
@@ -295,24 +311,38 @@ class PrefillGate:
 
 
 def checked_prefill_gate(
-    gates, weights: list[tuple] | None = None, rows: int = 300, dtype: torch.dtype = torch.float32
+    gates,
+    weights: list[tuple] | None = None,
+    rows: tuple[int, ...] = (300, LARGE_FROM_ROWS),
+    dtype: torch.dtype = torch.float32,
+    random_p: float | None = None,
 ) -> PrefillGate | None:
     """A :class:`PrefillGate` of ``gates`` after one check on their device against the torch gate
-    (every layer, ``rows`` random keys of ``dtype``, the served keys' dtype, so the launch the prefill
-    will make is the one compiled here); None, with a warning in the log, when it does not
-    compile there, fails to launch or differs by more than :data:`CHECK_TOLERANCE`. A server then
-    prefills with the torch gate instead of failing at its first request."""
+    (every layer, each of ``rows`` random keys of ``dtype``, the served keys' dtype, through both the
+    values alone and the extend's admission with ``random_p``: every launch shape and variant a
+    served prefill makes is compiled here, before the server takes a request); None, with a warning in
+    the log, when it does not compile there, fails to launch or differs by more than
+    :data:`CHECK_TOLERANCE`. A server then prefills with the torch gate instead of failing at its
+    first request."""
     c = gates.config
     try:
         gate = PrefillGate(gates, weights)
         gen = torch.Generator(device=gate.device).manual_seed(0)
         worst = 0.0
-        for layer in range(len(gates.layers)):
+        for n, layer in ((n, layer) for n in rows for layer in range(len(gates.layers))):
             k_pre, k_post = (
-                torch.randn(rows, c.num_kv_heads, c.head_dim, generator=gen, device=gate.device).to(dtype)
+                torch.randn(n, c.num_kv_heads, c.head_dim, generator=gen, device=gate.device).to(dtype)
                 for _ in range(2)
             )
-            worst = max(worst, float((gate(layer, k_pre, k_post) - gates(layer, k_pre, k_post)).abs().max()))
+            want = gates(layer, k_pre, k_post)
+            g = torch.empty(n, c.num_kv_heads, dtype=torch.float32, device=gate.device)
+            tau = torch.full((n,), c.tau, device=gate.device)
+            uniform = None
+            if random_p is not None:
+                uniform = torch.rand(n, c.num_kv_heads, generator=gen, device=gate.device)
+            gate.admit(layer, k_pre, k_post, tau, uniform, random_p, g_out=g)
+            for got in (gate(layer, k_pre, k_post), g):
+                worst = max(worst, float((got - want).abs().max()))
     except Exception as exc:  # a compile or launch failure must not take the server down
         logger.warning(
             "wgkv: the Triton prefill gate failed its start-up check (%s: %s); the prefill uses "

@@ -132,7 +132,10 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
                 self.gates, max_rows=model_runner.req_to_token_pool.size * len(self.kv_heads)
             )
             self.prefill_gate = checked_prefill_gate(
-                self.gates, self.decode_gate.layers, dtype=model_runner.model_config.dtype
+                self.gates,
+                self.decode_gate.layers,
+                dtype=model_runner.model_config.dtype,
+                random_p=self.config.random_admission,
             )
             # decode steps of at least this many (row, KV head) pairs take the prefill gate's launch
             self._tensor_core_gate_rows = DECODE_MIN_ROWS
