@@ -191,7 +191,7 @@ def measure(srv, a, w: sw.Workload, rec: dict, out_dir: Path) -> None:
     if a.no_timed:
         measure_profiles(srv, a, w, body, rec, out_dir)
         return
-    out_file = out_dir / f"bench.{a.server}.{rec['config']}.{w.name}.jsonl"
+    out_file = out_dir / f"bench.{a.server}.{rec['config']}.{a.tag}.{w.name}.jsonl"
     details = w.upstream_may_refuse and a.server == "upstream"
     timed = sw.bench_command(w, srv.url, out_file, 1, body, details=details)
     rec["bench_command"] = shlex.join(timed)
@@ -262,7 +262,8 @@ def run(a) -> None:
         part["wgkv_extra"] = a.wgkv_extra  # an A/B part (served_report ab), never a workload row
     if a.upstream_extra:
         part["upstream_extra"] = a.upstream_extra  # a reference of an A/B (served_report ab) only
-    part_file = out_dir / f"part.{a.server}.{config}.{a.tag}.json"
+    # every file a run writes names its tag and workloads: runs chained into one folder never overwrite
+    part_file = out_dir / f"part.{a.server}.{config}.{a.tag}.{'_'.join(w.name for w in workloads)}.json"
 
     def write_part() -> None:
         part_file.write_text(json.dumps(part, indent=1))
@@ -291,7 +292,7 @@ def run(a) -> None:
         # cwd /tmp: the checkout comes from PYTHONPATH, never from python -m's working directory
         srv = ServerProcess(
             cmd,
-            out_dir / f"server.{a.server}.{config}.{'_'.join(names)}.log",
+            out_dir / f"server.{a.server}.{config}.{a.tag}.{'_'.join(names)}.log",
             port=port,
             env={**env, **group[0].env},
             cwd="/tmp",

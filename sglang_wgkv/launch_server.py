@@ -20,8 +20,9 @@ WG-KV options (all others go to SGLang unchanged)::
                                   chunks). Default on CUDA: settings.DEFAULT_GPU_FORWARD_TOKENS (8192); CPU: off
     --wgkv-running-knee K         once the running requests fill what a dense pool of the same memory holds,
                                   admit new ones only while their TPOT is under (1 + K) decode steps' fixed
-                                  cost (integration/scheduling/running_knee.py); one scheduler only (no TP,
-                                  PP or DP). Default: off
+                                  cost (integration/scheduling/running_knee.py); 0: off. Default on CUDA with
+                                  one scheduler: settings.DEFAULT_GPU_RUNNING_KNEE (8); with TP, PP or DP
+                                  (each scheduler would admit apart) and on CPU: off
     --wgkv-attention IMPL         auto (kernels on CUDA), reference (torch) or kernels; the kernels' decode
                                   runs under SGLang's decode CUDA graphs (off with --disable-decode-cuda-graph;
                                   always off on CPU and with reference)
@@ -49,6 +50,7 @@ from sglang_wgkv.integration.plugin.settings import (
     BACKEND_NAME,
     DEFAULT_GPU_FORWARD_TOKENS,
     DEFAULT_GPU_OVERCOMMIT,
+    DEFAULT_GPU_RUNNING_KNEE,
     ENV_VAR,
     PREFILL_VERTICAL,
     ServingSettings,
@@ -283,22 +285,24 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
         forward_tokens = None
     elif forward_tokens is not None and "--enable-mixed-chunk" not in sglang_argv:
         sglang_argv += ["--enable-mixed-chunk"]
-    running_knee = ours.wgkv_running_knee or None  # 0: off
-    if running_knee is not None:
-        ranks = {
-            name: int(_option(sglang_argv, *flags) or 1)
-            for name, flags in (
-                ("TP", ("--tp-size", "--tp")),
-                ("PP", ("--pp-size",)),
-                ("DP", ("--dp-size", "--dp")),
-            )
-        }
-        split = [f"{name} {n}" for name, n in ranks.items() if n > 1]
-        if split:
-            # each scheduler would time its own forwards and could admit apart from the others
-            raise ValueError(
-                f"invalid WG-KV option: --wgkv-running-knee runs on one scheduler, got {', '.join(split)}"
-            )
+    ranks = {
+        name: int(_option(sglang_argv, *flags) or 1)
+        for name, flags in (
+            ("TP", ("--tp-size", "--tp")),
+            ("PP", ("--pp-size",)),
+            ("DP", ("--dp-size", "--dp")),
+        )
+    }
+    split = [f"{name} {n}" for name, n in ranks.items() if n > 1]
+    running_knee = ours.wgkv_running_knee
+    if running_knee is None and device != "cpu" and not split:
+        running_knee = DEFAULT_GPU_RUNNING_KNEE  # TPOT-bounded admission past a dense pool's count
+    running_knee = running_knee or None  # 0: off
+    if running_knee is not None and split:
+        # each scheduler would time its own forwards and could admit apart from the others
+        raise ValueError(
+            f"invalid WG-KV option: --wgkv-running-knee runs on one scheduler, got {', '.join(split)}"
+        )
     try:
         settings = ServingSettings(
             config=config,

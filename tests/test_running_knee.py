@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_wgkv.integration.plugin.settings import ServingSettings
+from sglang_wgkv.integration.plugin.settings import DEFAULT_GPU_RUNNING_KNEE, ServingSettings
 from sglang_wgkv.integration.scheduling import running_knee as rk
 from sglang_wgkv.integration.scheduling.mixed_batches import schedule_prefill
 
@@ -197,10 +197,16 @@ def test_launcher_option(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     settings, _, env = resolve(["--model-path", "/m"])
-    assert settings.running_knee is None
-    settings, _, env = resolve(["--model-path", "/m", "--wgkv-running-knee", "8"])
-    assert settings.running_knee == 8 and ServingSettings.from_env(env) == settings
+    assert settings.running_knee == DEFAULT_GPU_RUNNING_KNEE and ServingSettings.from_env(env) == settings
+    settings, _, env = resolve(["--model-path", "/m", "--wgkv-running-knee", "2.5"])
+    assert settings.running_knee == 2.5 and ServingSettings.from_env(env) == settings
     assert resolve(["--model-path", "/m", "--wgkv-running-knee", "0"])[0].running_knee is None
+    for split in (["--tp-size", "2"], ["--dp", "2"]):  # the default stays off where schedulers would split
+        assert resolve(["--model-path", "/m", *split])[0].running_knee is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve(["--model-path", "/m"])[0].running_knee is None
+    assert resolve(["--model-path", "/m", "--wgkv-running-knee", "8"])[0].running_knee == 8
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(ValueError, match="running_knee must be > 0"):
         resolve(["--model-path", "/m", "--wgkv-running-knee", "-1"])
     with pytest.raises(ValueError, match="one scheduler, got TP 2"):

@@ -94,3 +94,16 @@ def test_unknown_names_are_refused(fakes, tmp_path):
         )
     with pytest.raises(KeyError, match="unknown workload 'W9'"):
         ss.main(["--server", "wgkv", "--workloads", "W9", "--out-dir", str(tmp_path)])
+
+
+def test_chained_runs_in_one_folder_keep_every_file(fakes, tmp_path):
+    """Runs chained into one folder (one tag on two workloads, two tags on one) each keep their part,
+    server log and bench file: none overwrites another's."""
+    out = tmp_path / "out"
+    for args in (["W3"], ["M1D"], ["M1D", "--tag", "knee8"]):
+        ss.main(["--server", "wgkv", "--workloads", *args, "--out-dir", str(out)])
+    parts = sorted(p.name for p in out.glob("part.*.json"))
+    assert parts == ["part.wgkv.bf16.a.M1D.json", "part.wgkv.bf16.a.W3.json", "part.wgkv.bf16.knee8.M1D.json"]
+    assert len(list(out.glob("server.*.log"))) == 3
+    timed = [cmd[cmd.index("--output-file") + 1] for cmd in fakes if "warmup.jsonl" not in " ".join(cmd)]
+    assert len(timed) == len(set(timed)) == 3

@@ -35,6 +35,13 @@ DEFAULT_GPU_OVERCOMMIT = 4.0
 # (benchmarks/results/serving/M1D_forward_tokens_ab.json).
 DEFAULT_GPU_FORWARD_TOKENS = 8192
 
+# The launcher's running knee on CUDA with one scheduler (--wgkv-running-knee, integration/scheduling/
+# running_knee.py): past a dense pool's running count, admit while TPOT stays under 9 decode steps' fixed
+# cost. The served model fitted from M1D's logs puts it at ~135 running on an H100 (M1D_model.json), and
+# a fixed cap there, 128, gave 1.12x upstream's rate at 0.89x its TPOT (M1D_cap128_ab.json); a workload
+# whose decode dominates (W3) stays under the target and runs as without it.
+DEFAULT_GPU_RUNNING_KNEE = 8.0
+
 # MiB of GPU memory by which the wgkv backend lowers SGLang's own choice of --mem-fraction-static (none
 # given; hooks.reserve_gpu_memory), for what it holds outside the static pool: SGLang sets nothing aside
 # for prefill CUDA graphs, which wgkv turns off, and the allocator arrays over overcommit's larger logical
