@@ -13,9 +13,10 @@ and RMS-normalises them in float32 in registers, then walks the hidden width in 
 exact-erf GELU, and ``acc += sum(gelu * w2[h, i])``; it stores ``sigmoid(acc + b2[h])``. Nothing of
 ``[T, H, I]`` or ``[T, H, 2D]`` reaches memory.
 
-The served launch's matmuls take float32 operands with ``input_precision="bf16x3"`` (three bf16
-products per product: about float32 accuracy). Admission is ``g >= tau``, so a logit must stay within about
-``1e-5`` of the float32 torch gate; plain TF32's 10-bit mantissa would not keep it there.
+The matmuls take float32 operands with ``input_precision="bf16x3"`` or ``"tf32x3"`` (three bf16 or
+TF32 products per product: about float32 accuracy; :func:`served_launch`). Admission is ``g >= tau``,
+so a logit must stay within about ``1e-5`` of the float32 torch gate; plain TF32's 10-bit mantissa
+would not keep it there.
 """
 
 from __future__ import annotations
