@@ -137,8 +137,11 @@ def engine_report(name: str, log: str, part: str, chunk: int, max_decoding: int)
     )
     f = fit(read_log(log), chunk, max_decoding)
     running = run.get("max_running_seen")
+    knee_state = (run.get("wgkv") or {}).get("running_knee") or {}
     return {
         "engine": name,
+        # the server's own timed decode step (running_knee.py), where its knee ran: its hold target
+        "knee_step_ms": knee_state.get("fixed_step_ms"),
         "log": log,
         "part": part,
         "fit": asdict(f),
@@ -155,11 +158,19 @@ def engine_report(name: str, log: str, part: str, chunk: int, max_decoding: int)
     }
 
 
-def compare(engines: list[dict], reference: str, running_grid: list[int], knee: float = 8.0) -> dict:
+def compare(
+    engines: list[dict],
+    reference: str,
+    running_grid: list[int],
+    knee: float = 8.0,
+    knee_step_ms: float | None = None,
+) -> dict:
     """Each engine's predicted rate and TPOT over ``running_grid``, and against the reference engine
     at the reference's running batch: the running batch at TPOT parity and its rate there, and where
     ``--wgkv-running-knee knee`` would hold it (TPOT ``(1 + knee) a``; floored at the reference's count
-    as the rule floors at a dense pool's)."""
+    as the rule floors at a dense pool's). The rule's ``a`` is the step the server timed itself: the
+    engine's ``knee_step_ms`` (its part's knee state), else ``knee_step_ms`` given, else the fitted
+    ``a``."""
     ref = next(e for e in engines if e["engine"] == reference)
     ref_running = ref["measured"]["max_running_seen"]
     if not ref_running:
@@ -190,9 +201,11 @@ def compare(engines: list[dict], reference: str, running_grid: list[int], knee: 
             # The prompt-token cost that would give 1.1x the reference's rate at its TPOT.
             "g_ms_for_1p1x_at_parity": g_for_goal(f, ref_rate, ref_tpot, p, o, 1.1),
         }
-        at_knee = max(f.running_for_tpot((1 + knee) * f.a_ms, p, o), ref_running)
+        step = e.get("knee_step_ms") or knee_step_ms or f.a_ms
+        at_knee = max(f.running_for_tpot((1 + knee) * step, p, o), ref_running)
         against[e["engine"]].update(
             knee=knee,
+            knee_step_ms=step,
             running_at_knee=at_knee,
             rate_at_knee=f.rate(at_knee, p, o) / ref_rate,
             tpot_at_knee=f.tpot_ms(at_knee, p, o) / ref_tpot,
@@ -227,6 +240,12 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--running", default="32,64,96,128,160,192,256,384")
     ap.add_argument("--knee", type=float, default=8.0, help="the K of --wgkv-running-knee predicted")
+    ap.add_argument(
+        "--knee-step-ms",
+        type=float,
+        help="the decode step a server's knee timed (runs[].wgkv.running_knee.fixed_step_ms of another "
+        "run on the machine) where an engine's own part has none; default: the fitted a",
+    )
     ap.add_argument("--note", default="")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
@@ -239,7 +258,7 @@ def main(argv=None) -> int:
         engines.append(engine_report(name, log, part, int(chunk[0]) if chunk else a.chunk, a.max_decoding))
     if a.reference not in {e["engine"] for e in engines}:
         ap.error(f"--reference {a.reference!r} names no --engine")
-    against = compare(engines, a.reference, [int(x) for x in a.running.split(",")], a.knee)
+    against = compare(engines, a.reference, [int(x) for x in a.running.split(",")], a.knee, a.knee_step_ms)
     for e in engines:
         del e["_fit"]
     from benchmarks.common import write_json

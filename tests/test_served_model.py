@@ -95,3 +95,51 @@ def test_cli_writes_a_rendered_result(tmp_path):
     assert d["kind"] == "served_model"
     assert d["against_reference"]["wg"]["rate_at_reference_running"] == pytest.approx(1.0)
     assert any("running at TPOT parity" in line for line in renderer(d)(d))
+
+
+def test_knee_holds_at_the_step_the_server_timed(tmp_path):
+    """The knee's target is ``(1 + K) a`` with the ``a`` its server timed: the part's knee state, else
+    ``--knee-step-ms``, else the fitted ``a``."""
+    log = tmp_path / "server.log"
+    log.write_text(burst_log())
+    result = {
+        "completed": 10,
+        "total_input_tokens": 30000,
+        "total_output_tokens": 4000,
+        "output_throughput": 1000.0,
+        "median_tpot_ms": 50.0,
+        "median_ttft_ms": 1.0,
+        "median_e2e_latency_ms": 2.0,
+    }
+
+    def against(run_extra: dict, *args: str) -> dict:
+        up, wg = tmp_path / "up.json", tmp_path / "wg.json"
+        up.write_text(json.dumps({"runs": [{"result": result, "max_running_seen": 8}]}))
+        wg.write_text(json.dumps({"runs": [{"result": result, "max_running_seen": 8, **run_extra}]}))
+        out = tmp_path / "model.json"
+        sm.main(
+            [
+                "--engine",
+                f"up={log},{up}",
+                "--engine",
+                f"wg={log},{wg}",
+                "--reference",
+                "up",
+                *args,
+                "--out",
+                str(out),
+            ]
+        )
+        d = json.loads(out.read_text())
+        f = sm.Fit(**d["engines"][1]["fit"])
+        return d["against_reference"]["wg"], f
+
+    got, f = against({})
+    assert got["knee_step_ms"] == pytest.approx(f.a_ms)
+    for extra, args, step in (
+        ({}, ("--knee-step-ms", "20"), 20.0),
+        ({"wgkv": {"running_knee": {"fixed_step_ms": 30.0}}}, ("--knee-step-ms", "20"), 30.0),
+    ):
+        got, f = against(extra, *args)
+        want = max(f.running_for_tpot(9 * step, 3000, 400), 8)
+        assert got["knee_step_ms"] == step and got["running_at_knee"] == pytest.approx(want)
