@@ -1,6 +1,6 @@
 """One request longer than the dense pool, and per-request budgets, in a real CPU server
 (``integration/scheduling/long_requests.py``): the embedded model and its shipped gates, a KV budget of 2048
-dense tokens (a dense-equivalent pool of 1469) under overcommit, and a ~3K-token passkey prompt.
+dense tokens (a dense-equivalent pool of 1469) under overcommit, and a ~2.5K-token passkey prompt.
 
 * the long prompt completes beside a short request, answers as the full cache does (its output
   logprobs equal the float32 offline harness's, which holds every admitted token), and the short
@@ -28,8 +28,8 @@ FACTOR = 3.0  # a logical pool of 4407 tokens: SGLang's own length limit lies pa
 CHUNK = 512
 W_LOCAL = 256
 PLAN = embedded_plan(BUDGET, local_window=W_LOCAL, overcommit=FACTOR)
-RANDOM_TOKENS = 1000  # the budgeted pair: both fit the physical pool when only one is bounded
-PASSKEY_TOKENS = 3000  # past the dense-equivalent pool and the budget, as the long test needs
+RANDOM_TOKENS = 640  # the budgeted pair: both fit the physical pool, and 384 past the ring exceed the budget
+PASSKEY_TOKENS = 2500  # past the dense-equivalent pool and, with its ring, the budget, as the long tests need
 TOLERANCE = 1e-3  # float32 against float32 (tests/test_served_matches_offline.py)
 
 
@@ -49,7 +49,7 @@ server = shared_server(
 
 @pytest.fixture(scope="module")
 def passkey():
-    """``(prompt ids, key)``: a ~3K-token passkey prompt of the RULER builder (evals/ruler.py)."""
+    """``(prompt ids, key)``: a ~2.5K-token passkey prompt of the RULER builder (evals/ruler.py)."""
     from transformers import AutoTokenizer
 
     from evals.ruler import _Builder
