@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+TP_FLAGS = ("--tp-size", "--tp", "--tensor-parallel-size")  # SGLang's spellings (ServerArgs' aliases)
+
+
 def _option(argv: list[str], *names: str) -> str | None:
     """Value of the last of ``names`` in ``argv`` (``--x v`` or ``--x=v``), else None: the one argparse
     keeps when an option is repeated (``--dtype float32 ... --dtype bfloat16`` is served as bfloat16,
@@ -193,7 +196,7 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
         # shares a small box with another busy process, and sleeping ones cost nothing when it runs
         # alone. A user's own OMP_WAIT_POLICY wins.
         env.setdefault("OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
-        tp = int(_option(sglang_argv, "--tp-size", "--tp") or 1)
+        tp = int(_option(sglang_argv, *TP_FLAGS) or 1)
         if tp > 1:
             # SGLang's CPU engine binds one OpenMP core set per rank (default: one NUMA node per rank),
             # and with torch's CUDA build it would pick up the bundled libnccl on a CPU device.
@@ -288,9 +291,9 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
     ranks = {
         name: int(_option(sglang_argv, *flags) or 1)
         for name, flags in (
-            ("TP", ("--tp-size", "--tp")),
-            ("PP", ("--pp-size",)),
-            ("DP", ("--dp-size", "--dp")),
+            ("TP", TP_FLAGS),
+            ("PP", ("--pp-size", "--pipeline-parallel-size")),
+            ("DP", ("--dp-size", "--dp", "--data-parallel-size")),
         )
     }
     split = [f"{name} {n}" for name, n in ranks.items() if n > 1]

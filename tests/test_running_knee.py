@@ -201,7 +201,13 @@ def test_launcher_option(monkeypatch):
     settings, _, env = resolve(["--model-path", "/m", "--wgkv-running-knee", "2.5"])
     assert settings.running_knee == 2.5 and ServingSettings.from_env(env) == settings
     assert resolve(["--model-path", "/m", "--wgkv-running-knee", "0"])[0].running_knee is None
-    for split in (["--tp-size", "2"], ["--dp", "2"]):  # the default stays off where schedulers would split
+    spellings = (
+        ["--tp-size", "2"],
+        ["--dp", "2"],
+        ["--tensor-parallel-size=2"],
+        ["--pipeline-parallel-size", "2"],
+    )
+    for split in spellings:  # the default stays off where schedulers would split, however SGLang names them
         assert resolve(["--model-path", "/m", *split])[0].running_knee is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve(["--model-path", "/m"])[0].running_knee is None
@@ -211,3 +217,9 @@ def test_launcher_option(monkeypatch):
         resolve(["--model-path", "/m", "--wgkv-running-knee", "-1"])
     with pytest.raises(ValueError, match="one scheduler, got TP 2"):
         resolve(["--model-path", "/m", "--wgkv-running-knee", "8", "--tp-size", "2"])
+
+
+def test_scheduler_split_names_the_ranks():
+    """The runtime turns the knee off where ranks would split it, however the launch named them."""
+    assert rk.scheduler_split(SimpleNamespace(tp_size=1, pp_size=1, dp_size=None)) == ""
+    assert rk.scheduler_split(SimpleNamespace(tp_size=2, pp_size=1, dp_size=2)) == "TP 2, DP 2"

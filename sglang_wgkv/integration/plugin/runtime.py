@@ -187,7 +187,15 @@ class WGKVRuntime:
                 "scored; a prompt that admits more is compressed early (logged)",
                 plan.prompt_cap,
             )
-        return cls(settings, plan, chunk_tokens=server_args.chunked_prefill_size)
+        runtime = cls(settings, plan, chunk_tokens=server_args.chunked_prefill_size)
+        if runtime.running_knee is not None:
+            from sglang_wgkv.integration.scheduling.running_knee import scheduler_split
+
+            split = scheduler_split(server_args)
+            if split:  # ranks the launcher did not see must not admit apart either
+                logger.warning("wgkv: the running knee is off: it runs on one scheduler, got %s", split)
+                runtime.running_knee = None
+        return runtime
 
     @staticmethod
     def choose_kernels(settings: ServingSettings, device, dtype: torch.dtype) -> bool:

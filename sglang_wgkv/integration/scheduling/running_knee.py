@@ -159,6 +159,13 @@ def launch_of(scheduler, batch) -> Launch:
     return Launch(rows, prefill=mode.is_extend(), decoding=decoding)
 
 
+def scheduler_split(server_args) -> str:
+    """The TP, PP and DP sizes above one of ``server_args`` (``"TP 2, DP 2"``; empty on one scheduler):
+    each scheduler would time its own forwards and admit apart from the others."""
+    ranks = {"TP": server_args.tp_size, "PP": server_args.pp_size, "DP": server_args.dp_size}
+    return ", ".join(f"{name} {n}" for name, n in ranks.items() if (n or 1) > 1)
+
+
 def scheduler_runtime(scheduler):
     """The WG-KV runtime behind ``scheduler``'s KV pool (None: not a WG-KV pool); the scheduling hooks'
     one way to it."""
