@@ -319,9 +319,9 @@ def checked_prefill_gate(
     random_p: float | None = None,
 ) -> PrefillGate | None:
     """A :class:`PrefillGate` of ``gates`` after one check on their device against the torch gate
-    (every layer, each of ``rows`` random keys of ``dtype``, the served keys' dtype, through both the
-    values alone and the extend's admission with ``random_p``: every launch shape and variant a
-    served prefill makes is compiled here, before the server takes a request); None, with a warning in
+    (every layer, each of ``rows`` random keys of ``dtype``, the served keys' dtype, through the values
+    alone, the extend's admission with ``random_p`` and the decode step's: every launch shape and
+    variant a served forward makes is compiled here, before the server takes a request); None, with a warning in
     the log, when it does not compile there, fails to launch or differs by more than
     :data:`CHECK_TOLERANCE`. A server then prefills with the torch gate instead of failing at its
     first request."""
@@ -341,9 +341,12 @@ def checked_prefill_gate(
             uniform = None
             if random_p is not None:
                 uniform = torch.rand(n, c.num_kv_heads, generator=gen, device=gate.device)
-            gate.admit(layer, k_pre, k_post, tau, uniform, random_p, g_out=g)
+            flags = gate.admit(layer, k_pre, k_post, tau, uniform, random_p, g_out=g)
             for got in (gate(layer, k_pre, k_post), g):
                 worst = max(worst, float((got - want).abs().max()))
+            # the decode step's variant (no values out) must decide as the extend's does
+            if not torch.equal(gate.admit(layer, k_pre, k_post, tau, uniform, random_p), flags):
+                worst = float("inf")
     except Exception as exc:  # a compile or launch failure must not take the server down
         logger.warning(
             "wgkv: the Triton prefill gate failed its start-up check (%s: %s); the prefill uses "
