@@ -55,6 +55,7 @@ from sglang_wgkv.integration.plugin.settings import (
     PREFILL_VERTICAL,
     ServingSettings,
 )
+from sglang_wgkv.integration.scheduling.running_knee import scheduler_split
 
 # Default KV budget on CPU, as a fraction of the machine's RAM (see cpu_default_kv_tokens).
 CPU_KV_RAM_FRACTION = 0.125
@@ -288,24 +289,22 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
         forward_tokens = None
     elif forward_tokens is not None and "--enable-mixed-chunk" not in sglang_argv:
         sglang_argv += ["--enable-mixed-chunk"]
-    ranks = {
-        name: int(_option(sglang_argv, *flags) or 1)
-        for name, flags in (
-            ("TP", TP_FLAGS),
-            ("PP", ("--pp-size", "--pipeline-parallel-size")),
-            ("DP", ("--dp-size", "--dp", "--data-parallel-size")),
+    split = scheduler_split(
+        *(
+            int(_option(sglang_argv, *flags) or 1)
+            for flags in (
+                TP_FLAGS,
+                ("--pp-size", "--pipeline-parallel-size"),
+                ("--dp-size", "--dp", "--data-parallel-size"),
+            )
         )
-    }
-    split = [f"{name} {n}" for name, n in ranks.items() if n > 1]
+    )
     running_knee = ours.wgkv_running_knee
     if running_knee is None and device != "cpu" and not split:
         running_knee = DEFAULT_GPU_RUNNING_KNEE  # TPOT-bounded admission past a dense pool's count
     running_knee = running_knee or None  # 0: off
     if running_knee is not None and split:
-        # each scheduler would time its own forwards and could admit apart from the others
-        raise ValueError(
-            f"invalid WG-KV option: --wgkv-running-knee runs on one scheduler, got {', '.join(split)}"
-        )
+        raise ValueError(f"invalid WG-KV option: --wgkv-running-knee runs on one scheduler, got {split}")
     try:
         settings = ServingSettings(
             config=config,

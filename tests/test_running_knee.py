@@ -221,5 +221,5 @@ def test_launcher_option(monkeypatch):
 
 def test_scheduler_split_names_the_ranks():
     """The runtime turns the knee off where ranks would split it, however the launch named them."""
-    assert rk.scheduler_split(SimpleNamespace(tp_size=1, pp_size=1, dp_size=None)) == ""
-    assert rk.scheduler_split(SimpleNamespace(tp_size=2, pp_size=1, dp_size=2)) == "TP 2, DP 2"
+    assert rk.scheduler_split(1, 1, None) == ""
+    assert rk.scheduler_split(2, 1, 2) == "TP 2, DP 2"

@@ -72,22 +72,25 @@ def test_g_for_goal_is_the_boundary():
         assert (t.rate(t.running_for_tpot(tpot, p, o), p, o) >= 1.1 * rate) is meets
 
 
+# a part's bench_serving result: prompts of 3,000 tokens, outputs of 400
+BENCH_RESULT = {
+    "completed": 10,
+    "total_input_tokens": 30000,
+    "total_output_tokens": 4000,
+    "output_throughput": 1000.0,
+    "median_tpot_ms": 50.0,
+    "median_ttft_ms": 1.0,
+    "median_e2e_latency_ms": 2.0,
+}
+
+
 def test_cli_writes_a_rendered_result(tmp_path):
     from benchmarks.summary import renderer
 
     log = tmp_path / "server.log"
     log.write_text(burst_log())
     part = tmp_path / "part.json"
-    result = {
-        "completed": 10,
-        "total_input_tokens": 30000,
-        "total_output_tokens": 4000,
-        "output_throughput": 1000.0,
-        "median_tpot_ms": 50.0,
-        "median_ttft_ms": 1.0,
-        "median_e2e_latency_ms": 2.0,
-    }
-    part.write_text(json.dumps({"runs": [{"result": result, "max_running_seen": 120}]}))
+    part.write_text(json.dumps({"runs": [{"result": BENCH_RESULT, "max_running_seen": 120}]}))
     out = tmp_path / "model.json"
     spec = f"{log},{part}"
     sm.main(["--engine", f"up={spec}", "--engine", f"wg={spec},8192", "--reference", "up", "--out", str(out)])
@@ -102,20 +105,11 @@ def test_knee_holds_at_the_step_the_server_timed(tmp_path):
     ``--knee-step-ms``, else the fitted ``a``."""
     log = tmp_path / "server.log"
     log.write_text(burst_log())
-    result = {
-        "completed": 10,
-        "total_input_tokens": 30000,
-        "total_output_tokens": 4000,
-        "output_throughput": 1000.0,
-        "median_tpot_ms": 50.0,
-        "median_ttft_ms": 1.0,
-        "median_e2e_latency_ms": 2.0,
-    }
 
-    def against(run_extra: dict, *args: str) -> dict:
+    def against(run_extra: dict, *args: str) -> tuple[dict, sm.Fit]:
         up, wg = tmp_path / "up.json", tmp_path / "wg.json"
-        up.write_text(json.dumps({"runs": [{"result": result, "max_running_seen": 8}]}))
-        wg.write_text(json.dumps({"runs": [{"result": result, "max_running_seen": 8, **run_extra}]}))
+        up.write_text(json.dumps({"runs": [{"result": BENCH_RESULT, "max_running_seen": 8}]}))
+        wg.write_text(json.dumps({"runs": [{"result": BENCH_RESULT, "max_running_seen": 8, **run_extra}]}))
         out = tmp_path / "model.json"
         sm.main(
             [

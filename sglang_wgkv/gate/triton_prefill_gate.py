@@ -52,15 +52,15 @@ class GateLaunch:
 SMALL_LAUNCH = GateLaunch()
 LARGE_LAUNCH = GateLaunch(block_t=128, num_warps=8, precision="bf16x3")
 LARGE_FROM_ROWS = 1024
+# Triton's interpreter knows no bf16x3: off CUDA the same tiles in float32
+_LARGE_INTERPRETED = replace(LARGE_LAUNCH, precision="ieee")
 
 
 def served_launch(rows: int, device: torch.device) -> GateLaunch:
     """The launch shape a served gate takes for ``rows`` new keys on ``device``."""
     if rows < LARGE_FROM_ROWS:
         return SMALL_LAUNCH
-    if device.type != "cuda":  # Triton's interpreter knows no bf16x3: the same tiles in float32
-        return replace(LARGE_LAUNCH, precision="ieee")
-    return LARGE_LAUNCH
+    return LARGE_LAUNCH if device.type == "cuda" else _LARGE_INTERPRETED
 
 
 # In decode, the backend takes this kernel instead of DecodeGate's from this many (row, KV head) pairs

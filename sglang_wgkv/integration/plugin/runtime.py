@@ -191,7 +191,7 @@ class WGKVRuntime:
         if runtime.running_knee is not None:
             from sglang_wgkv.integration.scheduling.running_knee import scheduler_split
 
-            split = scheduler_split(server_args)
+            split = scheduler_split(server_args.tp_size, server_args.pp_size, server_args.dp_size)
             if split:  # ranks the launcher did not see must not admit apart either
                 logger.warning("wgkv: the running knee is off: it runs on one scheduler, got %s", split)
                 runtime.running_knee = None

@@ -27,8 +27,8 @@ dense running count     SGLang's KV budget (dense tokens) / the running requests
                         plus half their ``max_new_tokens``
 ======================  =======================================================================
 
-Off by default until served runs choose ``K`` (``launch/README.md``, plan 0); it holds nothing until
-``a`` has been timed.
+``K = 8`` by default on CUDA with one scheduler (``settings.DEFAULT_GPU_RUNNING_KNEE``); it holds nothing
+until ``a`` has been timed.
 """
 
 from __future__ import annotations
@@ -159,10 +159,10 @@ def launch_of(scheduler, batch) -> Launch:
     return Launch(rows, prefill=mode.is_extend(), decoding=decoding)
 
 
-def scheduler_split(server_args) -> str:
-    """The TP, PP and DP sizes above one of ``server_args`` (``"TP 2, DP 2"``; empty on one scheduler):
-    each scheduler would time its own forwards and admit apart from the others."""
-    ranks = {"TP": server_args.tp_size, "PP": server_args.pp_size, "DP": server_args.dp_size}
+def scheduler_split(tp: int | None, pp: int | None, dp: int | None) -> str:
+    """The TP, PP and DP sizes above one (``"TP 2, DP 2"``; empty on one scheduler): each scheduler
+    would time its own forwards and admit apart from the others, so the rule runs only where empty."""
+    ranks = {"TP": tp, "PP": pp, "DP": dp}
     return ", ".join(f"{name} {n}" for name, n in ranks.items() if (n or 1) > 1)
 
 
