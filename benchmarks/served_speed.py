@@ -25,6 +25,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -372,7 +373,23 @@ def main(argv=None) -> None:
         default="",
         help='more upstream server arguments (e.g. "--cuda-graph-backend-prefill disabled"): an A/B reference, refused by merge',
     )
-    run(p.parse_args(argv))
+    run(p.parse_args(extra_args_joined(sys.argv[1:] if argv is None else argv)))
+
+
+EXTRA_OPTIONS = ("--wgkv-extra", "--upstream-extra")
+
+
+def extra_args_joined(argv: list[str]) -> list[str]:
+    """``--wgkv-extra --flag`` as ``--wgkv-extra=--flag``: argparse takes a lone value that starts with
+    ``--`` for an option of its own and refuses the pair."""
+    out, it = [], iter(argv)
+    for arg in it:
+        if arg in EXTRA_OPTIONS:
+            value = next(it, None)
+            out.append(arg if value is None else f"{arg}={value}")
+        else:
+            out.append(arg)
+    return out
 
 
 if __name__ == "__main__":

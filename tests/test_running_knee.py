@@ -36,27 +36,28 @@ def run(knee, clock, launches_and_periods, pipelined=True):
         clock.t += period
 
 
-def test_fixed_step_is_the_shortest_decode_period_after_a_decode():
+def test_fixed_step_is_the_lowest_median_of_consecutive_decode_periods():
     clock = Clock()
     knee = rk.RunningKnee(8, clock)
-    run(knee, clock, [(MIXED, 0.25), (DECODE, 0.012)])
+    run(knee, clock, [(MIXED, 0.25), (DECODE, 0.012), (DECODE, 0.010), (DECODE, 0.011)])
     knee.observe(DECODE, True)
-    assert knee.fixed_step_s is None  # a decode period after the mixed forward: it may end with it
+    assert knee.fixed_step_s is None  # two decode periods after decodes: the first followed a mixed one
     clock.t += 0.010
     knee.observe(DECODE, True)
-    assert knee.fixed_step_s == pytest.approx(0.010)  # a decode period after a decode one
+    assert knee.fixed_step_s == pytest.approx(0.010)  # the median of 0.010, 0.011, 0.010
+    # a lone short period (the first launch after the GPU idled waits for nothing) is not the step
+    for period in (0.002, 0.010, 0.010, 0.002, 0.010):
+        clock.t += period
+        knee.observe(DECODE, True)
+    assert knee.fixed_step_s == pytest.approx(0.010)
+    # after an idle pass (nothing in flight) the time since the last launch is no forward's
+    for period, pipelined in ((0.001, False), (0.001, True), (0.008, True), (0.008, True)):
+        clock.t += period
+        knee.observe(DECODE, pipelined)
+    assert knee.fixed_step_s == pytest.approx(0.010)  # the run restarted: 0.001 and one 0.008 in it
     clock.t += 0.008
     knee.observe(DECODE, True)
     assert knee.fixed_step_s == pytest.approx(0.008)
-    # after an idle pass (nothing in flight) the time since the last launch is no forward's
-    clock.t += 0.001
-    knee.observe(DECODE, False)
-    clock.t += 0.001
-    knee.observe(DECODE, True)
-    assert knee.fixed_step_s == pytest.approx(0.008)  # the 1-ms gaps around it were not taken
-    clock.t += 0.007
-    knee.observe(DECODE, True)
-    assert knee.fixed_step_s == pytest.approx(0.007)
 
 
 def test_tpot_counts_waits_without_tokens_and_forgets_the_window():
@@ -70,6 +71,10 @@ def test_tpot_counts_waits_without_tokens_and_forgets_the_window():
     clock.t += rk.WINDOW_S + 1  # an idle gap longer than the window: no period, and the window empties
     knee.observe(DECODE, True)
     assert knee.tpot_s() is None
+    # a burst of prefill-only forwards beside running requests: no token, the whole wait counts
+    run(knee, clock, [(PREFILL_BESIDE, 0.25)] * 4)
+    knee.observe(DECODE, True)
+    assert knee.tpot_s() == pytest.approx(1.0)
 
 
 def test_holds_only_past_the_dense_count_and_above_the_target():
@@ -138,10 +143,14 @@ class _Scheduler:
         self.chunked_req = chunked_req
         self.running_batch = SimpleNamespace(reqs=running_reqs, is_empty=lambda: not running_reqs)
         self.last_batch = last_batch
+        self.waiting_queue = ["w1", "w2"]
         self.passes = 0
+        self.seen_waiting = []
 
     def raw(self, prefill_delayer_single_pass=None, running_batch=None):
         self.passes += 1
+        self.seen_waiting.append(list(self.waiting_queue))
+        self.waiting_queue = self.waiting_queue[1:] + ["queued during the pass"]
         return "batch", running_batch
 
 
@@ -172,7 +181,7 @@ def test_hooks_time_launches_and_hold_the_pass():
     extend = SimpleNamespace(forward_mode=Mode("extend"), is_empty=lambda: False)
     assert rk.launch_of(scheduler, decode) == rk.Launch(10, prefill=False, decoding=True)
     assert rk.launch_of(scheduler, extend) == rk.Launch(0, prefill=True, decoding=True)
-    for batch, period in [(decode, 0.01)] * 3 + [(extend, 0.5)] * 3:
+    for batch, period in [(decode, 0.01)] * 4 + [(extend, 0.5)] * 3:
         rk.observe_launch(scheduler, batch)
         clock.t += period
     rk.observe_launch(scheduler, decode)
@@ -185,8 +194,17 @@ def test_hooks_time_launches_and_hold_the_pass():
 
     assert call(scheduler) == (None, scheduler.running_batch) and scheduler.passes == 0
     assert knee.held_passes == 1 and knee.state()["held_passes"] == 1
-    scheduler.chunked_req = object()  # a chunked prompt's next chunk always runs
+    scheduler.chunked_req = object()  # a chunked prompt's next chunk runs, and only it
     assert call(scheduler) == ("batch", scheduler.running_batch) and scheduler.passes == 1
+    assert scheduler.seen_waiting == [[]] and knee.held_passes == 2
+    assert scheduler.waiting_queue == ["w1", "w2", "queued during the pass"]
+    scheduler.waiting_queue = ["w1", "w2"]
+    clock.t += rk.WINDOW_S + 1  # the window forgets the prefills: under the target, the pass admits
+    rk.observe_launch(scheduler, decode)
+    assert call(scheduler) == ("batch", scheduler.running_batch) and scheduler.seen_waiting[-1] == [
+        "w1",
+        "w2",
+    ]
     scheduler.chunked_req = None
     runtime.running_knee = None  # off: SGLang's pass
     assert call(scheduler) == ("batch", scheduler.running_batch)

@@ -107,3 +107,27 @@ def test_chained_runs_in_one_folder_keep_every_file(fakes, tmp_path):
     assert len(list(out.glob("server.*.log"))) == 3
     timed = [cmd[cmd.index("--output-file") + 1] for cmd in fakes if "warmup.jsonl" not in " ".join(cmd)]
     assert len(timed) == len(set(timed)) == 3
+
+
+def test_an_extra_flag_alone_is_taken_as_the_value(fakes, tmp_path):
+    """``--wgkv-extra --wgkv-extend-kernels`` (one flag, no value of its own): argparse alone refuses it."""
+    out = tmp_path / "out"
+    ss.main(
+        [
+            "--server",
+            "wgkv",
+            "--workloads",
+            "M1D",
+            "--out-dir",
+            str(out),
+            "--wgkv-extra",
+            "--wgkv-extend-kernels",
+        ]
+    )
+    (server,) = FakeServer.started
+    assert server.cmd[-1] == "--wgkv-extend-kernels"
+    assert ss.extra_args_joined(["--upstream-extra", "--a 1", "--tag", "x"]) == [
+        "--upstream-extra=--a 1",
+        "--tag",
+        "x",
+    ]

@@ -15,7 +15,9 @@ max_prefill_tokens  the same                                      (SGLang's ``nu
 
 with ``share(d) = max(T - d, T // 4)`` (:class:`ForwardBudget`). With no request decoding the pass is
 SGLang's own (full chunks: the first wave's TTFT is unchanged). With ``--wgkv-running-knee`` the same
-hook first asks :mod:`~.running_knee` whether the pass admits at all.
+hook first asks :mod:`~.running_knee` whether the pass admits at all; a pass that does not still runs
+a chunked prompt's next chunk, with the waiting queue out of SGLang's sight (a full chunk budget ends
+in a chunked prompt nearly every pass of a burst, so holding only chunk-free passes would never hold).
 
 Why a budget (docs/mixed-traffic.md). SGLang runs a prefill whenever one can be formed and decodes
 only in between; the time a decoding request waits for its next token is the prefill work run
@@ -98,6 +100,18 @@ def pool_holds_mixed(runtime, chunked_req, running_reqs) -> bool:
 
 
 @contextlib.contextmanager
+def _waiting_hidden(scheduler):
+    """The pass sees no waiting request; any queued during it (a grammar ready, a preemption) stay
+    queued behind the hidden ones."""
+    hidden = scheduler.waiting_queue
+    scheduler.waiting_queue = []
+    try:
+        yield
+    finally:
+        scheduler.waiting_queue = hidden + scheduler.waiting_queue
+
+
+@contextlib.contextmanager
 def _overridden(obj, inputs: PassInputs):
     fields = ("chunked_prefill_size", "max_prefill_tokens", "is_mixed_chunk")
     before = {name: getattr(obj, name) for name in fields}
@@ -117,7 +131,15 @@ def schedule_prefill(original, scheduler, *args, **kwargs):
     if runtime is None or not running.reqs:
         return original(scheduler, *args, **kwargs)
     if holds_new_requests(runtime, scheduler, running.reqs):
-        return None, running  # the running batch decodes; the waiting requests wait (running_knee.py)
+        if scheduler.chunked_req is None:
+            return None, running  # the running batch decodes; the waiting requests wait (running_knee.py)
+        with _waiting_hidden(scheduler):  # the chunked prompt's next chunk, no new request
+            return _budgeted(original, scheduler, runtime, running, args, kwargs)
+    return _budgeted(original, scheduler, runtime, running, args, kwargs)
+
+
+def _budgeted(original, scheduler, runtime, running, args, kwargs):
+    """SGLang's pass under the forward-token budget (module table)."""
     own = PassInputs(scheduler.chunked_prefill_size, scheduler.max_prefill_tokens, scheduler.is_mixed_chunk)
     tokens = runtime.settings.forward_tokens
     inputs = pass_inputs(

@@ -17,12 +17,15 @@ quantity                measured as (host clock, at each forward's launch)
 a forward's period      from its launch to the next one, when a forward was in flight before it
                         (under SGLang's overlap scheduler the launch waits for the forward before
                         it: the period is one forward's time, host work included)
-``a``                   the shortest period of a decode forward that followed a decode forward
-                        (SGLang's warm-up request decodes one row at start-up; a server started
-                        with ``--skip-server-warmup`` learns it at its first such pair)
+``a``                   the lowest median of :data:`STEP_SAMPLES` consecutive periods of decode
+                        forwards that followed decode forwards (one period alone can be short: the
+                        first launch after the GPU went idle waits for nothing; SGLang's warm-up
+                        request decodes one row at start-up, a server started with
+                        ``--skip-server-warmup`` learns it from its first such run)
 TPOT                    over the last :data:`WINDOW_S`: the periods of the forwards launched while
                         requests decoded, divided by the forwards that gave them a token (decode
-                        and mixed ones; a prefill-only forward makes them wait)
+                        and mixed ones; a prefill-only forward makes them wait: a window of such
+                        forwards alone counts as one token's wait)
 dense running count     SGLang's KV budget (dense tokens) / the running requests' mean of prompt
                         plus half their ``max_new_tokens``
 ======================  =======================================================================
@@ -42,6 +45,8 @@ from dataclasses import dataclass
 WINDOW_S = 2.0
 # A longer gap between launches is an idle server, not a forward.
 MAX_PERIOD_S = WINDOW_S
+# ``a`` is a median of this many decode periods: a lone short one (a launch after an idle GPU) is not it.
+STEP_SAMPLES = 3
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,7 @@ class RunningKnee:
         self.fixed_step_s: float | None = None  # ``a``
         self._last: tuple[float, Launch] | None = None  # the previous launch: time, what
         self._before_last: Launch | None = None
+        self._steps: collections.deque[float] = collections.deque(maxlen=STEP_SAMPLES)  # consecutive ones
         self._window: collections.deque[tuple[float, float, Launch]] = collections.deque()  # t, period, what
         self._window_s = 0.0  # the window's periods and token-giving forwards, kept as it moves
         self._window_tokens = 0
@@ -84,19 +90,19 @@ class RunningKnee:
         not idle), so the time since the last launch is that forward's period."""
         now = self.clock()
         previous = self._last if pipelined else None
+        step = None
         if previous is not None:
             t, prev = previous
             period = now - t
             if 0 < period <= MAX_PERIOD_S:
                 # under overlap the period ends when the forward before ``prev`` ends: both decode-only
                 if prev.decode_only and self._before_last is not None and self._before_last.decode_only:
-                    self.fixed_step_s = (
-                        period if self.fixed_step_s is None else min(self.fixed_step_s, period)
-                    )
+                    step = period
                 if prev.decoding:
                     self._window.append((t, period, prev))
                     self._window_s += period
                     self._window_tokens += prev.gives_tokens
+        self._time_step(step)
         self._before_last = previous[1] if previous is not None else None
         self._last = (now, launch)
         while self._window and self._window[0][0] < now - WINDOW_S:
@@ -106,9 +112,20 @@ class RunningKnee:
         if not self._window:
             self._window_s = 0.0  # no float residue carried over an idle gap
 
+    def _time_step(self, period: float | None) -> None:
+        """``period``: a decode step's, or None where this launch ended none (the run of them breaks)."""
+        if period is None:
+            self._steps.clear()
+            return
+        self._steps.append(period)
+        if len(self._steps) == STEP_SAMPLES:
+            step = sorted(self._steps)[STEP_SAMPLES // 2]
+            self.fixed_step_s = step if self.fixed_step_s is None else min(self.fixed_step_s, step)
+
     def tpot_s(self) -> float | None:
-        """The running requests' time per token over the window (None: no token in it)."""
-        return self._window_s / self._window_tokens if self._window_tokens else None
+        """The running requests' time per token over the window (None: nothing in it; a window of
+        waits without a token counts as one token's: the next token comes no sooner)."""
+        return self._window_s / max(self._window_tokens, 1) if self._window else None
 
     def target_s(self) -> float | None:
         return None if self.fixed_step_s is None else (1 + self.k) * self.fixed_step_s
@@ -184,9 +201,10 @@ def observe_launch(scheduler, batch, *args, **kwargs):
 
 
 def holds_new_requests(runtime, scheduler, running_reqs) -> bool:
-    """Whether this prefill pass keeps the waiting requests waiting (never a chunked prompt's next chunk)."""
+    """Whether this prefill pass keeps the waiting requests waiting (a chunked prompt's next chunk still
+    runs: ``mixed_batches.schedule_prefill``)."""
     knee = getattr(runtime, "running_knee", None)
-    if knee is None or runtime.plan is None or scheduler.chunked_req is not None or not running_reqs:
+    if knee is None or runtime.plan is None or not running_reqs:
         return False
     if not knee.over_target():  # the usual pass: no walk over the running requests
         return False
