@@ -210,6 +210,97 @@ def test_hooks_time_launches_and_hold_the_pass():
     assert call(scheduler) == ("batch", scheduler.running_batch)
 
 
+class _BurstScheduler:
+    """SGLang's prefill pass as far as the knee sees it: a pass fills ``chunked_prefill_size`` tokens from
+    the chunked prompt, then the waiting queue in order, chunking the prompt that does not fit; no mixed
+    forwards (SGLang's default), so a prefill pass gives the running requests no token."""
+
+    def __init__(self, runtime, prompts, prompt_len, out_len):
+        self.token_to_kv_pool_allocator = SimpleNamespace(
+            get_kvcache=lambda: SimpleNamespace(runtime=runtime)
+        )
+        self.chunked_prefill_size, self.max_prefill_tokens, self.is_mixed_chunk = 8192, 8192, False
+        self.waiting_queue = [
+            SimpleNamespace(
+                origin_input_ids=range(prompt_len),
+                sampling_params=SimpleNamespace(max_new_tokens=out_len),
+                left=prompt_len,
+            )
+            for _ in range(prompts)
+        ]
+        self.chunked_req = None
+        self.running_batch = SimpleNamespace(reqs=[])
+
+    def raw(self, prefill_delayer_single_pass=None, running_batch=None):
+        budget, done, queue = self.chunked_prefill_size, [], list(self.waiting_queue)
+        parts = ([self.chunked_req] if self.chunked_req is not None else []) + queue
+        self.chunked_req, tokens = None, 0
+        for req in parts:
+            if budget == 0:
+                break
+            take = min(req.left, budget)
+            req.left -= take
+            budget -= take
+            tokens += take
+            if req in self.waiting_queue:
+                self.waiting_queue.remove(req)
+            if req.left:
+                self.chunked_req = req
+            else:
+                done.append(req)
+        return (tokens, done) if tokens else None, running_batch
+
+
+def test_a_burst_of_chunked_prompts_settles_at_the_knee():
+    """M1D's burst as served: every pass fills its 8K tokens and ends in a chunked prompt, and a pass
+    is a prefill-only forward (the running requests get no token in it). The knee still holds once past
+    the dense count (a held pass runs only the chunked prompt's next chunk) and the running count settles
+    near ``B* = K a / (b + P g / O)``, not at the whole burst."""
+    a, b, g, prompt, out, k = 0.005, 0.00006, 0.00003, 3000, 300, 8
+    dense_tokens = 50 * (prompt + out // 2)  # a dense pool of the same memory runs 50
+    clock = Clock()
+    knee = rk.RunningKnee(k, clock)
+    plan = SimpleNamespace(mode="dense", physical_tokens=dense_tokens, fixed_tokens=0)
+    runtime = SimpleNamespace(plan=plan, settings=ServingSettings(), running_knee=knee)
+    sched = _BurstScheduler(runtime, 600, prompt, out)
+    for _ in range(8):  # SGLang's warm-up request
+        knee.observe(rk.Launch(decode_rows=1, prefill=False, decoding=True), pipelined=True)
+        clock.t += a + b
+    left, seen, tpot = {}, [], []
+    while sched.waiting_queue or sched.chunked_req is not None or left:
+        running = sched.running_batch.reqs
+        batch, _ = schedule_prefill(
+            _BurstScheduler.raw, sched, prefill_delayer_single_pass=None, running_batch=sched.running_batch
+        )
+        if batch is not None:  # a prefill-only forward
+            knee.observe(rk.Launch(0, prefill=True, decoding=bool(running)), pipelined=True)
+            tokens, done = batch
+            clock.t += a + g * tokens
+            for req in done:
+                left[id(req)], req.first = out, clock.t
+                running.append(req)
+        else:  # a decode step of every running request
+            knee.observe(rk.Launch(len(running), prefill=False, decoding=True), pipelined=True)
+            clock.t += a + b * len(running)
+            for req in list(running):
+                left[id(req)] -= 1
+                if not left[id(req)]:
+                    running.remove(req)
+                    del left[id(req)]
+                    tpot.append((clock.t - req.first) / out)
+        if 200 < 600 - len(sched.waiting_queue) < 450:
+            seen.append(len(running))
+    knee_b = k * a / (b + prompt * g / out)
+    assert knee.held_passes > 0
+    # each request's TPOT near the target: a pass is counted before it runs, not after
+    assert sorted(tpot)[len(tpot) // 2] < 1.1 * knee.target_s(), (
+        sorted(tpot)[len(tpot) // 2],
+        knee.target_s(),
+    )
+    assert max(seen) < 1.3 * knee_b, (knee_b, max(seen))  # the whole burst would run 450 and more
+    assert knee_b * 0.8 < sum(seen) / len(seen) < knee_b * 1.2, (knee_b, sum(seen) / len(seen))
+
+
 def test_launcher_option(monkeypatch):
     from sglang_wgkv.launch_server import resolve
 

@@ -1,6 +1,7 @@
 """The running batch at its knee (``--wgkv-running-knee K``): once as many requests run as a dense pool
-of the same memory would hold, a new request is admitted only while the running requests' recent TPOT
-is under ``(1 + K)`` times a decode step's fixed cost.
+of the same memory would hold, a new request is admitted only while the running requests' recent TPOT,
+with one more prefill pass like the last one counted in, stays under ``(1 + K)`` times a decode step's
+fixed cost.
 
 Why. With ``B`` requests running, a request's output costs its prompt ``P g`` and ``O`` decode steps
 shared by ``B``: TPOT is ``a + B (b + P g / O)`` (``a`` the step's fixed cost, the weights' read; ``b``
@@ -26,6 +27,9 @@ TPOT                    over the last :data:`WINDOW_S`: the periods of the forwa
                         requests decoded, divided by the forwards that gave them a token (decode
                         and mixed ones; a prefill-only forward makes them wait: a window of such
                         forwards alone counts as one token's wait)
+a pass's cost           the period of the last forward that prefilled while requests decoded (a
+                        pass admitted now makes them wait about as long: counting it before the
+                        pass, not after, keeps a burst of 8K-token passes from overshooting TPOT)
 dense running count     SGLang's KV budget (dense tokens) / the running requests' mean of prompt
                         plus half their ``max_new_tokens``
 ======================  =======================================================================
@@ -84,6 +88,8 @@ class RunningKnee:
         self._window_s = 0.0  # the window's periods and token-giving forwards, kept as it moves
         self._window_tokens = 0
         self.held_passes = 0  # prefill passes that kept new requests waiting
+        self.pass_s = 0.0  # the last prefill forward's period beside decoding requests
+        self._pass_tokens = 0  # and whether it gave them a token (a mixed one)
 
     def observe(self, launch: Launch, pipelined: bool) -> None:
         """A forward is launched now; ``pipelined``: a forward ran right before it (the scheduler was
@@ -102,6 +108,8 @@ class RunningKnee:
                     self._window.append((t, period, prev))
                     self._window_s += period
                     self._window_tokens += prev.gives_tokens
+                    if prev.prefill:
+                        self.pass_s, self._pass_tokens = period, int(prev.gives_tokens)
         self._time_step(step)
         self._before_last = previous[1] if previous is not None else None
         self._last = (now, launch)
@@ -127,6 +135,12 @@ class RunningKnee:
         waits without a token counts as one token's: the next token comes no sooner)."""
         return self._window_s / max(self._window_tokens, 1) if self._window else None
 
+    def projected_tpot_s(self) -> float | None:
+        """:meth:`tpot_s` with one more prefill pass like the last in the window (None: nothing in it)."""
+        if not self._window:
+            return None
+        return (self._window_s + self.pass_s) / max(self._window_tokens + self._pass_tokens, 1)
+
     def target_s(self) -> float | None:
         return None if self.fixed_step_s is None else (1 + self.k) * self.fixed_step_s
 
@@ -137,6 +151,7 @@ class RunningKnee:
             "k": self.k,
             "fixed_step_ms": ms(self.fixed_step_s),
             "tpot_ms": ms(self.tpot_s()),
+            "pass_ms": ms(self.pass_s),
             "target_ms": ms(self.target_s()),
             "held_passes": self.held_passes,
         }
@@ -146,8 +161,8 @@ class RunningKnee:
         return self.over_target() and running >= dense_running
 
     def over_target(self) -> bool:
-        """Whether the window's TPOT exceeds ``(1 + K) a`` (False until both are known)."""
-        tpot, target = self.tpot_s(), self.target_s()
+        """Whether the window's TPOT with one more pass exceeds ``(1 + K) a`` (False until both are known)."""
+        tpot, target = self.projected_tpot_s(), self.target_s()
         return tpot is not None and target is not None and tpot > target
 
 
