@@ -18,9 +18,11 @@ quantity                measured as (host clock, at each forward's launch)
 a forward's period      from its launch to the next one, when a forward was in flight before it
                         (under SGLang's overlap scheduler the launch waits for the forward before
                         it: the period is one forward's time, host work included)
-``a``                   the lowest median of :data:`STEP_SAMPLES` consecutive periods of decode
+``a``                   the lowest mean of :data:`STEP_SAMPLES` consecutive periods of decode
                         forwards that followed decode forwards (one period alone can be short: the
-                        first launch after the GPU went idle waits for nothing; SGLang's warm-up
+                        first launch after the GPU went idle waits for nothing, and launches that
+                        catch up alternate short and long periods, whose mean is the forward's
+                        time; SGLang's warm-up
                         request decodes one row at start-up, a server started with
                         ``--skip-server-warmup`` learns it from its first such run)
 TPOT                    over the last :data:`WINDOW_S`: the periods of the forwards launched while
@@ -49,8 +51,8 @@ from dataclasses import dataclass
 WINDOW_S = 2.0
 # A longer gap between launches is an idle server, not a forward.
 MAX_PERIOD_S = WINDOW_S
-# ``a`` is a median of this many decode periods: a lone short one (a launch after an idle GPU) is not it.
-STEP_SAMPLES = 3
+# ``a`` is a mean of this many consecutive decode periods (an even count: a short-long alternation averages out).
+STEP_SAMPLES = 4
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,7 @@ class RunningKnee:
             return
         self._steps.append(period)
         if len(self._steps) == STEP_SAMPLES:
-            step = sorted(self._steps)[STEP_SAMPLES // 2]
+            step = sum(self._steps) / STEP_SAMPLES
             self.fixed_step_s = step if self.fixed_step_s is None else min(self.fixed_step_s, step)
 
     def tpot_s(self) -> float | None:
