@@ -22,9 +22,8 @@ a forward's period      from its launch to the next one, when a forward was in f
                         forwards that followed decode forwards (one period alone can be short: the
                         first launch after the GPU went idle waits for nothing, and launches that
                         catch up alternate short and long periods, whose mean is the forward's
-                        time; SGLang's warm-up
-                        request decodes one row at start-up, a server started with
-                        ``--skip-server-warmup`` learns it from its first such run)
+                        time; SGLang's warm-up request decodes one row at start-up, a server
+                        started with ``--skip-server-warmup`` learns it from its first such run)
 TPOT                    over the last :data:`WINDOW_S`: the periods of the forwards launched while
                         requests decoded, divided by the forwards that gave them a token (decode
                         and mixed ones; a prefill-only forward makes them wait: a window of such
