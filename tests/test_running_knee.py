@@ -144,15 +144,18 @@ class _Scheduler:
         self.chunked_req = chunked_req
         self.running_batch = SimpleNamespace(reqs=running_reqs, is_empty=lambda: not running_reqs)
         self.last_batch = last_batch
-        self.waiting_queue = ["w1", "w2"]
+        self.waiting_queue = [SimpleNamespace(seqlen=90, name="w1"), SimpleNamespace(seqlen=90, name="w2")]
         self.passes = 0
         self.seen_waiting = []
 
     def raw(self, prefill_delayer_single_pass=None, running_batch=None):
         self.passes += 1
         self.seen_waiting.append(list(self.waiting_queue))
-        self.waiting_queue = self.waiting_queue[1:] + ["queued during the pass"]
-        return "batch", running_batch
+        self.waiting_queue = self.waiting_queue[1:] + [
+            SimpleNamespace(seqlen=7, name="queued during the pass")
+        ]
+        # SGLang's stats count the pending tokens of the queue the pass saw
+        return SimpleNamespace(prefill_stats=SimpleNamespace(num_pending_tokens=100)), running_batch
 
 
 def test_hooks_time_launches_and_hold_the_pass():
@@ -196,19 +199,22 @@ def test_hooks_time_launches_and_hold_the_pass():
     assert call(scheduler) == (None, scheduler.running_batch) and scheduler.passes == 0
     assert knee.held_passes == 1 and knee.state()["held_passes"] == 1
     scheduler.chunked_req = object()  # a chunked prompt's next chunk runs, and only it
-    assert call(scheduler) == ("batch", scheduler.running_batch) and scheduler.passes == 1
+    waiting = scheduler.waiting_queue
+    batch, running = call(scheduler)
+    assert running is scheduler.running_batch and scheduler.passes == 1
     assert scheduler.seen_waiting == [[]] and knee.held_passes == 2
-    assert scheduler.waiting_queue == ["w1", "w2", "queued during the pass"]
-    scheduler.waiting_queue = ["w1", "w2"]
+    names = [r.name for r in scheduler.waiting_queue]
+    assert names == ["w1", "w2", "queued during the pass"]  # the hidden queue back, in front
+    assert batch.prefill_stats.num_pending_tokens == 100 + 2 * 90  # the hidden requests' tokens counted
+    scheduler.waiting_queue = waiting
     clock.t += rk.WINDOW_S + 1  # the window forgets the prefills: under the target, the pass admits
     rk.observe_launch(scheduler, decode)
-    assert call(scheduler) == ("batch", scheduler.running_batch) and scheduler.seen_waiting[-1] == [
-        "w1",
-        "w2",
-    ]
+    batch, _ = call(scheduler)
+    assert [r.name for r in scheduler.seen_waiting[-1]] == ["w1", "w2"]
+    assert batch.prefill_stats.num_pending_tokens == 100  # a pass that saw the queue: SGLang's count
     scheduler.chunked_req = None
     runtime.running_knee = None  # off: SGLang's pass
-    assert call(scheduler) == ("batch", scheduler.running_batch)
+    assert call(scheduler)[1] is scheduler.running_batch and scheduler.passes == 3
 
 
 class _BurstScheduler:

@@ -133,9 +133,20 @@ def schedule_prefill(original, scheduler, *args, **kwargs):
     if holds_new_requests(runtime, scheduler, running.reqs):
         if scheduler.chunked_req is None:
             return None, running  # the running batch decodes; the waiting requests wait (running_knee.py)
+        hidden = scheduler.waiting_queue
         with _waiting_hidden(scheduler):  # the chunked prompt's next chunk, no new request
-            return _budgeted(original, scheduler, runtime, running, args, kwargs)
+            batch, running = _budgeted(original, scheduler, runtime, running, args, kwargs)
+        _count_hidden_pending(batch, hidden)
+        return batch, running
     return _budgeted(original, scheduler, runtime, running, args, kwargs)
+
+
+def _count_hidden_pending(batch, hidden) -> None:
+    """The pass's prefill stats (SGLang's ``#pending-token`` log field and gauge) counted the waiting
+    requests' tokens from the queue it saw, empty: add the hidden ones'."""
+    stats = getattr(batch, "prefill_stats", None)
+    if stats is not None and hidden:
+        stats.num_pending_tokens += sum(req.seqlen for req in hidden)
 
 
 def _budgeted(original, scheduler, runtime, running, args, kwargs):
