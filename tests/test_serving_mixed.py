@@ -118,3 +118,50 @@ def test_mixed_forwards_with_the_evictor(bounded):
     assert all(len(ids) == (64 if key[0] == "short" else 16) for key, ids in out.items())
     stats = bounded.wait_idle_checked()
     assert stats["mixed_forwards"] > 0 and stats["eviction_triggers_total"] > 0
+
+
+# the running knee holding a burst (``--wgkv-running-knee 0.01``: past the dense pool's count every
+# window with a prefill is over its target), under overcommit so that SGLang's own pool admits past that
+# count; the gates admit nothing past the ring, so the 4x logical pool never runs short; SGLang's own
+# chunks (128 tokens: each burst prompt takes three passes, so most passes end in a chunked prompt). Pooled
+knee_holds = shared_server(
+    "--model-path", ShortModel(), "--chunked-prefill-size", "128", "--wgkv-local-window", "32",
+    "--wgkv-gates", HeadGates((-30.0, -30.0, -30.0), 32, SHORT_LAYERS), "--wgkv-overcommit", "4",
+    "--disable-radix-cache", "--wgkv-running-knee", "0.01", "--max-total-tokens", "1024",
+)  # fmt: skip
+BURST = [long_prompt(25 + i % 6, seed=10 + i) for i in range(16)]
+
+
+def test_a_held_burst_loses_nothing(knee_holds):
+    """Past the dense count the knee keeps new requests waiting while it runs the chunked prompt's next
+    chunk with SGLang's waiting queue out of sight: every request of the burst completes with all its
+    tokens, a held prompt's greedy output equals its output alone, the pool's idle check passes."""
+    out, threads = {}, []
+    decoding = [threading.Event() for _ in SHORT]
+    for i, prompt in enumerate(SHORT):  # decode-only forwards first: the knee times a step
+        threads.append(
+            threading.Thread(target=_stream, args=(knee_holds, prompt, 48, decoding[i], out, ("short", i)))
+        )
+        threads[-1].start()
+    for event in decoding:
+        assert event.wait(300), "a short request produced no token"
+    for i, prompt in enumerate(BURST):
+        threads.append(
+            threading.Thread(
+                target=_stream, args=(knee_holds, prompt, 64, threading.Event(), out, ("long", i))
+            )
+        )
+        threads[-1].start()
+    for t in threads:
+        t.join(900)
+    assert sorted(out) == sorted(
+        [("short", i) for i in range(len(SHORT))] + [("long", i) for i in range(len(BURST))]
+    )
+    assert all(len(ids) == (48 if key[0] == "short" else 64) for key, ids in out.items())
+    stats = knee_holds.wait_idle_checked()
+    knee = stats["running_knee"]
+    assert knee["fixed_step_ms"] > 0 and knee["held_passes"] > 0, knee
+    alone = {}
+    _stream(knee_holds, BURST[-1], 64, threading.Event(), alone, "alone")  # the burst's last, held longest
+    assert alone["alone"] == out[("long", len(BURST) - 1)]
+    knee_holds.wait_idle_checked()
