@@ -202,7 +202,7 @@ def test_hooks_time_launches_and_hold_the_pass():
     waiting = scheduler.waiting_queue
     batch, running = call(scheduler)
     assert running is scheduler.running_batch and scheduler.passes == 1
-    assert scheduler.seen_waiting == [[]] and knee.held_passes == 2
+    assert scheduler.seen_waiting == [[]] and knee.held_passes == 2 and knee.held_chunk_passes == 1
     names = [r.name for r in scheduler.waiting_queue]
     assert names == ["w1", "w2", "queued during the pass"]  # the hidden queue back, in front
     assert batch.prefill_stats.num_pending_tokens == 100 + 2 * 90  # the hidden requests' tokens counted

@@ -133,6 +133,7 @@ def schedule_prefill(original, scheduler, *args, **kwargs):
     if holds_new_requests(runtime, scheduler, running.reqs):
         if scheduler.chunked_req is None:
             return None, running  # the running batch decodes; the waiting requests wait (running_knee.py)
+        runtime.running_knee.held_chunk_passes += 1
         hidden = scheduler.waiting_queue
         with _waiting_hidden(scheduler):  # the chunked prompt's next chunk, no new request
             batch, running = _budgeted(original, scheduler, runtime, running, args, kwargs)

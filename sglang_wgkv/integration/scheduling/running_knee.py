@@ -89,6 +89,7 @@ class RunningKnee:
         self._window_s = 0.0  # the window's periods and token-giving forwards, kept as it moves
         self._window_tokens = 0
         self.held_passes = 0  # prefill passes that kept new requests waiting
+        self.held_chunk_passes = 0  # of them, those that ran a chunked prompt's next chunk
         self.pass_s = 0.0  # the last prefill forward's period beside decoding requests
         self._pass_tokens = 0  # and whether it gave them a token (a mixed one)
 
@@ -155,6 +156,7 @@ class RunningKnee:
             "pass_ms": ms(self.pass_s),
             "target_ms": ms(self.target_s()),
             "held_passes": self.held_passes,
+            "held_chunk_passes": self.held_chunk_passes,
         }
 
     def holds(self, running: int, dense_running: float) -> bool:
