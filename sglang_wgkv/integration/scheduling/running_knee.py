@@ -18,12 +18,13 @@ quantity                measured as (host clock, at each forward's launch)
 a forward's period      from its launch to the next one, when a forward was in flight before it
                         (under SGLang's overlap scheduler the launch waits for the forward before
                         it: the period is one forward's time, host work included)
-``a``                   the lowest mean of :data:`STEP_SAMPLES` consecutive periods of decode
-                        forwards that followed decode forwards (one period alone can be short: the
-                        first launch after the GPU went idle waits for nothing, and launches that
-                        catch up alternate short and long periods, whose mean is the forward's
-                        time; SGLang's warm-up request decodes one row at start-up, a server
-                        started with ``--skip-server-warmup`` learns it from its first such run)
+``a``                   the lowest median of :data:`STEP_SAMPLES` consecutive periods of decode
+                        forwards that followed decode forwards, the mean of the middle two (a
+                        launch after a late one waits for nothing: one long period, then one short
+                        one, neither a forward's; a host slower than the GPU alternates them, and
+                        their mean is its pace); SGLang's warm-up request decodes one row at
+                        start-up, a server started with ``--skip-server-warmup`` learns it from its
+                        first such run
 TPOT                    over the last :data:`WINDOW_S`: the periods of the forwards launched while
                         requests decoded, divided by the forwards that gave them a token (decode
                         and mixed ones; a prefill-only forward makes them wait: a window of such
@@ -50,7 +51,7 @@ from dataclasses import dataclass
 WINDOW_S = 2.0
 # A longer gap between launches is an idle server, not a forward.
 MAX_PERIOD_S = WINDOW_S
-# ``a`` is a mean of this many consecutive decode periods (an even count: a short-long alternation averages out).
+# ``a`` is a median of this many consecutive decode periods (even: the two middle ones averaged).
 STEP_SAMPLES = 4
 
 
@@ -129,7 +130,8 @@ class RunningKnee:
             return
         self._steps.append(period)
         if len(self._steps) == STEP_SAMPLES:
-            step = sum(self._steps) / STEP_SAMPLES
+            mid = sorted(self._steps)[STEP_SAMPLES // 2 - 1 : STEP_SAMPLES // 2 + 1]
+            step = sum(mid) / 2
             self.fixed_step_s = step if self.fixed_step_s is None else min(self.fixed_step_s, step)
 
     def tpot_s(self) -> float | None:
