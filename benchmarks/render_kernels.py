@@ -392,3 +392,45 @@ def kernel_gate(d: dict) -> list[str]:
         ],
         rows,
     )
+
+
+def prefill_chunk(d: dict) -> list[str]:
+    """``prefill_chunk.py``: one served prefill chunk after a long context, piece by piece."""
+    env, s = d["environment"], d["shape"]
+    names = [
+        "plan",
+        "compact",
+        "fa3_vertical",
+        "wgkv_fa3",
+        "wgkv_triton",
+        "upstream_paged",
+        "upstream_contiguous",
+    ]
+    rows = [
+        [
+            r["admit"],
+            *(f(r["ms"].get(n), 3) for n in names),
+            f(r.get("wgkv_fa3_vs_upstream_paged"), 2),
+            *(_err(r.get("max_abs_diff", {}).get(k)) for k in ("wgkv_fa3_vs_triton", "wgkv_fa3_vs_upstream")),
+        ]
+        for r in d["rows"]
+    ]
+    return [
+        f"One layer ({s['q_heads']} query heads, {s['kv_heads']} KV heads, head_dim {s['head_dim']}, "
+        f"{s['dtype']}): a {d['chunk']}-token chunk after {d['context']} cached tokens; FA3: {d['fa3']}; "
+        f"{env.get('gpu')}, {env.get('date_utc')}. Command: {cmd(env['command'])}.",
+        "",
+    ] + table(
+        [
+            "admitted",
+            *(f"{n} ms" for n in names),
+            "wgkv_fa3 / upstream_paged",
+            "max abs diff vs triton",
+            "vs upstream (all admitted)",
+        ],
+        rows,
+    )
+
+
+def _err(x) -> str:
+    return "" if x is None else f"{x:.1e}"

@@ -40,6 +40,7 @@ from benchmarks.render_kernels import (
     kernel_decode,
     kernel_gate,
     pool_update_cpu,
+    prefill_chunk,
     sm90_registers,
 )
 from benchmarks.render_serving import (
@@ -74,6 +75,7 @@ RENDERERS = {
     "decode_fixed_cost": decode_fixed_cost,  # decode_fixed_cost.py
     "kernel_attention": kernel_attention,  # kernel_attention.py
     "kernel_gate": kernel_gate,  # kernel_gate.py
+    "prefill_chunk": prefill_chunk,  # prefill_chunk.py
     "evictor_step": evictor_step,  # evictor_step.py
     "extend_step": extend_step,  # extend_step.py
     "pool_update_cpu": pool_update_cpu,  # pool_update_cpu.py
