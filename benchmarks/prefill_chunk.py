@@ -12,6 +12,9 @@ row                    what is timed (ms a layer, the fastest of ``--reps`` afte
 plan                   ``build_vertical_slash_plan_triton``: the work lists, the served plan
 compact                ``compact_admitted_triton``: the admitted keys and values in FA3's pages
 fa3_vertical           the FA3 call over them (``fa3_vertical``: entries, the query copy, FA3)
+fa3_vertical_pN        the same over pages of N rows (``--fa3-pages``; served: 64): FA3 loads a
+                       paged KV cache with TMA only where the page is a multiple of its key tile
+                       (176 rows at head_dim 128 without a mask, in FA3's heuristic), else row by row
 wgkv_fa3               the served extend attention with FA3: the plan (one a layer: each layer admits
                        its own keys), then ``vertical_slash_attention`` with ``fa3`` (compaction,
                        FA3, the band launch)
@@ -32,6 +35,8 @@ CPU with ``--dtype float16``: a check that the pieces run and agree, not a timin
 from __future__ import annotations
 
 import argparse
+import functools
+import math
 import time
 from pathlib import Path
 
@@ -62,8 +67,8 @@ def chunk_case(context: int, chunk: int, admit: float, device, dtype=torch.bfloa
     }
 
 
-def wgkv_pieces(c: dict, fa3) -> dict:
-    """The served extend attention's pieces as callables (table above)."""
+def wgkv_pieces(c: dict, fa3, pages: tuple[int, ...] = ()) -> dict:
+    """The served extend attention's pieces as callables (table above); ``pages``: more FA3 page sizes."""
     from sglang_wgkv.attention.fa3_vertical import fa3_vertical
     from sglang_wgkv.attention.triton_prefill import compact_align, default_config, vertical_slash_attention
     from sglang_wgkv.attention.triton_prefill_plan import (
@@ -82,6 +87,14 @@ def wgkv_pieces(c: dict, fa3) -> dict:
     p = plan()
     kc, vc = compact_admitted_triton(c["k"], c["v"], c["admitted"], c["kv"], align=align)
     attn = (c["q"], c["k"], c["v"], *args)
+    more = {}
+    for page in pages:
+        al = math.lcm(align, page)
+        p_n = build_vertical_slash_plan_triton(*args, cfg.block_m, None, al)
+        kc_n, vc_n = compact_admitted_triton(c["k"], c["v"], c["admitted"], c["kv"], align=al)
+        more[f"fa3_vertical_p{page}"] = functools.partial(
+            fa3_vertical, c["q"], kc_n, vc_n, p_n, scale, fa3, page
+        )
     return {
         "plan": plan,
         "compact": lambda: compact_admitted_triton(c["k"], c["v"], c["admitted"], c["kv"], align=align),
@@ -94,6 +107,7 @@ def wgkv_pieces(c: dict, fa3) -> dict:
             compacted=compact_admitted_triton(c["k"], c["v"], c["admitted"], c["kv"], align=align),
             config=cfg,
         ),
+        **more,
     }
 
 
@@ -149,6 +163,7 @@ def main(argv=None) -> None:
     ap.add_argument("--admit", type=float, nargs="+", default=[1.0, 0.25])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--fa3-reference", action="store_true", help="the torch FA3 statement in FA3's place")
+    ap.add_argument("--fa3-pages", type=int, nargs="*", default=[128, 704], help="more FA3 page sizes (rows)")
     # Triton's interpreter multiplies bf16 operands as raw bits: float16 for a CPU check
     ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     ap.add_argument(
@@ -165,7 +180,7 @@ def main(argv=None) -> None:
     rows = []
     for admit in a.admit:
         c = chunk_case(a.context, a.chunk, admit, device, getattr(torch, a.dtype))
-        pieces = wgkv_pieces(c, fa3)
+        pieces = wgkv_pieces(c, fa3, tuple(a.fa3_pages))
         if not a.fa3_reference:
             pieces.update(upstream_pieces(c))
         row = {"admit": admit, "ms": {}}
@@ -182,6 +197,10 @@ def main(argv=None) -> None:
                 if name in pieces
             }
             row["max_abs_diff"] = {"wgkv_fa3_vs_triton": _diff(out["wgkv_fa3"], out["wgkv_triton"])}
+            served = pieces["fa3_vertical"]()
+            for page in a.fa3_pages:  # the same vertical outputs and log-sum-exps over other pages
+                got = pieces[f"fa3_vertical_p{page}"]()
+                row["max_abs_diff"][f"fa3_vertical_p{page}"] = max(_diff(x, y) for x, y in zip(got, served))
             if admit >= 1.0 and "upstream_contiguous" in out:
                 row["max_abs_diff"]["wgkv_fa3_vs_upstream"] = _diff(
                     out["wgkv_fa3"], out["upstream_contiguous"]

@@ -106,15 +106,16 @@ def _entries_kernel(
 
 
 def vertical_entries(
-    plan: VerticalSlashPlan, num_q: int, rows_per_head: int, max_pages: int
+    plan: VerticalSlashPlan, num_q: int, rows_per_head: int, max_pages: int, page: int = PAGE
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FA3's ``(cu_seqlens_q [E + 1], cache_seqlens [E], page_table [E, max_pages])``, int32, for the
     entries ``e = h * NB + i`` of the table above, in one launch. ``rows_per_head``: rows of each head's
     compacted buffer (:func:`~.vertical_slash_plan.compacted_rows`); page-table columns past an entry's
-    pages are left unwritten (FA3 reads only ``ceil(cache_seqlens / PAGE)``)."""
-    if plan.compact_align % PAGE:
+    pages are left unwritten (FA3 reads only ``ceil(cache_seqlens / page)``); ``page``: rows a page,
+    :data:`PAGE` as served (another for measuring FA3's paged loads, ``benchmarks/prefill_chunk.py``)."""
+    if plan.compact_align % page:
         raise ValueError(
-            f"compacted regions aligned to {plan.compact_align} rows do not start at FA3 pages of {PAGE}"
+            f"compacted regions aligned to {plan.compact_align} rows do not start at FA3 pages of {page}"
         )
     NB, H = plan.vertical_len.shape
     dev = plan.vertical_len.device
@@ -137,7 +138,7 @@ def vertical_entries(
         rows_per_head,
         max_pages,
         H,
-        PAGE_ROWS=PAGE,
+        PAGE_ROWS=page,
         BLOCK_H=triton.next_power_of_2(H),
         BLOCK_P=64,
         num_warps=2,
@@ -146,17 +147,17 @@ def vertical_entries(
 
 
 def vertical_entries_torch(
-    plan: VerticalSlashPlan, num_q: int, rows_per_head: int, max_pages: int
+    plan: VerticalSlashPlan, num_q: int, rows_per_head: int, max_pages: int, page: int = PAGE
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The torch statement of :func:`vertical_entries` (every page-table column filled: compare the
-    first ``ceil(cache_seqlens / PAGE)`` of each row)."""
+    first ``ceil(cache_seqlens / page)`` of each row)."""
     NB, H = plan.vertical_len.shape
     dev = plan.vertical_len.device
     heads = torch.arange(H, device=dev)
     first = torch.where(plan.q_end > plan.q_start, plan.q_start.long(), num_q)
     cu_q = torch.cat([(heads[:, None] * num_q + first[None, :]).reshape(-1), first.new_tensor([H * num_q])])
     seqlens = plan.vertical_len.t().reshape(-1)
-    page0 = (heads[:, None] * rows_per_head + plan.compact_start.long()[None, :]) // PAGE  # [H, NB]
+    page0 = (heads[:, None] * rows_per_head + plan.compact_start.long()[None, :]) // page  # [H, NB]
     table = page0.reshape(-1, 1) + torch.arange(max_pages, device=dev)[None, :]
     return cu_q.int(), seqlens.int(), table.int()
 
@@ -174,18 +175,20 @@ def fa3_vertical(
     plan: VerticalSlashPlan,
     sm_scale: float,
     fa3: FA3Fn,
+    page: int = PAGE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The vertical range of every (query block, KV head) in one FA3 call. q ``[Nq, Hq, D]``; kc, vc
     ``[Hkv, R, D]`` compacted in the plan's regions. Returns ``(out [Hkv * Nq, G, D], lse [G, Hkv * Nq])``
-    in FA3's layout (natural log, float32); rows of an entry without keys are undefined."""
+    in FA3's layout (natural log, float32); rows of an entry without keys are undefined. ``page``: rows
+    a page of ``kc``'s (:func:`vertical_entries`)."""
     Nq, Hq, D = q.shape
     Hkv, R = kc.shape[:2]
-    max_pages = max(1, R // PAGE)  # a sequence's region is at most a head's rows
-    cu_q, seqlens, table = vertical_entries(plan, Nq, R, max_pages)
+    max_pages = max(1, R // page)  # a sequence's region is at most a head's rows
+    cu_q, seqlens, table = vertical_entries(plan, Nq, R, max_pages, page)
     out, lse, *_ = fa3(
         q=fold_queries(q, Hkv),
-        k_cache=kc.view(-1, PAGE, 1, D),
-        v_cache=vc.view(-1, PAGE, 1, vc.shape[2]),
+        k_cache=kc.view(-1, page, 1, D),
+        v_cache=vc.view(-1, page, 1, vc.shape[2]),
         cache_seqlens=seqlens,
         page_table=table,
         cu_seqlens_q=cu_q,

@@ -7,6 +7,8 @@
   and its band of original keys.
 """
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -47,6 +49,7 @@ def _compact_fwd(
     HEAD_DIM: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGN: tl.constexpr,
+    ZERO: tl.constexpr,
 ):
     """Rows ``BLOCK * pid(0) ..`` of KV head pid(1): each admitted row copied to its compacted row,
     the start of its sequence's region + the admitted rows before it there (``admitted_rank``, from
@@ -74,12 +77,13 @@ def _compact_fwd(
             if (e > s) & (e - 1 >= lo) & (e - 1 < lo + BLOCK):
                 total = tl.load(Excl + e * stride_en + head * stride_eh)
                 count = total - tl.load(Excl + s * stride_en + head * stride_eh)
-                pad = count + tl.arange(0, ALIGN)
-                pad_rows = (pad < (count + ALIGN - 1) // ALIGN * ALIGN)[:, None]
-                dst = head * stride_ch + (ends + pad)[:, None] * HEAD_DIM + d
-                zero = tl.zeros([ALIGN, HEAD_DIM], KC.dtype.element_ty)
-                tl.store(KC + dst, zero, mask=pad_rows)
-                tl.store(VC + dst, zero, mask=pad_rows)
+                zero = tl.zeros([ZERO, HEAD_DIM], KC.dtype.element_ty)
+                for z in range(0, ALIGN, ZERO):  # ZERO rows at a time: ALIGN need not be a power of two
+                    pad = count + z + tl.arange(0, ZERO)
+                    pad_rows = (pad < (count + ALIGN - 1) // ALIGN * ALIGN)[:, None]
+                    dst = head * stride_ch + (ends + pad)[:, None] * HEAD_DIM + d
+                    tl.store(KC + dst, zero, mask=pad_rows)
+                    tl.store(VC + dst, zero, mask=pad_rows)
         ends += (e - s + ALIGN - 1) // ALIGN * ALIGN
     before = tl.load(Excl + n64 * stride_en + head * stride_eh, mask=adm, other=0).to(tl.int64)
     first = tl.load(Excl + start * stride_en + head * stride_eh, mask=adm, other=0).to(tl.int64)
@@ -145,6 +149,7 @@ def compact_admitted_triton(
         HEAD_DIM=D,
         BLOCK=block,
         ALIGN=align,
+        ZERO=math.gcd(align, 64),
     )
     return out
 
