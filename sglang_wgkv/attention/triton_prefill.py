@@ -51,7 +51,7 @@ def default_config(head_dim: int) -> PrefillConfig:
 def compact_align(config: PrefillConfig) -> int:
     """Rows the compacted regions align to under ``config``: a multiple of its key tile (the tail tile
     is read whole) and of FA3's page (:data:`~.fa3_vertical.PAGE`)."""
-    return max(COMPACT_ALIGN, config.block_n, PAGE)
+    return math.lcm(COMPACT_ALIGN, config.block_n, PAGE)
 
 
 @triton.jit
