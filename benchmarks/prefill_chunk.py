@@ -84,8 +84,11 @@ def wgkv_pieces(c: dict, fa3, pages: tuple[int, ...] = ()) -> dict:
     def plan():
         return build_vertical_slash_plan_triton(*args, cfg.block_m, None, align)
 
+    def compact():
+        return compact_admitted_triton(c["k"], c["v"], c["admitted"], c["kv"], align=align)
+
     p = plan()
-    kc, vc = compact_admitted_triton(c["k"], c["v"], c["admitted"], c["kv"], align=align)
+    kc, vc = compact()
     attn = (c["q"], c["k"], c["v"], *args)
     more = {}
     for page in pages:
@@ -97,14 +100,14 @@ def wgkv_pieces(c: dict, fa3, pages: tuple[int, ...] = ()) -> dict:
         )
     return {
         "plan": plan,
-        "compact": lambda: compact_admitted_triton(c["k"], c["v"], c["admitted"], c["kv"], align=align),
+        "compact": compact,
         "fa3_vertical": lambda: fa3_vertical(c["q"], kc, vc, p, scale, fa3),
         "wgkv_fa3": lambda: vertical_slash_attention(*attn, scale, plan=plan(), config=cfg, fa3=fa3),
         "wgkv_triton": lambda: vertical_slash_attention(
             *attn,
             scale,
             plan=plan(),
-            compacted=compact_admitted_triton(c["k"], c["v"], c["admitted"], c["kv"], align=align),
+            compacted=compact(),
             config=cfg,
         ),
         **more,

@@ -64,25 +64,30 @@ def _stream(server, prompt, max_new_tokens, first_token: threading.Event, out: d
     out[key] = last["output_ids"]
 
 
-def _traffic(server) -> dict:
-    """Short requests decoding 64 tokens; once they decode, the long prompts arrive (16 tokens each)."""
+def _traffic(server, longs=LONG, short_tokens: int = 64, long_tokens: int = 16) -> dict:
+    """Short requests decoding ``short_tokens``; once they decode, the ``longs`` prompts arrive
+    (``long_tokens`` each)."""
     out, threads = {}, []
     decoding = [threading.Event() for _ in SHORT]
     for i, prompt in enumerate(SHORT):
         threads.append(
-            threading.Thread(target=_stream, args=(server, prompt, 64, decoding[i], out, ("short", i)))
+            threading.Thread(
+                target=_stream, args=(server, prompt, short_tokens, decoding[i], out, ("short", i))
+            )
         )
         threads[-1].start()
     for event in decoding:
         assert event.wait(300), "a short request produced no token"
-    for i, prompt in enumerate(LONG):
+    for i, prompt in enumerate(longs):
         threads.append(
-            threading.Thread(target=_stream, args=(server, prompt, 16, threading.Event(), out, ("long", i)))
+            threading.Thread(
+                target=_stream, args=(server, prompt, long_tokens, threading.Event(), out, ("long", i))
+            )
         )
         threads[-1].start()
     for t in threads:
         t.join(900)
-    assert len(out) == len(SHORT) + len(LONG)
+    assert len(out) == len(SHORT) + len(longs)
     return out
 
 
@@ -136,24 +141,7 @@ def test_a_held_burst_loses_nothing(knee_holds):
     """Past the dense count the knee keeps new requests waiting while it runs the chunked prompt's next
     chunk with SGLang's waiting queue out of sight: every request of the burst completes with all its
     tokens, a held prompt's greedy output equals its output alone, the pool's idle check passes."""
-    out, threads = {}, []
-    decoding = [threading.Event() for _ in SHORT]
-    for i, prompt in enumerate(SHORT):  # decode-only forwards first: the knee times a step
-        threads.append(
-            threading.Thread(target=_stream, args=(knee_holds, prompt, 48, decoding[i], out, ("short", i)))
-        )
-        threads[-1].start()
-    for event in decoding:
-        assert event.wait(300), "a short request produced no token"
-    for i, prompt in enumerate(BURST):
-        threads.append(
-            threading.Thread(
-                target=_stream, args=(knee_holds, prompt, 64, threading.Event(), out, ("long", i))
-            )
-        )
-        threads[-1].start()
-    for t in threads:
-        t.join(900)
+    out = _traffic(knee_holds, BURST, short_tokens=48, long_tokens=64)  # shorts first: the knee times a step
     assert sorted(out) == sorted(
         [("short", i) for i in range(len(SHORT))] + [("long", i) for i in range(len(BURST))]
     )

@@ -101,12 +101,12 @@ def pool_holds_mixed(runtime, chunked_req, running_reqs) -> bool:
 
 @contextlib.contextmanager
 def _waiting_hidden(scheduler):
-    """The pass sees no waiting request; any queued during it (a grammar ready, a preemption) stay
-    queued behind the hidden ones."""
+    """The pass sees no waiting request (the hidden ones yielded); any queued during it (a grammar
+    ready, a preemption) stay queued behind them."""
     hidden = scheduler.waiting_queue
     scheduler.waiting_queue = []
     try:
-        yield
+        yield hidden
     finally:
         scheduler.waiting_queue = hidden + scheduler.waiting_queue
 
@@ -134,8 +134,7 @@ def schedule_prefill(original, scheduler, *args, **kwargs):
         if scheduler.chunked_req is None:
             return None, running  # the running batch decodes; the waiting requests wait (running_knee.py)
         runtime.running_knee.held_chunk_passes += 1
-        hidden = scheduler.waiting_queue
-        with _waiting_hidden(scheduler):  # the chunked prompt's next chunk, no new request
+        with _waiting_hidden(scheduler) as hidden:  # the chunked prompt's next chunk, no new request
             batch, running = _budgeted(original, scheduler, runtime, running, args, kwargs)
         _count_hidden_pending(batch, hidden)
         return batch, running
