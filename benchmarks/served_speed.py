@@ -213,7 +213,9 @@ def measure(srv, a, w: sw.Workload, rec: dict, out_dir: Path) -> None:
 
 def measure_profiles(srv, a, w: sw.Workload, body: dict | None, rec: dict, out_dir: Path) -> None:
     """The profiles asked for ``w`` (``--profile-*``), the server's state and its largest batch."""
-    profile_dir = Path(a.profile_dir) if a.profile_dir else None
+    # one folder per run: a trace summary reads every trace under its folder, and a server's traces must
+    # not land beside another's (two engines profiled with one --profile-dir)
+    profile_dir = Path(a.profile_dir) / f"{a.server}.{rec['config']}.{a.tag}" if a.profile_dir else None
     if profile_dir and w.name in a.profile_workloads.split(","):
         rec["profile"] = profile_decode(srv.url, w, body, a, profile_dir / w.name)
     if profile_dir and w.name in a.profile_prefill_workloads.split(","):

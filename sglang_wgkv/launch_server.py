@@ -23,6 +23,10 @@ WG-KV options (all others go to SGLang unchanged)::
                                   cost (integration/scheduling/running_knee.py); 0: off. Default on CUDA with
                                   one scheduler: settings.DEFAULT_GPU_RUNNING_KNEE (8); with TP, PP or DP
                                   (each scheduler would admit apart) and on CPU: off
+    --[no-]wgkv-extend-kernels    a prefill chunk's pool moves (its cached context read for the attention,
+                                  its rows written to the ring and the global pages) in Triton launches
+                                  instead of torch gathers built on the host. Default: on with the kernels
+                                  path (CUDA), off with the reference attention
     --wgkv-attention IMPL         auto (kernels on CUDA), reference (torch) or kernels; the kernels' decode
                                   runs under SGLang's decode CUDA graphs (off with --disable-decode-cuda-graph;
                                   always off on CPU and with reference)
@@ -70,6 +74,7 @@ WGKV_FLAGS = (
     "--wgkv-overcommit",
     "--wgkv-decode-launch",
     "--wgkv-extend-kernels",
+    "--no-wgkv-extend-kernels",
     "--wgkv-forward-tokens",
     "--wgkv-prefill-vertical",
     "--wgkv-running-knee",
@@ -91,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--wgkv-attention", choices=ATTENTION_IMPLS, default="auto")
     parser.add_argument("--wgkv-overcommit", type=float, default=None)
     parser.add_argument("--wgkv-decode-launch", default="")
-    parser.add_argument("--wgkv-extend-kernels", action="store_true")
+    parser.add_argument("--wgkv-extend-kernels", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--wgkv-forward-tokens", type=int, default=None)
     parser.add_argument("--wgkv-prefill-vertical", choices=PREFILL_VERTICAL, default="auto")
     parser.add_argument("--wgkv-running-knee", type=float, default=None)
@@ -305,6 +310,10 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
     running_knee = running_knee or None  # 0: off
     if running_knee is not None and split:
         raise ValueError(f"invalid WG-KV option: --wgkv-running-knee runs on one scheduler, got {split}")
+    extend_kernels = ours.wgkv_extend_kernels
+    # the torch path's host-built context index costs a late W0 chunk ~0.45 s (kernels/extend_step_w0_h100.json)
+    if extend_kernels is None:
+        extend_kernels = device != "cpu" and ours.wgkv_attention != "reference"
     try:
         settings = ServingSettings(
             config=config,
@@ -313,7 +322,7 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
             attention=ours.wgkv_attention,
             overcommit=overcommit,
             decode_launch=ours.wgkv_decode_launch,
-            extend_kernels=ours.wgkv_extend_kernels,
+            extend_kernels=extend_kernels,
             forward_tokens=forward_tokens,
             prefill_vertical=ours.wgkv_prefill_vertical,
             running_knee=running_knee,

@@ -72,3 +72,24 @@ def test_startup_compiles_sglang_cache_writes_at_either_alignment(offset):
 
     got = _keys(served)["write_req_to_token_pool_triton"]
     assert got and got <= startup["write_req_to_token_pool_triton"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_startup_compiles_the_extend_move(dtype):
+    """A prompt longer than W_local moves the tokens leaving the ring with ``extend_move``, which the
+    warm-up prompt (inside the ring) never launches: its variant for the chunk's rows (k and v as views
+    of the model's fused qkv projection) was compiled at start-up."""
+    from sglang_wgkv.memory.triton_extend import compile_extend_move
+
+    pool = DualCachePool(
+        32, 8, 128, num_pages=16384, max_requests=4, max_context_len=1024,
+        config=WGKVConfig(local_window=256), dtype=torch.bfloat16, triton_decode=False, triton_extend=True,
+    )  # fmt: skip
+    startup = _keys(lambda: compile_extend_move(pool, dtype))
+    n = 300
+    qkv = torch.randn(n, (32 + 16) * 128, dtype=dtype)
+    k, v = qkv[:, 4096:5120].view(n, 8, 128), qkv[:, 5120:].view(n, 8, 128)
+    pool.alloc_request(1)
+    pool.begin_extend([1], [0], [n])
+    served = _keys(lambda: pool.write_extend(3, k, v, torch.rand(n, 8) < 0.5))
+    assert served["_extend_move_kernel"] and served["_extend_move_kernel"] <= startup["_extend_move_kernel"]

@@ -279,10 +279,11 @@ def test_decode_launch_spec(monkeypatch):
     assert choose_num_splits(1, 8, 126976) == 66 and choose_num_splits(1, 8, 126976, programs_per_sm=2) == 33
 
 
-def test_extend_kernels_opt_in(monkeypatch):
-    """--wgkv-extend-kernels: the pool's Triton extend launches, off unless asked (not yet run on a GPU);
-    handed to the schedulers with the other settings; refused with the reference attention and with
-    --disable-wgkv."""
+def test_extend_kernels_default(monkeypatch):
+    """--[no-]wgkv-extend-kernels: the pool's Triton extend launches, on by default where the kernels
+    path runs (CUDA, attention not ``reference``), off on CPU; either spelling wins over the default and
+    reaches the schedulers with the other settings; asking for them with the reference attention or
+    with --disable-wgkv is refused."""
     from sglang_wgkv.launch_server import resolve
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -292,6 +293,11 @@ def test_extend_kernels_opt_in(monkeypatch):
     assert DualCachePool(1, 1, 16, 8, 1, 64).triton_extend is False
     settings, _, env = resolve(["--model-path", "/m", "--wgkv-extend-kernels"])
     assert settings.extend_kernels and ServingSettings.from_env(env) == settings
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve(["--model-path", "/m"])[0].extend_kernels is True
+    assert resolve(["--model-path", "/m", "--wgkv-attention", "reference"])[0].extend_kernels is False
+    settings, _, env = resolve(["--model-path", "/m", "--no-wgkv-extend-kernels"])
+    assert settings.extend_kernels is False and ServingSettings.from_env(env) == settings
     with pytest.raises(ValueError, match="needs the kernels path"):
         resolve(["--model-path", "/m", "--wgkv-extend-kernels", "--wgkv-attention", "reference"])
     with pytest.raises(ValueError, match="configure WG-KV"):

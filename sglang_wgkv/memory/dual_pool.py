@@ -66,9 +66,8 @@ class DualCachePool(ExtendStep, DecodeStep, MixedStep, KVScales, PoolIntegrity):
     triton_extend : :meth:`write_extend` moves its rows with
         :func:`~sglang_wgkv.memory.triton_extend.extend_move` and ``extend_ring_write`` (one launch
         each) and :meth:`extend_inputs` gathers with ``extend_context`` (one launch per request),
-        instead of torch gathers; the same tensors either way. Default off: the kernels pass the
-        Triton interpreter's check and the sm_90 compile but have not yet run on a GPU (a server opts
-        in with ``--wgkv-extend-kernels``).
+        instead of torch gathers built on the host; the same tensors either way. Default off here; a
+        server on CUDA turns it on (``--[no-]wgkv-extend-kernels``).
     reclaimer : ``fn(worst_case)`` that releases pages it can spare (a prefix cache dropping
         snapshots) before a step's reserve gives up; it must not allocate.
     dtype : what the pages store; an FP8 dtype (:mod:`~sglang_wgkv.memory.kv_quant`) quantizes

@@ -298,6 +298,18 @@ def extend_move(pool, layer: int, k, v, flag, dest_page, dest, from_ring, src_pa
     )
 
 
+def compile_extend_move(pool, dtype: torch.dtype) -> None:
+    """:func:`extend_move`'s variant for ``pool`` and chunk rows of ``dtype``, compiled by a launch whose
+    one candidate is not admitted (it stores nothing): a server's warm-up prompt fits the ring, so no
+    token leaves it there, and the first long prompt would compile it in its prefill."""
+    dev, H, D = pool.page_table.device, pool.num_kv_heads, pool.head_dim
+    rows = torch.zeros(1, H, D, dtype=dtype, device=dev)
+    none = torch.zeros(1, H, dtype=torch.bool, device=dev)
+    index = torch.zeros(1, H, dtype=torch.int64, device=dev)
+    one = torch.zeros(1, dtype=torch.int64, device=dev)
+    extend_move(pool, 0, rows, rows, none, index, index, none[:, 0], index, one, one)
+
+
 def extend_context(
     pool, layer: int, segments, k, v, admit, positions, out_k, out_v, out_pos, out_adm
 ) -> None:

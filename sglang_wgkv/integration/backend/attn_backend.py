@@ -160,7 +160,9 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
             warm_up(self.device, model_runner.model_config.dtype, shape)  # no compile in a request's prefill
             from sglang_wgkv.integration.backend.startup_compiles import compile_served_variants
 
-            compile_served_variants(self.dual, model_runner.req_to_token_pool)
+            compile_served_variants(
+                self.dual, model_runner.req_to_token_pool, model_runner.model_config.dtype
+            )
             self._fa3 = choose_fa3(mode, self.device, model_runner.model_config.dtype, shape)
             self._fa3_min_keys = 0 if mode == "fa3" else FA3_MIN_KEYS
         self._row_tau = None  # [tokens, 1] admission threshold of each extend row

@@ -10,6 +10,8 @@ promotion scans (``triton_pool``)  the block scan (count, alloc, take)         d
                                                                                past ``PROMOTE_SCAN_BLOCK``
 SGLang's                           ``out_cache_loc`` at an 8-byte offset       an extend batch whose slots start
 ``write_req_to_token_pool_triton`` (Triton specializes 16-byte alignment)      at an odd index of the free list
+the extend moves (``triton_extend``, the only one: no warm-up token leaves   a prompt longer than ``W_local``
+``extend_move``)                   the ring)                                   (a pool with ``triton_extend``)
 =================================  ==========================================  ====================================
 """
 
@@ -43,15 +45,20 @@ def compile_sglang_cache_writes(req_to_token_pool) -> None:
         )
 
 
-def compile_served_variants(pool, req_to_token_pool) -> None:
-    """The module table's variants for ``pool`` (a DualCachePool) and SGLang's ``req_to_token_pool``;
-    a failure is logged, not raised (the forward that needs the variant then compiles it)."""
+def compile_served_variants(pool, req_to_token_pool, dtype: torch.dtype) -> None:
+    """The module table's variants for ``pool`` (a DualCachePool), SGLang's ``req_to_token_pool`` and
+    the model's ``dtype``; a failure is logged, not raised (the forward that needs the variant then
+    compiles it)."""
+    from sglang_wgkv.memory.triton_extend import compile_extend_move
     from sglang_wgkv.memory.triton_pool import compile_decode_promote
 
-    for what, compile_ in (
+    compiles = [
         ("promotion scans", lambda: compile_decode_promote(pool)),
         ("SGLang's cache-index writes", lambda: compile_sglang_cache_writes(req_to_token_pool)),
-    ):
+    ]
+    if pool.triton_extend:
+        compiles.append(("extend moves", lambda: compile_extend_move(pool, dtype)))
+    for what, compile_ in compiles:
         try:
             compile_()
         except Exception as exc:  # a warm-up must not take the server down

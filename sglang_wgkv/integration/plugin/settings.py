@@ -68,7 +68,8 @@ class ServingSettings:
     decode_launch : the kernels path's decode split-kernel launch shape,
         ``DecodeConfig.parse``'s spec (``""``: its defaults); for measuring launch shapes in service.
     extend_kernels : the kernels path's pool moves a prefill chunk's rows with Triton launches
-        (``DualCachePool(triton_extend=True)``); off by default until they have run on a GPU.
+        (``DualCachePool(triton_extend=True)``); the launcher's default on CUDA (the torch path builds
+        each chunk's context index on the host, which grows with the context).
     prefill_vertical : who runs the kernels path's prefill over the admitted keys before each query
         block's band (:mod:`~sglang_wgkv.integration.backend.prefill_vertical`): ``fa3`` (FA3, Hopper,
         every extend), ``triton`` (the one-pass Triton kernel) or ``auto``, the default (FA3 where it loads
