@@ -9,9 +9,10 @@ python -m benchmarks.extend_step [--layers 32 --kv-heads 8 --head-dim 128 --wind
 
 For each chunk position (a request's first chunk, then after 8K, 16K, 24K cached tokens) and path,
 the wall time of one chunk's pool work, every layer (begin_extend, then per layer extend_inputs and
-write_extend), synchronised before and after: the host's launches count, as they do in service. Each
-repetition takes a fresh request through the earlier chunks (untimed). The two paths' pools are also
-compared after the last chunk (their states must be equal). CUDA if available, else CPU (a smoke run:
+write_extend), synchronised before and after: the host's launches count, as they do in service. A
+first, untimed repetition checks: every layer's attention inputs equal on both paths, chunk by chunk
+(positions and admitted flags; keys and values where a head has them, not a shorter head's padding); after each repetition the two pools' states must be equal
+(page tables, lengths, flags, key and value pages). CUDA if available, else CPU (a smoke run:
 the Triton path then needs TRITON_INTERPRET=1). Writes benchmarks/results/kernels/extend_step.json.
 """
 
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import environment, write_json
-from sglang_wgkv.config import WGKVConfig
+from sglang_wgkv.config import FAR_POSITION, WGKVConfig
 from sglang_wgkv.memory import DualCachePool
 
 
@@ -45,6 +46,29 @@ def run_chunk(pool, r, start, rows, sync):
         pool.write_extend(layer, k[layer], v[layer], admit[layer])
     sync()
     return (time.perf_counter() - t0) * 1e3
+
+
+def check_chunk(pools, r, start, chunks):
+    """One chunk on every pool, layer by layer: each layer's attention inputs must be equal across them
+    (SystemExit naming the first that differs)."""
+    for pool, (k, v, admit, pos) in zip(pools.values(), chunks.values()):
+        pool.begin_extend([r], [start], [k.shape[1]])
+    for layer in range(next(iter(pools.values())).num_layers):
+        got = {
+            name: pool.extend_inputs(layer, k[layer], v[layer], admit[layer], pos, torch.bfloat16)
+            for (name, pool), (k, v, admit, pos) in zip(pools.items(), chunks.values())
+        }
+        first, *others = got.values()
+        # a global row a head did not fill (the heads' lengths differ) is padding no attention reads
+        read = first[3] | (first[2] != FAR_POSITION)[:, None]
+        for name, inputs in zip(list(got)[1:], others):
+            for what, x, y in zip(("keys", "values", "k_pos", "admitted"), first, inputs):
+                if what in ("keys", "values"):
+                    x, y = x[read], y[read]
+                if not torch.equal(x, y):
+                    raise SystemExit(f"chunk at {start}, layer {layer}: {name}'s {what} differ from torch's")
+        for pool, (k, v, admit, _) in zip(pools.values(), chunks.values()):
+            pool.write_extend(layer, k[layer], v[layer], admit[layer])
 
 
 def main():
@@ -83,19 +107,26 @@ def main():
         for name, t in (("torch", False), ("triton", True))
     }
     ms = {name: {s: [] for s in starts} for name in pools}
-    for rep in range(a.reps + 1):  # the first repetition warms up (Triton compiles, allocator)
-        for name, pool in pools.items():
-            gen = torch.Generator(device=dev).manual_seed(rep)
+    for rep in range(a.reps + 1):  # the first repetition checks (untimed): Triton compiles there
+        gen = {name: torch.Generator(device=dev).manual_seed(rep) for name in pools}
+        for pool in pools.values():
             pool.alloc_request(1)
-            for s in starts:
-                t = run_chunk(pool, 1, s, chunk_rows(a, dev, gen, s, min(a.chunk, a.prompt - s)), sync)
-                if rep:
-                    ms[name][s].append(t)
+        for s in starts:
+            n = min(a.chunk, a.prompt - s)
+            chunk = {name: chunk_rows(a, dev, gen[name], s, n) for name in pools}
+            if rep == 0:
+                check_chunk(pools, 1, s, chunk)
+                continue
+            for name, pool in pools.items():
+                ms[name][s].append(run_chunk(pool, 1, s, chunk[name], sync))
         same = all(
             torch.equal(getattr(pools["torch"], x), getattr(pools["triton"], x))
             for x in ("page_table", "global_len", "ring_flag")
         )
-        same = same and torch.equal(pools["torch"].k_pages[:-1], pools["triton"].k_pages[:-1])
+        same = same and all(
+            torch.equal(getattr(pools["torch"], x)[:-1], getattr(pools["triton"], x)[:-1])
+            for x in ("k_pages", "v_pages")
+        )
         for pool in pools.values():
             pool.free_request(1)
         if not same:
