@@ -1,7 +1,7 @@
 """The running batch at its knee (``--wgkv-running-knee K``): once as many requests run as a dense pool
 of the same memory would hold, a new request is admitted only while the running requests' recent TPOT,
-with one more prefill pass like the last one counted in, stays under ``(1 + K)`` times a decode step's
-fixed cost.
+with one more prefill pass like the last one counted in, and their own TPOT since they started running
+both stay under ``(1 + K)`` times a decode step's fixed cost.
 
 Why. With ``B`` requests running, a request's output costs its prompt ``P g`` and ``O`` decode steps
 shared by ``B``: TPOT is ``a + B (b + P g / O)`` (``a`` the step's fixed cost, the weights' read; ``b``
@@ -32,6 +32,14 @@ TPOT                    over the last :data:`WINDOW_S`: the periods of the forwa
 a pass's cost           the period of the last forward that prefilled while requests decoded (a
                         pass admitted now makes them wait about as long: counting it before the
                         pass, not after, keeps a burst of 8K-token passes from overshooting TPOT)
+the running requests'   the median, over those running for at least one target TPOT, of each one's
+own TPOT                time per output token since the knee first saw it running (walked each pass
+                        while requests wait). Under SGLang's overlap scheduler a launch waits for
+                        the forward before the last, so the window sees each period a forward late
+                        and a burst of passes overshoots it; the requests' own TPOT carries that
+                        debt until decode steps have paid it back, as a client measures it
+                        (``tests/test_running_knee.py``, the ``overlap`` bursts: 1.22x the target on
+                        the window alone)
 dense running count     SGLang's KV budget (dense tokens) / the running requests' mean of prompt
                         plus half their ``max_new_tokens``
 ======================  =======================================================================
@@ -93,6 +101,8 @@ class RunningKnee:
         self.held_chunk_passes = 0  # of them, those that ran a chunked prompt's next chunk
         self.pass_s = 0.0  # the last prefill forward's period beside decoding requests
         self._pass_tokens = 0  # and whether it gave them a token (a mixed one)
+        self._seen: dict[str, tuple[float, int]] = {}  # running request id -> (time, outputs) first seen
+        self.running_tpot_s: float | None = None  # their median TPOT since (see_running)
 
     def observe(self, launch: Launch, pipelined: bool) -> None:
         """A forward is launched now; ``pipelined``: a forward ran right before it (the scheduler was
@@ -155,6 +165,7 @@ class RunningKnee:
             "k": self.k,
             "fixed_step_ms": ms(self.fixed_step_s),
             "tpot_ms": ms(self.tpot_s()),
+            "running_tpot_ms": ms(self.running_tpot_s),
             "pass_ms": ms(self.pass_s),
             "target_ms": ms(self.target_s()),
             "held_passes": self.held_passes,
@@ -166,9 +177,33 @@ class RunningKnee:
         return self.over_target() and running >= dense_running
 
     def over_target(self) -> bool:
-        """Whether the window's TPOT with one more pass exceeds ``(1 + K) a`` (False until both are known)."""
-        tpot, target = self.projected_tpot_s(), self.target_s()
-        return tpot is not None and target is not None and tpot > target
+        """Whether the window's TPOT with one more pass, or the running requests' median TPOT since they
+        were first seen running (:meth:`see_running`), exceeds ``(1 + K) a`` (False until ``a`` is known)."""
+        target = self.target_s()
+        if target is None:
+            return False
+        tpot = self.projected_tpot_s()
+        return (tpot is not None and tpot > target) or (
+            self.running_tpot_s is not None and self.running_tpot_s > target
+        )
+
+    def see_running(self, reqs) -> None:
+        """The running requests (SGLang ``Req``) as a pass is scheduled: each one's time and output
+        count when first seen, and :attr:`running_tpot_s`, the median of their time per token since,
+        over those seen at least one target TPOT ago (a request just seen has had no time to decode)."""
+        now, target = self.clock(), self.target_s()
+        seen, tpots = {}, []
+        for req in reqs:
+            n = len(req.output_ids)
+            t0, n0 = self._seen.get(req.rid) or (now, n)
+            if n < n0:  # retracted and run again: its outputs start over
+                t0, n0 = now, n
+            seen[req.rid] = t0, n0
+            if target is not None and now - t0 >= target:
+                tpots.append((now - t0) / max(n - n0, 1))
+        self._seen = seen
+        tpots.sort()
+        self.running_tpot_s = tpots[len(tpots) // 2] if tpots else None
 
 
 def dense_running(dense_tokens: int, requests) -> float:
@@ -226,7 +261,10 @@ def holds_new_requests(runtime, scheduler, running_reqs) -> bool:
     knee = getattr(runtime, "running_knee", None)
     if knee is None or runtime.plan is None or not running_reqs:
         return False
-    if not knee.over_target():  # the usual pass: no walk over the running requests
+    if not (scheduler.waiting_queue or scheduler.chunked_req is not None):
+        return False  # nothing to hold
+    knee.see_running(running_reqs)
+    if not knee.over_target():
         return False
     dense = dense_running(runtime.plan.physical_tokens + runtime.plan.fixed_tokens, running_reqs)
     held = knee.holds(len(running_reqs), dense)
