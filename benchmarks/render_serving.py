@@ -417,3 +417,32 @@ def soak(d: dict) -> list[str]:
     secs = d.get("mean_job_s") or {}
     rows = [[k, n, f(secs.get(k), 2)] for k, n in d["counts"].items()]
     return [head, ""] + table(["job kind", "count", "mean s"], rows)
+
+
+def knee_sim(d: dict) -> list[str]:
+    """``benchmarks/knee_sim.py``: a burst through the running knee's code on a simulated clock."""
+    out = [f"{d['note']}. Command: {cmd(d['command'])}.", ""]
+    out += table(
+        [
+            "variant",
+            "mixed passes",
+            "output tok/s",
+            "median TPOT (ms)",
+            "target (ms)",
+            "median TTFT (s)",
+            "most running",
+        ],
+        [
+            [
+                r["variant"],
+                "yes" if r["mixed"] else "no",
+                f(r["output_tok_s"], 0),
+                f(r["median_tpot_ms"], 1),
+                "-" if r["target_ms"] is None else f(r["target_ms"], 1),
+                f(r["median_ttft_s"], 1),
+                r["max_running"],
+            ]
+            for r in d["rows"]
+        ],
+    )
+    return out

@@ -47,6 +47,7 @@ from benchmarks.render_serving import (
     constrained_programs,
     decode_ab,
     decode_log,
+    knee_sim,
     logprob_floor,
     served_ab,
     served_model,
@@ -86,6 +87,7 @@ RENDERERS = {
     "served_ab": served_ab,  # served_report.py ab
     "decode_log": decode_log,  # decode_log_compare.py
     "served_model": served_model,  # served_model.py
+    "knee_sim": knee_sim,  # knee_sim.py
     "decode_ab": decode_ab,  # a decode-step A/B, each side on its own machine
     "logprob_floor": logprob_floor,  # logprob_floor.py
     "serving_memory": serving_memory,  # serving_memory.py

@@ -10,6 +10,7 @@ import torch
 from sglang_wgkv.integration.plugin.settings import DEFAULT_GPU_RUNNING_KNEE, ServingSettings
 from sglang_wgkv.integration.scheduling import running_knee as rk
 from sglang_wgkv.integration.scheduling.mixed_batches import schedule_prefill
+from sglang_wgkv.testing.knee_burst import Burst, run_burst
 
 pytestmark = pytest.mark.serving
 
@@ -260,105 +261,27 @@ def test_hooks_time_launches_and_hold_the_pass():
     assert call(scheduler)[1] is scheduler.running_batch and scheduler.passes == 3
 
 
-class _BurstScheduler:
-    """SGLang's prefill pass as far as the knee sees it: a pass fills ``chunked_prefill_size`` tokens from
-    the chunked prompt, then the waiting queue in order, chunking the prompt that does not fit; no mixed
-    forwards (SGLang's default), so a prefill pass gives the running requests no token."""
-
-    def __init__(self, runtime, prompts, prompt_len, out_len):
-        self.token_to_kv_pool_allocator = SimpleNamespace(
-            get_kvcache=lambda: SimpleNamespace(runtime=runtime)
-        )
-        self.chunked_prefill_size, self.max_prefill_tokens, self.is_mixed_chunk = 8192, 8192, False
-        self.waiting_queue = [
-            SimpleNamespace(
-                rid=f"r{i}",
-                origin_input_ids=range(prompt_len),
-                sampling_params=SimpleNamespace(max_new_tokens=out_len),
-                output_ids=[],
-                left=prompt_len,
-            )
-            for i in range(prompts)
-        ]
-        self.chunked_req = None
-        self.running_batch = SimpleNamespace(reqs=[])
-
-    def raw(self, prefill_delayer_single_pass=None, running_batch=None):
-        budget, done, queue = self.chunked_prefill_size, [], list(self.waiting_queue)
-        parts = ([self.chunked_req] if self.chunked_req is not None else []) + queue
-        self.chunked_req, tokens = None, 0
-        for req in parts:
-            if budget == 0:
-                break
-            take = min(req.left, budget)
-            req.left -= take
-            budget -= take
-            tokens += take
-            if req in self.waiting_queue:
-                self.waiting_queue.remove(req)
-            if req.left:
-                self.chunked_req = req
-            else:
-                done.append(req)
-        return (tokens, done) if tokens else None, running_batch
-
-
-@pytest.mark.parametrize("lag", [False, True], ids=["in_order", "overlap"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["in_order", "overlap"])
 @pytest.mark.parametrize("mixed", [False, True], ids=["prefill_only", "mixed"])
-def test_a_burst_of_chunked_prompts_settles_at_the_knee(mixed, lag):
-    """M1D's burst as served: every pass fills its 8K tokens and ends in a chunked prompt; a pass is a
-    prefill-only forward (the running requests wait through it) or, with SGLang's mixed chunks (the
-    CUDA default, ``--wgkv-forward-tokens 8192``), a mixed one that also decodes every running request.
-    The knee still holds once past the dense count (a held pass runs only the chunked prompt's next
-    chunk), the running count settles near ``B* = K a / (b + P g / O)``, not at the whole burst, and the
-    median request's TPOT stays at the target. ``overlap``: SGLang's overlap scheduler launches a
-    forward once the one before the last has finished, so the knee sees each period one forward late."""
-    a, b, g, prompt, out, k = 0.005, 0.00006, 0.00003, 3000, 300, 8
-    dense_tokens = 50 * (prompt + out // 2)  # a dense pool of the same memory runs 50
-    clock = Clock()
-    knee = rk.RunningKnee(k, clock)
-    plan = SimpleNamespace(mode="dense", physical_tokens=dense_tokens, fixed_tokens=0)
-    settings = ServingSettings(forward_tokens=8192 if mixed else None)
-    runtime = SimpleNamespace(plan=plan, settings=settings, running_knee=knee)
-    sched = _BurstScheduler(runtime, 600, prompt, out)
-    sched.is_mixed_chunk = mixed
-    for _ in range(8):  # SGLang's warm-up request
-        knee.observe(rk.Launch(decode_rows=1, prefill=False, decoding=True), pipelined=True)
-        clock.t += a + b
-    seen, tpot, ends = [], [], []  # ends: when each launched forward finishes on the GPU
-
-    def decode_step(running, t):
-        for req in list(running):
-            req.output_ids.append(0)
-            if len(req.output_ids) == out:
-                running.remove(req)
-                tpot.append((t - req.first) / out)
-
-    while sched.waiting_queue or sched.chunked_req is not None or sched.running_batch.reqs:
-        running = sched.running_batch.reqs
-        batch, _ = schedule_prefill(
-            _BurstScheduler.raw, sched, prefill_delayer_single_pass=None, running_batch=sched.running_batch
-        )
-        rows = len(running) if batch is None or mixed else 0
-        knee.observe(rk.Launch(rows, prefill=batch is not None, decoding=bool(running)), pipelined=True)
-        end = max(clock.t, ends[-1] if ends else 0.0) + a + b * rows + (g * batch[0] if batch else 0.0)
-        ends.append(end)
-        decode_step(running if rows else [], end)
-        for req in batch[1] if batch else ():
-            req.first = end
-            req.output_ids.append(0)  # the prompt's first token
-            running.append(req)
-        clock.t = ends[-2] if lag and len(ends) > 1 else end
-        if 200 < 600 - len(sched.waiting_queue) < 450:
-            seen.append(len(running))
-    knee_b = k * a / (b + prompt * g / out)
-    assert knee.held_passes > 0
+def test_a_burst_of_chunked_prompts_settles_at_the_knee(mixed, overlap):
+    """M1D's burst as served (``testing/knee_burst.py``): every pass fills its 8K tokens and ends in a
+    chunked prompt; a pass is a prefill-only forward (the running requests wait through it) or, with
+    SGLang's mixed chunks (the CUDA default, ``--wgkv-forward-tokens 8192``), a mixed one that also
+    decodes every running request. The knee still holds once past the dense count (a held pass runs
+    only the chunked prompt's next chunk), the running count settles near ``B* = K a / (b + P g / O)``,
+    not at the whole burst, and the median request's TPOT stays at the target. ``overlap``: SGLang's
+    overlap scheduler launches a forward once the one before the last has finished, so the knee sees
+    each period one forward late."""
+    burst = Burst(mixed=mixed, overlap=overlap)  # a dense pool of the same memory runs 50
+    got = run_burst(burst)
+    assert got.held_passes > 0
     # each request's TPOT at the target: a pass is counted before it runs, and the running requests'
     # own TPOT since they started holds the burst where the window's lags a forward behind
-    median = sorted(tpot)[len(tpot) // 2]
-    assert median < 1.05 * knee.target_s(), (median, knee.target_s())
-    assert max(seen) < 1.4 * knee_b, (knee_b, max(seen))  # the whole burst would run 450 and more
-    assert knee_b * 0.8 < sum(seen) / len(seen) < knee_b * 1.2, (knee_b, sum(seen) / len(seen))
+    assert got.median_tpot_s < 1.05 * got.target_s, (got.median_tpot_s, got.target_s)
+    knee_b = burst.knee_running
+    assert got.max_running < 1.4 * knee_b, (knee_b, got.max_running)  # the whole burst would run 450 and more
+    mean = sum(got.running_mid) / len(got.running_mid)
+    assert knee_b * 0.8 < mean < knee_b * 1.2, (knee_b, mean)
 
 
 def test_launcher_option(monkeypatch):
