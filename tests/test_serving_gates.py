@@ -54,6 +54,7 @@ def test_scheduler_refuses_mismatched_gates(bad_gates):
     """The 30-layer gates on the short model (the embedded model's first two layers: a quick load)."""
     from sglang_wgkv.config import WGKVConfig
     from sglang_wgkv.integration.plugin.settings import ENV_VAR, ServingSettings
+    from sglang_wgkv.testing.lean import hidden_modules_env
     from sglang_wgkv.testing.serving import QUIET_STOP_ENV, only_test_models_env
     from sglang_wgkv.testing.short_model import SHORT_LAYERS, short_model_dir
 
@@ -72,12 +73,14 @@ def test_scheduler_refuses_mismatched_gates(bad_gates):
             str(free_port()),
         ],
         # the scheduler's exit is a crash to SGLang's launcher: no 5-s wait for crash diagnostics; the
-        # scheduler imports only the model module it loads
+        # scheduler imports only the model module it loads, no process the unused packages (its
+        # scheduler is still spawned: it loads the plugin itself)
         env={
             ENV_VAR: settings.to_env(),
             "SGLANG_USE_CPU_ENGINE": "1",
             **QUIET_STOP_ENV,
             **only_test_models_env(),
+            **hidden_modules_env(),
         },
         module="sglang.launch_server",
     )

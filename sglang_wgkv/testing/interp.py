@@ -16,9 +16,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 def interp_env() -> dict[str, str]:
     """The environment of an interpreter check: Triton interpreted, no GPU visible (CPU even on a GPU
-    host), this checkout's packages first on the path."""
+    host), this checkout's packages first on the path, the unused packages of
+    :data:`~sglang_wgkv.testing.lean.HIDDEN_MODULES` blocked (the checks that import SGLang)."""
+    from sglang_wgkv.testing.lean import hidden_modules_env
+
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path}
+    return {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", **hidden_modules_env(path)}
 
 
 INTERPRETER_STANDS_IN = (

@@ -16,6 +16,7 @@ from pathlib import Path
 import requests
 
 from sglang_wgkv.server_process import LAUNCHER, ServerProcess, free_port
+from sglang_wgkv.testing.lean import lean_server_env
 
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = float(os.environ.get("WGKV_TEST_STARTUP_TIMEOUT", "420"))
@@ -61,6 +62,7 @@ class Server(ServerProcess):
             "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
             **QUIET_STOP_ENV,
             **only_test_models_env(),
+            **lean_server_env(),
             **(env or {}),
         }
         super().__init__(
