@@ -5,8 +5,9 @@ pool capped at its running count with upstream's costs; the overlap scheduler's 
 python -m benchmarks.knee_sim [--a MS --b MS --g US --upstream-a MS --upstream-b MS --upstream-g US
                                --prompt N --out N --prompts N --dense N --upstream-cap N --k K ...] [--out-file PATH]
 
-The defaults are M1D's on one H100 (``serving/M1D_model_knee8.json``'s fit of both engines' logs, the
-dense count of WG-KV's pool, upstream's 127 running). The simulation under-predicts both engines' real
+The defaults are M1D's on one H100 (``serving/M1D_model_knee8.json``'s fit of both engines' logs, ``a``
+as the served knee timed it, the dense count of WG-KV's pool as the knee computes it: the plan's 397,120
+tokens over a request's prompt and half its outputs, 3,264; upstream's 127 running). The simulation under-predicts both engines' real
 median TPOT by about 1.2x (upstream 36.9 against 45.3 ms measured): compare its rows with each other.
 """
 
@@ -38,7 +39,7 @@ def row(label: str, burst: Burst) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--a", type=float, default=4.64, help="WG-KV's fixed step cost, ms")
+    ap.add_argument("--a", type=float, default=4.42, help="WG-KV's fixed step cost, ms")
     ap.add_argument("--b", type=float, default=0.063, help="WG-KV's cost per running request a step, ms")
     ap.add_argument("--g", type=float, default=29.2, help="WG-KV's cost per prompt token, us")
     ap.add_argument("--upstream-a", type=float, default=5.07)
@@ -47,9 +48,9 @@ def main():
     ap.add_argument("--prompt", type=int, default=3072)
     ap.add_argument("--out", type=int, default=384)
     ap.add_argument("--prompts", type=int, default=400)
-    ap.add_argument("--dense", type=int, default=144, help="requests WG-KV's pool would run densely")
+    ap.add_argument("--dense", type=int, default=122, help="requests WG-KV's pool would run densely")
     ap.add_argument("--upstream-cap", type=int, default=127, help="requests upstream's pool runs")
-    ap.add_argument("--k", type=float, nargs="+", default=[4.0, 6.0, 8.0])
+    ap.add_argument("--k", type=float, nargs="+", default=[2.0, 4.0, 8.0])
     ap.add_argument(
         "--out-file", default=str(Path(__file__).parent / "results" / "serving" / "knee_sim.json")
     )

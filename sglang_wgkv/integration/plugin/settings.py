@@ -36,11 +36,12 @@ DEFAULT_GPU_OVERCOMMIT = 4.0
 DEFAULT_GPU_FORWARD_TOKENS = 8192
 
 # The launcher's running knee on CUDA with one scheduler (--wgkv-running-knee, integration/scheduling/
-# running_knee.py): past a dense pool's running count, admit while TPOT stays under 9 decode steps' fixed
-# cost. The served model fitted from M1D's logs puts it at ~135 running on an H100 (M1D_model.json), and
-# a fixed cap there, 128, gave 1.12x upstream's rate at 0.89x its TPOT (M1D_cap128_ab.json); a workload
-# whose decode dominates (W3) stays under the target and runs as without it.
-DEFAULT_GPU_RUNNING_KNEE = 8.0
+# running_knee.py): past a dense pool's running count, admit while TPOT stays under 5 decode steps' fixed
+# cost. On prompt-heavy traffic that holds the batch at the dense count, where the output rate has
+# saturated: at K = 8 M1D ran ~190 requests for the rate of a cap at 128 and 1.37x its TPOT
+# (serving/M1D_running_tpot_ab.json, M1D_cap128_ab.json; serving/knee_sim.json: K <= 4 holds at the
+# dense count); a workload whose decode dominates (W3) stays under the target and runs as without it.
+DEFAULT_GPU_RUNNING_KNEE = 4.0
 
 # MiB of GPU memory by which the wgkv backend lowers SGLang's own choice of --mem-fraction-static (none
 # given; hooks.reserve_gpu_memory), for what it holds outside the static pool: SGLang sets nothing aside

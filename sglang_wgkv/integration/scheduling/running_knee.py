@@ -44,7 +44,7 @@ dense running count     SGLang's KV budget (dense tokens) / the running requests
                         plus half their ``max_new_tokens``
 ======================  =======================================================================
 
-``K = 8`` by default on CUDA with one scheduler (``settings.DEFAULT_GPU_RUNNING_KNEE``); it holds nothing
+``K = 4`` by default on CUDA with one scheduler (``settings.DEFAULT_GPU_RUNNING_KNEE``); it holds nothing
 until ``a`` has been timed.
 """
 
