@@ -9,7 +9,8 @@ python -m benchmarks.extend_step [--layers 32 --kv-heads 8 --head-dim 128 --wind
 
 For each chunk position (a request's first chunk, then after 8K, 16K, 24K cached tokens) and path,
 the wall time of one chunk's pool work, every layer (begin_extend, then per layer extend_inputs and
-write_extend), synchronised before and after: the host's launches count, as they do in service. A
+its write, staged in groups of layers as the backend stages them: ``ExtendWrites``), synchronised
+before and after: the host's launches count, as they do in service. A
 first, untimed repetition checks: every layer's attention inputs equal on both paths, chunk by chunk
 (positions and admitted flags; keys and values where a head has them, not a shorter head's padding); after each repetition the two pools' states must be equal
 (page tables, lengths, flags, key and value pages). CUDA if available, else CPU (a smoke run:
@@ -26,6 +27,7 @@ import torch
 from benchmarks.common import environment, write_json
 from sglang_wgkv.config import FAR_POSITION, WGKVConfig
 from sglang_wgkv.memory import DualCachePool
+from sglang_wgkv.memory.extend_writes import ExtendWrites
 
 
 def chunk_rows(a, dev, gen, start, n):
@@ -41,9 +43,10 @@ def run_chunk(pool, r, start, rows, sync):
     sync()
     t0 = time.perf_counter()
     pool.begin_extend([r], [start], [k.shape[1]])
+    writes = ExtendWrites(pool)
     for layer in range(pool.num_layers):
         pool.extend_inputs(layer, k[layer], v[layer], admit[layer], pos, torch.bfloat16)
-        pool.write_extend(layer, k[layer], v[layer], admit[layer])
+        writes.stage(layer, k[layer], v[layer], admit[layer])
     sync()
     return (time.perf_counter() - t0) * 1e3
 
@@ -53,6 +56,7 @@ def check_chunk(pools, r, start, chunks):
     (SystemExit naming the first that differs)."""
     for pool, (k, v, admit, pos) in zip(pools.values(), chunks.values()):
         pool.begin_extend([r], [start], [k.shape[1]])
+    writes = {name: ExtendWrites(pool) for name, pool in pools.items()}
     for layer in range(next(iter(pools.values())).num_layers):
         got = {
             name: pool.extend_inputs(layer, k[layer], v[layer], admit[layer], pos, torch.bfloat16)
@@ -67,8 +71,8 @@ def check_chunk(pools, r, start, chunks):
                     x, y = x[read], y[read]
                 if not torch.equal(x, y):
                     raise SystemExit(f"chunk at {start}, layer {layer}: {name}'s {what} differ from torch's")
-        for pool, (k, v, admit, _) in zip(pools.values(), chunks.values()):
-            pool.write_extend(layer, k[layer], v[layer], admit[layer])
+        for staged, (k, v, admit, _) in zip(writes.values(), chunks.values()):
+            staged.stage(layer, k[layer], v[layer], admit[layer])
 
 
 def main():

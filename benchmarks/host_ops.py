@@ -1,6 +1,7 @@
 """What a served forward launches on the kernels path, counted on CPU (``sglang_wgkv.testing.op_count``):
 per layer and per forward, for extends of several sizes, a chunk after a cached prefix, a mixed
-forward and an eager decode step. A host-bound forward's time is about its launches times a launch's
+forward and an eager decode step, on a pool with the Triton extend launches (``triton_extend``, as
+served on CUDA). A host-bound forward's time is about its launches times a launch's
 host cost, so these counts are what the host does; that they do not grow with the batch is checked
 by ``tests/test_core_host_ops.py``.
 
@@ -68,6 +69,7 @@ def _setup(num_layers: int, scenario: str):
         max_context_len=512,
         config=WGKVConfig(local_window=W, tau=0.1),
         triton_decode=True,
+        triton_extend=True,
         dtype=dt,
     )
     gates = WriteGates(GateConfig(num_layers=num_layers, num_kv_heads=H, head_dim=D, hidden=2 * D)).eval()

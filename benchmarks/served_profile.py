@@ -59,16 +59,27 @@ def profile_decode(url: str, w: Workload, body: dict | None, a, trace_dir: Path)
     }
 
 
+def prefill_batch(input_len: int, chunk: int) -> tuple[int, int]:
+    """(requests, forward steps) of the profiled prefill: one prompt of ``input_len`` over as many
+    chunks as it takes, or, for prompts shorter than half a chunk, as many prompts as fill one chunk
+    together (a served pass of prompt-heavy traffic: M1D's 8K passes hold two to four prompts)."""
+    if chunk <= 0:
+        return 1, 1
+    n = max(1, chunk // input_len) if input_len > 0 else 1
+    return n, -(-n * input_len // chunk)
+
+
 def profile_prefill(url: str, w: Workload, body: dict | None, a, trace_dir: Path) -> dict:
-    """The prefill of one request of ``w``'s prompt length on an idle server: SGLang's torch profiler
-    is started for as many forward steps as the prompt has chunks (``chunked_prefill_size`` from
-    ``/get_server_info``), then the request (one output token) is sent. Returns the trace summary
-    (:mod:`trace_summary`) with the request's wall time."""
+    """The prefill of ``w``'s prompt length on an idle server (:func:`prefill_batch` prompts, sent in
+    one ``/generate`` call so that one pass takes them together): SGLang's torch profiler is started
+    for as many forward steps as they make (``chunked_prefill_size`` from ``/get_server_info``), then
+    the request (one output token each) is sent. Returns the trace summary (:mod:`trace_summary`) with
+    the request's wall time."""
     import requests
 
     info = requests.get(url + "/get_server_info", timeout=60).json()
     chunk = int(info.get("chunked_prefill_size") or w.client.input_len)
-    steps = -(-w.client.input_len // chunk) if chunk > 0 else 1
+    prompts, steps = prefill_batch(w.client.input_len, chunk)
     started = requests.post(
         url + "/start_profile",
         timeout=60,
@@ -78,13 +89,11 @@ def profile_prefill(url: str, w: Workload, body: dict | None, a, trace_dir: Path
     params = {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}
     if body:
         params["custom_params"] = {"wgkv": body}
+    ids = [[rng.randrange(1000, 100000) for _ in range(w.client.input_len)] for _ in range(prompts)]
     t0 = time.perf_counter()
     requests.post(
         url + "/generate",
-        json={
-            "input_ids": [rng.randrange(1000, 100000) for _ in range(w.client.input_len)],
-            "sampling_params": params,
-        },
+        json={"input_ids": ids[0] if prompts == 1 else ids, "sampling_params": params},
         timeout=a.bench_timeout,
     ).raise_for_status()
     wall = time.perf_counter() - t0
@@ -94,6 +103,7 @@ def profile_prefill(url: str, w: Workload, body: dict | None, a, trace_dir: Path
     return {
         "start_profile": started,
         "chunk": chunk,
+        "prompts": prompts,
         "steps": steps,
         "request_s": wall,
         **summarize_dir(str(trace_dir), steps),

@@ -346,7 +346,11 @@ def main(argv=None) -> None:
     p.add_argument("--profile-workloads", default="W1,W0", help="the idle server's decode steps")
     p.add_argument("--profile-steps", type=int, default=12)
     p.add_argument("--profile-load-workloads", default="", help="decode steps under the workload's own load")
-    p.add_argument("--profile-prefill-workloads", default="", help="every prefill chunk of one request")
+    p.add_argument(
+        "--profile-prefill-workloads",
+        default="",
+        help="every prefill chunk of one request (prompts of half a chunk or less: as many as fill one pass)",
+    )
     p.add_argument("--profile-load-delay-s", type=float, default=30, help="then until no request waits")
     p.add_argument(
         "--profile-load-waiting",

@@ -13,7 +13,7 @@ pytestmark = [
 ]
 
 
-def _pool(L, H, D, W, dtype, dev, triton_decode=None):
+def _pool(L, H, D, W, dtype, dev, triton_decode=None, triton_extend=False):
     return DualCachePool(
         L,
         H,
@@ -25,6 +25,7 @@ def _pool(L, H, D, W, dtype, dev, triton_decode=None):
         dtype=dtype,
         device=dev,
         triton_decode=triton_decode,
+        triton_extend=triton_extend,
     )
 
 
@@ -224,7 +225,8 @@ def test_triton_decode_promote_graph_replay():
     tri.check_integrity()
 
 
-def test_served_extend_layers_never_wait_for_the_host():
+@pytest.mark.parametrize("triton_extend", [False, True], ids=["torch_moves", "triton_moves"])
+def test_served_extend_layers_never_wait_for_the_host(triton_extend):
     """The per-layer work of a served prefill (context gather with the plan's page columns, gate
     check, Triton plan + compaction + attention, the pool writes staged and written for the layers at
     once) and the request's end issue no host sync: under
@@ -236,7 +238,7 @@ def test_served_extend_layers_never_wait_for_the_host():
     from sglang_wgkv.memory.extend_writes import ExtendWrites
 
     dev, L, H, Hq, D, W = "cuda", 2, 4, 8, 128, 64
-    pool = _pool(L, H, D, W, torch.bfloat16, dev)
+    pool = _pool(L, H, D, W, torch.bfloat16, dev, triton_extend=triton_extend)
     pool.alloc_request(1)
     gen = torch.Generator(device=dev).manual_seed(0)
     check = DeferredGateCheck(L, dev)
@@ -256,7 +258,9 @@ def test_served_extend_layers_never_wait_for_the_host():
             for layer in range(L):
                 check.record(torch.rand(n, H, device=dev, generator=gen), layer)
                 keys, values, kpos, adm = k, v, pos, admit
-                if S:
+                if triton_extend:  # the served read: one launch, its segment rows copied once a forward
+                    keys, values, kpos, adm = pool.extend_inputs(layer, k, v, admit, pos, torch.bfloat16)
+                elif S:
                     ck, cv, cpos, cadm = pool.gather_context(layer, 1, S, plan.context_gcols[0][layer])
                     keys, values = torch.cat([ck, k]), torch.cat([cv, v])
                     kpos, adm = torch.cat([cpos, pos]), torch.cat([cadm, admit])
@@ -300,7 +304,8 @@ def test_triton_extend_chunks_match_torch(in_dtype):
     ``extend_move`` and ``extend_ring_write``): the attention inputs and the pool after each chunk;
     batches of requests extended after cached prefixes inside and past the ring, chunks shorter and
     longer than the ring, mixed admission, rows cast to the pool's dtype (float32 in) or not (bf16 in,
-    as served)."""
+    as served); every other chunk's writes in one group of layers (the moves a layer each from one
+    index pass)."""
     dev, L, H, D, W = "cuda", 3, 8, 128, 64
     torch.manual_seed(7)
     pools = [
@@ -322,7 +327,8 @@ def test_triton_extend_chunks_match_torch(in_dtype):
         for r in (0, 2, 3):
             pool.alloc_request(r)
     chunks = [([0, 2], [100, 7]), ([0, 2, 3], [1, 64, 200]), ([3], [63]), ([0, 3], [300, 5]), ([2], [1000])]
-    for batch, lens in chunks:
+    for i, (batch, lens) in enumerate(chunks):
+        grouped = i % 2 == 1  # every layer's writes in one group (ExtendWrites), after all reads
         prefix = [int(pools[0].cached_len[r]) for r in batch]
         N = sum(lens)
         k, v = (
@@ -341,8 +347,10 @@ def test_triton_extend_chunks_match_torch(in_dtype):
             read = ~((p0 == FAR_POSITION)[:, None] & ~a0)  # global padding rows are never read
             assert torch.equal(p0, p1) and torch.equal(a0, a1)
             assert torch.equal(k0[read], k1[read]) and torch.equal(v0[read], v1[read])
-            for pool in pools:
+            for pool in pools if not grouped else ():
                 pool.write_extend(layer, k[layer], v[layer], admit[layer])
+        for pool in pools if grouped else ():
+            pool.write_extend_layers(0, k, v, admit)
         assert_same_pool(*pools)
     for pool in pools:
         pool.check_integrity()

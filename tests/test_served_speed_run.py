@@ -131,3 +131,19 @@ def test_an_extra_flag_alone_is_taken_as_the_value(fakes, tmp_path):
         "--tag",
         "x",
     ]
+
+
+@pytest.mark.parametrize(
+    "input_len, chunk, expected",
+    [
+        (126_976, 8192, (1, 16)),  # W0: one prompt, every chunk of it
+        (4096, 8192, (2, 1)),  # M1D's longest prompts: two fill one pass
+        (2730, 8192, (3, 1)),
+        (5000, 8192, (1, 1)),  # over half a chunk: alone
+        (1000, 0, (1, 1)),  # chunked prefill off: one step
+    ],
+)
+def test_the_profiled_prefill_fills_one_pass_with_short_prompts(input_len, chunk, expected):
+    from benchmarks.served_profile import prefill_batch
+
+    assert prefill_batch(input_len, chunk) == expected

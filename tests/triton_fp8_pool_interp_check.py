@@ -57,8 +57,8 @@ def main(seed: int, dtype: torch.dtype, device: str = "cpu") -> str:
     admit = (torch.rand(L, sum(lens), H, generator=gen) < 0.5).to(device)
     for pool in (ref, tri):
         pool.begin_extend(slots, [0, 0], lens)
-        for layer in range(L):
-            pool.write_extend(layer, k[layer].bfloat16(), v[layer].bfloat16(), admit[layer])
+    for pool in (ref, tri):  # one group (the pages allocated for both layers at once): each its own scale
+        pool.write_extend_layers(0, k.bfloat16(), v.bfloat16(), admit)
     for step in range(40):  # rings fill, wrap and promote into new global pages
         seq = [int(ref.cached_len[r]) for r in slots]
         kd = (torch.randn(L, len(slots), H, D, generator=gen) * 3).bfloat16().to(device)
@@ -92,8 +92,12 @@ def main(seed: int, dtype: torch.dtype, device: str = "cpu") -> str:
                     raise AssertionError(
                         f"seed {seed} chunk {chunk} layer {layer}: extend input {name} differs"
                     )
+            if chunk == 0:
+                for pool in (ref, tri):
+                    pool.write_extend(layer, kc[layer], vc[layer], ac[layer])
+        if chunk == 1:  # the second chunk's writes in one group, after every layer read its context
             for pool in (ref, tri):
-                pool.write_extend(layer, kc[layer], vc[layer], ac[layer])
+                pool.write_extend_layers(0, kc, vc, ac)
         check_same(ref, tri, f"seed {seed} chunk {chunk}", exact=device == "cuda")
     return f"{dtype}: {int(ref.promoted.sum())} promotions"
 

@@ -69,10 +69,22 @@ def assert_same(a, b, where, plans=None):
             check(x.dtype == y.dtype and torch.equal(x, y), f"plan.{name}")
 
 
+def write_layers(pool, k, v, admit, grouped):
+    """An extend's writes of every layer: one ``write_extend`` a layer, or one group of them all
+    (``write_extend_layers``: the index work once, the moves a layer each)."""
+    if grouped:
+        pool.write_extend_layers(0, k, v, admit)
+        return
+    for layer in range(L):
+        pool.write_extend(layer, k[layer], v[layer], admit[layer])
+
+
 def scenario(seed):
     """Twin pools driven by one random schedule: extends with mixed admission, decode batches
     mixing requests inside and past the ring (ring page crossings, promotions at global page
-    boundaries), frees and re-allocations (a shuffled free stack), a pool run close to empty."""
+    boundaries), frees and re-allocations (a shuffled free stack), a pool run close to empty; the
+    extends write one layer at a time or all in one group (both pools alike: a group allocates its
+    pages in another order), at random."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     num_pages = rng.choice([90, 120, 160])
@@ -88,12 +100,12 @@ def scenario(seed):
             p = rng.choice([0.0, 0.3, 0.7, 1.0])
             k, v = bf16(torch.randn(L, n, H, D)), bf16(torch.randn(L, n, H, D))
             admit = torch.rand(L, n, H) < p
+            grouped = rng.random() < 0.5  # every layer in one group
             try:
                 for pool in pools:
                     pool.alloc_request(r)
                     pool.begin_extend([r], [0], [n])
-                    for layer in range(L):
-                        pool.write_extend(layer, k[layer], v[layer], admit[layer])
+                    write_layers(pool, k, v, admit, grouped)
                 live[r] = p
             except PoolExhausted:
                 for pool in pools:
@@ -126,6 +138,7 @@ def scenario(seed):
                 assert_same(ref, tri, f"seed {seed} step {step} (extend refused)")
                 break
             positions = torch.cat([torch.arange(S, S + n) for S, n in zip(prefix, lens)])
+            grouped = rng.random() < 0.5
             for layer in range(L):
                 got = [
                     pool.extend_inputs(layer, k[layer], v[layer], admit[layer], positions, torch.bfloat16)
@@ -150,8 +163,12 @@ def scenario(seed):
                         raise AssertionError(
                             f"seed {seed} step {step} layer {layer}: extend_inputs {name} differs"
                         )
+                if not grouped:
+                    for pool in pools:
+                        pool.write_extend(layer, k[layer], v[layer], admit[layer])
+            if grouped:  # after every layer read its context, as ExtendWrites flushes a group
                 for pool in pools:
-                    pool.write_extend(layer, k[layer], v[layer], admit[layer])
+                    pool.write_extend_layers(0, k, v, admit)
             chunked_any = True
             assert_same(ref, tri, f"seed {seed} step {step} extend {batch} after {prefix} by {lens}")
         else:

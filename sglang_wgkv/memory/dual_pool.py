@@ -65,7 +65,7 @@ class DualCachePool(ExtendStep, DecodeStep, MixedStep, KVScales, PoolIntegrity):
         server passes its one torch/Triton choice (:class:`~sglang_wgkv.integration.plugin.runtime.WGKVRuntime`).
     triton_extend : :meth:`write_extend` moves its rows with
         :func:`~sglang_wgkv.memory.triton_extend.extend_move` and ``extend_ring_write`` (one launch
-        each) and :meth:`extend_inputs` gathers with ``extend_context`` (one launch per request),
+        each a layer, the index work done once for a group of layers) and :meth:`extend_inputs` gathers with ``extend_context`` (one launch a layer),
         instead of torch gathers built on the host; the same tensors either way. Default off here; a
         server on CUDA turns it on (``--[no-]wgkv-extend-kernels``).
     reclaimer : ``fn(worst_case)`` that releases pages it can spare (a prefix cache dropping

@@ -55,6 +55,10 @@ class ExtendPlan:
     # the torch path's context rows of every layer, built by its first extend_inputs (None: no context)
     context: ContextIndex | None = None
     context_built: bool = False
+    # the Triton path's: [L, B, 7] segment rows on the device, and per layer the most rows a request
+    # has and the rows in all (host ints), built by its first extend_inputs
+    segments: torch.Tensor | None = None
+    segment_rows: list | None = None
 
 
 class ExtendStep:
@@ -180,10 +184,6 @@ class ExtendStep:
         if p is None:
             raise RuntimeError("write_extend without begin_extend")
         G = k.shape[0]
-        if self.triton_extend and G > 1:  # its launches take one layer
-            for i in range(G):
-                self.write_extend_layers(first + i, k[i : i + 1], v[i : i + 1], admit[i : i + 1])
-            return
         last = first + G
         L3, H3 = self._layers[first:last][None, :, None], self._heads[None, None, :]
         scale_shape = (1, G, 1, 1)
@@ -211,22 +211,23 @@ class ExtendStep:
                 flag, self.page_table[rc, L3, H3, self.ring_cols + dest // PAGE_SIZE].long(), self.dump_page
             )
             src_page = self.page_table[rc, L3, H3, slot // PAGE_SIZE].long()
-            if self.triton_extend:  # one launch (the ring is read here, before the ring write below)
+            if self.triton_extend:  # one launch a layer (the ring is read here, before the ring write below)
                 from sglang_wgkv.memory.triton_extend import extend_move
 
-                extend_move(
-                    self,
-                    first,
-                    k[0],
-                    v[0],
-                    flag[:, 0],
-                    dest_page[:, 0],
-                    dest[:, 0],
-                    p.cand_from_ring,
-                    src_page[:, 0],
-                    p.cand_slot,
-                    p.cand_src,
-                )
+                for g in range(G):
+                    extend_move(
+                        self,
+                        first + g,
+                        k[g],
+                        v[g],
+                        flag[:, g],
+                        dest_page[:, g],
+                        dest[:, g],
+                        p.cand_from_ring,
+                        src_page[:, g],
+                        p.cand_slot,
+                        p.cand_src,
+                    )
             else:
                 from_ring = p.cand_from_ring[:, None, None, None]
                 for pages, new, scale in ((self.k_pages, k, self.k_scale), (self.v_pages, v, self.v_scale)):
@@ -240,10 +241,11 @@ class ExtendStep:
             self.global_len[p.req, first:last] += cnt.to(torch.int32)
             self.left_ring[first:last] += C
             self.promoted[first:last] += cnt.sum(0)
-        if self.triton_extend:  # (no launch without ring rows)
+        if self.triton_extend:  # one launch a layer (none without ring rows)
             from sglang_wgkv.memory.triton_extend import extend_ring_write
 
-            extend_ring_write(self, first, k[0], v[0], admit[0], p.req, p.rw_b, p.rw_slot, p.rw_src)
+            for g in range(G):
+                extend_ring_write(self, first + g, k[g], v[g], admit[g], p.req, p.rw_b, p.rw_slot, p.rw_src)
         elif p.rw_b.numel():
             rr = p.req[p.rw_b][:, None, None]  # [M, 1, 1]
             slot = p.rw_slot[:, None, None]
@@ -269,8 +271,9 @@ class ExtendStep:
         context (what :meth:`gather_context` reads with ``context_gcols``) then its new rows, over the
         batch. k, v ``[N, H, D]``, admit ``[N, H]``, positions ``[N]``: the chunk's packed rows. Returns
         keys, values ``[Nk, H, D]`` in ``dtype``, k_pos ``[Nk]`` in positions' dtype and admitted
-        ``[Nk, H]`` bool, with no host sync. On a ``triton_extend`` pool one Triton launch per request
-        (:func:`~sglang_wgkv.memory.triton_extend.extend_context`); otherwise the plan's
+        ``[Nk, H]`` bool, with no host sync. On a ``triton_extend`` pool one Triton launch a layer
+        (:func:`~sglang_wgkv.memory.triton_extend.extend_context`, the plan's segment rows copied once a
+        forward); otherwise the plan's
         :class:`~sglang_wgkv.memory.context_index.ContextIndex`: eight launches a layer whatever the batch
         (none without cached context: the new rows themselves). The same tensors either way, and as
         :meth:`extend_inputs_reference`."""
@@ -278,21 +281,21 @@ class ExtendStep:
         if p is None:
             raise RuntimeError("extend_inputs without begin_extend")
         H, D = self.num_kv_heads, self.head_dim
+        if not any(p.prefix_lens):  # no cached context in this forward: the keys are the new rows
+            return k.to(dtype), v.to(dtype), positions, admit
         if self.triton_extend:
             from sglang_wgkv.memory.triton_extend import extend_context
 
-            segments, start, out0 = [], 0, 0
-            for b, (r, S, n) in enumerate(zip(p.req_slots, p.prefix_lens, p.extend_lens)):
-                g_rows, ring_n = context_rows(S, p.context_gcols[b][layer], self.window)
-                segments.append((r, S, g_rows, ring_n, n, start, out0))
-                out0 += g_rows + ring_n + n
-                start += n
-
-            keys = torch.empty(out0, H, D, dtype=dtype, device=self.device)
-            values = torch.empty(out0, H, v.shape[2], dtype=dtype, device=self.device)
-            k_pos = torch.empty(out0, dtype=positions.dtype, device=self.device)
-            admitted = torch.empty(out0, H, dtype=torch.bool, device=self.device)
-            extend_context(self, layer, segments, k, v, admit, positions, keys, values, k_pos, admitted)
+            if p.segments is None:  # once a forward: every layer's rows, one copy to the device
+                p.segments, p.segment_rows = self._context_segments(p)
+            longest, total = p.segment_rows[layer]
+            keys = torch.empty(total, H, D, dtype=dtype, device=self.device)
+            values = torch.empty(total, H, v.shape[2], dtype=dtype, device=self.device)
+            k_pos = torch.empty(total, dtype=positions.dtype, device=self.device)
+            admitted = torch.empty(total, H, dtype=torch.bool, device=self.device)
+            extend_context(
+                self, layer, p.segments[layer], longest, k, v, admit, positions, keys, values, k_pos, admitted
+            )
             return keys, values, k_pos, admitted
         if not p.context_built:  # once a forward; a layer's context is unchanged until its own write
             p.context, p.context_built = build_context_index(self, p), True
@@ -311,6 +314,26 @@ class ExtendStep:
         admitted[dst] = ci.admitted[a:b]
         admitted[new_dst] = admit
         return keys, values, ci.k_pos[ka:kb].to(positions.dtype), admitted
+
+    def _context_segments(self, p: ExtendPlan) -> tuple[torch.Tensor, list]:
+        """``[L, B, 7]`` int64 segment rows of :func:`~sglang_wgkv.memory.triton_extend.extend_context`
+        (slot, prefix, global rows, ring rows, new rows, first chunk row, first output row) on the
+        device, and per layer (the most rows of a request, the rows in all)."""
+        L, B = self.num_layers, len(p.req_slots)
+        seg = np.zeros((L, B, 7), dtype=np.int64)
+        n = np.asarray(p.extend_lens, dtype=np.int64)
+        seg[:, :, 0] = p.req_slots
+        seg[:, :, 1] = p.prefix_lens
+        S = np.asarray(p.prefix_lens, dtype=np.int64)
+        gcols = np.asarray(p.context_gcols, dtype=np.int64).reshape(B, L).T  # [L, B]
+        seg[:, :, 2] = np.where(S > 0, gcols * PAGE_SIZE, 0)  # context_rows, every layer at once
+        seg[:, :, 3] = np.where(S > 0, np.minimum(S, self.window), 0)
+        seg[:, :, 4] = n
+        seg[:, :, 5] = np.cumsum(n) - n
+        rows = seg[:, :, 2] + seg[:, :, 3] + n  # [L, B]
+        seg[:, :, 6] = np.cumsum(rows, 1) - rows
+        sizes = list(zip(rows.max(1, initial=0).tolist(), rows.sum(1).tolist()))
+        return to_device(self.device, seg.reshape(-1)).view(L, B, 7), sizes
 
     def extend_inputs_reference(self, layer: int, k, v, admit, positions, dtype):
         """:meth:`extend_inputs` request by request, through :meth:`gather_context` (reading the page

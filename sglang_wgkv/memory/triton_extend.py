@@ -6,7 +6,7 @@ admitted there; these kernels do not write them):
 
 * :func:`extend_context` = ``ExtendStep.extend_inputs``' torch path (each request's cached context,
   ``gather_context``: global entries padded to the longest head, then the ring in position order;
-  then its new rows), one launch per request;
+  then its new rows), one launch a layer whatever the batch;
 * :func:`extend_move` = the row movement of ``write_extend`` (admitted tokens leaving the ring into
   their global slots), one launch, before
 * :func:`extend_ring_write` = its ring write (the chunk's last tokens and their flags), one launch.
@@ -22,7 +22,12 @@ from sglang_wgkv.config import FAR_POSITION, PAGE_SIZE
 from sglang_wgkv.memory.triton_pool_write_kernels import stored_value
 
 
-@triton.jit(do_not_specialize=["layer", "n_cand"])
+# a layer's slice of a group's arrays starts anywhere: pointer alignment unspecialized, so every layer
+# of a group runs the variant compiled at start-up (testing/jit_keys.py)
+@triton.jit(
+    do_not_specialize=["layer", "n_cand", "stride_c"],
+    do_not_specialize_on_alignment=["Flag", "DestPage", "Dest", "SrcPage"],
+)
 def _extend_move_kernel(
     K,
     V,
@@ -39,11 +44,11 @@ def _extend_move_kernel(
     VScale,
     layer,
     n_cand,
+    stride_c,
     stride_kn,
     stride_kh,
     stride_vn,
     stride_vh,
-    H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -53,22 +58,19 @@ def _extend_move_kernel(
     """Candidates ``c`` of one block, head ``h``: an admitted one's key and value go to global slot
     ``(DestPage[c, h], Dest[c, h] % PAGE)``, read from its ring slot (``FromRing[c]``: page
     ``SrcPage[c, h]``, offset ``Slot[c] % PAGE``: its bytes, never rounded again) or from the chunk's
-    row ``Src[c]`` (quantized with ``layer``'s scale on FP8 pages, ``QUANT``)."""
+    row ``Src[c]`` (quantized with ``layer``'s scale on FP8 pages, ``QUANT``). The four ``[C, H]``
+    arrays share ``stride_c`` (one layer's slice of a group's ``[C, G, H]``), heads contiguous."""
     h = tl.program_id(1)
     c = (tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
     live = c < n_cand
     d = tl.arange(0, HEAD_DIM)[None, :]
-    flag = tl.load(Flag + c * H + h, mask=live, other=0) != 0
+    ch = c * stride_c + h
+    flag = tl.load(Flag + ch, mask=live, other=0) != 0
     ring = flag & (tl.load(FromRing + c, mask=flag, other=0) != 0)
     new = flag & ~ring
-    dst = (
-        tl.load(DestPage + c * H + h, mask=flag, other=0) * PAGE
-        + tl.load(Dest + c * H + h, mask=flag, other=0) % PAGE
-    )
+    dst = tl.load(DestPage + ch, mask=flag, other=0) * PAGE + tl.load(Dest + ch, mask=flag, other=0) % PAGE
     dst = dst[:, None] * HEAD_DIM + d
-    ring_row = (
-        tl.load(SrcPage + c * H + h, mask=ring, other=0) * PAGE + tl.load(Slot + c, mask=ring, other=0) % PAGE
-    )
+    ring_row = tl.load(SrcPage + ch, mask=ring, other=0) * PAGE + tl.load(Slot + c, mask=ring, other=0) % PAGE
     ring_row = ring_row[:, None] * HEAD_DIM + d
     row = tl.load(Src + c, mask=new, other=0)
     k_ptr = K + row[:, None] * stride_kn + h * stride_kh + d
@@ -87,7 +89,7 @@ def _move_rows(
     tl.store(Pages + dst, from_new, mask=new[:, None])
 
 
-@triton.jit(do_not_specialize=["layer", "n_rows"])
+@triton.jit(do_not_specialize=["layer", "n_rows"], do_not_specialize_on_alignment=["Admit"])
 def _extend_ring_kernel(
     K,
     V,
@@ -150,7 +152,12 @@ def _cached(x, Scale, layer, Out, QUANT: tl.constexpr):
     return x.to(Out.dtype.element_ty)
 
 
-@triton.jit(do_not_specialize=["r", "layer", "prefix", "g_rows", "ring_n", "n_new", "start", "out0"])
+# Segments: one row a request of ``SEG_FIELDS`` int64s (slot, prefix, global rows, ring rows, new rows,
+# first chunk row, first output row); its pointer a layer's slice of the forward's ``[L, B, 7]`` table.
+SEG_FIELDS = 7
+
+
+@triton.jit(do_not_specialize=["layer"], do_not_specialize_on_alignment=["Segments", "Admit"])
 def _extend_context_kernel(
     KPages,
     VPages,
@@ -167,16 +174,10 @@ def _extend_context_kernel(
     OutV,
     OutPos,
     OutAdm,
-    r,
+    Segments,
     layer,
-    prefix,
     window,
     ring_cols,
-    g_rows,
-    ring_n,
-    n_new,
-    start,
-    out0,
     stride_pr,
     stride_pl,
     stride_ph,
@@ -198,13 +199,24 @@ def _extend_context_kernel(
     PAGE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     QUANT: tl.constexpr,
+    SEG: tl.constexpr,
 ):
-    """Rows ``i`` of one block of request ``r``'s attention inputs, head ``h``, at output row ``out0 + i``:
-    ``i < g_rows`` its global entries (page column ``ring_cols + i // PAGE``; admitted iff
-    ``i < global_len``, position ``FAR``), then ``ring_n`` ring entries in position order (positions
-    ``prefix - ring_n ..``; their flags), then ``n_new`` rows ``start ..`` of the chunk. Cached rows of
-    FP8 pages (``QUANT``) read as ``float(stored) * scale`` (:func:`~sglang_wgkv.memory.kv_quant.dequantize`)."""
+    """Rows ``i`` of one block of request ``b``'s attention inputs (``b`` the grid's third axis; its
+    segment row: slot ``r``, ``prefix``, ``g_rows``, ``ring_n``, ``n_new``, ``start``, ``out0``), head
+    ``h``, at output row ``out0 + i``: ``i < g_rows`` its global entries (page column
+    ``ring_cols + i // PAGE``; admitted iff ``i < global_len``, position ``FAR``), then ``ring_n`` ring
+    entries in position order (positions ``prefix - ring_n ..``; their flags), then ``n_new`` rows
+    ``start ..`` of the chunk. Cached rows of FP8 pages (``QUANT``) read as ``float(stored) * scale``
+    (:func:`~sglang_wgkv.memory.kv_quant.dequantize`)."""
     h = tl.program_id(1)
+    seg = Segments + tl.program_id(2) * SEG
+    r = tl.load(seg)
+    prefix = tl.load(seg + 1)
+    g_rows = tl.load(seg + 2)
+    ring_n = tl.load(seg + 3)
+    n_new = tl.load(seg + 4)
+    start = tl.load(seg + 5)
+    out0 = tl.load(seg + 6)
     i = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     live = i < g_rows + ring_n + n_new
     is_g = live & (i < g_rows)
@@ -260,25 +272,25 @@ def _quant_args(pool) -> dict:
 
 def extend_move(pool, layer: int, k, v, flag, dest_page, dest, from_ring, src_page, slot, src) -> None:
     """Admitted candidates of ``write_extend`` in ``layer`` into their global slots (one launch). ``flag``,
-    ``dest_page``, ``dest``, ``src_page`` ``[C, H]``; ``from_ring``, ``slot``, ``src`` ``[C]``;
-    k, v ``[N, H, D]`` the chunk's rows. Reads ring slots before :func:`extend_ring_write` overwrites
-    them (same stream)."""
+    ``dest_page``, ``dest``, ``src_page`` ``[C, H]`` (views of a group's ``[C, G, H]`` taken as they
+    are: heads contiguous, one row stride); ``from_ring``, ``slot``, ``src`` ``[C]``; k, v ``[N, H, D]``
+    the chunk's rows. Reads ring slots before :func:`extend_ring_write` overwrites them (same stream)."""
     _check_rows(pool, k, v)
     C, H = flag.shape
     if not C:
         return
-    flag8 = flag.contiguous().view(torch.uint8)
-    ring8 = from_ring.contiguous().view(torch.uint8)
-    dest_page, dest, src_page = dest_page.contiguous(), dest.contiguous(), src_page.contiguous()
+    per_cand = (flag, dest_page, dest, src_page)
+    if any(t.stride() != (flag.stride(0), 1) for t in per_cand):
+        flag, dest_page, dest, src_page = (t.contiguous() for t in per_cand)
     _extend_move_kernel[(triton.cdiv(C, EXTEND_BLOCK), H)](
         k,
         v,
         pool.k_pages,
         pool.v_pages,
-        flag8,
+        flag.view(torch.uint8),
         dest_page,
         dest,
-        ring8,
+        from_ring.contiguous().view(torch.uint8),
         src_page,
         slot.contiguous(),
         src.contiguous(),
@@ -286,11 +298,11 @@ def extend_move(pool, layer: int, k, v, flag, dest_page, dest, from_ring, src_pa
         pool.v_scale,
         layer,
         C,
+        flag.stride(0),
         k.stride(0),
         k.stride(1),
         v.stride(0),
         v.stride(1),
-        H=H,
         HEAD_DIM=pool.head_dim,
         PAGE=PAGE_SIZE,
         BLOCK_C=EXTEND_BLOCK,
@@ -311,13 +323,33 @@ def compile_extend_move(pool, dtype: torch.dtype) -> None:
 
 
 def extend_context(
-    pool, layer: int, segments, k, v, admit, positions, out_k, out_v, out_pos, out_adm
+    pool,
+    layer: int,
+    segments: torch.Tensor,
+    max_rows: int,
+    k,
+    v,
+    admit,
+    positions,
+    out_k,
+    out_v,
+    out_pos,
+    out_adm,
 ) -> None:
-    """The attention inputs of one layer's extend into ``out_*`` (one launch per request):
-    ``segments`` = ``[(slot, prefix, global rows, ring rows, new rows, first chunk row, first output row)]``
-    (host ints; the context's rows as :func:`~sglang_wgkv.memory.extend_step.context_rows` counts them); k, v ``[N, H, D]``, admit ``[N, H]`` bool, positions ``[N]`` the chunk's rows."""
+    """The attention inputs of one layer's extend into ``out_*`` (one launch): ``segments`` ``[B, 7]``
+    int64 on the device, a row a request (slot, prefix, global rows, ring rows, new rows, first chunk
+    row, first output row; the context's rows as :func:`~sglang_wgkv.memory.extend_step.context_rows`
+    counts them), ``max_rows`` the most rows a request has (host int); k, v ``[N, H, D]``, admit
+    ``[N, H]`` bool, positions ``[N]`` the chunk's rows."""
 
     _check_rows(pool, k, v)
+    B = segments.shape[0]
+    if not B or not max_rows:
+        return
+    if segments.dtype != torch.int64 or segments.shape[1] != SEG_FIELDS or segments.stride(1) != 1:
+        raise ValueError(
+            f"segments must be [B, {SEG_FIELDS}] int64 with contiguous rows, got {segments.shape}"
+        )
     H, D, W = pool.num_kv_heads, pool.head_dim, pool.window
     pt, gl, rf = pool.page_table, pool.global_len, pool.ring_flag.view(torch.uint8)
     adm = admit.contiguous().view(torch.uint8)
@@ -330,58 +362,49 @@ def extend_context(
     ):
         raise ValueError("the extend inputs' buffers must be contiguous (as extend_inputs allocates them)")
     oadm = out_adm.view(torch.uint8)
-    for r, prefix, g_rows, ring_n, n, start, out0 in segments:
-        rows = g_rows + ring_n + n
-        if not rows:
-            continue
-        _extend_context_kernel[(triton.cdiv(rows, EXTEND_BLOCK), H)](
-            pool.k_pages,
-            pool.v_pages,
-            pt,
-            gl,
-            rf,
-            k,
-            v,
-            adm,
-            positions,
-            pool.k_scale,
-            pool.v_scale,
-            out_k,
-            out_v,
-            out_pos,
-            oadm,
-            r,
-            layer,
-            prefix,
-            W,
-            pool.ring_cols,
-            g_rows,
-            ring_n,
-            n,
-            start,
-            out0,
-            pt.stride(0),
-            pt.stride(1),
-            pt.stride(2),
-            gl.stride(0),
-            gl.stride(1),
-            rf.stride(0),
-            rf.stride(1),
-            rf.stride(2),
-            k.stride(0),
-            k.stride(1),
-            v.stride(0),
-            v.stride(1),
-            adm.stride(0),
-            out_k.stride(0),
-            out_k.stride(1),
-            oadm.stride(0),
-            FAR=FAR_POSITION,
-            HEAD_DIM=D,
-            PAGE=PAGE_SIZE,
-            BLOCK_R=EXTEND_BLOCK,
-            QUANT=pool.quantized,
-        )
+    _extend_context_kernel[(triton.cdiv(max_rows, EXTEND_BLOCK), H, B)](
+        pool.k_pages,
+        pool.v_pages,
+        pt,
+        gl,
+        rf,
+        k,
+        v,
+        adm,
+        positions,
+        pool.k_scale,
+        pool.v_scale,
+        out_k,
+        out_v,
+        out_pos,
+        oadm,
+        segments,
+        layer,
+        W,
+        pool.ring_cols,
+        pt.stride(0),
+        pt.stride(1),
+        pt.stride(2),
+        gl.stride(0),
+        gl.stride(1),
+        rf.stride(0),
+        rf.stride(1),
+        rf.stride(2),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        adm.stride(0),
+        out_k.stride(0),
+        out_k.stride(1),
+        oadm.stride(0),
+        FAR=FAR_POSITION,
+        HEAD_DIM=D,
+        PAGE=PAGE_SIZE,
+        BLOCK_R=EXTEND_BLOCK,
+        QUANT=pool.quantized,
+        SEG=SEG_FIELDS,
+    )
 
 
 def extend_ring_write(pool, layer: int, k, v, admit, req, rw_b, rw_slot, rw_src) -> None:
