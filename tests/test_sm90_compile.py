@@ -330,17 +330,8 @@ UNSPECIALIZED_SIZES = {
     "sglang_wgkv.gate.triton_prefill_gate._prefill_gate_kernel": {"T"},
     "sglang_wgkv.memory.triton_pool_write_kernels._prefill_write_kernel": {"n_tokens", "leaving"},
     "sglang_wgkv.memory.triton_pool_write_kernels._decode_write_kernel": {"layer"},
-    "sglang_wgkv.memory.triton_extend._extend_context_kernel": {
-        "r",
-        "layer",
-        "prefix",
-        "g_rows",
-        "ring_n",
-        "n_new",
-        "start",
-        "out0",
-    },
-    "sglang_wgkv.memory.triton_extend._extend_move_kernel": {"layer", "n_cand"},
+    "sglang_wgkv.memory.triton_extend._extend_context_kernel": {"layer"},  # the batch: a segment table
+    "sglang_wgkv.memory.triton_extend._extend_move_kernel": {"layer", "n_cand", "stride_c"},
     "sglang_wgkv.memory.triton_extend._extend_ring_kernel": {"layer", "n_rows"},
     "sglang_wgkv.memory.triton_snapkv._snapkv_raw_kernel": {"Wq", "Nr"},
 }
@@ -351,6 +342,10 @@ UNSPECIALIZED_SIZES = {
 # alignment and their strides' divisibility are left unspecialized. Strides and pointers of the K/V
 # pages, queries and outputs keep theirs: the loads' width depends on it.
 UNSPECIALIZED_VIEWS = {
+    # a layer's slices of a group of layers' arrays, a layer's row of the forward's segment table
+    "sglang_wgkv.memory.triton_extend._extend_context_kernel": {"Segments", "Admit"},
+    "sglang_wgkv.memory.triton_extend._extend_move_kernel": {"Flag", "DestPage", "Dest", "SrcPage"},
+    "sglang_wgkv.memory.triton_extend._extend_ring_kernel": {"Admit"},
     "sglang_wgkv.attention.fa3_vertical._entries_kernel": {
         "QStart",
         "QEnd",
