@@ -83,6 +83,33 @@ def test_fa3_vertical_prefill_long_context_and_groups(Hq, Hkv):
     _close(out, one_pass, torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "lens_q,lens_k,far", [([2048, 300, 1], [2048, 900, 5000], 6000), ([700, 33], [1500, 33], 0)]
+)
+def test_fa3_dense_prefill_is_the_vertical_slash_attention_with_every_key_admitted(
+    dtype, lens_q, lens_k, far
+):
+    """The dense FA3 call of a prefill whose keys are all admitted (``attention/fa3_dense.py``) against
+    its torch statement, the reference vertical-slash attention and the one-pass kernel; and the
+    server's start-up choice takes it on this card."""
+    from sglang_wgkv.attention.fa3_dense import dense_attention, dense_reference, load_fa3_dense
+    from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
+    from sglang_wgkv.integration.backend.prefill_vertical import choose_dense
+
+    fa3 = load_fa3_dense(DEV)
+    if fa3 is None:
+        pytest.skip("FA3 (sgl_kernel.flash_attn on a Hopper GPU) is not available")
+    torch.manual_seed(len(lens_q) + far)
+    q, k, v, adm, qo, kv, q_pos, k_pos = _packed_case(lens_q, lens_k, 32, 8, 128, 1.0, dtype, far)
+    args = (qo.int(), kv.int(), max(lens_q), max(lens_k) + far, 128**-0.5)
+    out = dense_attention(fa3, q, k, v, *args)
+    _close(out, dense_attention(dense_reference, q, k, v, *args), dtype)
+    _close(out, reference.vertical_slash_attention(q, k, v, adm, qo, kv, q_pos, k_pos, 256), dtype)
+    _close(out, vertical_slash_attention(q, k, v, adm, qo, kv, q_pos, k_pos, 256), dtype)
+    assert choose_dense(_fa3(), torch.device(DEV), dtype, (32, 8, 128)) is fa3
+
+
 def test_fa3_entries_equal_their_torch_statement():
     from sglang_wgkv.attention.fa3_vertical import PAGE, vertical_entries, vertical_entries_torch
     from sglang_wgkv.attention.triton_prefill import build_vertical_slash_plan_triton

@@ -143,6 +143,48 @@ def test_req_pool_owns_dual_slot_lifetimes():
         )
 
 
+def test_req_pool_marks_requests_whose_cache_is_dense():
+    """``slot_dense``: admission off, unbounded and no restored prefix (the dense prefill's condition,
+    ``attention/fa3_dense.py``); cleared when the slot is freed."""
+    from sglang_wgkv.integration.plugin.runtime import WGKVRuntime
+    from sglang_wgkv.integration.pools.req_pool import WGKVReqToTokenPool
+
+    dual = _dual()
+    runtime = WGKVRuntime(ServingSettings(config=dual.config), dual=dual)
+    pool = WGKVReqToTokenPool(
+        size=3, max_context_len=128, device="cpu", enable_memory_saver=False, runtime=runtime
+    )
+
+    def req(custom_params):
+        return SimpleNamespace(
+            req_pool_idx=None,
+            sampling_params=SimpleNamespace(custom_params=custom_params),
+            output_ids=[5],
+            customized_info=None,
+            finished=lambda: True,
+        )
+
+    class Restoring:  # a prefix cache that restored 20 tokens into the second request's slot
+        def restore_prefixes(self, reqs):
+            dual.cached_len[reqs[1].req_pool_idx] = 20
+
+        def slot_freed(self, slot):
+            pass
+
+    runtime._prefix_cache = Restoring()
+    kept, restored, admitting = (
+        req({"wgkv": {"admission": False}}),
+        req({"wgkv": {"admission": False}}),
+        req(None),
+    )
+    pool.alloc([kept, restored, admitting])
+    assert [pool.slot_dense[r.req_pool_idx] for r in (kept, restored, admitting)] == [True, False, False]
+    slot = kept.req_pool_idx
+    dual.cached_len[restored.req_pool_idx] = 0
+    pool.free(kept)
+    assert not pool.slot_dense[slot]
+
+
 class InPlaceRope(torch.nn.Module):
     """Rotates q and k in place, as SGLang's CUDA rotary embedding does."""
 

@@ -221,6 +221,53 @@ def direct(seed):
     assert_same(ref, tri, f"direct seed {seed}")
 
 
+def dense_chunks(seed):
+    """Requests that keep every token, chunk after chunk, on plans marked ``exact_global`` (the dense
+    prefill's): each layer's keys, values and positions on both pools are every row of the request so
+    far in position order, all admitted, no page padding."""
+    gen = torch.Generator().manual_seed(seed)
+    pools = (make_pool(400, False), make_pool(400, True))
+    slots, total = [1, 3], [0, 0]
+    rows = {r: ([], []) for r in slots}  # per slot, per layer-stacked chunks of k and v
+    for pool in pools:
+        for r in slots:
+            pool.alloc_request(r)
+    for lens in ([40, 9], [30, 50], [1, 17]):
+        N = sum(lens)
+        k, v = bf16(torch.randn(L, N, H, D, generator=gen)), bf16(torch.randn(L, N, H, D, generator=gen))
+        admit = torch.ones(L, N, H, dtype=torch.bool)
+        positions = torch.cat([torch.arange(S, S + n) for S, n in zip(total, lens)])
+        for pool in pools:
+            pool.begin_extend(slots, list(total), lens).exact_global = True
+        start = 0
+        for r, n in zip(slots, lens):
+            rows[r][0].append(k[:, start : start + n])
+            rows[r][1].append(v[:, start : start + n])
+            start += n
+        for layer in range(L):
+            got = [
+                pool.extend_inputs(layer, k[layer], v[layer], admit[layer], positions, torch.bfloat16)
+                for pool in pools
+            ]
+            want_k = torch.cat([torch.cat(rows[r][0], 1)[layer] for r in slots])
+            want_v = torch.cat([torch.cat(rows[r][1], 1)[layer] for r in slots])
+            want_pos = torch.cat([torch.arange(S + n) for S, n in zip(total, lens)])
+            for name, (keys, values, k_pos, adm) in zip(("torch", "triton"), got):
+                ctx = torch.cat([torch.full((S + n,), S > 0 and S > W) for S, n in zip(total, lens)])
+                if not (torch.equal(keys, want_k) and torch.equal(values, want_v) and bool(adm.all())):
+                    raise AssertionError(
+                        f"dense seed {seed} layer {layer}: {name} keys differ from the rows so far"
+                    )
+                # global entries sit at FAR, the ring and new rows at their positions
+                far = k_pos == FAR
+                if not torch.equal(torch.where(far, want_pos, k_pos), want_pos) or bool((far & ~ctx).any()):
+                    raise AssertionError(f"dense seed {seed} layer {layer}: {name} key positions differ")
+        for pool in pools:
+            pool.write_extend_layers(0, k, v, admit)
+        total = [S + n for S, n in zip(total, lens)]
+    assert_same(*pools, f"dense seed {seed}")
+
+
 def run(case: str) -> str:
     """``SEED`` or ``SEED/SCAN_BLOCK`` (the promotion scan's block for this case only)."""
     seed, _, scan_block = case.partition("/")
@@ -228,6 +275,7 @@ def run(case: str) -> str:
     triton_pool.PROMOTE_SCAN_BLOCK = int(scan_block) if scan_block else default_block
     try:
         direct(seed)
+        dense_chunks(seed)
         min_free, num_pages, promoted_any, chunked_any = scenario(seed)
     finally:
         triton_pool.PROMOTE_SCAN_BLOCK = default_block

@@ -2,7 +2,7 @@
 
 A request continuing after a cached prefix (a chunk of a long prompt, a prefix-cache hit) attends to
 its cached context: its global entries (the longest head's page columns, padding not admitted, at
-``FAR_POSITION``) and its ring in position order, then its new rows. :class:`ContextIndex` lists, for
+``FAR_POSITION``; without padding where the plan's requests keep every token, ``exact_global``) and its ring in position order, then its new rows. :class:`ContextIndex` lists, for
 the whole forward, each context row's pool row per KV head, its admission flag and where it lands in
 each layer's packed keys, so that a layer's attention inputs are a fixed handful of gathers and
 scatters however many requests the batch holds (:meth:`ExtendStep.extend_inputs`); reading them one
@@ -40,7 +40,10 @@ def context_counts(plan, num_layers: int, window: int) -> tuple[np.ndarray, np.n
     :func:`~sglang_wgkv.memory.extend_step.context_rows` counts them, for a whole ``ExtendPlan``."""
     B = len(plan.prefix_lens)
     S = np.asarray(plan.prefix_lens, dtype=np.int64)
-    g = np.asarray(plan.context_gcols, dtype=np.int64).reshape(B, num_layers).T * PAGE_SIZE
+    if plan.exact_global:  # every token kept: each head holds the S - W tokens past the ring, no padding
+        g = np.broadcast_to(np.maximum(S - window, 0), (num_layers, B))
+    else:
+        g = np.asarray(plan.context_gcols, dtype=np.int64).reshape(B, num_layers).T * PAGE_SIZE
     return g, np.broadcast_to(np.minimum(S, window), g.shape)
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from sglang_wgkv.config import FAR_POSITION, PAGE_SIZE
-from sglang_wgkv.memory.context_index import ContextIndex, build_context_index, ragged_arange
+from sglang_wgkv.memory.context_index import ContextIndex, build_context_index, context_counts, ragged_arange
 from sglang_wgkv.memory.kv_quant import byte_view, gather, quantize
 
 
@@ -55,6 +55,10 @@ class ExtendPlan:
     # the torch path's context rows of every layer, built by its first extend_inputs (None: no context)
     context: ContextIndex | None = None
     context_built: bool = False
+    # every request of the plan keeps every token and holds only its own rows (set before the first
+    # extend_inputs): its context's global rows are exactly its S - W_local tokens past the ring, no
+    # page padding, so the keys are dense in position order (attention/fa3_dense.py)
+    exact_global: bool = False
     # the Triton path's: [L, B, 7] segment rows on the device, and per layer the most rows a request
     # has and the rows in all (host ints), built by its first extend_inputs
     segments: torch.Tensor | None = None
@@ -324,10 +328,7 @@ class ExtendStep:
         n = np.asarray(p.extend_lens, dtype=np.int64)
         seg[:, :, 0] = p.req_slots
         seg[:, :, 1] = p.prefix_lens
-        S = np.asarray(p.prefix_lens, dtype=np.int64)
-        gcols = np.asarray(p.context_gcols, dtype=np.int64).reshape(B, L).T  # [L, B]
-        seg[:, :, 2] = np.where(S > 0, gcols * PAGE_SIZE, 0)  # context_rows, every layer at once
-        seg[:, :, 3] = np.where(S > 0, np.minimum(S, self.window), 0)
+        seg[:, :, 2], seg[:, :, 3] = context_counts(p, L, self.window)
         seg[:, :, 4] = n
         seg[:, :, 5] = np.cumsum(n) - n
         rows = seg[:, :, 2] + seg[:, :, 3] + n  # [L, B]

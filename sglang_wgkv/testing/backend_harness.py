@@ -113,6 +113,8 @@ def bare_backend(
         _prefill=prefill or reference.vertical_slash_attention,
         _fa3=None,
         _fa3_min_keys=0,
+        _fa3_dense=None,
+        _dense=None,
         _longest_keys=None,
     )
     return b

@@ -49,6 +49,7 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from sglang_wgkv.attention import reference
+from sglang_wgkv.attention.fa3_dense import dense_attention
 from sglang_wgkv.gate.admission import DeferredGateCheck, admission_flags
 from sglang_wgkv.integration.backend.decode_graphs import DecodeGraphs
 from sglang_wgkv.integration.backend.decode_layer import DecodeLayer, DecodeRows
@@ -148,6 +149,8 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
         self.req_pool = model_runner.req_to_token_pool  # per-slot tau (requests/control.py)
         self.num_q_heads = model_runner.model_config.get_num_attention_heads(par.attn_tp_size)
         self._fa3 = None  # the FA3 call of the prefill's vertical range (backend/prefill_vertical.py)
+        self._fa3_dense = None  # the dense FA3 call of prefills whose keys are all admitted (fa3_dense.py)
+        self._dense = None  # the current extend's (qo, kv [L, B + 1] int32, longest rows) when it is dense
         self._fa3_min_keys = 0  # a forward's longest key range from which it is used
         self._longest_keys = None  # [L] the current extend's longest key range per layer (host)
         mode = self.settings.prefill_vertical
@@ -165,6 +168,9 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
             )
             self._fa3 = choose_fa3(mode, self.device, model_runner.model_config.dtype, shape)
             self._fa3_min_keys = 0 if mode == "fa3" else FA3_MIN_KEYS
+            from sglang_wgkv.integration.backend.prefill_vertical import choose_dense
+
+            self._fa3_dense = choose_dense(self._fa3, self.device, model_runner.model_config.dtype, shape)
         self._row_tau = None  # [tokens, 1] admission threshold of each extend row
         self._all_kept = None  # [tokens, H] all True: every extend row's request keeps every token
         self._row_uniform = None  # [tokens, L, H] random-admission draws of the extend rows (kernels)
@@ -248,14 +254,24 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
     def _plan_extend_rows(self, plan, slots: torch.Tensor, extend_lens: torch.Tensor) -> None:
         """The per-layer inputs of an extend plan's rows: indptrs, admission thresholds, and the
         evictor's prompt-end declaration. slots, extend_lens ``[B]`` on the device."""
+        admissions = getattr(self.req_pool, "slot_admission", None)
+        all_kept = admissions is not None and not any(admissions[s].admission for s in self._extend[0])
+        dense = getattr(self.req_pool, "slot_dense", None)
+        # every key of the forward admitted: its context without page padding, one dense FA3 call
+        plan.exact_global = bool(
+            all_kept
+            and self._fa3_dense is not None
+            and dense is not None
+            and all(dense[s] for s in self._extend[0])
+        )
         self._indptrs = self._extend_indptrs(plan)
         declared = self.batch_prompt_ends
         if self.evictor is not None and declared is not None and declared[0] == self._extend[0]:
             self.evictor.mark_extend(*declared)
         rows = sum(self._extend[2])
         self._all_kept = None
-        admissions = getattr(self.req_pool, "slot_admission", None)
-        if admissions is not None and not any(admissions[s].admission for s in self._extend[0]):
+        self._dense = self._dense_indptrs(plan) if plan.exact_global else None
+        if all_kept:
             # every prefill row's request keeps every token: no gate to run, in any layer
             self._all_kept = torch.ones(rows, self.dual.num_kv_heads, dtype=torch.bool, device=self.device)
             self._row_tau = self._row_uniform = None
@@ -299,6 +315,18 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
         kv = np.concatenate([np.zeros((L, 1), np.int64), np.cumsum(keys, 1)], 1)
         self._longest_keys = keys.max(1, initial=0).tolist()
         return to_device(self.device, qo), to_device(self.device, kv)
+
+    def _dense_indptrs(self, plan):
+        """The dense FA3 call's ``qo_indptr [B + 1]`` and ``kv_indptr [L, B + 1]`` (int32, as FA3 takes
+        them; the same rows as :meth:`_extend_indptrs`') and the longest request's new rows."""
+        L = self.dual.num_layers
+        n = np.asarray(plan.extend_lens, dtype=np.int64)
+        g_rows, ring_rows = context_counts(plan, L, self.dual.window)
+        keys = g_rows + ring_rows + n[None]
+        qo = np.concatenate([[0], np.cumsum(n)])
+        kv = np.concatenate([np.zeros((L, 1), np.int64), np.cumsum(keys, 1)], 1)
+        both = to_device(self.device, [qo, kv.reshape(-1)], np.int32)
+        return both[: len(qo)], both[len(qo) :].view(L, -1), int(n.max(initial=0))
 
     def _draw_uniform(self, batch: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The step's ``[B, L, H]`` random-admission draws on the kernels path (drawn eagerly, so a
@@ -394,20 +422,35 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
         qo_indptr, kv_indptr = self._indptrs
         lid = layer.layer_id
         fa3 = self._fa3 if self._fa3 is not None and self._longest_keys[lid] >= self._fa3_min_keys else None
-        with traced("wgkv.extend_attention"):
-            out = self._prefill(
-                q3,
-                keys,
-                values,
-                admitted,
-                qo_indptr,
-                kv_indptr[lid],
-                positions,
-                k_pos,
-                self.config.local_window,
-                sm_scale=layer.scaling,
-                **({"fa3": fa3} if fa3 is not None else {}),
-            )
+        if self._dense is not None:  # every key admitted: causal attention, one FA3 call
+            qo32, kv32, longest = self._dense
+            with traced("wgkv.extend_attention_dense"):
+                out = dense_attention(
+                    self._fa3_dense,
+                    q3,
+                    keys,
+                    values,
+                    qo32,
+                    kv32[lid],
+                    longest,
+                    self._longest_keys[lid],
+                    layer.scaling,
+                )
+        else:
+            with traced("wgkv.extend_attention"):
+                out = self._prefill(
+                    q3,
+                    keys,
+                    values,
+                    admitted,
+                    qo_indptr,
+                    kv_indptr[lid],
+                    positions,
+                    k_pos,
+                    self.config.local_window,
+                    sm_scale=layer.scaling,
+                    **({"fa3": fa3} if fa3 is not None else {}),
+                )
         with traced("wgkv.extend_write"):
             self._writes.stage(layer.layer_id, k3, v3, admit)
         if layer.layer_id == self.dual.num_layers - 1:

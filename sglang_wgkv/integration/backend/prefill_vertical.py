@@ -6,6 +6,11 @@ Triton kernel (:mod:`sglang_wgkv.attention.fa3_vertical`).
 | ``auto`` (default) | FA3 for forwards whose longest key range reaches :data:`FA3_MIN_KEYS` | Triton, a warning logged |
 | ``fa3`` | FA3 for every extend | the server refuses to start |
 | ``triton`` | Triton | Triton |
+
+Where FA3 runs the vertical range, a prefill whose keys are all admitted (every request of it keeps
+every token, none bounded or restored from a cached prefix) runs whole in one dense FA3 call
+(:mod:`sglang_wgkv.attention.fa3_dense`, :func:`choose_dense`), checked at start-up like the vertical
+call.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ CHECK_TOLERANCE = 0.05  # max |FA3 path - one-pass kernel| of the start-up case,
 # the server log's start-up line, one per process (served_speed.py records the choice from it)
 LOG_FA3 = "wgkv: FA3 runs the prefill's vertical range"
 LOG_TRITON = "wgkv: the prefill's vertical range runs in the Triton kernel"
+LOG_DENSE = "wgkv: FA3 runs whole the prefills whose keys are all admitted"
+LOG_DENSE_OFF = "wgkv: prefills whose keys are all admitted run the vertical-slash path"
 
 
 def served_case(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int]) -> tuple:
@@ -95,6 +102,56 @@ def choose_fa3(
         raise RuntimeError(f"--wgkv-prefill-vertical fa3: {problem}")
     logger.warning("%s: %s", LOG_TRITON, problem)
     return None
+
+
+def dense_check(fa3_dense, device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int]) -> float:
+    """Max |difference| between the dense FA3 call (:mod:`sglang_wgkv.attention.fa3_dense`) and the
+    one-pass Triton kernel on :func:`served_case` with every key admitted (a request that keeps every
+    token): it compiles the dense call's variant."""
+    from sglang_wgkv.attention.fa3_dense import dense_attention
+    from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
+    from sglang_wgkv.testing.prefill_cases import packed_case
+
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(0)
+        q, k, v, admitted, qo, kv, q_pos, k_pos = packed_case(
+            [700, 33], [1500, 33], *shape, 1.0, dtype, far_prefix=600, device=device, index_dtype=torch.int64
+        )
+    scale = shape[2] ** -0.5
+    one_pass = vertical_slash_attention(q, k, v, admitted, qo, kv, q_pos, k_pos, 256, sm_scale=scale)
+    lens_q, lens_k = (qo[1:] - qo[:-1]).tolist(), (kv[1:] - kv[:-1]).tolist()
+    dense = dense_attention(
+        fa3_dense, q, k, v, qo.to(torch.int32), kv.to(torch.int32), max(lens_q), max(lens_k), scale
+    )
+    return float((dense.float() - one_pass.float()).abs().max())
+
+
+def choose_dense(
+    fa3_vertical, device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int], load=None
+):
+    """The dense FA3 call for prefills whose keys are all admitted, or None: only where FA3 runs the
+    vertical range (``fa3_vertical`` chosen, so never under ``--wgkv-prefill-vertical triton``) and the
+    call passes :func:`dense_check`; a failure is logged, never raised."""
+    if fa3_vertical is None:
+        return None
+    from sglang_wgkv.attention.fa3_dense import load_fa3_dense
+
+    dense = (load or load_fa3_dense)(device)
+    if dense is None:
+        logger.warning("%s: sgl_kernel's flash_attn_varlen_func does not load", LOG_DENSE_OFF)
+        return None
+    try:
+        worst = dense_check(dense, device, dtype, shape)
+    except Exception as exc:  # a failed launch must not take the server down
+        logger.warning(
+            "%s: the start-up check failed: %s: %s", LOG_DENSE_OFF, type(exc).__name__, str(exc)[:500]
+        )
+        return None
+    if not worst <= CHECK_TOLERANCE:
+        logger.warning("%s: the start-up check differs by %.3g (> %s)", LOG_DENSE_OFF, worst, CHECK_TOLERANCE)
+        return None
+    logger.info("%s (start-up check: max |diff| = %.2g)", LOG_DENSE, worst)
+    return dense
 
 
 def vertical_from_log(log: str) -> str | None:

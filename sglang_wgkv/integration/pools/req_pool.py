@@ -49,6 +49,9 @@ class WGKVReqToTokenPool(ReqToTokenPool):
         self.slot_tau = torch.full((rows,), self.server_tau, dtype=torch.float32, device=self.device)
         self.slot_admission = [RequestAdmission()] * rows
         self.slot_bound = [None] * rows  # the request's RequestBound (long_requests), None: unbounded
+        # the request's cache holds every token of its own and nothing else: admission off, unbounded,
+        # no prefix restored (its prefill attention is dense: attention/fa3_dense.py)
+        self.slot_dense = [False] * rows
         self.requests_started = self.requests_released = 0
         self.idle_checks = 0
         self.peak_active = 0  # most requests holding a slot at once since start
@@ -78,6 +81,13 @@ class WGKVReqToTokenPool(ReqToTokenPool):
             self.peak_active = max(self.peak_active, int(self.dual.active.sum()))
             if self.runtime.prefix_cache is not None:
                 self.runtime.prefix_cache.restore_prefixes(fresh)
+            for req in fresh:  # after any restore: a restored prefix may hold another request's choices
+                slot = req.req_pool_idx
+                self.slot_dense[slot] = (
+                    not self.slot_admission[slot].admission
+                    and self.slot_bound[slot] is None
+                    and not self.dual.cached_len[slot]
+                )
         return slots
 
     def free(self, req):
@@ -104,6 +114,7 @@ class WGKVReqToTokenPool(ReqToTokenPool):
         if runtime.evictor is not None:
             runtime.evictor.release_request(slot)
         self.slot_bound[slot] = None
+        self.slot_dense[slot] = False
         self.requests_released += 1
 
     def clear(self):
@@ -116,6 +127,7 @@ class WGKVReqToTokenPool(ReqToTokenPool):
                 if self.runtime.evictor is not None:
                     self.runtime.evictor.release_request(slot)
                 self.slot_bound[slot] = None
+                self.slot_dense[slot] = False
                 self.requests_released += 1
 
     def idle_check(self) -> list[str] | None:

@@ -1,0 +1,108 @@
+"""FA3 over the whole prefill when every key is admitted: the vertical-slash attention of requests that
+keep every token is causal attention over their context and new rows, so one dense FA3 call
+(``sgl_kernel``'s ``flash_attn_varlen_func``, Hopper) replaces the plan, the compaction, the vertical
+pass and the band launch.
+
+| condition (``WGKVAttnBackend``, per extend forward) | why the attention is dense |
+| --- | --- |
+| every request of the rows keeps every token (``"admission": false``) | each new row is admitted |
+| none of them bounded (no ``kv_budget``, no pool bound) | no evictor removed a cached key |
+| none of them restored a cached prefix (``WGKVReqToTokenPool.slot_dense``) | its context holds only its own rows, every one admitted, global entries in position order |
+
+The keys are ``DualCachePool.extend_inputs``' packed rows: a request's cached context (global entries,
+then the ring) and its new rows, in position order, so FA3's causal mask (aligned to the last key) is
+the vertical-slash mask. :func:`dense_reference` is the torch statement of the call (the CPU checks run
+it in FA3's place).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+
+import torch
+
+FA3VarlenFn = Callable[..., object]  # flash_attn_varlen_func's signature
+
+
+@cache
+def load_fa3_dense(device: torch.device | str) -> FA3VarlenFn | None:
+    """``sgl_kernel.flash_attn.flash_attn_varlen_func`` where it runs (a Hopper GPU with
+    ``sgl_kernel``'s FA3 installed), else None."""
+    device = torch.device(device)
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        return None
+    try:
+        from sgl_kernel.flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def dense_reference(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    softmax_scale=None,
+    causal=False,
+    **_,
+):
+    """``flash_attn_varlen_func`` as :func:`dense_attention` calls it, in torch: per sequence, its rows of
+    ``q [T, Hq, D]`` against its keys of ``k, v [Nk, Hk, D]``, query ``i`` of ``n`` seeing the keys up to
+    ``m - n + i`` of ``m`` (``causal``: the mask aligned to the last key)."""
+    T, Hq, D = q.shape
+    Hk = k.shape[1]
+    scale = softmax_scale if softmax_scale is not None else D**-0.5
+    out = torch.empty(T, Hq, v.shape[-1], dtype=q.dtype, device=q.device)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(cq) - 1):
+        q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        n, m = q1 - q0, k1 - k0
+        if n > max_seqlen_q or m > max_seqlen_k:
+            raise ValueError(
+                f"sequence {b}: {n} rows, {m} keys over max_seqlen {max_seqlen_q}, {max_seqlen_k}"
+            )
+        if not n:
+            continue
+        kk = k[k0:k1].float().repeat_interleave(Hq // Hk, 1)
+        vv = v[k0:k1].float().repeat_interleave(Hq // Hk, 1)
+        s = torch.einsum("thd,nhd->htn", q[q0:q1].float(), kk) * scale
+        if causal:
+            visible = (
+                torch.arange(m, device=q.device)[None, :]
+                <= (m - n + torch.arange(n, device=q.device))[:, None]
+            )
+            s = s.masked_fill(~visible[None], float("-inf"))
+        out[q0:q1] = torch.einsum("htn,nhd->thd", torch.softmax(s, -1), vv).to(q.dtype)
+    return out
+
+
+def dense_attention(
+    fa3: FA3VarlenFn,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Causal attention of the packed rows ``q [N, Hq, D]`` over ``keys, values [Nk, Hk, D]``; the
+    indptrs ``[B + 1]`` int32 on the device, ``max_q``, ``max_k`` host ints. Returns ``[N, Hq, Dv]``."""
+    out = fa3(
+        q,
+        keys,
+        values,
+        qo_indptr,
+        kv_indptr,
+        max_q,
+        max_k,
+        softmax_scale=sm_scale,
+        causal=True,
+    )
+    return out[0] if isinstance(out, tuple) else out
