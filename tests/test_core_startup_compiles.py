@@ -93,3 +93,29 @@ def test_startup_compiles_the_extend_move(dtype):
     pool.begin_extend([1], [0], [n])
     served = _keys(lambda: pool.write_extend(3, k, v, torch.rand(n, 8) < 0.5))
     assert served["_extend_move_kernel"] and served["_extend_move_kernel"] <= startup["_extend_move_kernel"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_startup_compiles_the_extend_context_read(dtype):
+    """A chunk after a cached prefix reads its context with ``extend_context``, which the warm-up prompt
+    (no cached context: its keys are its rows) never launches: its variant for the chunk's rows (views
+    of the fused qkv projection) and attention inputs in the model's dtype was compiled at start-up."""
+    from sglang_wgkv.memory.triton_extend import compile_extend_context
+
+    pool = DualCachePool(
+        32, 8, 128, num_pages=16384, max_requests=4, max_context_len=1024,
+        config=WGKVConfig(local_window=256), dtype=torch.bfloat16, triton_decode=False, triton_extend=True,
+    )  # fmt: skip
+    startup = _keys(lambda: compile_extend_context(pool, dtype))
+    pool.alloc_request(1)
+    pool.begin_extend([1], [0], [300])  # the first chunk (its writes recorded, not run)
+    n = 200
+    qkv = torch.randn(n, (32 + 16) * 128, dtype=dtype)
+    k, v = qkv[:, 4096:5120].view(n, 8, 128), qkv[:, 5120:].view(n, 8, 128)
+    pool.begin_extend([1], [300], [n])
+    positions = torch.arange(300, 300 + n)
+    served = _keys(lambda: pool.extend_inputs(5, k, v, torch.rand(n, 8) < 0.5, positions, dtype))
+    assert (
+        served["_extend_context_kernel"]
+        and served["_extend_context_kernel"] <= startup["_extend_context_kernel"]
+    )

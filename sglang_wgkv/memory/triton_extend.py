@@ -322,6 +322,19 @@ def compile_extend_move(pool, dtype: torch.dtype) -> None:
     extend_move(pool, 0, rows, rows, none, index, index, none[:, 0], index, one, one)
 
 
+def compile_extend_context(pool, dtype: torch.dtype) -> None:
+    """:func:`extend_context`'s variant for ``pool``, chunk rows and attention inputs of ``dtype``,
+    compiled by a launch over one new row of scratch buffers (no page is read): the warm-up prompt has
+    no cached context, so only a chunk after a prefix reaches it."""
+    dev, H, D = pool.page_table.device, pool.num_kv_heads, pool.head_dim
+    rows = torch.zeros(1, H, D, dtype=dtype, device=dev)
+    segment = torch.tensor([[0, 0, 0, 0, 1, 0, 0]], dtype=torch.int64, device=dev)  # one new row
+    out_k, out_v = torch.empty_like(rows), torch.empty_like(rows)
+    positions, out_pos = (torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(2))
+    admit, out_adm = (torch.zeros(1, H, dtype=torch.bool, device=dev) for _ in range(2))
+    extend_context(pool, 0, segment, 1, rows, rows, admit, positions, out_k, out_v, out_pos, out_adm)
+
+
 def extend_context(
     pool,
     layer: int,

@@ -12,6 +12,8 @@ SGLang's                           ``out_cache_loc`` at an 8-byte offset       a
 ``write_req_to_token_pool_triton`` (Triton specializes 16-byte alignment)      at an odd index of the free list
 the extend moves (``triton_extend``, the only one: no warm-up token leaves   a prompt longer than ``W_local``
 ``extend_move``)                   the ring)                                   (a pool with ``triton_extend``)
+the context read (``triton_extend``  the only one: the warm-up prompt has no    a chunk after a cached prefix
+``extend_context``)                cached context                              (a pool with ``triton_extend``)
 =================================  ==========================================  ====================================
 """
 
@@ -49,7 +51,7 @@ def compile_served_variants(pool, req_to_token_pool, dtype: torch.dtype) -> None
     """The module table's variants for ``pool`` (a DualCachePool), SGLang's ``req_to_token_pool`` and
     the model's ``dtype``; a failure is logged, not raised (the forward that needs the variant then
     compiles it)."""
-    from sglang_wgkv.memory.triton_extend import compile_extend_move
+    from sglang_wgkv.memory.triton_extend import compile_extend_context, compile_extend_move
     from sglang_wgkv.memory.triton_pool import compile_decode_promote
 
     compiles = [
@@ -58,6 +60,7 @@ def compile_served_variants(pool, req_to_token_pool, dtype: torch.dtype) -> None
     ]
     if pool.triton_extend:
         compiles.append(("extend moves", lambda: compile_extend_move(pool, dtype)))
+        compiles.append(("extend context read", lambda: compile_extend_context(pool, dtype)))
     for what, compile_ in compiles:
         try:
             compile_()
