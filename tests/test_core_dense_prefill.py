@@ -1,8 +1,9 @@
-"""A prefill whose keys are all admitted runs as one dense causal attention (``attention/fa3_dense.py``):
-the torch statement of the FA3 call equals the vertical-slash reference on every-key-admitted batches
-(cached global entries at the far position, a ring, new rows), and the backend takes that call only
-for forwards whose requests all keep every token and hold only their own rows (``slot_dense``),
-with the same outputs and pool as the vertical-slash path, chunk after chunk."""
+"""A prefill whose keys are all visible to every later query runs as one dense causal attention
+(``attention/fa3_dense.py``): the torch statement of the FA3 call equals the vertical-slash reference
+on every-key-admitted batches (cached global entries at the far position, a ring, new rows), and the
+backend takes that call only for forwards whose requests all keep every token and hold only their own
+rows (``slot_dense``), or all hold at most W_local tokens, with the same outputs and pool as the
+vertical-slash path, chunk after chunk."""
 
 from types import SimpleNamespace
 
@@ -42,15 +43,15 @@ def test_dense_call_is_the_vertical_slash_attention_with_every_key_admitted(seqs
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 
-def _backend(dense_call, dense_slots):
+def _backend(dense_call, dense_slots, admission=False):
     pool = DualCachePool(L, H, D, 300, 4, 256, WGKVConfig(local_window=W, tau=0.5))
     gates = WriteGates(GateConfig(num_layers=L, num_kv_heads=H, head_dim=D, hidden=2 * D)).eval()
     gates.requires_grad_(False)
-    tau = torch.full((4,), float("-inf"))
+    tau = torch.full((4,), 0.5 if admission else float("-inf"))
     backend = bare_backend(pool, gates, use_kernels=False, slot_tau=tau, num_q_heads=HQ)
     backend.req_pool = SimpleNamespace(
         slot_tau=tau,
-        slot_admission=[RequestAdmission(admission=False)] * 4,
+        slot_admission=[RequestAdmission(admission=admission)] * 4,
         slot_dense=[s in dense_slots for s in range(4)],
     )
     backend._fa3_dense = dense_call
@@ -101,8 +102,26 @@ def test_backend_runs_all_kept_prefills_dense_with_the_same_outputs_and_pool():
 
 
 def test_a_request_not_dense_keeps_the_vertical_slash_path():
-    """One request of the batch restored a prefix or is bounded (``slot_dense`` False): no dense call."""
+    """One request of the batch restored a prefix or is bounded (``slot_dense`` False): no dense call
+    once a request is past its ring."""
     calls = []
     backend, pool = _backend(_counting(calls), dense_slots={1})
     _, n_dense = _prefill(backend, pool, [1, 2], CHUNKS, calls)
     assert n_dense == 0 and not calls
+
+
+def test_admitting_requests_inside_their_ring_run_dense():
+    """Requests that admit (the gate runs) but hold at most W_local tokens with the chunk: every key is
+    in every later query's local window, so the forward is dense; the first chunk past the ring is not.
+    Same outputs and pool as the vertical-slash path."""
+    chunks = [[10, 6], [5, 4], [2, 1], [20, 1]]  # 15 and 10 tokens, then 17: one past W = 16
+    calls = []
+    dense, dense_pool = _backend(_counting(calls), dense_slots=set(), admission=True)
+    plain, plain_pool = _backend(None, dense_slots=set(), admission=True)
+    got, n_dense = _prefill(dense, dense_pool, [1, 2], chunks, calls)
+    want, _ = _prefill(plain, plain_pool, [1, 2], chunks, [])
+    assert n_dense == 2 and len(calls) == 2 * L
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+    for name in ("page_table", "global_len", "ring_flag", "k_pages", "v_pages"):
+        assert torch.equal(getattr(dense_pool, name), getattr(plain_pool, name)), name

@@ -1,13 +1,12 @@
-"""FA3 over the whole prefill when every key is admitted: the vertical-slash attention of requests that
-keep every token is causal attention over their context and new rows, so one dense FA3 call
+"""FA3 over the whole prefill when every key is visible to every later query: the vertical-slash
+attention is then causal attention over the context and new rows, so one dense FA3 call
 (``sgl_kernel``'s ``flash_attn_varlen_func``, Hopper) replaces the plan, the compaction, the vertical
-pass and the band launch.
+pass and the band launch. ``WGKVAttnBackend`` takes it for an extend forward where either row holds:
 
-| condition (``WGKVAttnBackend``, per extend forward) | why the attention is dense |
+| condition (every request of the forward) | why the attention is dense |
 | --- | --- |
-| every request of the rows keeps every token (``"admission": false``) | each new row is admitted |
-| none of them bounded (no ``kv_budget``, no pool bound) | no evictor removed a cached key |
-| none of them restored a cached prefix (``WGKVReqToTokenPool.slot_dense``) | its context holds only its own rows, every one admitted, global entries in position order |
+| keeps every token (``"admission": false``), is not bounded (no ``kv_budget``, no pool bound) and restored no cached prefix (``WGKVReqToTokenPool.slot_dense``) | each key is admitted: its context holds only its own rows, global entries in position order, read without page padding (``ExtendPlan.exact_global``) |
+| has at most ``W_local`` tokens with this chunk (prefix + new rows) | no token has left its ring: every key is within the local window of every later query, admitted or not |
 
 The keys are ``DualCachePool.extend_inputs``' packed rows: a request's cached context (global entries,
 then the ring) and its new rows, in position order, so FA3's causal mask (aligned to the last key) is

@@ -255,15 +255,14 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
         """The per-layer inputs of an extend plan's rows: indptrs, admission thresholds, and the
         evictor's prompt-end declaration. slots, extend_lens ``[B]`` on the device."""
         admissions = getattr(self.req_pool, "slot_admission", None)
-        all_kept = admissions is not None and not any(admissions[s].admission for s in self._extend[0])
+        slots_, prefix, extend = self._extend
+        all_kept = admissions is not None and not any(admissions[s].admission for s in slots_)
         dense = getattr(self.req_pool, "slot_dense", None)
-        # every key of the forward admitted: its context without page padding, one dense FA3 call
-        plan.exact_global = bool(
-            all_kept
-            and self._fa3_dense is not None
-            and dense is not None
-            and all(dense[s] for s in self._extend[0])
-        )
+        # every key visible to every later query: all admitted (the context then read without page
+        # padding), or every request still inside its ring; one dense FA3 call (attention/fa3_dense.py)
+        in_ring = all(S + n <= self.dual.window for S, n in zip(prefix, extend))
+        kept = all_kept and dense is not None and all(dense[s] for s in slots_)
+        plan.exact_global = bool(self._fa3_dense is not None and (kept or in_ring))
         self._indptrs = self._extend_indptrs(plan)
         declared = self.batch_prompt_ends
         if self.evictor is not None and declared is not None and declared[0] == self._extend[0]:
