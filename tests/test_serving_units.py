@@ -144,8 +144,9 @@ def test_req_pool_owns_dual_slot_lifetimes():
 
 
 def test_req_pool_marks_requests_whose_cache_is_dense():
-    """``slot_dense``: admission off, unbounded and no restored prefix (the dense prefill's condition,
-    ``attention/fa3_dense.py``); cleared when the slot is freed."""
+    """``slot_dense``: admission off, unbounded (neither by its own ``kv_budget`` nor by the server's)
+    and no restored prefix (the dense prefill's condition, ``attention/fa3_dense.py``); cleared when
+    the slot is freed."""
     from sglang_wgkv.integration.plugin.runtime import WGKVRuntime
     from sglang_wgkv.integration.pools.req_pool import WGKVReqToTokenPool
 
@@ -183,6 +184,24 @@ def test_req_pool_marks_requests_whose_cache_is_dense():
     dual.cached_len[restored.req_pool_idx] = 0
     pool.free(kept)
     assert not pool.slot_dense[slot]
+    pool.clear()
+
+    class ServerBudget:  # --kv-budget: every slot without a bound of its own is held to the server's
+        budget, prompt_cap, lead = 512, None, 32
+
+        def request_bound(self, slot):
+            return self.budget
+
+        def bound_request(self, *args):
+            raise AssertionError("no request here sets its own kv_budget")
+
+        def release_request(self, slot):
+            pass
+
+    runtime._evictor, runtime._prefix_cache = ServerBudget(), None
+    evicted = req({"wgkv": {"admission": False}})
+    pool.alloc([evicted])
+    assert not pool.slot_dense[evicted.req_pool_idx]  # SnapKV may drop its keys: not dense
 
 
 class InPlaceRope(torch.nn.Module):

@@ -5,7 +5,7 @@ pass and the band launch. ``WGKVAttnBackend`` takes it for an extend forward whe
 
 | condition (every request of the forward) | why the attention is dense |
 | --- | --- |
-| keeps every token (``"admission": false``), is not bounded (no ``kv_budget``, no pool bound) and restored no cached prefix (``WGKVReqToTokenPool.slot_dense``) | each key is admitted: its context holds only its own rows, global entries in position order, read without page padding (``ExtendPlan.exact_global``) |
+| keeps every token (``"admission": false``), is not bounded (no ``kv_budget`` of its own or the server's, no pool bound) and restored no cached prefix (``WGKVReqToTokenPool.slot_dense``) | each key is admitted: its context holds only its own rows, global entries in position order, read without page padding (``ExtendPlan.exact_global``) |
 | has at most ``W_local`` tokens with this chunk (prefix + new rows) | no token has left its ring: every key is within the local window of every later query, admitted or not |
 
 The keys are ``DualCachePool.extend_inputs``' packed rows: a request's cached context (global entries,

@@ -81,11 +81,14 @@ class WGKVReqToTokenPool(ReqToTokenPool):
             self.peak_active = max(self.peak_active, int(self.dual.active.sum()))
             if self.runtime.prefix_cache is not None:
                 self.runtime.prefix_cache.restore_prefixes(fresh)
+            evictor = self.runtime.evictor
             for req in fresh:  # after any restore: a restored prefix may hold another request's choices
                 slot = req.req_pool_idx
                 self.slot_dense[slot] = (
                     not self.slot_admission[slot].admission
                     and self.slot_bound[slot] is None
+                    # the server's --kv-budget holds every slot without a bound of its own
+                    and (evictor is None or evictor.request_bound(slot) is None)
                     and not self.dual.cached_len[slot]
                 )
         return slots
