@@ -88,13 +88,30 @@ def _counting(calls):
 CHUNKS = [[40, 9], [30, 50], [1, 3]]  # past the ring, then chunks after a cached prefix
 
 
+def _counting_gcols(pool):
+    """Count the plan's reads of the pool's global lengths (a host sync on a GPU)."""
+    reads, read = [], pool._context_gcols
+
+    def counted(*args):
+        reads.append(1)
+        return read(*args)
+
+    pool._context_gcols = counted
+    return reads
+
+
 def test_backend_runs_all_kept_prefills_dense_with_the_same_outputs_and_pool():
+    """Requests keeping every token, chunk after chunk: every forward dense, the vertical-slash path's
+    outputs and pool; and a dense forward never reads the global lengths back (its context sizes are
+    S - W_local): no host sync waiting for the forward before it."""
     calls = []
     dense, dense_pool = _backend(_counting(calls), dense_slots={1, 2})
     plain, plain_pool = _backend(None, dense_slots={1, 2})
+    dense_reads, plain_reads = _counting_gcols(dense_pool), _counting_gcols(plain_pool)
     got, n_dense = _prefill(dense, dense_pool, [1, 2], CHUNKS, calls)
     want, n_plain = _prefill(plain, plain_pool, [1, 2], CHUNKS, [])
     assert (n_dense, n_plain, len(calls)) == (len(CHUNKS), 0, len(CHUNKS) * L)
+    assert not dense_reads and len(plain_reads) == len(CHUNKS)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
     for name in ("page_table", "global_len", "ring_flag", "k_pages", "v_pages"):

@@ -5,6 +5,8 @@ A part of the pool (a base class of ``DualCachePool``): it reads and writes only
 declared in :mod:`~sglang_wgkv.memory.dual_pool`, whose docstring draws the page-table layout.
 """
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,14 +53,27 @@ class ExtendPlan:
     rw_b: torch.Tensor  # [M] batch index of each new token that lands in the ring
     rw_slot: torch.Tensor  # [M] its ring slot
     rw_src: torch.Tensor  # [M] its packed token index
-    context_gcols: list  # [B][L] host: global page columns gather_context reads (0 without a prefix)
+    # () -> [B][L] host: global page columns gather_context reads (0 without a prefix), read from the
+    # pool (one host sync) the first time context_gcols is asked for, before any write of the forward
+    read_gcols: Callable[[], list]
     # the torch path's context rows of every layer, built by its first extend_inputs (None: no context)
     context: ContextIndex | None = None
     context_built: bool = False
-    # every request of the plan keeps every token and holds only its own rows (set before the first
-    # extend_inputs): its context's global rows are exactly its S - W_local tokens past the ring, no
-    # page padding, so the keys are dense in position order (attention/fa3_dense.py)
+    # every request of the plan keeps every token and holds only its own rows, or is inside its ring
+    # (set before the first extend_inputs): its context's global rows are exactly its S - W_local
+    # tokens past the ring, no page padding, so the keys are dense in position order (fa3_dense.py)
     exact_global: bool = False
+    _gcols: list | None = None
+
+    @property
+    def context_gcols(self) -> list:
+        """``[B][L]`` global page columns of each request's cached context (the longest KV head's);
+        read once, on first use: a plan marked ``exact_global`` never needs them, and so never waits
+        for the forward before it."""
+        if self._gcols is None:
+            self._gcols = self.read_gcols()
+        return self._gcols
+
     # the Triton path's: [L, B, 7] segment rows on the device, and per layer the most rows a request
     # has and the rows in all (host ints), built by its first extend_inputs
     segments: torch.Tensor | None = None
@@ -151,7 +166,7 @@ class ExtendStep:
             rw_b=to_device(self.device, rw_b),
             rw_slot=to_device(self.device, rw_slot),
             rw_src=to_device(self.device, rw_src),
-            context_gcols=self._context_gcols(req_slots, prefix_lens),
+            read_gcols=functools.partial(self._context_gcols, req_slots, prefix_lens),
         )
         self._extend, self._decode = plan, None
         return plan
@@ -188,6 +203,8 @@ class ExtendStep:
         if p is None:
             raise RuntimeError("write_extend without begin_extend")
         G = k.shape[0]
+        if not p.exact_global:  # a later read of the context sizes must not see this forward's writes
+            p.context_gcols  # noqa: B018
         last = first + G
         L3, H3 = self._layers[first:last][None, :, None], self._heads[None, None, :]
         scale_shape = (1, G, 1, 1)
