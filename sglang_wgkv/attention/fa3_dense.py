@@ -17,25 +17,17 @@ it in FA3's place).
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import cache
 
 import torch
+
+from sglang_wgkv.attention.fa3_vertical import load_sgl_kernel_fa3
 
 FA3VarlenFn = Callable[..., object]  # flash_attn_varlen_func's signature
 
 
-@cache
 def load_fa3_dense(device: torch.device | str) -> FA3VarlenFn | None:
-    """``sgl_kernel.flash_attn.flash_attn_varlen_func`` where it runs (a Hopper GPU with
-    ``sgl_kernel``'s FA3 installed), else None."""
-    device = torch.device(device)
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
-        return None
-    try:
-        from sgl_kernel.flash_attn import flash_attn_varlen_func
-    except ImportError:
-        return None
-    return flash_attn_varlen_func
+    """``flash_attn_varlen_func`` where FA3 runs, else None (:func:`~.fa3_vertical.load_sgl_kernel_fa3`)."""
+    return load_sgl_kernel_fa3(device, "flash_attn_varlen_func")
 
 
 def dense_reference(

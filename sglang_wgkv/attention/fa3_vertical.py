@@ -36,17 +36,22 @@ FA3Fn = Callable[..., tuple]  # flash_attn_with_kvcache's signature
 
 
 @cache
-def load_fa3(device: torch.device | str) -> FA3Fn | None:
-    """``sgl_kernel.flash_attn.flash_attn_with_kvcache`` where it runs (a Hopper GPU with
-    ``sgl_kernel``'s FA3 installed), else None."""
+def load_sgl_kernel_fa3(device: torch.device | str, name: str):
+    """``sgl_kernel.flash_attn.<name>`` where it runs (a Hopper GPU with ``sgl_kernel``'s FA3
+    installed), else None."""
     device = torch.device(device)
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return None
     try:
-        from sgl_kernel.flash_attn import flash_attn_with_kvcache
+        from sgl_kernel import flash_attn
     except ImportError:
         return None
-    return flash_attn_with_kvcache
+    return getattr(flash_attn, name, None)
+
+
+def load_fa3(device: torch.device | str) -> FA3Fn | None:
+    """``flash_attn_with_kvcache`` (:func:`load_sgl_kernel_fa3`)."""
+    return load_sgl_kernel_fa3(device, "flash_attn_with_kvcache")
 
 
 # The plan's arrays may be views at offsets that follow the block count: their alignment unspecialized,
