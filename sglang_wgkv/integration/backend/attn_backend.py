@@ -263,13 +263,12 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
         in_ring = all(S + n <= self.dual.window for S, n in zip(prefix, extend))
         kept = all_kept and dense is not None and all(dense[s] for s in slots_)
         plan.exact_global = bool(self._fa3_dense is not None and (kept or in_ring))
-        self._indptrs = self._extend_indptrs(plan)
+        self._indptrs, self._dense = self._extend_indptrs(plan)
         declared = self.batch_prompt_ends
         if self.evictor is not None and declared is not None and declared[0] == self._extend[0]:
             self.evictor.mark_extend(*declared)
-        rows = sum(self._extend[2])
+        rows = sum(extend)
         self._all_kept = None
-        self._dense = self._dense_indptrs(plan) if plan.exact_global else None
         if all_kept:
             # every prefill row's request keeps every token: no gate to run, in any layer
             self._all_kept = torch.ones(rows, self.dual.num_kv_heads, dtype=torch.bool, device=self.device)
@@ -306,26 +305,21 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
     def _extend_indptrs(self, plan):
         """``qo_indptr [B + 1]`` and ``kv_indptr [L, B + 1]`` of the extend forward, built on the host
         (each request's keys: its gathered context, ``gather_context`` with ``plan.context_gcols``, then
-        its new tokens) and copied once, so no layer waits for the host."""
-        L = self.dual.num_layers
-        qo = np.concatenate([[0], np.cumsum(plan.extend_lens)])
-        g_rows, ring_rows = context_counts(plan, L, self.dual.window)
-        keys = g_rows + ring_rows + np.asarray(plan.extend_lens, dtype=np.int64)[None]  # [L, B]
-        kv = np.concatenate([np.zeros((L, 1), np.int64), np.cumsum(keys, 1)], 1)
-        self._longest_keys = keys.max(1, initial=0).tolist()
-        return to_device(self.device, qo), to_device(self.device, kv)
-
-    def _dense_indptrs(self, plan):
-        """The dense FA3 call's ``qo_indptr [B + 1]`` and ``kv_indptr [L, B + 1]`` (int32, as FA3 takes
-        them; the same rows as :meth:`_extend_indptrs`') and the longest request's new rows."""
+        its new tokens) and copied once, so no layer waits for the host; and for a dense plan
+        (``exact_global``) the dense FA3 call's ``(qo, kv, longest new rows)``, the same indptrs in
+        int32 as FA3 takes them (None otherwise)."""
         L = self.dual.num_layers
         n = np.asarray(plan.extend_lens, dtype=np.int64)
-        g_rows, ring_rows = context_counts(plan, L, self.dual.window)
-        keys = g_rows + ring_rows + n[None]
         qo = np.concatenate([[0], np.cumsum(n)])
+        g_rows, ring_rows = context_counts(plan, L, self.dual.window)
+        keys = g_rows + ring_rows + n[None]  # [L, B]
         kv = np.concatenate([np.zeros((L, 1), np.int64), np.cumsum(keys, 1)], 1)
-        both = to_device(self.device, [qo, kv.reshape(-1)], np.int32)
-        return both[: len(qo)], both[len(qo) :].view(L, -1), int(n.max(initial=0))
+        self._longest_keys = keys.max(1, initial=0).tolist()
+        dense = None
+        if plan.exact_global:
+            both = to_device(self.device, [qo, kv.reshape(-1)], np.int32)
+            dense = both[: len(qo)], both[len(qo) :].view(L, -1), int(n.max(initial=0))
+        return (to_device(self.device, qo), to_device(self.device, kv)), dense
 
     def _draw_uniform(self, batch: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The step's ``[B, L, H]`` random-admission draws on the kernels path (drawn eagerly, so a
