@@ -97,7 +97,8 @@ def _dual(max_requests=4):
     )
 
 
-def test_req_pool_owns_dual_slot_lifetimes():
+def _req_pool():
+    """``(dual pool, runtime, WGKVReqToTokenPool of 3 slots)`` over :func:`_dual`."""
     from sglang_wgkv.integration.plugin.runtime import WGKVRuntime
     from sglang_wgkv.integration.pools.req_pool import WGKVReqToTokenPool
 
@@ -106,17 +107,25 @@ def test_req_pool_owns_dual_slot_lifetimes():
     pool = WGKVReqToTokenPool(
         size=3, max_context_len=128, device="cpu", enable_memory_saver=False, runtime=runtime
     )
+    return dual, runtime, pool
 
-    def req(custom_params):
-        return SimpleNamespace(
-            req_pool_idx=None,
-            sampling_params=SimpleNamespace(custom_params=custom_params),
-            output_ids=[5, 6, 7],
-            customized_info=None,
-            finished=lambda: True,
-        )
 
-    a, b = req({"wgkv": {"tau": 0.5}}), req(None)
+def _req(custom_params, output_ids=(5, 6, 7)):
+    """A finished SGLang ``Req`` stand-in with ``custom_params`` and no slot yet."""
+    return SimpleNamespace(
+        req_pool_idx=None,
+        sampling_params=SimpleNamespace(custom_params=custom_params),
+        output_ids=list(output_ids),
+        customized_info=None,
+        finished=lambda: True,
+    )
+
+
+def test_req_pool_owns_dual_slot_lifetimes():
+    from sglang_wgkv.integration.pools.req_pool import WGKVReqToTokenPool
+
+    dual, runtime, pool = _req_pool()
+    a, b = _req({"wgkv": {"tau": 0.5}}), _req(None)
     pool.alloc([a, b])
     assert dual.active[[a.req_pool_idx, b.req_pool_idx]].all()
     assert pool.slot_tau[[a.req_pool_idx, b.req_pool_idx]].tolist() == pytest.approx([0.5, dual.config.tau])
@@ -147,23 +156,10 @@ def test_req_pool_marks_requests_whose_cache_is_dense():
     """``slot_dense``: admission off, unbounded (neither by its own ``kv_budget`` nor by the server's)
     and no restored prefix (the dense prefill's condition, ``attention/fa3_dense.py``); cleared when
     the slot is freed."""
-    from sglang_wgkv.integration.plugin.runtime import WGKVRuntime
-    from sglang_wgkv.integration.pools.req_pool import WGKVReqToTokenPool
-
-    dual = _dual()
-    runtime = WGKVRuntime(ServingSettings(config=dual.config), dual=dual)
-    pool = WGKVReqToTokenPool(
-        size=3, max_context_len=128, device="cpu", enable_memory_saver=False, runtime=runtime
-    )
+    dual, runtime, pool = _req_pool()
 
     def req(custom_params):
-        return SimpleNamespace(
-            req_pool_idx=None,
-            sampling_params=SimpleNamespace(custom_params=custom_params),
-            output_ids=[5],
-            customized_info=None,
-            finished=lambda: True,
-        )
+        return _req(custom_params, output_ids=[5])
 
     class Restoring:  # a prefix cache that restored 20 tokens into the second request's slot
         def restore_prefixes(self, reqs):
