@@ -446,3 +446,33 @@ def knee_sim(d: dict) -> list[str]:
         ],
     )
     return out
+
+
+def cpu_dtype(d: dict) -> list[str]:
+    env = d.get("env", {})
+    lin = d["linear_ms_per_layer"]
+    rows = [[name, f(ms, 1), f(ms / lin["float32"], 2)] for name, ms in lin.items()]
+    out = [
+        f"{cmd(d['command'])} on {d.get('cpus')} CPUs, torch {env.get('torch')} "
+        f"(half-precision matmul units: {d['cpu_half_matmul']}). One layer's linear maps of the embedded "
+        f"model at {d['rows']} tokens:",
+        "",
+        *table(["dtype", "ms a layer", "vs float32"], rows),
+    ]
+    served = d.get("served") or {}
+    if served:
+        phases = list(next(iter(served.values()))["phase_s"])
+        out += [
+            "",
+            "The README's serve command in each dtype (`benchmarks/serving_memory.py`'s phases, seconds):",
+            "",
+            *table(
+                ["command", "start-up s", *phases, "KV tokens", "peak RSS GiB", "all phases ok"],
+                [
+                    [cmd(s["command"]), s["startup_s"], *(s["phase_s"].get(p) for p in phases)]
+                    + [s["kv_tokens"], f(s["peak_rss_bytes"], 2, 1 << 30), s["phases_ok"] and s["survived"]]
+                    for s in served.values()
+                ],
+            ),
+        ]
+    return out

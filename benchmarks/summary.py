@@ -45,6 +45,7 @@ from benchmarks.render_kernels import (
 )
 from benchmarks.render_serving import (
     constrained_programs,
+    cpu_dtype,
     decode_ab,
     decode_log,
     knee_sim,
@@ -91,6 +92,7 @@ RENDERERS = {
     "decode_ab": decode_ab,  # a decode-step A/B, each side on its own machine
     "logprob_floor": logprob_floor,  # logprob_floor.py
     "serving_memory": serving_memory,  # serving_memory.py
+    "cpu_dtype": cpu_dtype,  # cpu_dtype.py
     "constrained_programs": constrained_programs,  # constrained_programs.py
     "soak": soak,  # sglang_wgkv/testing/soak.py
     "eval_summary": eval_summary,  # evals.run

@@ -35,7 +35,9 @@ WG-KV options (all others go to SGLang unchanged)::
 
 Defaults filled in when absent: ``--model-path`` = the embedded SmolLM2-135M-Instruct
 (:mod:`sglang_wgkv.embedded_model`); without CUDA ``SGLANG_USE_CPU_ENGINE=1`` and ``--device cpu``;
-on CPU (also with ``--disable-wgkv``) ``--max-total-tokens`` for a KV cache of 1/8 of the RAM
+on CPU (also with ``--disable-wgkv``) ``--dtype float32`` where the CPU has no half-precision matmul
+units (:func:`cpu_half_matmul`; SGLang's ``auto`` serves a float32 checkpoint in float16, whose linear
+layers then run several times slower) and ``--max-total-tokens`` for a KV cache of 1/8 of the RAM
 (:func:`cpu_default_kv_tokens`) unless ``--max-total-tokens`` or ``--mem-fraction-static`` is given;
 ``--attention-backend wgkv`` (``torch_native`` on CPU with ``--disable-wgkv``).
 """
@@ -63,6 +65,10 @@ from sglang_wgkv.integration.scheduling.running_knee import scheduler_split
 
 # Default KV budget on CPU, as a fraction of the machine's RAM (see cpu_default_kv_tokens).
 CPU_KV_RAM_FRACTION = 0.125
+# /proc/cpuinfo flags of CPUs whose half-precision matmuls keep up with float32 (AVX512-FP16, AMX
+# tiles); without them the embedded model's float16 linear layers ran 8x slower than float32
+# (benchmarks/results/serving/cpu_dtype_ab.json)
+CPU_HALF_MATMUL_FLAGS = ("avx512_fp16", "amx_bf16", "amx_fp16")
 WGKV_FLAGS = (
     "--kv-budget",
     "--wgkv-gates",
@@ -157,6 +163,17 @@ def cpu_default_kv_tokens(
     return int(ram * CPU_KV_RAM_FRACTION) // (2 * layers * kv_heads * head_dim * dtype_bytes)
 
 
+def cpu_half_matmul(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has half-precision matmul units (:data:`CPU_HALF_MATMUL_FLAGS`); False where
+    ``cpuinfo`` cannot be read."""
+    try:
+        with open(cpuinfo) as f:
+            flags = {word for line in f if line.startswith("flags") for word in line.split()}
+    except OSError:
+        return False
+    return any(flag in flags for flag in CPU_HALF_MATMUL_FLAGS)
+
+
 def check_gates(path: str, model_path: str, local_window: int) -> None:
     """Load the gate checkpoint and check it against the model and the served W_local; ValueError
     with the reason."""
@@ -214,6 +231,8 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
             env.setdefault(
                 "SGLANG_NCCL_SO_PATH", os.environ.get("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl.so.2")
             )
+        if _option(sglang_argv, "--dtype") is None and not cpu_half_matmul():
+            sglang_argv += ["--dtype", "float32"]
         if _option(sglang_argv, "--max-total-tokens", "--mem-fraction-static") is None:
             tokens = cpu_default_kv_tokens(model_path, sglang_argv)
             if tokens is not None:

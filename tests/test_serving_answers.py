@@ -1,6 +1,6 @@
 """What the embedded model answers through the server's APIs: native ``/generate``, the OpenAI chat and
 completions routes, and an SGLang frontend program (gen + select, batched), with the shipped gates.
-(The README's serve command, SGLang's dtype included, answers in ``tests/test_scale_memory.py``.)
+(The README's serve command, with the launcher's CPU dtype, answers in ``tests/test_scale_memory.py``.)
 """
 
 import pytest

@@ -403,13 +403,41 @@ def test_cpu_default_kv_budget_is_a_fraction_of_ram(monkeypatch):
         (24 << 30) * CPU_KV_RAM_FRACTION
     ) // (2 * token_bytes)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    expected = str(cpu_default_kv_tokens(model, []))
-    for args in ([], ["--disable-wgkv"]):
+    for args in ([], ["--disable-wgkv"], ["--dtype", "bfloat16"]):
         argv = resolve(args)[1]
+        expected = str(cpu_default_kv_tokens(model, ["--dtype", argv[argv.index("--dtype") + 1]]))
         assert argv[argv.index("--max-total-tokens") + 1] == expected
     for given in (["--max-total-tokens", "4096"], ["--mem-fraction-static", "0.3"]):
         argv = resolve(given)[1]
         assert argv.count("--max-total-tokens") == given.count("--max-total-tokens")
+
+
+def test_cpu_default_dtype_is_float32_without_half_precision_matmuls(monkeypatch, tmp_path):
+    """On a CPU without half-precision matmul units the launcher serves float32 (SGLang's ``auto``
+    would serve the float32 checkpoint in float16, several times slower there), for WG-KV and the
+    --disable-wgkv baseline alike; with such units, or with any --dtype given, SGLang decides."""
+    from sglang_wgkv import launch_server
+    from sglang_wgkv.launch_server import cpu_half_matmul, resolve
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor : 0\nflags : fpu sse2 avx2 avx512f\n\nprocessor : 1\nflags : fpu avx2\n")
+    assert not cpu_half_matmul(str(cpuinfo))
+    cpuinfo.write_text("processor : 0\nflags : fpu avx2 avx512f amx_bf16 amx_tile\n")
+    assert cpu_half_matmul(str(cpuinfo))
+    assert not cpu_half_matmul(str(tmp_path / "missing"))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for half, expected in ((False, "float32"), (True, None)):
+        monkeypatch.setattr(launch_server, "cpu_half_matmul", lambda half=half: half)
+        for args in ([], ["--disable-wgkv"]):
+            argv = resolve(args)[1]
+            assert (argv[argv.index("--dtype") + 1] if "--dtype" in argv else None) == expected, argv
+    monkeypatch.setattr(launch_server, "cpu_half_matmul", lambda: False)
+    for given in ("auto", "bfloat16", "float16"):
+        argv = resolve(["--dtype", given])[1]
+        assert argv.count("--dtype") == 1 and argv[argv.index("--dtype") + 1] == given
+    argv = resolve(["--device", "cuda", "--dtype", "bfloat16"])[1]  # not on CPU: untouched
+    assert argv.count("--dtype") == 1
 
 
 @pytest.mark.parametrize(
