@@ -47,7 +47,9 @@ def test_default_server_survives_the_mixed_workload(tmp_path, long_tokens, monke
     assert all(p.get("ok", True) for p in result["phases"].values()), json.dumps(summary)
     frontend = result["phases"]["frontend"]["detail"]
     assert frontend["select"] in ("yes", "no") and len(frontend["batch_answers"]) == 8
-    assert "Paris" in frontend["answer"]  # the README's defaults answer right (the launcher's CPU dtype, shipped gates)
+    assert (
+        "Paris" in frontend["answer"]
+    )  # the README's defaults answer right (the launcher's CPU dtype, shipped gates)
     ram = result["machine"]["mem_total_bytes"]
     kv_bytes = result["server"]["wgkv"]["total_pages"] * result["server"]["wgkv"]["page_bytes"]
     assert kv_bytes <= CPU_KV_RAM_FRACTION * ram
