@@ -277,3 +277,24 @@ def test_quantize_saturates_instead_of_overflowing():
         out = dequantize(quantize(big, 0.5, dtype), 0.5, torch.float32)
         limit = torch.finfo(dtype).max * 0.5
         assert out.tolist()[:2] == [limit, -limit] and out[2] == 3.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+def test_cpu_pages_are_zeros_not_resident_until_written(dtype):
+    """A CPU pool's pages equal ``torch.zeros`` (contiguous, writable, any served dtype) but come from
+    calloc'd memory: 512 MiB of them add almost nothing to the resident set until written, so a
+    default CPU server neither spends its start-up zero-filling gigabytes nor holds them in RAM."""
+    import psutil
+
+    from sglang_wgkv.memory.dual_pool import zeroed_pages
+
+    small = zeroed_pages((3, 16, 8), dtype, torch.device("cpu"))
+    assert small.dtype == dtype and small.shape == (3, 16, 8) and small.is_contiguous()
+    assert torch.equal(small.float(), torch.zeros(3, 16, 8))
+    small[1, 2, 3] = 1
+    assert small.float().sum() == 1
+    rows = (512 << 20) // (16 * 64 * small.element_size())
+    rss = psutil.Process().memory_info().rss
+    big = zeroed_pages((rows, 16, 64), dtype, torch.device("cpu"))
+    assert psutil.Process().memory_info().rss - rss < (64 << 20)
+    assert big[-1].float().abs().sum() == 0

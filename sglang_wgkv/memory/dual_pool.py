@@ -49,6 +49,18 @@ from sglang_wgkv.memory.page_allocator import PageAllocator
 from sglang_wgkv.memory.pool_integrity import PoolIntegrity
 from sglang_wgkv.memory.prefix_snapshot import PrefixSnapshot
 
+
+def zeroed_pages(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.zeros(shape, dtype)`` on ``device``; on the CPU from calloc'd memory (NumPy's zeros),
+    which the OS maps to zero pages until first written: a CPU server's pool of gigabytes then costs
+    no start-up memset and no resident memory for pages never used (``torch.zeros`` writes every
+    byte before the server starts)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 __all__ = ["DecodePlan", "DualCachePool", "ExtendPlan"]
 
 
@@ -112,8 +124,8 @@ class DualCachePool(ExtendStep, DecodeStep, MixedStep, KVScales, PoolIntegrity):
         self.global_cols = max(0, math.ceil((max_context_len - self.window) / PAGE_SIZE))
         self.dump_col = self.ring_cols + self.global_cols
         shape = (num_pages + 1, PAGE_SIZE, head_dim)
-        self.k_pages = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v_pages = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.k_pages = zeroed_pages(shape, dtype, self.device)
+        self.v_pages = zeroed_pages(shape, dtype, self.device)
         streams = (max_requests, num_layers, num_kv_heads)
         self.page_table = torch.full(
             (*streams, self.dump_col + 1), self.dump_page, dtype=torch.int32, device=self.device
