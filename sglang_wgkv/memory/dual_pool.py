@@ -57,8 +57,9 @@ def zeroed_pages(shape: tuple, dtype: torch.dtype, device: torch.device) -> torc
     byte before the server starts)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    return (
+        torch.from_numpy(np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8)).view(dtype).view(shape)
+    )
 
 
 __all__ = ["DecodePlan", "DualCachePool", "ExtendPlan"]
