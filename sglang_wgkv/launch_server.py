@@ -37,7 +37,8 @@ Defaults filled in when absent: ``--model-path`` = the embedded SmolLM2-135M-Ins
 (:mod:`sglang_wgkv.embedded_model`); without CUDA ``SGLANG_USE_CPU_ENGINE=1`` and ``--device cpu``;
 on CPU (also with ``--disable-wgkv``) ``--dtype float32`` where the CPU has no half-precision matmul
 units (:func:`cpu_half_matmul`; SGLang's ``auto`` serves a float32 checkpoint in float16, whose linear
-layers then run several times slower) and ``--max-total-tokens`` for a KV cache of 1/8 of the RAM
+layers then run several times slower), ``--sleep-on-idle`` (SGLang's idle scheduler otherwise spins a
+whole core, half of a two-core box) and ``--max-total-tokens`` for a KV cache of 1/8 of the RAM
 (:func:`cpu_default_kv_tokens`) unless ``--max-total-tokens`` or ``--mem-fraction-static`` is given;
 ``--attention-backend wgkv`` (``torch_native`` on CPU with ``--disable-wgkv``).
 """
@@ -233,6 +234,8 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
             )
         if _option(sglang_argv, "--dtype") is None and not cpu_half_matmul():
             sglang_argv += ["--dtype", "float32"]
+        if "--sleep-on-idle" not in sglang_argv:  # an idle scheduler otherwise busy-polls a whole core
+            sglang_argv.append("--sleep-on-idle")
         if _option(sglang_argv, "--max-total-tokens", "--mem-fraction-static") is None:
             tokens = cpu_default_kv_tokens(model_path, sglang_argv)
             if tokens is not None:

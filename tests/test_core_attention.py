@@ -158,29 +158,38 @@ def test_paged_decode_matches_padded_dense():
         torch.testing.assert_close(out[0, 2 * h : 2 * h + 2], torch.softmax(s, -1) @ vv)
 
 
-@pytest.mark.parametrize("block", [1, 7 * 3 * 40, 10**9])
-def test_vertical_slash_in_query_blocks_equals_one_block(monkeypatch, block):
-    """The CPU path bounds its score temporaries by computing queries in blocks; every query's
-    softmax is its own, so any block size gives the same output (fp32 rounding aside)."""
+@pytest.mark.parametrize("block", [1, 20, 10**9])
+def test_vertical_slash_in_query_blocks_equals_the_dense_mask(monkeypatch, block):
+    """The CPU path computes queries in blocks, each over the keys it may see (admitted far keys,
+    near keys up to its last query); any block size gives the dense masked softmax over
+    :func:`vertical_slash_mask` (fp32 rounding aside), across a cached prefix and two sequences."""
     import sglang_wgkv.attention.reference as reference
 
     gen = torch.Generator().manual_seed(0)
-    lens, prefix, Hq, Hkv, D = [37, 90], [0, 25], 6, 3, 8
+    lens, prefix, Hq, Hkv, D, W = [37, 90], [0, 25], 6, 3, 8, 16
     q = torch.randn(sum(lens), Hq, D, generator=gen)
     nk = [n + p for n, p in zip(lens, prefix)]
     k, v = torch.randn(sum(nk), Hkv, D, generator=gen), torch.randn(sum(nk), Hkv, D, generator=gen)
     admitted = torch.rand(sum(nk), Hkv, generator=gen) < 0.4
     q_pos = torch.cat([torch.arange(p, p + n) for n, p in zip(lens, prefix)])
     k_pos = torch.cat([torch.arange(n) for n in nk])
-    args = (q, k, v, admitted, torch.tensor([0, 37, 127]), torch.tensor([0, 37, 152]), q_pos, k_pos, 16)
-    whole = reference.vertical_slash_attention(*args)
-    monkeypatch.setattr(reference, "SCORE_BLOCK_ELEMS", block)
-    torch.testing.assert_close(reference.vertical_slash_attention(*args), whole, rtol=1e-5, atol=1e-6)
+    qo, kv = [0, 37, 127], [0, 37, 152]
+    dense = torch.empty_like(q)
+    for b in range(2):
+        qs, qe, ks, ke = qo[b], qo[b + 1], kv[b], kv[b + 1]
+        mask = reference.vertical_slash_mask(q_pos[qs:qe], k_pos[ks:ke], admitted[ks:ke], W)
+        for h in range(Hq):
+            s = q[qs:qe, h] @ k[ks:ke, h // 2].t() / D**0.5
+            p = torch.softmax(s.masked_fill(~mask[h // 2], float("-inf")), -1)
+            dense[qs:qe, h] = p @ v[ks:ke, h // 2]
+    monkeypatch.setattr(reference, "QUERY_BLOCK", block)
+    args = (q, k, v, admitted, torch.tensor(qo), torch.tensor(kv), q_pos, k_pos, W)
+    torch.testing.assert_close(reference.vertical_slash_attention(*args), dense, rtol=1e-5, atol=1e-6)
 
 
 def test_vertical_slash_query_that_sees_no_key_gets_zeros():
     """A query positioned before every key (none visible) outputs zeros, not NaN; the others of its
-    block are unaffected (the in-place softmax guards its all-masked rows)."""
+    block are unaffected (torch's fused attention gives an all-masked row zeros)."""
     from sglang_wgkv.attention.reference import vertical_slash_attention
 
     gen = torch.Generator().manual_seed(1)
@@ -201,6 +210,18 @@ def test_vertical_slash_query_that_sees_no_key_gets_zeros():
         local_window=4,
     )
     assert torch.isfinite(out).all() and not out[0].any()
+    alone = vertical_slash_attention(  # a block of that query alone: no key kept at all
+        q[:1],
+        k,
+        v,
+        torch.ones(n, Hkv, dtype=torch.bool),
+        torch.tensor([0, 1]),
+        torch.tensor([0, n]),
+        q_pos[:1],
+        k_pos,
+        local_window=4,
+    )
+    assert not alone.any()
     for h in range(Hq):  # query 1 attends to keys 0..2 of its KV head (positions 10-12, all in the band)
         kk, vv = k[:3, h // 2], v[:3, h // 2]
         torch.testing.assert_close(out[1, h], torch.softmax(q[1, h] @ kk.t() / D**0.5, -1) @ vv)

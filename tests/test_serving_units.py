@@ -437,7 +437,18 @@ def test_cpu_default_dtype_is_float32_without_half_precision_matmuls(monkeypatch
         argv = resolve(["--dtype", given])[1]
         assert argv.count("--dtype") == 1 and argv[argv.index("--dtype") + 1] == given
     argv = resolve(["--device", "cuda", "--dtype", "bfloat16"])[1]  # not on CPU: untouched
-    assert argv.count("--dtype") == 1
+    assert argv.count("--dtype") == 1 and "--sleep-on-idle" not in argv
+
+
+def test_cpu_servers_sleep_when_idle(monkeypatch):
+    """On CPU an idle SGLang scheduler busy-polls a core unless --sleep-on-idle: the launcher adds it,
+    for WG-KV and --disable-wgkv alike, once, and not on CUDA."""
+    from sglang_wgkv.launch_server import resolve
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for args in ([], ["--disable-wgkv"], ["--sleep-on-idle"]):
+        assert resolve(args)[1].count("--sleep-on-idle") == 1, args
+    assert "--sleep-on-idle" not in resolve(["--device", "cuda"])[1]
 
 
 @pytest.mark.parametrize(

@@ -13,14 +13,13 @@ Three semantics, all GQA (query head ``qh`` reads KV head ``qh // group``):
 import math
 
 import torch
+from torch.nn import functional as F
 
 from sglang_wgkv.memory.kv_quant import dequantize, gather
 
-# Attention scores (float32) computed at once by :func:`vertical_slash_attention` (4 MiB; the softmax
-# runs in place on them, so one block is most of what a prefill layer holds on the CPU path). Larger
-# blocks are no faster on CPU and glibc keeps freed blocks of their size in its heap, which raises the
-# server's peak RSS (benchmarks/results/serving/memory_wgkv_readme_cpu.json).
-SCORE_BLOCK_ELEMS = 1 << 20
+# Queries a block of :func:`vertical_slash_attention` at least (and W_local where larger): a block
+# reads the keys near it whole, so smaller blocks read fewer keys but launch more attentions.
+QUERY_BLOCK = 256
 
 
 def _expand_gqa(x: torch.Tensor, group: int, dim: int) -> torch.Tensor:
@@ -67,9 +66,28 @@ def vertical_slash_mask(
 ) -> torch.Tensor:
     """Mask ``[Hkv, Nq, Nk]`` for one sequence: q_pos ``[Nq]``, k_pos ``[Nk]``, admitted ``[Nk, Hkv]``."""
     dist = q_pos[:, None] - k_pos[None, :]
-    band = (dist >= 0) & (dist < local_window)
-    vertical = (dist >= 0)[None] & admitted.t()[:, None, :]
-    return band[None] | vertical
+    return (dist >= 0)[None] & ((dist < local_window)[None] | admitted.t()[:, None, :])
+
+
+def _block_keys(q_pos, k_pos, admitted, local_window):
+    """The keys a block of queries may see, per KV head: ``(idx [M, Hkv], mask [Hkv, nq, M])``.
+
+    A key at least ``local_window`` before every query of the block is seen only if admitted, and one
+    after every query is never seen: only admitted far keys, and the near ones up to the last query,
+    are kept (padded to the head with the most); ``mask`` is :func:`vertical_slash_mask` over them,
+    False on padding.
+    """
+    far = k_pos <= q_pos.min() - local_window
+    near = ~far & (k_pos <= q_pos.max())
+    keep = (far[:, None] & admitted) | near[:, None]  # [Nk, Hkv]
+    count = keep.sum(0)
+    M = int(count.max())
+    idx = torch.argsort((~keep).to(torch.uint8), dim=0, stable=True)[:M]  # kept keys first, in order
+    pos = k_pos[idx]  # [M, Hkv]
+    dist = q_pos[None, :, None] - pos.t()[:, None, :]  # [Hkv, nq, M]
+    seen = (dist < local_window) | torch.gather(admitted, 0, idx).t()[:, None, :]
+    real = torch.arange(M, device=q_pos.device)[None, :] < count[:, None]  # [Hkv, M]
+    return idx, (dist >= 0) & seen & real[:, None, :]
 
 
 def vertical_slash_attention(
@@ -95,9 +113,10 @@ def vertical_slash_attention(
     local_window : W_local; key j is always visible to query i when ``0 <= pos_i - pos_j < W_local``.
 
     Returns ``[Nq, Hq, D]`` in q's dtype. A query that sees no key (impossible when its own key is
-    present) returns zeros. Queries are processed in blocks of at most :data:`SCORE_BLOCK_ELEMS`
-    scores (each query's softmax is its own), so a long prompt on the CPU path needs temporaries of
-    one block, not ``Hq x Nq x Nk`` floats several times over.
+    present) returns zeros. Queries go in blocks of at most ``max(local_window, QUERY_BLOCK)``, each
+    over the keys it may see (:func:`_block_keys`: the admitted far keys and the near ones), through
+    torch's fused attention with the block's mask, so a long prompt on the CPU path holds one block's
+    keys and mask, and costs what its admitted keys cost rather than the whole causal square.
     """
     Nq, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -105,32 +124,27 @@ def vertical_slash_attention(
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
     out = torch.zeros_like(q)
     qo, kv = qo_indptr.tolist(), kv_indptr.tolist()
+    rows = max(local_window, QUERY_BLOCK)
     for b in range(len(qo) - 1):
         qs, qe, ks, ke = qo[b], qo[b + 1], kv[b], kv[b + 1]
         if qe == qs or ke == ks:
             continue
-        nk = ke - ks
-        # [Hkv, nk, D], contiguous once (bmm would copy a strided operand every block): a GQA group's
-        # queries share their head's keys
-        kb = k[ks:ke].transpose(0, 1).float().contiguous()
-        vb = v[ks:ke].transpose(0, 1).float().contiguous()
-        rows = max(1, SCORE_BLOCK_ELEMS // (Hq * nk))
+        kb, vb, adm, kp = k[ks:ke], v[ks:ke], admitted[ks:ke], k_pos[ks:ke]
         for q0 in range(qs, qe, rows):
             q1 = min(qe, q0 + rows)
             nq = q1 - q0
-            mask = vertical_slash_mask(
-                q_pos[q0:q1], k_pos[ks:ke], admitted[ks:ke], local_window
-            )  # [Hkv, nq, nk]
-            qb = q[q0:q1].float().view(nq, Hkv, group, D).permute(1, 2, 0, 3).reshape(Hkv, group * nq, D)
-            scores = torch.bmm(qb, kb.transpose(1, 2)).view(Hkv, group, nq, nk)
-            # softmax over the visible keys, in place (one score block of temporaries); a query that
-            # sees no key gets zeros
-            scores.mul_(scale).masked_fill_(~mask[:, None], float("-inf"))
-            peak = scores.amax(-1, keepdim=True)
-            scores.sub_(peak.nan_to_num_(0.0, posinf=0.0, neginf=0.0)).exp_()
-            scores.div_(scores.sum(-1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny))
-            o = torch.bmm(scores.view(Hkv, group * nq, nk), vb)  # [Hkv, group * nq, D]
-            out[q0:q1] = o.view(Hkv, group, nq, D).permute(2, 0, 1, 3).reshape(nq, Hq, D).to(q.dtype)
+            idx, mask = _block_keys(q_pos[q0:q1], kp, adm, local_window)
+            if idx.shape[0] == 0:  # every key after every query of the block: zeros
+                continue
+            heads = torch.arange(Hkv, device=q.device)
+            keys = kb[idx, heads].float().transpose(0, 1)[:, None]  # [Hkv, 1, M, D]
+            values = vb[idx, heads].float().transpose(0, 1)[:, None]
+            qb = q[q0:q1].float().view(nq, Hkv, group, D).permute(1, 2, 0, 3)  # [Hkv, group, nq, D]
+            # torch's fused attention; a query whose mask row is empty gets zeros (NaN on CUDA)
+            o = F.scaled_dot_product_attention(
+                qb, keys, values, attn_mask=mask[:, None], scale=scale, enable_gqa=True
+            ).nan_to_num_(0.0)
+            out[q0:q1] = o.permute(2, 0, 1, 3).reshape(nq, Hq, D).to(q.dtype)
     return out
 
 
@@ -157,14 +171,11 @@ def padded_decode_attention(
     """
     B, Hq, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
-    group = Hq // Hkv
-    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
-    qg = q.view(B, Hkv, group, D).float()
-    scores = torch.einsum("bhgd,bhld->bhgl", qg, k.float()) * scale
-    valid = torch.arange(L, device=q.device)[None, None, :] < lengths[:, :, None]
-    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    out = torch.einsum("bhgl,bhld->bhgd", probs, v.float())
+    valid = torch.arange(L, device=q.device)[None, None, :] < lengths[:, :, None]  # [B, Hkv, L]
+    qg = q.view(B, Hkv, Hq // Hkv, D).float()  # a GQA group's queries as a sequence of queries
+    out = F.scaled_dot_product_attention(
+        qg, k.float(), v.float(), attn_mask=valid[:, :, None, :], scale=sm_scale
+    ).nan_to_num_(0.0)  # a stream without keys: zeros (CUDA's kernels give NaN)
     return out.reshape(B, Hq, D).to(q.dtype)
 
 
@@ -192,15 +203,44 @@ def paged_decode_attention(
     """
     B, Hq, D = q.shape
     S = kv_indptr.numel() - 1
-    Hkv = S // B
-    page_size = k_pages.shape[1]
     num_pages = (kv_indptr[1:] - kv_indptr[:-1]).long()
     max_pages = int(num_pages.max()) if S else 0
     col = torch.arange(max_pages, device=q.device)
     idx = kv_indptr[:-1, None].long() + col[None, :]
-    valid_page = col[None, :] < num_pages[:, None]
-    pages = torch.where(valid_page, kv_indices[idx.clamp(max=max(kv_indices.numel() - 1, 0))].long(), 0)
-    lengths = torch.where(num_pages > 0, (num_pages - 1) * page_size + kv_last_page_len.long(), 0)
-    k = dequantize(gather(k_pages, pages), k_scale, torch.float32).reshape(B, Hkv, max_pages * page_size, D)
-    v = dequantize(gather(v_pages, pages), v_scale, torch.float32).reshape(B, Hkv, max_pages * page_size, D)
-    return padded_decode_attention(q, k, v, lengths.view(B, Hkv), sm_scale)
+    pages = kv_indices[idx.clamp(max=max(kv_indices.numel() - 1, 0))].view(B, S // B, max_pages)
+    return page_table_decode_attention(
+        q,
+        k_pages,
+        v_pages,
+        pages,
+        num_pages.view(B, -1),
+        kv_last_page_len.view(B, -1),
+        sm_scale,
+        k_scale,
+        v_scale,
+    )
+
+
+def page_table_decode_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    rows: torch.Tensor,
+    num_pages: torch.Tensor,
+    last_page_len: torch.Tensor,
+    sm_scale: float | None = None,
+    k_scale=1.0,
+    v_scale=1.0,
+) -> torch.Tensor:
+    """:func:`paged_decode_attention` over page-table rows instead of the folded indices (what the
+    pool's ``decode_page_rows`` returns): rows ``[B, Hkv, C]`` whose first ``num_pages [B, Hkv]``
+    entries are the stream's pages, the last holding ``last_page_len [B, Hkv]`` tokens."""
+    B, Hkv, _ = rows.shape
+    page_size, D = k_pages.shape[1], k_pages.shape[2]
+    max_pages = int(num_pages.max()) if num_pages.numel() else 0
+    valid_page = torch.arange(max_pages, device=q.device) < num_pages[..., None]
+    pages = torch.where(valid_page, rows[..., :max_pages].long(), 0)  # past a stream's pages: page 0, masked
+    lengths = torch.where(num_pages > 0, (num_pages - 1) * page_size + last_page_len.long(), 0)
+    k = dequantize(gather(k_pages, pages), k_scale, torch.float32).view(B, Hkv, max_pages * page_size, D)
+    v = dequantize(gather(v_pages, pages), v_scale, torch.float32).view(B, Hkv, max_pages * page_size, D)
+    return padded_decode_attention(q, k, v, lengths, sm_scale)

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from sglang_wgkv.attention import reference
-from sglang_wgkv.attention.folded_index import build_folded_indices
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -58,14 +57,13 @@ class DecodeLayer:
                 self.evictor.observe_decode(layer.layer_id, q3)
             self.dual.write_decode(layer.layer_id, k3, v3, admit)
             pages, num_pages, last_len, _ = self.dual.decode_page_rows(layer.layer_id)
-            indptr, indices, last = build_folded_indices(pages, num_pages, last_len)
-            return reference.paged_decode_attention(
+            return reference.page_table_decode_attention(
                 q3,
                 self.dual.k_pages,
                 self.dual.v_pages,
-                indptr,
-                indices,
-                last,
+                pages,
+                num_pages,
+                last_len,
                 sm_scale=layer.scaling,
                 k_scale=self.dual.k_scale[layer.layer_id],
                 v_scale=self.dual.v_scale[layer.layer_id],
