@@ -72,22 +72,21 @@ def vertical_slash_mask(
 def _block_keys(q_pos, k_pos, admitted, local_window):
     """The keys a block of queries may see, per KV head: ``(idx [M, Hkv], mask [Hkv, nq, M])``.
 
-    A key at least ``local_window`` before every query of the block is seen only if admitted, and one
-    after every query is never seen: only admitted far keys, and the near ones up to the last query,
-    are kept (padded to the head with the most); ``mask`` is :func:`vertical_slash_mask` over them,
-    False on padding.
+    A key after every query of the block is never seen, and one at least ``local_window`` before
+    every query ("far") is seen by all of them if admitted, by none otherwise. So the block reads the
+    other ("near") keys, under :func:`vertical_slash_mask`, then each head's admitted far keys,
+    unmasked but for the padding to the head with the most.
     """
     far = k_pos <= q_pos.min() - local_window
-    near = ~far & (k_pos <= q_pos.max())
-    keep = (far[:, None] & admitted) | near[:, None]  # [Nk, Hkv]
-    count = keep.sum(0)
-    M = int(count.max())
-    idx = torch.argsort((~keep).to(torch.uint8), dim=0, stable=True)[:M]  # kept keys first, in order
-    pos = k_pos[idx]  # [M, Hkv]
-    dist = q_pos[None, :, None] - pos.t()[:, None, :]  # [Hkv, nq, M]
-    seen = (dist < local_window) | torch.gather(admitted, 0, idx).t()[:, None, :]
-    real = torch.arange(M, device=q_pos.device)[None, :] < count[:, None]  # [Hkv, M]
-    return idx, (dist >= 0) & seen & real[:, None, :]
+    near = torch.nonzero(~far & (k_pos <= q_pos.max()))[:, 0]
+    far_kept = far[:, None] & admitted  # [Nk, Hkv]
+    count = far_kept.sum(0)
+    far_idx = torch.argsort((~far_kept).to(torch.uint8), dim=0, stable=True)[: int(count.max())]
+    Hkv, nq = admitted.shape[1], q_pos.numel()
+    idx = torch.cat([near[:, None].expand(-1, Hkv), far_idx])
+    real = torch.arange(far_idx.shape[0], device=q_pos.device) < count[:, None]  # [Hkv, Mf]
+    near_mask = vertical_slash_mask(q_pos, k_pos[near], admitted[near], local_window)
+    return idx, torch.cat([near_mask, real[:, None, :].expand(-1, nq, -1)], dim=2)
 
 
 def vertical_slash_attention(
