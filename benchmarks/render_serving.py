@@ -448,6 +448,31 @@ def knee_sim(d: dict) -> list[str]:
     return out
 
 
+def cpu_decode_threads(d: dict) -> list[str]:
+    env = d.get("env", {})
+    rows = [
+        [
+            r["batch"],
+            r["cached_tokens"],
+            r["kv_tokens"],
+            f(r["torch_threads_ms_step"], 1),
+            f(r["one_thread_ms_step"], 1),
+            f(r["torch_threads_ms_step"] / r["one_thread_ms_step"], 2),
+        ]
+        for r in d["rows"]
+    ]
+    return [
+        f"{cmd(d['command'])} on {d.get('cpus')} CPUs, OMP_WAIT_POLICY={env.get('OMP_WAIT_POLICY')}, "
+        f"torch threads {env.get('torch_threads')}: one decode step's attention layers of the embedded "
+        f"model's shape on the CPU path (mean of {d['steps']} steps):",
+        "",
+        *table(
+            ["requests", "cached tokens", "KV tokens", "ms, torch's threads", "ms, one thread", "speed-up"],
+            rows,
+        ),
+    ]
+
+
 def cpu_dtype(d: dict) -> list[str]:
     env = d.get("env", {})
     lin = d["linear_ms_per_layer"]

@@ -45,6 +45,7 @@ from benchmarks.render_kernels import (
 )
 from benchmarks.render_serving import (
     constrained_programs,
+    cpu_decode_threads,
     cpu_dtype,
     decode_ab,
     decode_log,
@@ -93,6 +94,7 @@ RENDERERS = {
     "logprob_floor": logprob_floor,  # logprob_floor.py
     "serving_memory": serving_memory,  # serving_memory.py
     "cpu_dtype": cpu_dtype,  # cpu_dtype.py
+    "cpu_decode_threads": cpu_decode_threads,  # cpu_decode_threads.py
     "constrained_programs": constrained_programs,  # constrained_programs.py
     "soak": soak,  # sglang_wgkv/testing/soak.py
     "eval_summary": eval_summary,  # evals.run

@@ -19,6 +19,25 @@ if TYPE_CHECKING:
 
 # SGLang's request row 0 pads CUDA-graph batches and is never allocated to a request.
 SCRATCH_SLOT = 0
+# KV tokens (KV heads x cached tokens of the step's rows) up to which the torch decode layer runs on
+# one CPU thread: its ops are then small, and under OpenMP's passive wait (the CPU launcher's default)
+# each op that goes parallel pays a thread wake-up several times its own cost
+# (benchmarks/results/serving/cpu_decode_threads.json).
+CPU_ONE_THREAD_KV_TOKENS = 8192
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """Torch's CPU ops on ``n`` threads inside (None: unchanged)."""
+    before = torch.get_num_threads()
+    if n is None or n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @dataclass
@@ -29,7 +48,8 @@ class DecodeRows:
     ring : ``[B]`` int64 ring tokens after this step's write (``min(pos + 1, W)``);
     tau : ``[B, 1]`` float32 admission threshold; uniform : ``[B, L, H]`` random-admission draws or None;
     num_splits, workspace : :func:`folded_decode` launch parameters (kernels path);
-    gate_splits : slices of the gate's hidden width per (row, head) (:class:`DecodeGate`, kernels path).
+    gate_splits : slices of the gate's hidden width per (row, head) (:class:`DecodeGate`, kernels path);
+    threads : CPU threads of the torch layer (None: torch's own; :data:`CPU_ONE_THREAD_KV_TOKENS`).
     """
 
     req: torch.Tensor
@@ -40,6 +60,7 @@ class DecodeRows:
     num_splits: int | None = None
     workspace: object = None
     gate_splits: int = 1
+    threads: int | None = None
 
 
 class DecodeLayer:
@@ -52,22 +73,23 @@ class DecodeLayer:
         H = k3.shape[1]
         rows = self._rows
         if not self.use_kernels:
-            admit = self._admit(layer, k_pre, k3, rows.tau, check=False, uniform=rows.uniform)
-            if self.evictor is not None:
-                self.evictor.observe_decode(layer.layer_id, q3)
-            self.dual.write_decode(layer.layer_id, k3, v3, admit)
-            pages, num_pages, last_len, _ = self.dual.decode_page_rows(layer.layer_id)
-            return reference.page_table_decode_attention(
-                q3,
-                self.dual.k_pages,
-                self.dual.v_pages,
-                pages,
-                num_pages,
-                last_len,
-                sm_scale=layer.scaling,
-                k_scale=self.dual.k_scale[layer.layer_id],
-                v_scale=self.dual.v_scale[layer.layer_id],
-            )
+            with torch_threads(rows.threads):
+                admit = self._admit(layer, k_pre, k3, rows.tau, check=False, uniform=rows.uniform)
+                if self.evictor is not None:
+                    self.evictor.observe_decode(layer.layer_id, q3)
+                self.dual.write_decode(layer.layer_id, k3, v3, admit)
+                pages, num_pages, last_len, _ = self.dual.decode_page_rows(layer.layer_id)
+                return reference.page_table_decode_attention(
+                    q3,
+                    self.dual.k_pages,
+                    self.dual.v_pages,
+                    pages,
+                    num_pages,
+                    last_len,
+                    sm_scale=layer.scaling,
+                    k_scale=self.dual.k_scale[layer.layer_id],
+                    v_scale=self.dual.v_scale[layer.layer_id],
+                )
         from sglang_wgkv.attention.triton_decode import folded_decode
 
         observe = None
