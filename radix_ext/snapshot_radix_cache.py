@@ -14,7 +14,9 @@ exactly the node's depth (global pages shared by refcount, ring and flags copied
     before a forward is launched       a slot at the end of an extend whose cache call has not run
     (:meth:`before_forward`)           (overlap scheduler) is snapshotted ahead: the call takes that one
     match_prefix                       SGLang's match, cut back to the deepest node with a snapshot
-                                       (the snapshot is pinned until the request pool's next alloc)
+                                       (the snapshot is pinned until the request pool's next alloc);
+                                       a match a ring or more deeper ends the request's first chunk
+                                       there, so that it is snapshotted (branch_split.py)
     WGKVReqToTokenPool.alloc           a fresh slot with prefix S > 0 restores that snapshot
     _delete_leaf (LRU evict) / reset   release the node's snapshot
     allocator.ensure shortfall         drop unpinned snapshots, least recently used first
@@ -37,6 +39,7 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
+from sglang_wgkv.integration.scheduling.branch_split import note_branch
 from sglang_wgkv.memory.page_allocator import PoolExhausted
 from sglang_wgkv.memory.prefix_snapshot import SnapshotStore
 
@@ -184,6 +187,7 @@ class SnapshotRadixCache(RadixCache):
             else:
                 self._pinned[id(node.snapshot)] = node.snapshot
         depth = node.snapshot.length if node is not self.root_node else 0
+        note_branch(params.req, len(result.device_indices), depth, self.dual.window)
         return result._replace(
             device_indices=result.device_indices[:depth],
             last_device_node=node,

@@ -135,3 +135,36 @@ def test_random_requests_with_aborts_keep_integrity(server, n_jobs):
     flush_cache(server)
     stats = server.wait_idle_checked()
     assert stats["radix"]["snapshots"] == 0 and stats["free_pages"] == stats["total_pages"]
+
+
+def _ids_run(server, ids_list, cold: bool):
+    """Greedy generations from token ids: (output ids, cached tokens) each."""
+    out = []
+    for ids in ids_list:
+        if cold:
+            flush_cache(server)
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0}}
+        r = requests.post(server.url + "/generate", json=body, timeout=600)
+        r.raise_for_status()
+        out.append((r.json()["output_ids"], r.json()["meta_info"]["cached_tokens"]))
+    return out
+
+
+def test_branch_points_get_snapshots(server):
+    """A prompt sharing more of the tree than the deepest snapshot ends its first chunk where the
+    shared part ends, so the next request sharing it resumes there (branch_split.py). Chunks of 64,
+    W_local 32: three prompts sharing 250 tokens resume from 192 (the last chunk boundary A left),
+    then 250; the same 300-token prompt thrice: nothing, 256, then 299 (SGLang matches at most S - 1);
+    greedy outputs as from an empty cache."""
+    rng = random.Random(7)
+    shared = [rng.randrange(200, 4000) for _ in range(250)]
+    branches = [shared + [rng.randrange(200, 4000) for _ in range(10)] for _ in range(3)]
+    same = [rng.randrange(200, 4000) for _ in range(300)]
+    prompts = [*branches, same, same, same]
+    cold = _ids_run(server, prompts, cold=True)
+    flush_cache(server)
+    warm = _ids_run(server, prompts, cold=False)
+    assert [c[0] for c in cold] == [w[0] for w in warm]
+    assert [w[1] for w in warm] == [0, 192, 250, 0, 256, 299]
+    stats = server.wait_idle_checked()
+    assert stats["free_pages"] + stats["radix"]["snapshot_pages"] == stats["total_pages"]

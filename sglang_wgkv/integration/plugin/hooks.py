@@ -19,7 +19,7 @@ model_executor.forward_batch_info.ForwardBatch.init_new AFTER   host copy of the
 managers.scheduler.Scheduler.init_req_max_new_tokens   AFTER   overcommit: 400 for a request that can't run
 managers.schedule_batch.ScheduleBatch.check_decode_mem  AFTER   overcommit: the dual pool holds the step
 ...scheduler.Scheduler._get_new_batch_prefill_raw       AROUND  mixed_batches: mixing, forward budget
-managers.schedule_policy.PrefillAdder.add_one_req       AROUND  prefill_guard: overcommit / bounded prompts
+managers.schedule_policy.PrefillAdder.add_one_req       AROUND  prefill_guard: overcommit / bounded prompts; branch_split
 managers.schedule_policy.PrefillAdder.add_chunked_req   AROUND  prefill_guard: the chunked prompt counts
 managers.scheduler.Scheduler.run_batch                  BEFORE  overlap: prefix snapshots ahead of launch
 managers.scheduler.Scheduler.run_batch                  BEFORE  overlap: usage counts at launch

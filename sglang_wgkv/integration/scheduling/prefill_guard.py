@@ -23,8 +23,10 @@ would fit once they end, else ``NO_TOKEN`` (SGLang tries no prefill until a requ
 
 from __future__ import annotations
 
+import functools
+
 from sglang_wgkv.integration.requests.control import RequestAdmission
-from sglang_wgkv.integration.scheduling import overcommit
+from sglang_wgkv.integration.scheduling import branch_split, overcommit
 from sglang_wgkv.integration.scheduling.long_requests import release_row, reserve_row
 
 
@@ -55,7 +57,14 @@ def _dense_add_one_req(original, adder, req, runtime, *args, **kwargs):
 
 
 def add_one_req(original, adder, req, *args, **kwargs):
-    """AROUND ``PrefillAdder.add_one_req``: the plan's guard, then SGLang's own checks."""
+    """AROUND ``PrefillAdder.add_one_req``: the plan's guard, then SGLang's own checks, the chunk
+    ending at the request's branch point if it has one (:mod:`~.branch_split`)."""
+    return _guarded_add_one_req(
+        functools.partial(branch_split.add_one_req, original), adder, req, *args, **kwargs
+    )
+
+
+def _guarded_add_one_req(original, adder, req, *args, **kwargs):
     plan = _plan(adder)
     if plan is not None and plan.mode == "overcommit":
         return overcommit.add_one_req(original, adder, req, *args, **kwargs)
