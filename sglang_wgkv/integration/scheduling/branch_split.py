@@ -10,14 +10,15 @@ those P tokens from its tree. The request that reveals the branch (its match in 
 at least one ring, W_local tokens, past the deepest snapshot: a restore copies the ring, so a shorter
 gain does not pay for the extra pass) pays one chunk boundary there.
 
-=========================================  =====================================================
-where                                      what
-=========================================  =====================================================
-``SnapshotRadixCache.match_prefix``        :func:`note_branch`: the request's branch depth (0: none)
-``PrefillAdder.add_one_req`` (AROUND,      :func:`add_one_req`: the adder's chunk budget is at most
-through :mod:`~.prefill_guard`)            the branch depth less the matched prefix for that call
-``SnapshotRadixCache.cache_unfinished_req``  the chunk's end is snapshotted (as every chunk's)
-=========================================  =====================================================
+=============================================  =================================================
+where                                          what
+=============================================  =================================================
+``SnapshotRadixCache.match_prefix``            :func:`note_branch`: the request's branch depth
+                                               (0: none)
+``PrefillAdder.add_one_req`` (AROUND, through  :func:`add_one_req`: the adder's chunk budget is at
+:mod:`~.prefill_guard`)                        most the branch depth less the matched prefix
+``SnapshotRadixCache.cache_unfinished_req``    the chunk's end is snapshotted (as every chunk's)
+=============================================  =================================================
 """
 
 from __future__ import annotations
