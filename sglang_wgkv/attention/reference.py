@@ -124,6 +124,7 @@ def vertical_slash_attention(
     out = torch.zeros_like(q)
     qo, kv = qo_indptr.tolist(), kv_indptr.tolist()
     rows = max(local_window, QUERY_BLOCK)
+    heads = torch.arange(Hkv, device=q.device)  # each head's column of a block's key indices
     for b in range(len(qo) - 1):
         qs, qe, ks, ke = qo[b], qo[b + 1], kv[b], kv[b + 1]
         if qe == qs or ke == ks:
@@ -135,7 +136,6 @@ def vertical_slash_attention(
             idx, mask = _block_keys(q_pos[q0:q1], kp, adm, local_window)
             if idx.shape[0] == 0:  # every key after every query of the block: zeros
                 continue
-            heads = torch.arange(Hkv, device=q.device)
             keys = kb[idx, heads].float().transpose(0, 1)[:, None]  # [Hkv, 1, M, D]
             values = vb[idx, heads].float().transpose(0, 1)[:, None]
             qb = q[q0:q1].float().view(nq, Hkv, group, D).permute(1, 2, 0, 3)  # [Hkv, group, nq, D]
