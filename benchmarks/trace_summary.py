@@ -98,6 +98,7 @@ def summarize_events(events: list[dict], steps: int | None = None) -> dict:
         "largest_idle_gaps": [
             describe_gap(g, events) for g in sorted(gaps, key=lambda g: g[0] - g[1])[:TOP_GAPS]
         ],
+        "one_layer": one_layer(kernels, events),
     }
 
 
@@ -148,6 +149,73 @@ def describe_gap(gap: tuple[float, float, str, str], events: list[dict], top: in
         "before_kernel": after[:100],
         "host": rows(host),
         "inside": rows(inside),
+    }
+
+
+# A kernel every decoder layer launches once (the MLP's gated activation): consecutive launches bound
+# one layer's kernels.
+LAYER_ANCHOR = r"act_and_mul|silu_and_mul|gelu_and_mul"
+
+
+def one_layer(kernels: list[dict], events: list[dict]) -> dict | None:
+    """The kernels of one middle decoder layer in launch order, each with the GPU idle before it and
+    the innermost Python frame that launched it (through the launch's correlation id; traces taken
+    with stacks): which launches a fusion would remove, and where the GPU waited for the host. The
+    layer runs from one :data:`LAYER_ANCHOR` kernel to the next; None with fewer than three."""
+    order = sorted(kernels, key=lambda e: e["ts"])
+    anchors = [i for i, e in enumerate(order) if re.search(LAYER_ANCHOR, e["name"])]
+    if len(anchors) < 3:
+        return None
+    mid = len(anchors) // 2
+    layer = order[anchors[mid - 1] + 1 : anchors[mid] + 1]
+    launches = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
+    mine = [launches.get(k.get("args", {}).get("correlation")) for k in layer]
+    found = [r for r in mine if r is not None]
+    frames = []
+    if found:
+        lo, hi = min(r["ts"] for r in found), max(r["ts"] for r in found)
+        frames = [
+            e
+            for e in events
+            if e.get("ph") == "X"
+            and e.get("cat") == "python_function"
+            and e["ts"] <= hi
+            and e["ts"] + e["dur"] >= lo
+        ]
+
+    def launcher(r):
+        if r is None:
+            return None
+        inside = [
+            f
+            for f in frames
+            if f.get("tid") == r.get("tid")
+            and f["ts"] <= r["ts"]
+            and f["ts"] + f["dur"] >= r["ts"] + r["dur"]
+            and not f["name"].startswith(("torch/", "<built-in", "triton/"))
+        ]
+        return min(inside, key=lambda f: f["dur"])["name"][:90] if inside else None
+
+    rows, end = [], order[anchors[mid - 1]]["ts"] + order[anchors[mid - 1]]["dur"]
+    for k, r in zip(layer, mine):
+        rows.append(
+            {
+                "name": k["name"][:80],
+                "us": round(k["dur"], 1),
+                "idle_before_us": round(max(0.0, k["ts"] - end), 1),
+                "launched_by": launcher(r),
+            }
+        )
+        end = max(end, k["ts"] + k["dur"])
+    return {
+        "kernels": len(rows),
+        "gpu_us": round(sum(r["us"] for r in rows), 1),
+        "idle_us": round(sum(r["idle_before_us"] for r in rows), 1),
+        "sequence": rows,
     }
 
 

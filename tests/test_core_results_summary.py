@@ -88,6 +88,57 @@ def test_trace_summary_attributes_idle_gaps_to_host_events():
     )
 
 
+def test_trace_summary_lists_one_layers_kernels_and_their_launchers():
+    """``one_layer`` lists the kernels between two activation launches (the middle layer of three)
+    in order, the GPU idle before each, and the innermost project frame that launched each (matched
+    through the launch's correlation id; torch's own frames skipped)."""
+    from benchmarks import trace_summary as ts
+
+    def kernel(name, t, dur, corr):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": t, "dur": dur, "args": {"correlation": corr}}
+
+    def launch(t, corr):
+        return {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "name": "cudaLaunchKernel",
+            "ts": t,
+            "dur": 2.0,
+            "tid": 1,
+            "args": {"correlation": corr},
+        }
+
+    def frame(name, t, dur):
+        return {"ph": "X", "cat": "python_function", "name": name, "ts": t, "dur": dur, "tid": 1}
+
+    events = [
+        kernel("act_and_mul_kernel", 100.0, 10.0, 1),
+        kernel("nvjet_gemm", 110.0, 50.0, 2),
+        kernel("_prefill_gate_kernel", 180.0, 5.0, 3),  # 20 us idle before it
+        kernel("act_and_mul_kernel", 185.0, 10.0, 4),
+        kernel("nvjet_gemm", 195.0, 50.0, 5),
+        kernel("act_and_mul_kernel", 245.0, 10.0, 6),
+        launch(50.0, 2),
+        launch(60.0, 3),
+        frame("sglang_wgkv/integration/backend/attn_backend.py(338): _admit_extend", 55.0, 20.0),
+        frame("torch/nn/modules/module.py(1783): _call_impl", 58.0, 5.0),
+    ]
+    out = ts.summarize_events(events, steps=1)["one_layer"]
+    assert [r["name"] for r in out["sequence"]] == [
+        "nvjet_gemm",
+        "_prefill_gate_kernel",
+        "act_and_mul_kernel",
+    ]
+    assert [r["idle_before_us"] for r in out["sequence"]] == [0.0, 20.0, 0.0]
+    assert [r["launched_by"] for r in out["sequence"]] == [
+        None,  # its launch lies outside every project frame
+        "sglang_wgkv/integration/backend/attn_backend.py(338): _admit_extend",
+        None,  # no launch event recorded
+    ]
+    assert (out["kernels"], out["gpu_us"], out["idle_us"]) == (3, 65.0, 20.0)
+    assert ts.summarize_events(events[:4], steps=1)["one_layer"] is None  # two anchors: no whole layer
+
+
 def test_serving_memory_samples_the_gpu_through_nvidia_smi(tmp_path, monkeypatch):
     """benchmarks/serving_memory.py reads GPU 0's used/total memory from ``nvidia-smi`` (a stand-in
     script here), keeps per-phase GPU peaks only on a GPU host, and the summary renders a GPU column
