@@ -358,8 +358,9 @@ def test_triton_extend_chunks_match_torch(in_dtype):
 
 def test_batched_context_reads_without_sync_equal_the_reference():
     """Two requests continuing after cached prefixes (one past the ring) and a new one, in one extend:
-    each layer's inputs through the plan's ContextIndex are issued with no host sync and equal the
-    request-by-request reads."""
+    after the forward's one read of its context sizes (``ExtendPlan.context_gcols``, the only sync of
+    a forward whose requests hold global entries) each layer's inputs through the plan's ContextIndex
+    are issued with no host sync and equal the request-by-request reads."""
     dev, L, H, D, W = "cuda", 2, 4, 128, 64
     pool = _pool(L, H, D, W, torch.bfloat16, dev)
     gen = torch.Generator(device=dev).manual_seed(3)
@@ -371,6 +372,7 @@ def test_batched_context_reads_without_sync_equal_the_reference():
         pool.write_extend(layer, k, v, torch.rand(340, H, device=dev, generator=gen) < 0.5)
     pool.begin_extend([0, 1, 2], [300, 40, 0], [70, 20, 90])
     positions = torch.cat([torch.arange(300, 370), torch.arange(40, 60), torch.arange(90)]).to(dev)
+    assert pool._extend.context_gcols[0][0] > 0  # request 0's prefix reaches past the ring
     for layer in range(L):
         k, v = (torch.randn(180, H, D, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2))
         admit = torch.rand(180, H, device=dev, generator=gen) < 0.5

@@ -179,7 +179,7 @@ class ExtendStep:
         ctx = [b for b, S in enumerate(prefix_lens) if S > self.window]
         cols = [[0] * L for _ in prefix_lens]
         if ctx:
-            glen = self.global_len[torch.as_tensor([req_slots[b] for b in ctx], device=self.device)].amax(-1)
+            glen = self.global_len[to_device(self.device, np.asarray([req_slots[b] for b in ctx]))].amax(-1)
             for b, row in zip(ctx, (-(-glen // PAGE_SIZE)).tolist()):
                 cols[b] = row
         return cols
