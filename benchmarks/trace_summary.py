@@ -99,6 +99,7 @@ def summarize_events(events: list[dict], steps: int | None = None) -> dict:
             describe_gap(g, events) for g in sorted(gaps, key=lambda g: g[0] - g[1])[:TOP_GAPS]
         ],
         "one_layer": one_layer(kernels, events),
+        "host_waits": host_waits(events),
     }
 
 
@@ -157,9 +158,39 @@ def describe_gap(gap: tuple[float, float, str, str], events: list[dict], top: in
 LAYER_ANCHOR = r"act_and_mul|silu_and_mul|gelu_and_mul"
 
 
+def _frames_near(events: list[dict], calls: list[dict]) -> list[dict]:
+    """The project's Python frames (traces taken with stacks) around the host calls ``calls``."""
+    if not calls:
+        return []
+    lo, hi = min(r["ts"] for r in calls), max(r["ts"] + r["dur"] for r in calls)
+    return [
+        e
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("cat") == "python_function"
+        and e["ts"] <= hi
+        and e["ts"] + e["dur"] >= lo
+        and not e["name"].startswith(("torch/", "<built-in", "triton/"))
+    ]
+
+
+def _caller(call: dict | None, frames: list[dict]) -> str | None:
+    """The innermost of ``frames`` around the host call ``call`` on its thread."""
+    if call is None:
+        return None
+    around = [
+        f
+        for f in frames
+        if f.get("tid") == call.get("tid")
+        and f["ts"] <= call["ts"]
+        and f["ts"] + f["dur"] >= call["ts"] + call["dur"]
+    ]
+    return min(around, key=lambda f: f["dur"])["name"][:90] if around else None
+
+
 def one_layer(kernels: list[dict], events: list[dict]) -> dict | None:
     """The kernels of one middle decoder layer in launch order, each with the GPU idle before it and
-    the innermost Python frame that launched it (through the launch's correlation id; traces taken
+    the innermost project frame that launched it (through the launch's correlation id; traces taken
     with stacks): which launches a fusion would remove, and where the GPU waited for the host. The
     layer runs from one :data:`LAYER_ANCHOR` kernel to the next; None with fewer than three."""
     order = sorted(kernels, key=lambda e: e["ts"])
@@ -174,32 +205,7 @@ def one_layer(kernels: list[dict], events: list[dict]) -> dict | None:
         if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
     }
     mine = [launches.get(k.get("args", {}).get("correlation")) for k in layer]
-    found = [r for r in mine if r is not None]
-    frames = []
-    if found:
-        lo, hi = min(r["ts"] for r in found), max(r["ts"] for r in found)
-        frames = [
-            e
-            for e in events
-            if e.get("ph") == "X"
-            and e.get("cat") == "python_function"
-            and e["ts"] <= hi
-            and e["ts"] + e["dur"] >= lo
-        ]
-
-    def launcher(r):
-        if r is None:
-            return None
-        inside = [
-            f
-            for f in frames
-            if f.get("tid") == r.get("tid")
-            and f["ts"] <= r["ts"]
-            and f["ts"] + f["dur"] >= r["ts"] + r["dur"]
-            and not f["name"].startswith(("torch/", "<built-in", "triton/"))
-        ]
-        return min(inside, key=lambda f: f["dur"])["name"][:90] if inside else None
-
+    frames = _frames_near(events, [r for r in mine if r is not None])
     rows, end = [], order[anchors[mid - 1]]["ts"] + order[anchors[mid - 1]]["dur"]
     for k, r in zip(layer, mine):
         rows.append(
@@ -207,7 +213,7 @@ def one_layer(kernels: list[dict], events: list[dict]) -> dict | None:
                 "name": k["name"][:80],
                 "us": round(k["dur"], 1),
                 "idle_before_us": round(max(0.0, k["ts"] - end), 1),
-                "launched_by": launcher(r),
+                "launched_by": _caller(r, frames),
             }
         )
         end = max(end, k["ts"] + k["dur"])
@@ -217,6 +223,35 @@ def one_layer(kernels: list[dict], events: list[dict]) -> dict | None:
         "idle_us": round(sum(r["idle_before_us"] for r in rows), 1),
         "sequence": rows,
     }
+
+
+# CUDA runtime calls that can make the host wait for the device (a full drain lets the GPU idle for
+# as long as the host then takes to get ahead again).
+WAITS = re.compile(r"Synchronize|cudaMalloc$|cudaFree|cudaMemcpy$|cudaHostAlloc|cudaMallocHost")
+
+
+def host_waits(events: list[dict], top: int = 12) -> list[dict]:
+    """The longest CUDA runtime calls that can wait for the device, each with its duration and the
+    innermost project frame that made it; a device-to-host ``cudaMemcpyAsync`` counts (it waits for
+    its stream unless the destination is pinned)."""
+    dtoh = {
+        e.get("args", {}).get("correlation")
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") == "gpu_memcpy" and "DtoH" in e["name"]
+    }
+    calls = [
+        e
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("cat") == "cuda_runtime"
+        and (
+            WAITS.search(e["name"])
+            or (e["name"] == "cudaMemcpyAsync" and e.get("args", {}).get("correlation") in dtoh)
+        )
+    ]
+    calls = sorted(calls, key=lambda e: -e["dur"])[:top]
+    frames = _frames_near(events, calls)
+    return [{"name": c["name"], "us": round(c["dur"], 1), "called_by": _caller(c, frames)} for c in calls]
 
 
 def recategorize(summary: dict) -> dict:

@@ -139,6 +139,61 @@ def test_trace_summary_lists_one_layers_kernels_and_their_launchers():
     assert ts.summarize_events(events[:4], steps=1)["one_layer"] is None  # two anchors: no whole layer
 
 
+def test_trace_summary_lists_the_host_calls_that_wait_for_the_device():
+    """``host_waits``: stream syncs, allocations and device-to-host copies (matched to their copy on
+    the GPU through the correlation id), longest first, each with the project frame that made it;
+    launches and host-to-device copies are not waits."""
+    from benchmarks import trace_summary as ts
+
+    def rt(name, t, dur, corr=None):
+        e = {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": t, "dur": dur, "tid": 1}
+        return {**e, "args": {"correlation": corr}} if corr else e
+
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "nvjet_gemm", "ts": 0.0, "dur": 500.0},
+        {
+            "ph": "X",
+            "cat": "gpu_memcpy",
+            "name": "Memcpy DtoH (Device -> Pageable)",
+            "ts": 600.0,
+            "dur": 2.0,
+            "args": {"correlation": 7},
+        },
+        {
+            "ph": "X",
+            "cat": "gpu_memcpy",
+            "name": "Memcpy HtoD (Pinned -> Device)",
+            "ts": 700.0,
+            "dur": 2.0,
+            "args": {"correlation": 8},
+        },
+        rt("cudaStreamSynchronize", 10.0, 300.0),
+        rt("cudaMemcpyAsync", 400.0, 200.0, corr=7),
+        rt("cudaMemcpyAsync", 650.0, 5.0, corr=8),
+        rt("cudaLaunchKernel", 700.0, 900.0),
+        rt("cudaMalloc", 800.0, 50.0),
+        {
+            "ph": "X",
+            "cat": "python_function",
+            "name": "sglang_wgkv/memory/extend_step.py(174): _context_gcols",
+            "ts": 390.0,
+            "dur": 220.0,
+            "tid": 1,
+        },
+    ]
+    waits = ts.summarize_events(events, steps=1)["host_waits"]
+    assert [(w["name"], w["us"]) for w in waits] == [
+        ("cudaStreamSynchronize", 300.0),
+        ("cudaMemcpyAsync", 200.0),
+        ("cudaMalloc", 50.0),
+    ]
+    assert [w["called_by"] for w in waits] == [
+        None,
+        "sglang_wgkv/memory/extend_step.py(174): _context_gcols",
+        None,
+    ]
+
+
 def test_serving_memory_samples_the_gpu_through_nvidia_smi(tmp_path, monkeypatch):
     """benchmarks/serving_memory.py reads GPU 0's used/total memory from ``nvidia-smi`` (a stand-in
     script here), keeps per-phase GPU peaks only on a GPU host, and the summary renders a GPU column
