@@ -29,7 +29,7 @@ def measure(batch: int, prompt: int) -> dict:
     from sglang_wgkv.gate import GateConfig, WriteGates
     from sglang_wgkv.integration.backend import attn_backend
     from sglang_wgkv.memory import DualCachePool
-    from sglang_wgkv.testing.backend_harness import bare_backend, decode_batch, extend_batch, layer_of
+    from sglang_wgkv.testing.backend_harness import bare_backend, layer_of, run_decode, run_extend
 
     pages = batch * L * H * (prompt // 16 + 4 * STEPS) + 1024
     pool = DualCachePool(
@@ -52,20 +52,11 @@ def measure(batch: int, prompt: int) -> dict:
     slots = list(range(1, batch + 1))
     for r in slots:
         pool.alloc_request(r)
-    fb = extend_batch("extend", slots, [0] * batch, [prompt] * batch, torch.arange(prompt).repeat(batch))
-    q, k, v = rows(prompt * batch)
-    backend.batch_slots = slots
-    backend.init_forward_metadata(fb)
-    for layer in layers:
-        backend.forward_extend(q, k, v, layer, fb)
+    run_extend(backend, layers, slots, [0] * batch, [prompt] * batch, rows)
     cached = [prompt]
 
     def step():
-        fb = decode_batch(slots, [cached[0] + 1] * batch)
-        q, k, v = rows(batch)
-        backend.init_forward_metadata(fb)
-        for layer in layers:
-            backend.forward_decode(q, k, v, layer, fb)
+        run_decode(backend, layers, slots, [cached[0] + 1] * batch, rows)
         cached[0] += 1
 
     out = {"batch": batch, "cached_tokens": prompt, "kv_tokens": H * batch * prompt}

@@ -10,7 +10,7 @@ from sglang_wgkv.gate import GateConfig, WriteGates
 from sglang_wgkv.integration.backend import attn_backend
 from sglang_wgkv.integration.backend.decode_layer import torch_threads
 from sglang_wgkv.memory import DualCachePool
-from sglang_wgkv.testing.backend_harness import bare_backend, decode_batch, extend_batch, layer_of
+from sglang_wgkv.testing.backend_harness import bare_backend, layer_of, run_decode, run_extend
 
 pytestmark = pytest.mark.core
 
@@ -28,27 +28,23 @@ def _decode(limit: int, monkeypatch) -> tuple[list[torch.Tensor], list[int | Non
     for r in SLOTS:
         pool.alloc_request(r)
     gen = torch.Generator().manual_seed(0)
-    fb = extend_batch("extend", SLOTS, [0, 0], LENS, torch.cat([torch.arange(n) for n in LENS]))
-    backend.batch_slots = list(SLOTS)
-    backend.init_forward_metadata(fb)
-    for i in range(L):
-        q, k, v = (torch.randn(sum(LENS), c * D, generator=gen) for c in (HQ, H, H))
-        backend.forward_extend(q, k, v, layer_of(i, HQ, H, D), fb)
-    outs, threads = [], []
+
+    def rows(n):
+        return [torch.randn(n, c * D, generator=gen) for c in (HQ, H, H)]
+
+    layers = [layer_of(i, HQ, H, D) for i in range(L)]
+    run_extend(backend, layers, SLOTS, [0, 0], LENS, rows)
+    threads = []
+    for i in range(L):  # each layer's gate notes the threads it runs on
+        gate = backend.gates.layers[i].forward
+        monkeypatch.setattr(
+            backend.gates.layers[i],
+            "forward",
+            lambda *a, g=gate: threads.append(torch.get_num_threads()) or g(*a),
+        )
+    outs = []
     for step in range(2):
-        fb = decode_batch(SLOTS, [n + 1 + step for n in LENS])
-        backend.init_forward_metadata(fb)
-        for i in range(L):
-            q, k, v = (torch.randn(len(SLOTS), c * D, generator=gen) for c in (HQ, H, H))
-            seen = []
-            gate = backend.gates.layers[i].forward
-            monkeypatch.setattr(
-                backend.gates.layers[i],
-                "forward",
-                lambda *a, g=gate, s=seen: s.append(torch.get_num_threads()) or g(*a),
-            )
-            outs.append(backend.forward_decode(q, k, v, layer_of(i, HQ, H, D), fb))
-            threads += seen
+        outs += run_decode(backend, layers, SLOTS, [n + 1 + step for n in LENS], rows)
     return outs, threads
 
 

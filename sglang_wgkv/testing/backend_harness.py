@@ -149,3 +149,23 @@ def decode_batch(slots, seq_lens) -> SimpleNamespace:
         seq_lens_cpu=seq,
         wgkv_req_slots=list(slots),
     )
+
+
+def run_extend(backend: WGKVAttnBackend, layers, slots, prefix, lens, rows, kind: str = "extend") -> None:
+    """One extend forward of requests ``slots`` (already allocated in the pool) through every layer
+    of ``layers``: ``prefix`` cached and ``lens`` new tokens each; ``rows(n)`` gives a layer's packed
+    ``q, k, v`` (``[n, heads * D]`` each)."""
+    positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, lens)])
+    fb = extend_batch(kind, slots, prefix, lens, positions)
+    backend.batch_slots = list(slots)
+    backend.init_forward_metadata(fb)
+    for layer in layers:
+        backend.forward_extend(*rows(positions.numel()), layer, fb)
+
+
+def run_decode(backend: WGKVAttnBackend, layers, slots, seq_lens, rows) -> list[torch.Tensor]:
+    """One decode step of requests ``slots`` through every layer (``seq_lens`` include the token
+    decoded); each layer's outputs."""
+    fb = decode_batch(slots, seq_lens)
+    backend.init_forward_metadata(fb)
+    return [backend.forward_decode(*rows(len(slots)), layer, fb) for layer in layers]
