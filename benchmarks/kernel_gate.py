@@ -27,6 +27,7 @@ from sglang_wgkv.gate.triton_prefill_gate import (
     CHECK_TOLERANCE,
     LARGE_LAUNCH,
     SMALL_LAUNCH,
+    SPLIT_PRECISION,
     GateLaunch,
     PrefillGate,
 )
@@ -42,6 +43,10 @@ VARIANTS = {
     "bf16x3_t64_w8": GateLaunch(block_t=64, num_warps=8, precision="bf16x3"),
     "bf16x3_t128_i32": GateLaunch(block_t=128, block_i=32, precision="bf16x3"),
     "tf32_t64": GateLaunch(block_t=64, precision="tf32"),
+    # bf16x3 with the halves made once (the keys' per program, w1's per layer), not inside each dot
+    "split_t128_w8": GateLaunch(block_t=128, num_warps=8, precision=SPLIT_PRECISION),
+    "split_t64": GateLaunch(block_t=64, precision=SPLIT_PRECISION),
+    "split_t128_i128_w8": GateLaunch(block_t=128, block_i=128, num_warps=8, precision=SPLIT_PRECISION),
 }
 
 

@@ -17,7 +17,7 @@ import interp_gate_check
 import torch
 
 from sglang_wgkv.gate import WriteGates
-from sglang_wgkv.gate.triton_prefill_gate import PrefillGate
+from sglang_wgkv.gate.triton_prefill_gate import SPLIT_PRECISION, GateLaunch, PrefillGate
 
 G_TOL = 1e-5  # gate values: float32 (tf32x3 or bf16x3 on the GPU) sums in another order
 
@@ -39,6 +39,15 @@ CASES = [
     (129, 3, 64, 256, torch.bfloat16, "fused"),
     (0, 3, 64, 96, torch.bfloat16, "fused"),
     (1100, 2, 64, 96, torch.bfloat16, "fused"),
+]
+
+# The split launch (bf16x3 with halves made once; float16 halves under the interpreter): rows on and
+# off its 64-row tiles, I off the 64-unit block, every key dtype.
+SPLIT = GateLaunch(block_t=64, precision=SPLIT_PRECISION)
+SPLIT_CASES = [
+    (129, 3, 64, 96, torch.bfloat16, "fused"),
+    (65, 8, 128, 512, torch.float32, "heads"),
+    (1, 2, 64, 256, torch.float16, "contig"),
 ]
 
 
@@ -63,9 +72,9 @@ def make_keys(T: int, H: int, D: int, dtype, layout: str, gen, device):
     )
 
 
-def check(T, H, D, inner, dtype, layout, device, seed=0) -> list[dict]:
+def check(T, H, D, inner, dtype, layout, device, seed=0, launch=None) -> list[dict]:
     gates = make_gates(H, D, inner, seed, device)
-    fused = PrefillGate(gates)
+    fused = PrefillGate(gates, launch=launch)
     gen = torch.Generator().manual_seed(seed + 1)
     k_pre, k_post = make_keys(T, H, D, dtype, layout, gen, device)
     rows = []
@@ -79,6 +88,7 @@ def check(T, H, D, inner, dtype, layout, device, seed=0) -> list[dict]:
         rows.append(
             dict(
                 case=[T, H, D, inner, str(dtype), layout],
+                launch=launch and launch.precision,
                 layer=layer,
                 seed=seed,
                 ok=(
@@ -127,8 +137,9 @@ def admission_errors(fused, gate_layer, layer, k_pre, k_post, ref, gen, device) 
 def main() -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     failed = 0
-    for seed, case in enumerate(CASES):
-        for row in check(*case, device="cpu", seed=seed):
+    runs = [(case, None) for case in CASES] + [(case, SPLIT) for case in SPLIT_CASES]
+    for seed, (case, launch) in enumerate(runs):
+        for row in check(*case, device="cpu", seed=seed, launch=launch):
             print(json.dumps(row), flush=True)
             failed += not row["ok"]
     return 1 if failed else 0

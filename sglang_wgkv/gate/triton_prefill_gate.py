@@ -22,6 +22,7 @@ would not keep it there.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -70,6 +71,11 @@ def served_launch(rows: int, device: torch.device) -> GateLaunch:
 # per 32 rows. The crossover itself is an estimate (not yet timed).
 DECODE_MIN_ROWS = 128
 
+# A launch of this precision splits the keys and w1 into bf16 halves itself (keys once a program, w1
+# once a layer: PrefillGate.w1_halves) and runs bf16x3's three products as bf16 dots; Triton's
+# interpreter computes no bf16 dot correctly, so there the halves are float16 (the same code path).
+SPLIT_PRECISION = "bf16x3_split"
+
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _NO_ADMIT, _THRESHOLD, _RANDOM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 # Largest |g - g_torch| :func:`checked_prefill_gate` accepts (the tf32x3 dots give ~1e-6).
@@ -89,6 +95,8 @@ def _prefill_gate_kernel(
     PreNorm,
     PostNorm,
     W1,
+    W1Hi,
+    W1Lo,
     B1,
     W2,
     B2,
@@ -112,6 +120,8 @@ def _prefill_gate_kernel(
     WRITE_G: tl.constexpr,
     ADMIT: tl.constexpr,
     PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HALF: tl.constexpr,
 ):
     h = tl.program_id(1)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -127,16 +137,33 @@ def _prefill_gate_kernel(
     # Rows past T are zeros: rsqrt(eps) * 0 stays 0, and their gate values are never stored.
     pre = pre * tl.rsqrt(tl.sum(pre * pre, 1) / HEAD_DIM + eps)[:, None] * tl.load(PreNorm + d)[None, :]
     post = post * tl.rsqrt(tl.sum(post * post, 1) / HEAD_DIM + eps)[:, None] * tl.load(PostNorm + d)[None, :]
-    w1 = W1 + h.to(tl.int64) * (2 * HEAD_DIM * INNER)
+    w_off = h.to(tl.int64) * (2 * HEAD_DIM * INNER)
+    if SPLIT:  # the keys' halves once a program, not once a hidden block inside each dot
+        pre_hi = pre.to(HALF)
+        pre_lo = (pre - pre_hi.to(tl.float32)).to(HALF)
+        post_hi = post.to(HALF)
+        post_lo = (post - post_hi.to(tl.float32)).to(HALF)
     acc = tl.zeros([BLOCK_T], dtype=tl.float32)
     for i0 in range(0, INNER, BLOCK_I):
         i = i0 + tl.arange(0, BLOCK_I)
         live = i < INNER
         # Hidden units past I load zero weights and bias: GELU(0) * 0 adds nothing.
-        top = tl.load(w1 + d[:, None] * INNER + i[None, :], mask=live[None, :], other=0.0)
-        bottom = tl.load(w1 + (d[:, None] + HEAD_DIM) * INNER + i[None, :], mask=live[None, :], other=0.0)
-        hidden = tl.dot(pre, top, input_precision=PRECISION)
-        hidden = tl.dot(post, bottom, hidden, input_precision=PRECISION)
+        top_at = w_off + d[:, None] * INNER + i[None, :]
+        bottom_at = top_at + HEAD_DIM * INNER
+        if SPLIT:  # bf16x3 by hand: the small products first, then hi x hi, all into float32
+            top_hi = tl.load(W1Hi + top_at, mask=live[None, :], other=0.0)
+            bottom_hi = tl.load(W1Hi + bottom_at, mask=live[None, :], other=0.0)
+            hidden = tl.dot(pre_lo, top_hi, out_dtype=tl.float32)
+            hidden = tl.dot(pre_hi, tl.load(W1Lo + top_at, mask=live[None, :], other=0.0), hidden)
+            hidden = tl.dot(post_lo, bottom_hi, hidden)
+            hidden = tl.dot(post_hi, tl.load(W1Lo + bottom_at, mask=live[None, :], other=0.0), hidden)
+            hidden = tl.dot(pre_hi, top_hi, hidden)
+            hidden = tl.dot(post_hi, bottom_hi, hidden)
+        else:
+            top = tl.load(W1 + top_at, mask=live[None, :], other=0.0)
+            bottom = tl.load(W1 + bottom_at, mask=live[None, :], other=0.0)
+            hidden = tl.dot(pre, top, input_precision=PRECISION)
+            hidden = tl.dot(post, bottom, hidden, input_precision=PRECISION)
         hidden += tl.load(B1 + h * INNER + i, mask=live, other=0.0)[None, :]
         gelu = 0.5 * hidden * (1.0 + tl.math.erf(hidden * 0.7071067811865476))
         acc += tl.sum(gelu * tl.load(W2 + h * INNER + i, mask=live, other=0.0)[None, :], 1)
@@ -172,6 +199,7 @@ class PrefillGate:
         self.launch = launch  # None: :func:`served_launch` of each call's rows
 
         self.layers = weights if weights is not None else float32_weights(gates)
+        self._w1_halves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # SPLIT launches' bf16 w1
         if len(self.layers) != len(gates.layers):
             raise ValueError(f"{len(self.layers)} layers of weights for {len(gates.layers)} gate layers")
         first = gates.layers[0]
@@ -260,12 +288,17 @@ class PrefillGate:
         admit = (_NO_ADMIT if flags is None else _RANDOM if uniform is not None else _THRESHOLD).value
         any_f32 = g if g is not None else tau  # placeholders where a pointer is not read
         shape = self.launch or served_launch(T, self.device)
+        split = shape.precision == SPLIT_PRECISION
+        half = torch.float16 if os.environ.get("TRITON_INTERPRET") == "1" else torch.bfloat16
+        w1_hi, w1_lo = self.w1_halves(layer, half) if split else (w1, w1)
         _prefill_gate_kernel[(triton.cdiv(T, shape.block_t), H)](
             k_pre,
             k_post,
             pre_norm,
             post_norm,
             w1,
+            w1_hi,
+            w1_lo,
             b1,
             w2,
             b2,
@@ -288,10 +321,21 @@ class PrefillGate:
             BLOCK_I=shape.block_i,
             WRITE_G=g is not None,
             ADMIT=admit,
-            PRECISION=shape.precision,
+            PRECISION="ieee" if split else shape.precision,
+            SPLIT=split,
+            HALF=tl.bfloat16 if half == torch.bfloat16 else tl.float16,
             num_warps=shape.num_warps,
             num_stages=shape.num_stages,
         )
+
+    def w1_halves(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``w1`` of ``layer`` as two ``dtype`` tensors whose sum is it to about float32 precision
+        (the high half, then the rest rounded): made on a layer's first split launch and kept."""
+        if layer not in self._w1_halves:
+            w1 = self.layers[layer][2]
+            hi = w1.to(dtype)
+            self._w1_halves[layer] = (hi, (w1 - hi.float()).to(dtype))
+        return self._w1_halves[layer]
 
     def _check(self, layer, k_pre, k_post) -> tuple[int, int]:
         T, H, D = k_post.shape
