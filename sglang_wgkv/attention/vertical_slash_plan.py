@@ -107,18 +107,16 @@ def _exclusive_count(admitted: torch.Tensor) -> torch.Tensor:
     """``[Nk + 1, Hkv]`` int32 (a transposed view), row n = admitted keys among rows < n (over the
     packed batch).
 
-    One 1-D scan over the heads laid end to end (CUB on CUDA), then each head's running total before
-    it is taken off: flat in the key count where torch's row scan of the transposed ``[Hkv, Nk]``
-    grows with it, and far faster than scanning the outer dim of ``[Nk, Hkv]``
-    (``benchmarks/results/kernels/kernel_prefill_compaction.json``)."""
+    The heads laid end to end behind one zero each (``[Hkv, Nk + 1]``), one 1-D scan over all of it
+    (CUB on CUDA), then each head's running total at its zero taken off: four launches, flat in the
+    key count where torch's row scan of the transposed ``[Hkv, Nk]`` grows with it, and far faster than
+    scanning the outer dim of ``[Nk, Hkv]`` (``benchmarks/results/kernels/kernel_prefill_compaction.json``)."""
     Nk, H = admitted.shape
-    dtype = torch.int32 if H * Nk < 2**31 else torch.int64
-    excl = torch.zeros(H, Nk + 1, dtype=dtype, device=admitted.device)
-    if Nk:
-        flat = torch.cumsum(admitted.t().reshape(-1), 0, dtype=dtype).view(H, Nk)
-        excl[:, 1:] = flat
-        excl[1:, 1:] -= flat[:-1, -1:]
-    return excl.t()
+    dtype = torch.int32 if H * (Nk + 1) < 2**31 else torch.int64
+    flags = torch.zeros(H, Nk + 1, dtype=dtype, device=admitted.device)
+    flags[:, 1:] = admitted.t()
+    scan = torch.cumsum(flags.view(-1), 0, dtype=dtype).view(H, Nk + 1)
+    return (scan - scan[:, :1]).t()
 
 
 def build_vertical_slash_plan(
