@@ -7,7 +7,7 @@ A part of the pool (a base class of ``DualCachePool``): it reads and writes only
 declared in :mod:`~sglang_wgkv.memory.dual_pool`, whose docstring draws the page-table layout.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -23,6 +23,9 @@ class DecodePlan:
     ring_tokens: torch.Tensor  # [B] tokens in the ring after this step's write
     ring_page: torch.Tensor  # [B, L, H] page of the ring slot the new token takes
     ring_off: torch.Tensor  # [B, 1] offset of that slot in its page
+    # [B, L, H] (num_pages, last_page_len, kv_len) of every layer, made by the step's first
+    # decode_page_rows: global lengths change only between steps (promotion, eviction)
+    counts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
 
 class DecodeStep:
@@ -209,11 +212,15 @@ class DecodeStep:
         ``kv_len [B, H]`` (tokens). No host sync.
         """
         p = self._decode
-        glen = self.global_len[p.req, layer].long()  # [B, H]
-        ring = p.ring_tokens[:, None]
-        ring_pages = (ring + PAGE_SIZE - 1) // PAGE_SIZE
-        gpages = (glen + PAGE_SIZE - 1) // PAGE_SIZE
-        num_pages = ring_pages + gpages
-        last = torch.where(gpages > 0, glen - (gpages - 1) * PAGE_SIZE, ring - (ring_pages - 1) * PAGE_SIZE)
+        if p.counts is None:  # every layer's at once: the per-layer ops would be the same each layer
+            glen = self.global_len[p.req].long()  # [B, L, H]
+            ring = p.ring_tokens[:, None, None]
+            ring_pages = (ring + PAGE_SIZE - 1) // PAGE_SIZE
+            gpages = (glen + PAGE_SIZE - 1) // PAGE_SIZE
+            last = torch.where(
+                gpages > 0, glen - (gpages - 1) * PAGE_SIZE, ring - (ring_pages - 1) * PAGE_SIZE
+            )
+            p.counts = (ring_pages + gpages, last, ring + glen)
+        num_pages, last, kv_len = (t[:, layer] for t in p.counts)
         rows = self.page_table[p.req, layer, :, : self.dump_col]
-        return rows, num_pages, last, ring + glen
+        return rows, num_pages, last, kv_len
