@@ -3,6 +3,7 @@ GPU kernel time by phase and by kernel, GPU busy time against the traced span (t
 the GPU waited for the host), per profiled step.
 
     python -m benchmarks.trace_summary TRACE_DIR [--steps N]
+    python -m benchmarks.trace_summary --layer PART.json ...   (a part's prefill profiles: one layer, the waits)
 """
 
 from __future__ import annotations
@@ -281,6 +282,28 @@ def summarize_dir(trace_dir: str, steps: int | None = None) -> dict:
     }
 
 
+def layer_lines(summary: dict) -> list[str]:
+    """One profiled step's ``one_layer`` and ``host_waits`` as text: a line per kernel (GPU us, idle
+    us before it, name, launching frame), then a line per wait."""
+    o = summary.get("one_layer") or {}
+    lines = [f"one layer: {o.get('kernels')} kernels, {o.get('gpu_us')} us GPU, {o.get('idle_us')} us idle"]
+    for r in o.get("sequence", []):
+        lines.append(
+            f"{r['us']:9.1f} {r['idle_before_us']:8.1f}  {r['name'][:48]:48}  {r['launched_by'] or ''}"
+        )
+    lines += [
+        f"wait {w['us']:10.1f}  {w['name']}  {w['called_by'] or ''}" for w in summary.get("host_waits", [])
+    ]
+    return lines
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--layer":  # served_speed parts: their prefill profiles' layer and waits
+        for part in sys.argv[2:]:
+            for run in json.loads(Path(part).read_text())["runs"]:
+                for s in (run.get("profile_prefill") or {}).get("summary", []):
+                    print(f"{part} {run.get('workload')}")
+                    print("\n".join(layer_lines(s)))
+        sys.exit(0)
     steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else None
     print(json.dumps(summarize_dir(sys.argv[1], steps), indent=1))

@@ -137,6 +137,9 @@ def test_trace_summary_lists_one_layers_kernels_and_their_launchers():
     ]
     assert (out["kernels"], out["gpu_us"], out["idle_us"]) == (3, 65.0, 20.0)
     assert ts.summarize_events(events[:4], steps=1)["one_layer"] is None  # two anchors: no whole layer
+    lines = ts.layer_lines(ts.summarize_events(events, steps=1))  # the --layer printout
+    assert lines[0] == "one layer: 3 kernels, 65.0 us GPU, 20.0 us idle"
+    assert "_prefill_gate_kernel" in lines[2] and lines[2].endswith("_admit_extend")
 
 
 def test_trace_summary_lists_the_host_calls_that_wait_for_the_device():
