@@ -75,6 +75,7 @@ DECODE_MIN_ROWS = 128
 # once a layer: PrefillGate.w1_halves) and runs bf16x3's three products as bf16 dots; Triton's
 # interpreter computes no bf16 dot correctly, so there the halves are float16 (the same code path).
 SPLIT_PRECISION = "bf16x3_split"
+_SPLIT_HALF = torch.float16 if os.environ.get("TRITON_INTERPRET") == "1" else torch.bfloat16
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _NO_ADMIT, _THRESHOLD, _RANDOM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -199,7 +200,7 @@ class PrefillGate:
         self.launch = launch  # None: :func:`served_launch` of each call's rows
 
         self.layers = weights if weights is not None else float32_weights(gates)
-        self._w1_halves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # SPLIT launches' bf16 w1
+        self._w1_halves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # split launches' w1
         if len(self.layers) != len(gates.layers):
             raise ValueError(f"{len(self.layers)} layers of weights for {len(gates.layers)} gate layers")
         first = gates.layers[0]
@@ -289,8 +290,7 @@ class PrefillGate:
         any_f32 = g if g is not None else tau  # placeholders where a pointer is not read
         shape = self.launch or served_launch(T, self.device)
         split = shape.precision == SPLIT_PRECISION
-        half = torch.float16 if os.environ.get("TRITON_INTERPRET") == "1" else torch.bfloat16
-        w1_hi, w1_lo = self.w1_halves(layer, half) if split else (w1, w1)
+        w1_hi, w1_lo = self.w1_halves(layer) if split else (w1, w1)
         _prefill_gate_kernel[(triton.cdiv(T, shape.block_t), H)](
             k_pre,
             k_post,
@@ -323,18 +323,19 @@ class PrefillGate:
             ADMIT=admit,
             PRECISION="ieee" if split else shape.precision,
             SPLIT=split,
-            HALF=tl.bfloat16 if half == torch.bfloat16 else tl.float16,
+            HALF=tl.bfloat16 if _SPLIT_HALF == torch.bfloat16 else tl.float16,
             num_warps=shape.num_warps,
             num_stages=shape.num_stages,
         )
 
-    def w1_halves(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``w1`` of ``layer`` as two ``dtype`` tensors whose sum is it to about float32 precision
-        (the high half, then the rest rounded): made on a layer's first split launch and kept."""
+    def w1_halves(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``w1`` of ``layer`` as two bf16 tensors (float16 under the interpreter) whose sum is it to
+        about float32 precision (the high half, then the rest rounded): made on a layer's first split
+        launch and kept."""
         if layer not in self._w1_halves:
             w1 = self.layers[layer][2]
-            hi = w1.to(dtype)
-            self._w1_halves[layer] = (hi, (w1 - hi.float()).to(dtype))
+            hi = w1.to(_SPLIT_HALF)
+            self._w1_halves[layer] = (hi, (w1 - hi.float()).to(_SPLIT_HALF))
         return self._w1_halves[layer]
 
     def _check(self, layer, k_pre, k_post) -> tuple[int, int]:
