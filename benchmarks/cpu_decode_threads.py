@@ -27,7 +27,7 @@ def measure(batch: int, prompt: int) -> dict:
 
     from sglang_wgkv.config import WGKVConfig
     from sglang_wgkv.gate import GateConfig, WriteGates
-    from sglang_wgkv.integration.backend import attn_backend
+    from sglang_wgkv.integration.backend import decode_layer
     from sglang_wgkv.memory import DualCachePool
     from sglang_wgkv.testing.backend_harness import bare_backend, layer_of, run_decode, run_extend
 
@@ -63,7 +63,7 @@ def measure(batch: int, prompt: int) -> dict:
     times: dict[str, list[float]] = {"torch_threads": [], "one_thread": []}
     for _ in range(2):  # alternate, so that a slow spell of the machine hits both
         for name, limit in (("torch_threads", -1), ("one_thread", 1 << 40)):
-            attn_backend.CPU_ONE_THREAD_KV_TOKENS = limit
+            decode_layer.CPU_ONE_THREAD_KV_TOKENS = limit
             step()
             t = time.perf_counter()
             for _ in range(STEPS // 2):

@@ -7,7 +7,7 @@ import torch
 
 from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.gate import GateConfig, WriteGates
-from sglang_wgkv.integration.backend import attn_backend
+from sglang_wgkv.integration.backend import decode_layer
 from sglang_wgkv.integration.backend.decode_layer import torch_threads
 from sglang_wgkv.memory import DualCachePool
 from sglang_wgkv.testing.backend_harness import bare_backend, layer_of, run_decode, run_extend
@@ -20,7 +20,7 @@ SLOTS, LENS = [1, 2], [40, 25]
 
 def _decode(limit: int, monkeypatch) -> tuple[list[torch.Tensor], list[int | None]]:
     """Two decode steps after a prefill; the outputs and the threads each layer ran on."""
-    monkeypatch.setattr(attn_backend, "CPU_ONE_THREAD_KV_TOKENS", limit)
+    monkeypatch.setattr(decode_layer, "CPU_ONE_THREAD_KV_TOKENS", limit)
     pool = DualCachePool(L, H, D, 200, 4, 128, WGKVConfig(local_window=W, tau=0.5))
     gates = WriteGates(GateConfig(num_layers=L, num_kv_heads=H, head_dim=D, hidden=2 * D)).eval()
     gates.requires_grad_(False)

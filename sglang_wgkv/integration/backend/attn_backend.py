@@ -52,7 +52,7 @@ from sglang_wgkv.attention import reference
 from sglang_wgkv.attention.fa3_dense import dense_attention
 from sglang_wgkv.gate.admission import DeferredGateCheck, admission_flags
 from sglang_wgkv.integration.backend.decode_graphs import DecodeGraphs
-from sglang_wgkv.integration.backend.decode_layer import CPU_ONE_THREAD_KV_TOKENS, DecodeLayer, DecodeRows
+from sglang_wgkv.integration.backend.decode_layer import DecodeLayer, DecodeRows, cpu_threads
 from sglang_wgkv.integration.backend.gates import PreRopeKeyCapture, build_gates
 from sglang_wgkv.integration.plugin.runtime import get_runtime
 from sglang_wgkv.integration.plugin.settings import BACKEND_NAME
@@ -290,8 +290,7 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
             self._draw_uniform(len(host_pos)),
         )
         if not self.use_kernels and self.device.type == "cpu":
-            kv_tokens = self.dual.num_kv_heads * sum(host_pos)
-            rows.threads = 1 if kv_tokens <= CPU_ONE_THREAD_KV_TOKENS else None
+            rows.threads = cpu_threads(self.dual.num_kv_heads * sum(host_pos))
         if self.use_kernels:
             from sglang_wgkv.attention.decode_config import choose_num_splits
 

@@ -26,6 +26,11 @@ SCRATCH_SLOT = 0
 CPU_ONE_THREAD_KV_TOKENS = 8192
 
 
+def cpu_threads(kv_tokens: int) -> int | None:
+    """The torch decode layer's threads for a step reading ``kv_tokens`` (None: torch's own)."""
+    return 1 if kv_tokens <= CPU_ONE_THREAD_KV_TOKENS else None
+
+
 @contextlib.contextmanager
 def torch_threads(n: int | None):
     """Torch's CPU ops on ``n`` threads inside (None: unchanged)."""
