@@ -25,6 +25,7 @@ from benchmarks.common import Deadline, cuda_ms, environment, write_json
 from sglang_wgkv.gate import GateConfig, WriteGates
 from sglang_wgkv.gate.triton_prefill_gate import (
     CHECK_TOLERANCE,
+    HUGE_LAUNCH,
     LARGE_LAUNCH,
     SMALL_LAUNCH,
     SPLIT_PRECISION,
@@ -46,7 +47,7 @@ VARIANTS = {
     # bf16x3 with the halves made once (the keys' per program, w1's per layer), not inside each dot
     "split_t128_w8": GateLaunch(block_t=128, num_warps=8, precision=SPLIT_PRECISION),
     "split_t64": GateLaunch(block_t=64, precision=SPLIT_PRECISION),
-    "split_t128_i128_w8": GateLaunch(block_t=128, block_i=128, num_warps=8, precision=SPLIT_PRECISION),
+    "split_t128_i128_w8": HUGE_LAUNCH,  # served from HUGE_FROM_ROWS
 }
 
 

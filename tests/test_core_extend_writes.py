@@ -99,3 +99,33 @@ def test_group_never_spans_past_the_last_layer_and_budget_is_positive():
     assert writes.groups_written == 1 and writes.pending == 0
     with pytest.raises(ValueError, match="positive"):
         ExtendWrites(pool, budget_bytes=0)
+
+
+def test_packed_copy_returns_each_array_in_its_dtype():
+    """``to_device_many``: one staging buffer, each part a view with its values, dtype and length,
+    whatever the parts' byte sizes (a bool part of odd length before int64 ones) and empty parts."""
+    import numpy as np
+
+    from sglang_wgkv.memory.extend_step import to_device, to_device_many
+
+    parts = [
+        ([np.array([3, 1]), np.array([4])], np.int64),
+        (np.array([True, False, True]), np.bool_),
+        ([], np.int64),
+        (np.arange(5), np.int32),
+        (np.array([[1, -2], [3, 2**40]]), np.int64),
+    ]
+    got = to_device_many(torch.device("cpu"), parts)
+    want = [
+        torch.tensor([3, 1, 4]),
+        torch.tensor([True, False, True]),
+        torch.zeros(0, dtype=torch.int64),
+        torch.arange(5, dtype=torch.int32),
+        torch.tensor([1, -2, 3, 2**40]),
+    ]
+    assert [t.dtype for t in got] == [t.dtype for t in want]
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), got
+    # 16-byte aligned as tensors of their own (Triton specializes kernels on it)
+    assert all((t.data_ptr() - got[0].data_ptr()) % 16 == 0 for t in got)
+    assert torch.equal(to_device("cpu", [np.array([7]), np.array([8, 9])]), torch.tensor([7, 8, 9]))
+    assert to_device_many("cpu", []) == []

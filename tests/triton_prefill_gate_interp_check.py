@@ -17,7 +17,7 @@ import interp_gate_check
 import torch
 
 from sglang_wgkv.gate import WriteGates
-from sglang_wgkv.gate.triton_prefill_gate import SPLIT_PRECISION, GateLaunch, PrefillGate
+from sglang_wgkv.gate.triton_prefill_gate import HUGE_LAUNCH, SPLIT_PRECISION, GateLaunch, PrefillGate
 
 G_TOL = 1e-5  # gate values: float32 (tf32x3 or bf16x3 on the GPU) sums in another order
 
@@ -49,6 +49,8 @@ SPLIT_CASES = [
     (65, 8, 128, 512, torch.float32, "heads"),
     (1, 2, 64, 256, torch.float16, "contig"),
 ]
+# The served full-chunk launch (HUGE_LAUNCH: 128 x 128 split tiles): rows and I off its blocks.
+HUGE_CASES = [(129, 2, 64, 200, torch.bfloat16, "fused")]
 
 
 def make_gates(H: int, D: int, inner: int, seed: int, device) -> WriteGates:
@@ -138,6 +140,7 @@ def main() -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     failed = 0
     runs = [(case, None) for case in CASES] + [(case, SPLIT) for case in SPLIT_CASES]
+    runs += [(case, HUGE_LAUNCH) for case in HUGE_CASES]
     for seed, (case, launch) in enumerate(runs):
         for row in check(*case, device="cpu", seed=seed, launch=launch):
             print(json.dumps(row), flush=True)

@@ -47,6 +47,12 @@ class GateLaunch:
     precision: str = "tf32x3"
 
 
+# A launch of this precision splits the keys and w1 into bf16 halves itself (keys once a program, w1
+# once a layer: PrefillGate.w1_halves) and runs bf16x3's three products as bf16 dots; Triton's
+# interpreter computes no bf16 dot correctly, so there the halves are float16 (the same code path).
+SPLIT_PRECISION = "bf16x3_split"
+_SPLIT_HALF = torch.float16 if os.environ.get("TRITON_INTERPRET") == "1" else torch.bfloat16
+
 # A prefill chunk takes 128-row bf16x3 tiles: 2.7x faster than 32-row tf32x3 ones at 2,048 and 8,192
 # rows (results/kernels/kernel_gate_h100.json). Fewer rows (a decode step's gate, a short chunk) keep
 # the 32-row tiles, whose four times as many programs spread over the SMs.
@@ -55,13 +61,26 @@ LARGE_LAUNCH = GateLaunch(block_t=128, num_warps=8, precision="bf16x3")
 LARGE_FROM_ROWS = 1024
 # Triton's interpreter knows no bf16x3: off CUDA the same tiles in float32
 _LARGE_INTERPRETED = replace(LARGE_LAUNCH, precision="ieee")
+# A full prefill chunk (8,192 rows) takes 128 x 128 tiles with the halves split once
+# (SPLIT_PRECISION): 0.81x LARGE_LAUNCH's time there, but 1.8x at 2,048 rows, where its half as
+# many programs leave SMs idle (results/kernels/kernel_gate_h100.json, split_t128_i128_w8).
+HUGE_LAUNCH = GateLaunch(block_t=128, block_i=128, num_warps=8, precision=SPLIT_PRECISION)
+HUGE_FROM_ROWS = 8192
 
 
 def served_launch(rows: int, device: torch.device) -> GateLaunch:
     """The launch shape a served gate takes for ``rows`` new keys on ``device``."""
     if rows < LARGE_FROM_ROWS:
         return SMALL_LAUNCH
-    return LARGE_LAUNCH if device.type == "cuda" else _LARGE_INTERPRETED
+    if device.type != "cuda":
+        return _LARGE_INTERPRETED
+    return HUGE_LAUNCH if rows >= HUGE_FROM_ROWS else LARGE_LAUNCH
+
+
+def served_check_rows(device: torch.device) -> tuple[int, ...]:
+    """Row counts whose launches cover every shape :func:`served_launch` gives on ``device``."""
+    rows = (300, LARGE_FROM_ROWS)
+    return rows + (HUGE_FROM_ROWS,) if torch.device(device).type == "cuda" else rows
 
 
 # In decode, the backend takes this kernel instead of DecodeGate's from this many (row, KV head) pairs
@@ -71,11 +90,6 @@ def served_launch(rows: int, device: torch.device) -> GateLaunch:
 # per 32 rows. The crossover itself is an estimate (not yet timed).
 DECODE_MIN_ROWS = 128
 
-# A launch of this precision splits the keys and w1 into bf16 halves itself (keys once a program, w1
-# once a layer: PrefillGate.w1_halves) and runs bf16x3's three products as bf16 dots; Triton's
-# interpreter computes no bf16 dot correctly, so there the halves are float16 (the same code path).
-SPLIT_PRECISION = "bf16x3_split"
-_SPLIT_HALF = torch.float16 if os.environ.get("TRITON_INTERPRET") == "1" else torch.bfloat16
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _NO_ADMIT, _THRESHOLD, _RANDOM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -359,7 +373,7 @@ class PrefillGate:
 def checked_prefill_gate(
     gates,
     weights: list[tuple] | None = None,
-    rows: tuple[int, ...] = (300, LARGE_FROM_ROWS),
+    rows: tuple[int, ...] | None = None,
     dtype: torch.dtype = torch.float32,
     random_p: float | None = None,
 ) -> PrefillGate | None:
@@ -373,6 +387,7 @@ def checked_prefill_gate(
     c = gates.config
     try:
         gate = PrefillGate(gates, weights)
+        rows = served_check_rows(gate.device) if rows is None else rows
         gen = torch.Generator(device=gate.device).manual_seed(0)
         worst = 0.0
         for n, layer in ((n, layer) for n in rows for layer in range(len(gates.layers))):

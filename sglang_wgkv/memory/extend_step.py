@@ -30,10 +30,39 @@ def to_device(device: torch.device, parts, dtype=np.int64) -> torch.Tensor:
     waits for the stream, which stops the host from running ahead of the GPU)."""
     if isinstance(parts, list):
         parts = np.concatenate(parts) if parts else np.zeros(0)
-    host = torch.from_numpy(np.ascontiguousarray(parts, dtype=dtype))
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return to_device_many(device, [(parts, dtype)])[0].view(np.shape(parts))
+
+
+# numpy dtypes a packed copy carries, as torch views them. Every part starts at a multiple of 16 bytes,
+# as a tensor of its own would: Triton specializes its kernels on pointers' 16-byte alignment
+_TORCH_DTYPES = {
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.bool_): torch.bool,
+}
+
+
+def to_device_many(device: torch.device, parts: list[tuple]) -> list[torch.Tensor]:
+    """Host arrays ``[(array or list of arrays, dtype), ...]`` as tensors on ``device`` through one
+    staging buffer and one copy (each :func:`to_device` pins and copies on its own: a plan of ten
+    index lists paid ten host allocations and ten copies, the GPU idle meanwhile,
+    ``launch/results/served_speed/M1D_M1P_h100_knee4``); each tensor is a view of the copied bytes."""
+    arrays = []
+    for a, dtype in parts:
+        if isinstance(a, list):
+            a = np.concatenate(a) if a else np.zeros(0)
+        arrays.append(np.ascontiguousarray(a, dtype=dtype).reshape(-1))
+    sizes = [-(-a.nbytes // 16) * 16 for a in arrays]
+    packed = np.zeros(sum(sizes), dtype=np.uint8)
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    for a, o in zip(arrays, offsets):
+        packed[o : o + a.nbytes] = a.view(np.uint8)
+    host = torch.from_numpy(packed)
+    if torch.device(device).type == "cuda":
+        dev = host.pin_memory().to(device, non_blocking=True)
+    else:
+        dev = host.to(device)
+    return [dev[o : o + a.nbytes].view(_TORCH_DTYPES[a.dtype]) for a, o in zip(arrays, offsets)]
 
 
 @dataclass
@@ -115,8 +144,8 @@ class ExtendStep:
                 worst += LH * (-(-leaving // PAGE_SIZE) + 1)
         ring_total = LH * sum(c1 - c0 for c0, c1 in ring_new)
         self.allocator.ensure(ring_total + worst)
+        ring_idx = []
         if ring_total:
-            pages = self.allocator.alloc(ring_total).to(torch.int32)
             # request b's pages, laid out [L, H, its new columns], go to (slot, column) pairs: one write
             ncols = np.array([c1 - c0 for c0, c1 in ring_new], dtype=np.int64)
             pair_b = np.repeat(np.arange(len(ring_new)), ncols)
@@ -127,11 +156,7 @@ class ExtendStep:
             slot_col = np.stack(
                 [np.asarray(req_slots)[pair_b], np.asarray([c0 for c0, _ in ring_new])[pair_b] + j]
             )
-            idx = to_device(self.device, [slot_col.reshape(-1), src.reshape(-1)])
-            P = len(pair_b)
-            self.page_table[idx[:P], :, :, idx[P : 2 * P]] = pages[idx[2 * P :]].view(
-                P, self.num_layers, self.num_kv_heads
-            )
+            ring_idx = [slot_col.reshape(-1), src.reshape(-1)]
         cand_b, cand_ring, cand_slot, cand_src, cand_start = [], [], [], [], []
         rw_b, rw_slot, rw_src = [], [], []
         offset = 0
@@ -152,20 +177,42 @@ class ExtendStep:
             rw_src.append(offset + t)
             offset += n
             self.cached_len[req_slots[b]] = S + n
+        i64 = np.int64
+        idx, req, c_b, c_ring, c_slot, c_src, c_start, r_b, r_slot, r_src = to_device_many(
+            self.device,
+            [
+                (ring_idx, i64),
+                (np.asarray(req_slots), i64),
+                (cand_b, i64),
+                (cand_ring, np.bool_),
+                (cand_slot, i64),
+                (cand_src, i64),
+                (cand_start, i64),
+                (rw_b, i64),
+                (rw_slot, i64),
+                (rw_src, i64),
+            ],
+        )
+        if ring_total:
+            pages = self.allocator.alloc(ring_total).to(torch.int32)
+            P = idx.numel() // (2 + LH)
+            self.page_table[idx[:P], :, :, idx[P : 2 * P]] = pages[idx[2 * P :]].view(
+                P, self.num_layers, self.num_kv_heads
+            )
         plan = ExtendPlan(
-            req=to_device(self.device, np.asarray(req_slots)),
+            req=req,
             prefix_lens=prefix_lens,
             req_slots=req_slots,
             extend_lens=extend_lens,
-            cand_b=to_device(self.device, cand_b),
-            cand_from_ring=to_device(self.device, cand_ring, np.bool_),
-            cand_slot=to_device(self.device, cand_slot),
-            cand_src=to_device(self.device, cand_src),
-            cand_seg_start=to_device(self.device, cand_start),
+            cand_b=c_b,
+            cand_from_ring=c_ring,
+            cand_slot=c_slot,
+            cand_src=c_src,
+            cand_seg_start=c_start,
             max_new_pages=max_new_pages,
-            rw_b=to_device(self.device, rw_b),
-            rw_slot=to_device(self.device, rw_slot),
-            rw_src=to_device(self.device, rw_src),
+            rw_b=r_b,
+            rw_slot=r_slot,
+            rw_src=r_src,
             read_gcols=functools.partial(self._context_gcols, req_slots, prefix_lens),
         )
         self._extend, self._decode = plan, None

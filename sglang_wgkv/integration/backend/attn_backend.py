@@ -59,7 +59,7 @@ from sglang_wgkv.integration.plugin.settings import BACKEND_NAME
 from sglang_wgkv.integration.pools.kv_dtype import model_kv_scales
 from sglang_wgkv.integration.pools.kv_pool import WGKVTokenToKVPool
 from sglang_wgkv.memory.context_index import context_counts
-from sglang_wgkv.memory.extend_step import to_device
+from sglang_wgkv.memory.extend_step import to_device_many
 from sglang_wgkv.memory.extend_writes import ExtendWrites
 
 if TYPE_CHECKING:
@@ -317,11 +317,14 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
         keys = g_rows + ring_rows + n[None]  # [L, B]
         kv = np.concatenate([np.zeros((L, 1), np.int64), np.cumsum(keys, 1)], 1)
         self._longest_keys = keys.max(1, initial=0).tolist()
+        parts = [(qo, np.int64), (kv, np.int64)]
+        if plan.exact_global:
+            parts += [(qo, np.int32), (kv, np.int32)]
+        dev = to_device_many(self.device, parts)
         dense = None
         if plan.exact_global:
-            both = to_device(self.device, [qo, kv.reshape(-1)], np.int32)
-            dense = both[: len(qo)], both[len(qo) :].view(L, -1), int(n.max(initial=0))
-        return (to_device(self.device, qo), to_device(self.device, kv)), dense
+            dense = dev[2], dev[3].view(L, -1), int(n.max(initial=0))
+        return (dev[0], dev[1].view(L, -1)), dense
 
     def _draw_uniform(self, batch: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The step's ``[B, L, H]`` random-admission draws on the kernels path (drawn eagerly, so a
