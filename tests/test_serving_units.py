@@ -1,6 +1,7 @@
 """In-process tests of the serving glue: capacity split, request-slot lifecycle, pre-RoPE capture,
 the sgl_kernel stand-in and the launcher's option handling (no server process)."""
 
+import itertools
 import os
 import subprocess
 import sys
@@ -403,10 +404,15 @@ def test_cpu_default_kv_budget_is_a_fraction_of_ram(monkeypatch):
         (24 << 30) * CPU_KV_RAM_FRACTION
     ) // (2 * token_bytes)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for args in ([], ["--disable-wgkv"], ["--dtype", "bfloat16"]):
+    from sglang_wgkv import launch_server
+
+    # the budget follows the dtype the launcher picks, which depends on the CPU's half-precision units
+    for half, args in itertools.product((False, True), ([], ["--disable-wgkv"], ["--dtype", "bfloat16"])):
+        monkeypatch.setattr(launch_server, "cpu_half_matmul", lambda half=half: half)
         argv = resolve(args)[1]
-        expected = str(cpu_default_kv_tokens(model, ["--dtype", argv[argv.index("--dtype") + 1]]))
-        assert argv[argv.index("--max-total-tokens") + 1] == expected
+        dtype = ["--dtype", argv[argv.index("--dtype") + 1]] if "--dtype" in argv else []
+        assert ("--dtype" in argv) == (not half or "--dtype" in args)
+        assert argv[argv.index("--max-total-tokens") + 1] == str(cpu_default_kv_tokens(model, dtype))
     for given in (["--max-total-tokens", "4096"], ["--mem-fraction-static", "0.3"]):
         argv = resolve(given)[1]
         assert argv.count("--max-total-tokens") == given.count("--max-total-tokens")
