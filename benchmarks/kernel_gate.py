@@ -25,6 +25,7 @@ from benchmarks.common import Deadline, cuda_ms, environment, write_json
 from sglang_wgkv.gate import GateConfig, WriteGates
 from sglang_wgkv.gate.triton_prefill_gate import (
     CHECK_TOLERANCE,
+    FOLD_PRECISION,
     HUGE_LAUNCH,
     LARGE_LAUNCH,
     SMALL_LAUNCH,
@@ -48,6 +49,11 @@ VARIANTS = {
     "split_t128_w8": GateLaunch(block_t=128, num_warps=8, precision=SPLIT_PRECISION),
     "split_t64": GateLaunch(block_t=64, precision=SPLIT_PRECISION),
     "split_t128_i128_w8": HUGE_LAUNCH,  # served from HUGE_FROM_ROWS
+    # two products a dot on the keys as they are, the norms folded into w1
+    "fold_t128_i128_w8": GateLaunch(block_t=128, block_i=128, num_warps=8, precision=FOLD_PRECISION),
+    "fold_t128_w8_2stage": GateLaunch(block_t=128, num_warps=8, num_stages=2, precision=FOLD_PRECISION),
+    "fold_t128_w8": GateLaunch(block_t=128, num_warps=8, precision=FOLD_PRECISION),
+    "fold_t64": GateLaunch(block_t=64, precision=FOLD_PRECISION),
 }
 
 

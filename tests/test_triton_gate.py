@@ -98,15 +98,25 @@ def test_gpu_gate_graph_replay():
         (333, 8, 128, 512, torch.float32, "fused"),
     ],
 )
-@pytest.mark.parametrize("split", [False, True], ids=["served", "split"])
-def test_gpu_prefill_gate_matches_torch(T, H, D, inner, dtype, layout, split):
-    from triton_prefill_gate_interp_check import SPLIT, check
+@pytest.mark.parametrize("launch", ["served", "split", "fold"])
+def test_gpu_prefill_gate_matches_torch(T, H, D, inner, dtype, layout, launch):
+    from triton_prefill_gate_interp_check import FOLD, SPLIT, check
 
     # The oracle in float32 proper: no TF32 in the torch einsums.
     old = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
-        rows = check(T, H, D, inner, dtype, layout, device="cuda", seed=T, launch=SPLIT if split else None)
+        rows = check(
+            T,
+            H,
+            D,
+            inner,
+            dtype,
+            layout,
+            device="cuda",
+            seed=T,
+            launch={"served": None, "split": SPLIT, "fold": FOLD}[launch],
+        )
     finally:
         torch.set_float32_matmul_precision(old)
     assert all(r["ok"] for r in rows), rows

@@ -17,7 +17,13 @@ import interp_gate_check
 import torch
 
 from sglang_wgkv.gate import WriteGates
-from sglang_wgkv.gate.triton_prefill_gate import HUGE_LAUNCH, SPLIT_PRECISION, GateLaunch, PrefillGate
+from sglang_wgkv.gate.triton_prefill_gate import (
+    FOLD_PRECISION,
+    HUGE_LAUNCH,
+    SPLIT_PRECISION,
+    GateLaunch,
+    PrefillGate,
+)
 
 G_TOL = 1e-5  # gate values: float32 (tf32x3 or bf16x3 on the GPU) sums in another order
 
@@ -51,6 +57,14 @@ SPLIT_CASES = [
 ]
 # The served full-chunk launch (HUGE_LAUNCH: 128 x 128 split tiles): rows and I off its blocks.
 HUGE_CASES = [(129, 2, 64, 200, torch.bfloat16, "fused")]
+# The fold launch (keys as they are, the norms folded into w1): half-precision keys on and off the
+# tiles, float32 keys (which take the split code), I off the block.
+FOLD = GateLaunch(block_t=64, precision=FOLD_PRECISION)
+FOLD_CASES = [
+    (129, 3, 64, 96, torch.float16, "fused"),
+    (65, 8, 128, 512, torch.bfloat16, "heads"),
+    (33, 2, 64, 256, torch.float32, "contig"),
+]
 
 
 def make_gates(H: int, D: int, inner: int, seed: int, device) -> WriteGates:
@@ -140,7 +154,7 @@ def main() -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     failed = 0
     runs = [(case, None) for case in CASES] + [(case, SPLIT) for case in SPLIT_CASES]
-    runs += [(case, HUGE_LAUNCH) for case in HUGE_CASES]
+    runs += [(case, HUGE_LAUNCH) for case in HUGE_CASES] + [(case, FOLD) for case in FOLD_CASES]
     for seed, (case, launch) in enumerate(runs):
         for row in check(*case, device="cpu", seed=seed, launch=launch):
             print(json.dumps(row), flush=True)

@@ -51,7 +51,14 @@ class GateLaunch:
 # once a layer: PrefillGate.w1_halves) and runs bf16x3's three products as bf16 dots; Triton's
 # interpreter computes no bf16 dot correctly, so there the halves are float16 (the same code path).
 SPLIT_PRECISION = "bf16x3_split"
-_SPLIT_HALF = torch.float16 if os.environ.get("TRITON_INTERPRET") == "1" else torch.bfloat16
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_SPLIT_HALF = torch.float16 if _INTERPRETED else torch.bfloat16
+# A launch of this precision takes bf16 or fp16 keys as they are (exact as a dot's operand) and folds
+# the RMSNorm weights into w1, split into two halves once a layer (PrefillGate.w1_folded): two products
+# per dot where the split launch makes three, no key split, and each row's norm applied to the dot's
+# result (x * s_row * norm @ w1 = s_row * (x @ (norm * w1))). Float32 keys take the split launch's
+# code on the same tiles.
+FOLD_PRECISION = "bf16x2_fold"
 
 # A prefill chunk takes 128-row bf16x3 tiles: 2.7x faster than 32-row tf32x3 ones at 2,048 and 8,192
 # rows (results/kernels/kernel_gate_h100.json). Fewer rows (a decode step's gate, a short chunk) keep
@@ -136,6 +143,7 @@ def _prefill_gate_kernel(
     ADMIT: tl.constexpr,
     PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,
+    FOLD: tl.constexpr,
     HALF: tl.constexpr,
 ):
     h = tl.program_id(1)
@@ -143,15 +151,22 @@ def _prefill_gate_kernel(
     live_t = t < T
     t = t.to(tl.int64)
     d = tl.arange(0, HEAD_DIM)
-    pre = tl.load(
+    pre_in = tl.load(
         KPre + t[:, None] * stride_pt + h * stride_ph + d[None, :], mask=live_t[:, None], other=0.0
-    ).to(tl.float32)
-    post = tl.load(
+    )
+    post_in = tl.load(
         KPost + t[:, None] * stride_qt + h * stride_qh + d[None, :], mask=live_t[:, None], other=0.0
-    ).to(tl.float32)
+    )
+    pre, post = pre_in.to(tl.float32), post_in.to(tl.float32)
     # Rows past T are zeros: rsqrt(eps) * 0 stays 0, and their gate values are never stored.
-    pre = pre * tl.rsqrt(tl.sum(pre * pre, 1) / HEAD_DIM + eps)[:, None] * tl.load(PreNorm + d)[None, :]
-    post = post * tl.rsqrt(tl.sum(post * post, 1) / HEAD_DIM + eps)[:, None] * tl.load(PostNorm + d)[None, :]
+    pre_s = tl.rsqrt(tl.sum(pre * pre, 1) / HEAD_DIM + eps)
+    post_s = tl.rsqrt(tl.sum(post * post, 1) / HEAD_DIM + eps)
+    if FOLD:  # the keys as the dots take them; the rows' norms after the dots
+        pre_h, post_h = pre_in.to(HALF), post_in.to(HALF)
+        pre_over_post = pre_s / post_s
+    else:
+        pre = pre * pre_s[:, None] * tl.load(PreNorm + d)[None, :]
+        post = post * post_s[:, None] * tl.load(PostNorm + d)[None, :]
     w_off = h.to(tl.int64) * (2 * HEAD_DIM * INNER)
     if SPLIT:  # the keys' halves once a program, not once a hidden block inside each dot
         pre_hi = pre.to(HALF)
@@ -165,7 +180,16 @@ def _prefill_gate_kernel(
         # Hidden units past I load zero weights and bias: GELU(0) * 0 adds nothing.
         top_at = w_off + d[:, None] * INNER + i[None, :]
         bottom_at = top_at + HEAD_DIM * INNER
-        if SPLIT:  # bf16x3 by hand: the small products first, then hi x hi, all into float32
+        if FOLD:  # x @ (hi + lo), the pre half scaled to the post half's norm between the two
+            hidden = tl.dot(
+                pre_h, tl.load(W1Lo + top_at, mask=live[None, :], other=0.0), out_dtype=tl.float32
+            )
+            hidden = tl.dot(pre_h, tl.load(W1Hi + top_at, mask=live[None, :], other=0.0), hidden)
+            hidden = hidden * pre_over_post[:, None]
+            hidden = tl.dot(post_h, tl.load(W1Lo + bottom_at, mask=live[None, :], other=0.0), hidden)
+            hidden = tl.dot(post_h, tl.load(W1Hi + bottom_at, mask=live[None, :], other=0.0), hidden)
+            hidden = hidden * post_s[:, None]
+        elif SPLIT:  # bf16x3 by hand: the small products first, then hi x hi, all into float32
             top_hi = tl.load(W1Hi + top_at, mask=live[None, :], other=0.0)
             bottom_hi = tl.load(W1Hi + bottom_at, mask=live[None, :], other=0.0)
             hidden = tl.dot(pre_lo, top_hi, out_dtype=tl.float32)
@@ -215,6 +239,7 @@ class PrefillGate:
 
         self.layers = weights if weights is not None else float32_weights(gates)
         self._w1_halves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # split launches' w1
+        self._w1_folded: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # fold launches' w1
         if len(self.layers) != len(gates.layers):
             raise ValueError(f"{len(self.layers)} layers of weights for {len(gates.layers)} gate layers")
         first = gates.layers[0]
@@ -303,8 +328,15 @@ class PrefillGate:
         admit = (_NO_ADMIT if flags is None else _RANDOM if uniform is not None else _THRESHOLD).value
         any_f32 = g if g is not None else tau  # placeholders where a pointer is not read
         shape = self.launch or served_launch(T, self.device)
-        split = shape.precision == SPLIT_PRECISION
-        w1_hi, w1_lo = self.w1_halves(layer) if split else (w1, w1)
+        fold = shape.precision == FOLD_PRECISION and k_pre.dtype == k_post.dtype != torch.float32
+        split = shape.precision == SPLIT_PRECISION or (shape.precision == FOLD_PRECISION and not fold)
+        # the interpreter computes no bf16 dot correctly: there bf16 keys go to float16 (exactly, at
+        # keys' magnitudes)
+        half = (torch.float16 if _INTERPRETED else k_pre.dtype) if fold else _SPLIT_HALF
+        if fold:
+            w1_hi, w1_lo = self.w1_folded(layer, half)
+        else:
+            w1_hi, w1_lo = self.w1_halves(layer) if split else (w1, w1)
         _prefill_gate_kernel[(triton.cdiv(T, shape.block_t), H)](
             k_pre,
             k_post,
@@ -335,9 +367,10 @@ class PrefillGate:
             BLOCK_I=shape.block_i,
             WRITE_G=g is not None,
             ADMIT=admit,
-            PRECISION="ieee" if split else shape.precision,
+            PRECISION="ieee" if split or fold else shape.precision,
             SPLIT=split,
-            HALF=tl.bfloat16 if _SPLIT_HALF == torch.bfloat16 else tl.float16,
+            FOLD=fold,
+            HALF=tl.bfloat16 if half == torch.bfloat16 else tl.float16,
             num_warps=shape.num_warps,
             num_stages=shape.num_stages,
         )
@@ -351,6 +384,17 @@ class PrefillGate:
             hi = w1.to(_SPLIT_HALF)
             self._w1_halves[layer] = (hi, (w1 - hi.float()).to(_SPLIT_HALF))
         return self._w1_halves[layer]
+
+    def w1_folded(self, layer: int, half: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``w1`` of ``layer`` with the RMSNorm weights folded in (each input row scaled by its norm
+        weight: pre-RoPE rows, then post-RoPE ones), as two ``half`` tensors whose sum is it to about
+        float32 precision: made on a layer's first fold launch with keys of that dtype, and kept."""
+        if (layer, half) not in self._w1_folded:
+            pre_norm, post_norm, w1 = self.layers[layer][:3]
+            folded = w1 * torch.cat([pre_norm, post_norm])[None, :, None]
+            hi = folded.to(half)
+            self._w1_folded[layer, half] = (hi, (folded - hi.float()).to(half))
+        return self._w1_folded[layer, half]
 
     def _check(self, layer, k_pre, k_post) -> tuple[int, int]:
         T, H, D = k_post.shape
