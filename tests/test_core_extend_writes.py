@@ -106,7 +106,7 @@ def test_packed_copy_returns_each_array_in_its_dtype():
     whatever the parts' byte sizes (a bool part of odd length before int64 ones) and empty parts."""
     import numpy as np
 
-    from sglang_wgkv.memory.extend_step import to_device, to_device_many
+    from sglang_wgkv.memory.host_copy import to_device, to_device_many
 
     parts = [
         ([np.array([3, 1]), np.array([4])], np.int64),

@@ -234,8 +234,8 @@ def test_served_extend_layers_never_wait_for_the_host(triton_extend):
     while the host catches up, a large share of each long prefill.)"""
     from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
     from sglang_wgkv.gate.admission import DeferredGateCheck
-    from sglang_wgkv.memory.extend_step import to_device
     from sglang_wgkv.memory.extend_writes import ExtendWrites
+    from sglang_wgkv.memory.host_copy import to_device
 
     dev, L, H, Hq, D, W = "cuda", 2, 4, 8, 128, 64
     pool = _pool(L, H, D, W, torch.bfloat16, dev, triton_extend=triton_extend)
@@ -408,3 +408,39 @@ def test_usage_ledger_copy_is_queued_behind_the_forward_before():
     assert (counts.kept, counts.max_global) == (3 * 4 * 8, 3)
     assert not forward.query()  # only the copy was waited for, not forward k + 1
     forward.synchronize()
+
+
+def test_forward_plans_copy_their_index_lists_without_a_sync():
+    """The host plans of a forward hand their index lists to the GPU without waiting for it: an
+    extend's plan (its new ring pages and candidate lists), the observation window's first record of
+    that forward (new requests' window rows reset), and a decode step whose rings cross a page
+    boundary, all under ``set_sync_debug_mode("error")`` (a pageable copy waits for the stream, and
+    the GPU then idles while the host launches what follows)."""
+    from sglang_wgkv.memory.evictor import SnapKVEvictor
+
+    dev, L, H, G, D, W = "cuda", 2, 4, 2, 128, 64
+    pool = _pool(L, H, D, W, torch.bfloat16, dev)
+    ev = SnapKVEvictor(pool, budget=None, num_q_heads=H * G, window=16)
+    gen = torch.Generator(device=dev).manual_seed(5)
+    for r in (0, 1):
+        pool.alloc_request(r)
+    q = torch.randn(132, H * G, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pool.begin_extend([0, 1], [0, 0], [100, 32])
+        for layer in range(L):
+            ev.observe_extend(layer, q)
+        for layer in range(L):
+            kv = torch.randn(2, 132, H, D, device=dev, dtype=torch.bfloat16, generator=gen)
+            pool.write_extend(layer, kv[0], kv[1], torch.rand(132, H, device=dev, generator=gen) < 0.5)
+        pool.begin_decode([0, 1], [100, 32])  # request 1's ring takes a new page at 32
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    pool.check_integrity()
+    for r, first, n in ((0, 0, 100), (1, 100, 32)):  # each request's last 16 queries, by position
+        row = int(ev.row[r])
+        assert sorted(ev.q_pos[row].tolist()) == list(range(n - 16, n))
+        for p in range(n - 16, n):
+            assert torch.equal(ev.q_buf[row, 1, p % 16], q[first + p].to(ev.q_buf.dtype))

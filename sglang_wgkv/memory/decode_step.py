@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from sglang_wgkv.config import PAGE_SIZE
+from sglang_wgkv.memory.host_copy import to_device_many
 from sglang_wgkv.memory.kv_quant import byte_view, quantize
 
 
@@ -82,8 +83,9 @@ class DecodeStep:
             pages = (
                 self.allocator.alloc(ring_total).to(torch.int32).view(-1, self.num_layers, self.num_kv_heads)
             )
-            rows = torch.as_tensor(req_slots[new_ring], device=self.device)
-            cols = torch.as_tensor(seq_lens[new_ring] // PAGE_SIZE, device=self.device)
+            rows, cols = to_device_many(
+                self.device, [(req_slots[new_ring], np.int64), (seq_lens[new_ring] // PAGE_SIZE, np.int64)]
+            )
             self.page_table[
                 rows[:, None, None],
                 self._layers[None, :, None],

@@ -45,6 +45,7 @@ import torch
 
 from sglang_wgkv.config import DEFAULT_EVICTOR_WINDOW, DEFAULT_PROMPT_KERNEL, DEFAULT_PROMPT_WINDOW
 from sglang_wgkv.memory.dual_pool import DualCachePool
+from sglang_wgkv.memory.host_copy import to_device
 from sglang_wgkv.memory.observation_window import ObservationWindow
 from sglang_wgkv.memory.stream_eviction import StreamEviction
 
@@ -196,7 +197,7 @@ class SnapKVEvictor(ObservationWindow, StreamEviction):
         self._exact_max[stale] = 0
         self._exact_total[stale] = 0
         self._left_at_exact[stale] = 0
-        idx = torch.as_tensor(stale, device=self.pool.device)
+        idx = to_device(self.pool.device, stale)
         if self.rows is None:
             self.q_pos.index_fill_(0, idx, -1)
         self.stream_triggers.index_fill_(0, idx, 0)
@@ -257,7 +258,7 @@ class SnapKVEvictor(ObservationWindow, StreamEviction):
         if held.size:
             self._free_rows.extend(self._row_of[held].tolist())
             self._row_of[held] = -1
-            self.row[torch.as_tensor(held, device=self.pool.device)] = self.rows
+            self.row[to_device(self.pool.device, held)] = self.rows
 
     def _total_bounds(self) -> np.ndarray:
         """``[R]`` host upper bound of each slot's global tokens summed over its streams (no sync)."""

@@ -14,6 +14,7 @@ import torch
 
 from sglang_wgkv.config import FAR_POSITION, PAGE_SIZE
 from sglang_wgkv.memory.context_index import ContextIndex, build_context_index, context_counts, ragged_arange
+from sglang_wgkv.memory.host_copy import to_device, to_device_many
 from sglang_wgkv.memory.kv_quant import byte_view, gather, quantize
 
 
@@ -22,47 +23,6 @@ def context_rows(prefix_len: int, gcols: int, window: int) -> tuple[int, int]:
     it: ``gcols`` pages of global entries (padded to the longest head) and the ring's ``min(prefix, W)``
     tokens; none without a prefix."""
     return (gcols * PAGE_SIZE, min(prefix_len, window)) if prefix_len else (0, 0)
-
-
-def to_device(device: torch.device, parts, dtype=np.int64) -> torch.Tensor:
-    """A host array (or a list of arrays, concatenated) as a tensor on ``device``, copied without a
-    host sync on CUDA: pinned staging and a non-blocking copy (``torch.tensor(list, device=cuda)``
-    waits for the stream, which stops the host from running ahead of the GPU)."""
-    if isinstance(parts, list):
-        parts = np.concatenate(parts) if parts else np.zeros(0)
-    return to_device_many(device, [(parts, dtype)])[0].view(np.shape(parts))
-
-
-# numpy dtypes a packed copy carries, as torch views them. Every part starts at a multiple of 16 bytes,
-# as a tensor of its own would: Triton specializes its kernels on pointers' 16-byte alignment
-_TORCH_DTYPES = {
-    np.dtype(np.int64): torch.int64,
-    np.dtype(np.int32): torch.int32,
-    np.dtype(np.bool_): torch.bool,
-}
-
-
-def to_device_many(device: torch.device, parts: list[tuple]) -> list[torch.Tensor]:
-    """Host arrays ``[(array or list of arrays, dtype), ...]`` as tensors on ``device`` through one
-    staging buffer and one copy (each :func:`to_device` pins and copies on its own: a plan of ten
-    index lists paid ten host allocations and ten copies, the GPU idle meanwhile,
-    ``launch/results/served_speed/M1D_M1P_h100_knee4``); each tensor is a view of the copied bytes."""
-    arrays = []
-    for a, dtype in parts:
-        if isinstance(a, list):
-            a = np.concatenate(a) if a else np.zeros(0)
-        arrays.append(np.ascontiguousarray(a, dtype=dtype).reshape(-1))
-    sizes = [-(-a.nbytes // 16) * 16 for a in arrays]
-    packed = np.zeros(sum(sizes), dtype=np.uint8)
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
-    for a, o in zip(arrays, offsets):
-        packed[o : o + a.nbytes] = a.view(np.uint8)
-    host = torch.from_numpy(packed)
-    if torch.device(device).type == "cuda":
-        dev = host.pin_memory().to(device, non_blocking=True)
-    else:
-        dev = host.to(device)
-    return [dev[o : o + a.nbytes].view(_TORCH_DTYPES[a.dtype]) for a, o in zip(arrays, offsets)]
 
 
 @dataclass

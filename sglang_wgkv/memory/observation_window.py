@@ -6,6 +6,8 @@ scores the global cache with.
 import numpy as np
 import torch
 
+from sglang_wgkv.memory.host_copy import to_device_many
+
 
 class ObservationWindow:
     """Query recording of :class:`~sglang_wgkv.memory.evictor.SnapKVEvictor` (a mixin: the evictor owns
@@ -41,10 +43,7 @@ class ObservationWindow:
             src.append(off + t)
             pos.append(S + t)
             off += n
-        dev = self.pool.device
-        return tuple(
-            torch.as_tensor(np.concatenate(x), dtype=torch.int64, device=dev) for x in (req, src, pos)
-        )
+        return tuple(to_device_many(self.pool.device, [(x, np.int64) for x in (req, src, pos)]))
 
     def observe_decode(self, layer: int, q: torch.Tensor) -> None:
         """Record the queries ``[B, Hq, D]`` of the pool's current decode step for ``layer`` (no sync).

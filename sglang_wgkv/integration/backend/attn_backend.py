@@ -59,8 +59,8 @@ from sglang_wgkv.integration.plugin.settings import BACKEND_NAME
 from sglang_wgkv.integration.pools.kv_dtype import model_kv_scales
 from sglang_wgkv.integration.pools.kv_pool import WGKVTokenToKVPool
 from sglang_wgkv.memory.context_index import context_counts
-from sglang_wgkv.memory.extend_step import to_device_many
 from sglang_wgkv.memory.extend_writes import ExtendWrites
+from sglang_wgkv.memory.host_copy import to_device_many
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention

@@ -1,0 +1,49 @@
+"""Host arrays to the device without a host sync: one pinned staging buffer and one non-blocking copy
+per call, each array a view of the copied bytes.
+
+``torch.as_tensor(array, device="cuda")`` copies from pageable memory, which waits for the stream: the
+host stops running ahead of the GPU, and the GPU then idles while the host launches what follows.
+"""
+
+import numpy as np
+import torch
+
+
+def to_device(device: torch.device, parts, dtype=np.int64) -> torch.Tensor:
+    """A host array (or a list of arrays, concatenated) as a tensor on ``device``, copied without a
+    host sync on CUDA: pinned staging and a non-blocking copy (``torch.tensor(list, device=cuda)``
+    waits for the stream, which stops the host from running ahead of the GPU)."""
+    if isinstance(parts, list):
+        parts = np.concatenate(parts) if parts else np.zeros(0)
+    return to_device_many(device, [(parts, dtype)])[0].view(np.shape(parts))
+
+
+# numpy dtypes a packed copy carries, as torch views them. Every part starts at a multiple of 16 bytes,
+# as a tensor of its own would: Triton specializes its kernels on pointers' 16-byte alignment
+_TORCH_DTYPES = {
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.bool_): torch.bool,
+}
+
+
+def to_device_many(device: torch.device, parts: list[tuple]) -> list[torch.Tensor]:
+    """Host arrays ``[(array or list of arrays, dtype), ...]`` as flat tensors on ``device``, through
+    one staging buffer and one copy: a forward's plan of ten index lists paid ten pinned allocations and
+    copies while the GPU idled (``launch/results/served_speed/M1D_M1P_h100_knee4``)."""
+    arrays = []
+    for a, dtype in parts:
+        if isinstance(a, list):
+            a = np.concatenate(a) if a else np.zeros(0)
+        arrays.append(np.ascontiguousarray(a, dtype=dtype).reshape(-1))
+    sizes = [-(-a.nbytes // 16) * 16 for a in arrays]
+    packed = np.zeros(sum(sizes), dtype=np.uint8)
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    for a, o in zip(arrays, offsets):
+        packed[o : o + a.nbytes] = a.view(np.uint8)
+    host = torch.from_numpy(packed)
+    if torch.device(device).type == "cuda":
+        dev = host.pin_memory().to(device, non_blocking=True)
+    else:
+        dev = host.to(device)
+    return [dev[o : o + a.nbytes].view(_TORCH_DTYPES[a.dtype]) for a, o in zip(arrays, offsets)]
