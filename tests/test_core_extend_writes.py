@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from sglang_wgkv.config import WGKVConfig
+from sglang_wgkv.config import FAR_POSITION, WGKVConfig
 from sglang_wgkv.memory import DualCachePool
 from sglang_wgkv.memory.extend_writes import ExtendWrites
 
@@ -129,3 +129,36 @@ def test_packed_copy_returns_each_array_in_its_dtype():
     assert all((t.data_ptr() - got[0].data_ptr()) % 16 == 0 for t in got)
     assert torch.equal(to_device("cpu", [np.array([7]), np.array([8, 9])]), torch.tensor([7, 8, 9]))
     assert to_device_many("cpu", []) == []
+
+
+def test_kept_staging_writes_forward_after_forward_as_per_layer_writes():
+    """Staging kept between forwards (as on CUDA) and reused by forwards of other sizes and groups
+    leaves the pool as per-layer writes do."""
+    per_layer, kept = _pool(torch.float32), _pool(torch.float32)
+    for pool in (per_layer, kept):
+        _prefix(pool, torch.Generator().manual_seed(5))
+    writes = ExtendWrites(kept, budget_bytes=2 * 2 * 40 * H * D * 4, keep=True)
+    gen = torch.Generator().manual_seed(7)
+    cached = {r: S for r, S, _ in ROWS}
+    for extend in ([40, 30, 50], [9, 3, 17], [33, 40, 2]):  # the first sets the buffers' size
+        slots, N = [r for r, *_ in ROWS], sum(extend)
+        prefix = [cached[r] for r in slots]
+        k, v = torch.randn(2, L, N, H, D, generator=gen)
+        admit = torch.rand(L, N, H, generator=gen) < 0.5
+        per_layer.begin_extend(slots, prefix, extend)
+        kept.begin_extend(slots, prefix, extend)
+        for layer in range(L):
+            per_layer.write_extend(layer, k[layer], v[layer], admit[layer])
+            writes.stage(layer, k[layer], v[layer], admit[layer])
+        for r, n in zip(slots, extend):
+            cached[r] += n
+            want, got = _state(per_layer, r), _state(kept, r)
+            assert want[0] == got[0] and torch.equal(want[1], got[1]) and torch.equal(want[2], got[2])
+            for layer in range(L):
+                (wk, wv, wpos, wadm), (gk, gv, gpos, gadm) = want[3][layer], got[3][layer]
+                assert torch.equal(wpos, gpos) and torch.equal(wadm, gadm), (r, layer)
+                # a head's rows past its global length pad its pages: their bytes are never read
+                read = (wpos != FAR_POSITION)[:, None] | wadm
+                assert torch.equal(wk[read], gk[read]) and torch.equal(wv[read], gv[read]), (r, layer)
+    assert set(writes._kept) == {"k", "v", "admit"}
+    kept.check_integrity()

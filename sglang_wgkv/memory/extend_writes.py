@@ -21,6 +21,8 @@ group                       the evictor and prefix snapshots read it
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 # Staged K/V per group at most: 8 layers of an 8K-token chunk of a Llama-3.1-8B shape (8 KV heads
@@ -33,9 +35,10 @@ class ExtendWrites:
 
     pool : a :class:`~sglang_wgkv.memory.dual_pool.DualCachePool` with a live extend plan.
     budget_bytes : staged K/V bytes per group (at least one layer is always staged).
+    keep : keep the staging buffers between forwards (None: on CUDA, where a new size would allocate).
     """
 
-    def __init__(self, pool, budget_bytes: int = DEFAULT_BUDGET_BYTES):
+    def __init__(self, pool, budget_bytes: int = DEFAULT_BUDGET_BYTES, keep: bool | None = None):
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
         self.pool = pool
@@ -46,6 +49,11 @@ class ExtendWrites:
         self._admit: torch.Tensor | None = None  # [G, N, H]
         self._staged = 0
         self.groups_written = 0
+        # CUDA: the staging kept between forwards (grown, never shrunk), so that a forward of a new
+        # size allocates nothing: a new size's cudaMalloc stalled the host in layer 0 of the M1D pass
+        # (launch/results/served_speed/M1D_M1P_h100_knee4, host_waits)
+        self._kept: dict[str, torch.Tensor] = {}
+        self.keep = keep
 
     def group_layers(self, k: torch.Tensor, v: torch.Tensor) -> int:
         """Layers per group for rows shaped like ``k``, ``v`` ``[N, H, D]``."""
@@ -58,9 +66,9 @@ class ExtendWrites:
         L = self.pool.num_layers
         if self._first is None:
             group = min(self.group_layers(k, v), L - layer)
-            self._k = k.new_empty(group, *k.shape)
-            self._v = v.new_empty(group, *v.shape)
-            self._admit = admit.new_empty(group, *admit.shape)
+            self._k, self._v, self._admit = (
+                self._staging(name, x, group) for name, x in (("k", k), ("v", v), ("admit", admit))
+            )
             self._first, self._staged = layer, 0
         if layer != self._first + self._staged:
             raise RuntimeError(
@@ -74,6 +82,18 @@ class ExtendWrites:
         self._staged += 1
         if self._staged == self._k.shape[0] or layer == L - 1:
             self.flush()
+
+    def _staging(self, name: str, like: torch.Tensor, group: int) -> torch.Tensor:
+        """``[group, *like.shape]`` of ``like``'s dtype: a view of the kept buffer (the next group's
+        staging is written after this one's write in stream order), or new when not keeping."""
+        shape = (group, *like.shape)
+        if not (like.device.type == "cuda" if self.keep is None else self.keep):
+            return like.new_empty(shape)
+        n = math.prod(shape)
+        kept = self._kept.get(name)
+        if kept is None or kept.numel() < n or kept.dtype != like.dtype or kept.device != like.device:
+            kept = self._kept[name] = like.new_empty(n)
+        return kept[:n].view(shape)
 
     def flush(self) -> None:
         """Write the staged layers (nothing when none is staged)."""
