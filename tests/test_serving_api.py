@@ -98,7 +98,11 @@ def test_prompt_over_context_limit_is_rejected(server):
 
 
 def test_idle_invariants_after_the_workload(server):
+    from sglang_wgkv.integration.backend.attn_backend import LOG_SLOT_READBACK
+
     stats = server.wait_idle_checked()
+    # every forward's batch carried its host request slots (no device read-back per forward)
+    assert LOG_SLOT_READBACK not in server.log_path.read_text(errors="replace")
     assert stats["active_requests"] == 0
     held = stats["radix"]["snapshot_pages"]  # prefix snapshots (radix_ext) keep pages while idle
     assert (

@@ -116,6 +116,7 @@ def bare_backend(
         _fa3_dense=None,
         _dense=None,
         _longest_keys=None,
+        _warned_slot_readback=False,
     )
     return b
 

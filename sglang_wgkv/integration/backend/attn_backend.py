@@ -68,6 +68,10 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+# logged once by a backend handed a batch without its host request slots (batch_slots.py)
+LOG_SLOT_READBACK = (
+    "wgkv: a forward batch came without its host request slots; reading them back (a host sync)"
+)
 
 
 def traced(name: str):
@@ -176,6 +180,7 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
         self._row_uniform = None  # [tokens, L, H] random-admission draws of the extend rows (kernels)
         self._rows: DecodeRows | None = None  # the current decode step
         self.batch_slots: list[int] | None = None  # record_batch_slots
+        self._warned_slot_readback = False
         self.batch_prompt_ends: tuple[list[int], list[bool]] | None = None  # record_batch_slots (extend)
         self.batch_decode_rows = 0  # record_batch_slots: the decode rows ending a mixed batch
         self._graph: DecodeRows | None = None  # [max_bs] static buffers (init_cuda_graph_state)
@@ -185,6 +190,9 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
     def _host_slots(self, forward_batch: ForwardBatch) -> list[int]:
         slots = getattr(forward_batch, "wgkv_req_slots", None)
         if slots is None or len(slots) != forward_batch.batch_size:
+            if not self._warned_slot_readback:
+                self._warned_slot_readback = True
+                logger.warning(LOG_SLOT_READBACK)
             slots = forward_batch.req_pool_indices.tolist()  # a batch not built by init_new (syncs)
         return slots
 

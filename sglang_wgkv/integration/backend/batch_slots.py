@@ -1,7 +1,9 @@
 """Host request slots: SGLang's ForwardBatch has no host copy of ``req_pool_indices``;
 :func:`record_batch_slots` (a ``ForwardBatch.init_new`` hook) records ``[req.req_pool_idx for req in
-batch.reqs]`` on the batch and on the backend, so no step reads the device tensor back
-(a batch built elsewhere, e.g. a unit test's, falls back to ``.tolist()``).
+batch.reqs]`` on the batch and on the backend, and :func:`carry_batch_slots` (an
+``EagerRunner.load_batch`` hook) onto the view of the batch the eager runner hands the backend, so no
+step reads the device tensor back (a batch built elsewhere, e.g. a unit test's, falls back to
+``.tolist()``, which waits for the GPU).
 """
 
 from sglang_wgkv.integration.backend.attn_backend import WGKVAttnBackend
@@ -27,6 +29,17 @@ def record_batch_slots(result, cls, batch, model_runner, *args, **kwargs):
                 slots[: len(prefill)],
                 [req.extend_range.end >= len(req.full_untruncated_fill_ids) for req in prefill],
             )
+    return None
+
+
+def carry_batch_slots(result, runner, forward_batch, *args, **kwargs):
+    """AFTER ``EagerRunner.load_batch``: the batch it returns is a ``dataclasses.replace`` of the live
+    one over its static buffers, without the attributes set on the live one; the host slots go along
+    (without them every eager extend read ``req_pool_indices`` back: a device-to-host copy behind the
+    forward in flight, in the M1D profile's host waits)."""
+    slots = getattr(forward_batch, "wgkv_req_slots", None)
+    if slots is not None and result is not None and result is not forward_batch:
+        result.wgkv_req_slots = slots
     return None
 
 

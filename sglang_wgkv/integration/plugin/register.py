@@ -26,7 +26,7 @@ def load_plugin() -> None:
     from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
 
     from radix_ext import factory as radix_factory
-    from sglang_wgkv.integration.backend.batch_slots import record_batch_slots
+    from sglang_wgkv.integration.backend.batch_slots import carry_batch_slots, record_batch_slots
     from sglang_wgkv.integration.plugin import hooks, metrics, overlap
     from sglang_wgkv.integration.requests import control as request_control
     from sglang_wgkv.integration.requests import validation as request_validation
@@ -57,6 +57,11 @@ def load_plugin() -> None:
         (
             "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
             record_batch_slots,
+            HookType.AFTER,
+        ),
+        (
+            "sglang.srt.model_executor.runner.eager_runner.EagerRunner.load_batch",
+            carry_batch_slots,
             HookType.AFTER,
         ),
         (
