@@ -114,3 +114,19 @@ def test_start_up_check_accepts_the_kernel_and_refuses_a_wrong_one():
     )
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     assert rows == [{"kept": "PrefillGate", "wrong": True}], res.stdout[-2000:] + res.stderr[-3000:]
+
+
+def test_start_up_check_covers_every_served_launch():
+    """The start-up check's cases compile every launch shape a served forward can take on CUDA (a
+    new row tier left out of them would compile, unchecked, at its first request)."""
+    from sglang_wgkv.gate.triton_prefill_gate import served_check_cases, served_launch
+
+    cuda = torch.device("cuda")
+    served = {served_launch(n, cuda) for n in (1, 299, 1023, 1024, 4096, 8191, 8192, 131072)}
+    checked = {launch or served_launch(n, cuda) for n, launch in served_check_cases(cuda)}
+    assert served <= checked and len(served) == 3
+    assert all(n < 8192 for n, _ in served_check_cases(cuda))  # the torch gate's check stays small
+    cpu = torch.device("cpu")
+    assert {served_launch(n, cpu) for n in (1, 1024, 8192)} == {
+        launch or served_launch(n, cpu) for n, launch in served_check_cases(cpu)
+    }

@@ -84,10 +84,12 @@ def served_launch(rows: int, device: torch.device) -> GateLaunch:
     return HUGE_LAUNCH if rows >= HUGE_FROM_ROWS else LARGE_LAUNCH
 
 
-def served_check_rows(device: torch.device) -> tuple[int, ...]:
-    """Row counts whose launches cover every shape :func:`served_launch` gives on ``device``."""
-    rows = (300, LARGE_FROM_ROWS)
-    return rows + (HUGE_FROM_ROWS,) if torch.device(device).type == "cuda" else rows
+def served_check_cases(device: torch.device) -> list[tuple[int, GateLaunch | None]]:
+    """``(rows, launch)`` cases covering every shape :func:`served_launch` gives on ``device``
+    (``None``: the served choice for those rows); the full-chunk shape is checked at fewer rows (the
+    kernel is compiled for any row count), so the torch gate's check stays small in memory."""
+    cases = [(300, None), (LARGE_FROM_ROWS, None)]
+    return cases + [(LARGE_FROM_ROWS, HUGE_LAUNCH)] if torch.device(device).type == "cuda" else cases
 
 
 # In decode, the backend takes this kernel instead of DecodeGate's from this many (row, KV head) pairs
@@ -422,7 +424,8 @@ def checked_prefill_gate(
     random_p: float | None = None,
 ) -> PrefillGate | None:
     """A :class:`PrefillGate` of ``gates`` after one check on their device against the torch gate
-    (every layer, each of ``rows`` random keys of ``dtype``, the served keys' dtype, through the values
+    (every layer, each of ``rows`` random keys of ``dtype`` (default: :func:`served_check_cases`),
+    the served keys' dtype, through the values
     alone, the extend's admission with ``random_p`` and the decode step's: every launch shape and
     variant a served forward makes is compiled here, before the server takes a request); None, with a warning in
     the log, when it does not compile there, fails to launch or differs by more than
@@ -431,10 +434,11 @@ def checked_prefill_gate(
     c = gates.config
     try:
         gate = PrefillGate(gates, weights)
-        rows = served_check_rows(gate.device) if rows is None else rows
+        cases = served_check_cases(gate.device) if rows is None else [(n, None) for n in rows]
         gen = torch.Generator(device=gate.device).manual_seed(0)
         worst = 0.0
-        for n, layer in ((n, layer) for n in rows for layer in range(len(gates.layers))):
+        for (n, launch), layer in ((case, layer) for case in cases for layer in range(len(gates.layers))):
+            gate.launch = launch
             k_pre, k_post = (
                 torch.randn(n, c.num_kv_heads, c.head_dim, generator=gen, device=gate.device).to(dtype)
                 for _ in range(2)
@@ -451,6 +455,7 @@ def checked_prefill_gate(
             # the decode step's variant (no values out) must decide as the extend's does
             if not torch.equal(gate.admit(layer, k_pre, k_post, tau, uniform, random_p), flags):
                 worst = float("inf")
+        gate.launch = None  # served: each call's rows choose
     except Exception as exc:  # a compile or launch failure must not take the server down
         logger.warning(
             "wgkv: the Triton prefill gate failed its start-up check (%s: %s); the prefill uses "
