@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The WG-KV SGLang server on an H200 without network, with ../shared/device-kit and the embedded
 # model (SmolLM2-135M-Instruct GGUF, real weights), one verb per step (docs/offline-h200.md):
-#   setup (with .kit, first) | kit2 (with .kit2) | part (with one .model/*.gguf.pN piece)
+#   setup (with .kit, first) | kit2 (with .kit2) | part (with one .model/*.gguf.pN piece) |
+#   router-kit (with .router: SGLang's router, which the kit lacks)
 #   serve-bench | serve-soak | serve-eval | memory | programs | logprob-floor | gpu-tests | train-speed |
 #   train-sweep | train-eval   [their args]   (in the step that brings the last model piece, or later)
 # Each verb's one-line comment below says what it runs and where its results go ($OUT). The folders
@@ -23,6 +24,9 @@ part)  # mkdir: `served_speed.sh setup` makes no $M
 kit2)
     bash .kit/install.sh .kit2 >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .kit2/*.whl
     touch /tmp/sglang-wheel-installed ;;
+router-kit)  # sglang-router into the kit's site: launch_router, benchmarks/router_speed.py
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .router/*.whl
+    (. /tmp/pp; python3 -c "import sglang_router, sys; print('sglang_router', sglang_router.__file__)") ;;
 serve-bench|serve-eval|serve-soak|programs|gpu-tests|logprob-floor|memory|train-speed|train-sweep|train-eval)
     mode=$1; shift
     . launch/device_common.sh
