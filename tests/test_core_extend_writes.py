@@ -162,3 +162,31 @@ def test_kept_staging_writes_forward_after_forward_as_per_layer_writes():
                 assert torch.equal(wk[read], gk[read]) and torch.equal(wv[read], gv[read]), (r, layer)
     assert set(writes._kept) == {"k", "v", "admit"}
     kept.check_integrity()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn])
+def test_wide_copy_equals_the_plain_copy(dtype):
+    """:func:`wide_copy_` of the views a layer's rows come in (a key of the fused QKV rows, heads
+    split or not), of rows it cannot move as 8-byte words (an odd last dim, an odd offset), and
+    :func:`wide_clone`: bit for bit the plain copy, into ``dst`` itself."""
+    from sglang_wgkv.memory.wide_copy import as_words, wide_clone, wide_copy_
+
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(37, 8 * 16, generator=gen).to(dtype)
+    cases = [
+        qkv[:, 64:96],  # the key of 2 heads x 16 behind 4 query heads
+        qkv[:, 64:96].view(37, 2, 16),
+        qkv[:, 1:33],  # an odd offset
+        qkv[:, 64:67],  # an odd last dim
+        qkv[::2, 32:64],  # every other row
+    ]
+    # the served layouts move as words, the others take the plain copy
+    assert [as_words(src) is not None for src in cases] == [True, True, False, False, True]
+    for src in cases:
+        dst = torch.empty(src.shape, dtype=dtype)
+        assert wide_copy_(dst, src) is dst
+        assert torch.equal(dst.view(torch.uint8), src.contiguous().view(torch.uint8)), src.stride()
+        clone = wide_clone(src)
+        assert clone.is_contiguous() and torch.equal(
+            clone.view(torch.uint8), src.contiguous().view(torch.uint8)
+        )

@@ -25,6 +25,8 @@ import math
 
 import torch
 
+from sglang_wgkv.memory.wide_copy import wide_copy_
+
 # Staged K/V per group at most: 8 layers of an 8K-token chunk of a Llama-3.1-8B shape (8 KV heads
 # of 128), all 32 layers of a 2K-token one.
 DEFAULT_BUDGET_BYTES = 256 << 20
@@ -76,8 +78,8 @@ class ExtendWrites:
                 f"{self._first}..{self._first + self._staged - 1}"
             )
         i = self._staged
-        self._k[i].copy_(k)
-        self._v[i].copy_(v)
+        wide_copy_(self._k[i], k)
+        wide_copy_(self._v[i], v)
         self._admit[i].copy_(admit)
         self._staged += 1
         if self._staged == self._k.shape[0] or layer == L - 1:

@@ -19,6 +19,7 @@ from torch import nn
 from sglang_wgkv.gate import GateConfig, WriteGates, load_gates
 from sglang_wgkv.gate.checkpoint import check_served_window
 from sglang_wgkv.integration.plugin.settings import ServingSettings
+from sglang_wgkv.memory.wide_copy import wide_clone
 
 
 def build_gates(
@@ -93,7 +94,7 @@ class PreRopeKeyCapture:
 
     def _on_rope(self, module, args, kwargs):
         key = args[2] if len(args) > 2 else kwargs["key"]
-        self._key = key.clone(memory_format=torch.contiguous_format)
+        self._key = wide_clone(key)
 
     def take(self, k_post: torch.Tensor) -> torch.Tensor:
         """The captured pre-RoPE key, shaped like ``k_post`` (``[T, H*D]``); clears the slot."""
