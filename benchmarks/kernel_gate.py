@@ -23,16 +23,15 @@ import torch
 
 from benchmarks.common import Deadline, cuda_ms, environment, write_json
 from sglang_wgkv.gate import GateConfig, WriteGates
-from sglang_wgkv.gate.triton_prefill_gate import (
-    CHECK_TOLERANCE,
+from sglang_wgkv.gate.prefill_gate_launch import (
     FOLD_PRECISION,
     HUGE_LAUNCH,
     LARGE_LAUNCH,
     SMALL_LAUNCH,
     SPLIT_PRECISION,
     GateLaunch,
-    PrefillGate,
 )
+from sglang_wgkv.gate.triton_prefill_gate import CHECK_TOLERANCE, PrefillGate
 
 H, D, INNER = 8, 128, 512
 VARIANTS = {

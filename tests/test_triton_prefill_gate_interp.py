@@ -96,9 +96,10 @@ import json
 import torch
 from triton_prefill_gate_interp_check import make_gates
 from sglang_wgkv.gate import triton_prefill_gate as m
+from sglang_wgkv.gate.prefill_gate_launch import LARGE_FROM_ROWS
 
 gates = make_gates(2, 64, 96, 1, "cpu")
-kept = m.checked_prefill_gate(gates, rows=(40, m.LARGE_FROM_ROWS), dtype=torch.bfloat16, random_p=0.25)
+kept = m.checked_prefill_gate(gates, rows=(40, LARGE_FROM_ROWS), dtype=torch.bfloat16, random_p=0.25)
 call = m.PrefillGate.__call__
 m.PrefillGate.__call__ = lambda self, *a, **k: call(self, *a, **k) + 3 * m.CHECK_TOLERANCE
 wrong = m.checked_prefill_gate(gates, rows=(40,))
@@ -119,7 +120,7 @@ def test_start_up_check_accepts_the_kernel_and_refuses_a_wrong_one():
 def test_start_up_check_covers_every_served_launch():
     """The start-up check's cases compile every launch shape a served forward can take on CUDA (a
     new row tier left out of them would compile, unchecked, at its first request)."""
-    from sglang_wgkv.gate.triton_prefill_gate import served_check_cases, served_launch
+    from sglang_wgkv.gate.prefill_gate_launch import served_check_cases, served_launch
 
     cuda = torch.device("cuda")
     served = {served_launch(n, cuda) for n in (1, 299, 1023, 1024, 4096, 8191, 8192, 131072)}

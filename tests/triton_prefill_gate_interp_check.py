@@ -17,13 +17,8 @@ import interp_gate_check
 import torch
 
 from sglang_wgkv.gate import WriteGates
-from sglang_wgkv.gate.triton_prefill_gate import (
-    FOLD_PRECISION,
-    HUGE_LAUNCH,
-    SPLIT_PRECISION,
-    GateLaunch,
-    PrefillGate,
-)
+from sglang_wgkv.gate.prefill_gate_launch import FOLD_PRECISION, HUGE_LAUNCH, SPLIT_PRECISION, GateLaunch
+from sglang_wgkv.gate.triton_prefill_gate import PrefillGate
 
 G_TOL = 1e-5  # gate values: float32 (tf32x3 or bf16x3 on the GPU) sums in another order
 

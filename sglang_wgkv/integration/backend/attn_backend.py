@@ -33,7 +33,7 @@ columns) and a decode of device work only: :func:`~sglang_wgkv.attention.triton_
 (split-KV over ring + global pages, one launch per layer, whose programs also write the new keys and
 values into their ring slots), and beside it, on a side stream, gate + admission in one launch
 (:class:`~sglang_wgkv.gate.triton_gate.DecodeGate`; from
-:data:`~sglang_wgkv.gate.triton_prefill_gate.DECODE_MIN_ROWS` (row, KV head) pairs a step, the
+:data:`~sglang_wgkv.gate.prefill_gate_launch.DECODE_MIN_ROWS` (row, KV head) pairs a step, the
 prefill gate's tensor-core launch, :meth:`PrefillGate.admit`) and the flags' write.
 
 """
@@ -128,8 +128,9 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
         if self.use_kernels:
             from sglang_wgkv.attention.decode_config import DecodeConfig
             from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
+            from sglang_wgkv.gate.prefill_gate_launch import DECODE_MIN_ROWS
             from sglang_wgkv.gate.triton_gate import DecodeGate
-            from sglang_wgkv.gate.triton_prefill_gate import DECODE_MIN_ROWS, checked_prefill_gate
+            from sglang_wgkv.gate.triton_prefill_gate import checked_prefill_gate
 
             self._prefill = vertical_slash_attention
             self.decode_launch = DecodeConfig.for_pages(self.dual.dtype, self.settings.decode_launch)
