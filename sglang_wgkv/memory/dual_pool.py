@@ -41,7 +41,8 @@ import torch
 
 from sglang_wgkv.config import PAGE_SIZE, WGKVConfig
 from sglang_wgkv.memory.decode_step import DecodePlan, DecodeStep
-from sglang_wgkv.memory.extend_step import ExtendPlan, ExtendStep
+from sglang_wgkv.memory.extend_plan import ExtendPlan
+from sglang_wgkv.memory.extend_step import ExtendStep
 from sglang_wgkv.memory.kv_quant import byte_view, gather, is_fp8
 from sglang_wgkv.memory.kv_scales import KVScales
 from sglang_wgkv.memory.mixed_step import MixedStep

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from sglang_wgkv.memory.decode_step import DecodePlan
-from sglang_wgkv.memory.extend_step import ExtendPlan
+from sglang_wgkv.memory.extend_plan import ExtendPlan
 
 
 class MixedStep:
