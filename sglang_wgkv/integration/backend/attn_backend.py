@@ -40,7 +40,6 @@ prefill gate's tensor-core launch, :meth:`PrefillGate.admit`) and the flags' wri
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import TYPE_CHECKING
 
@@ -49,11 +48,12 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from sglang_wgkv.attention import reference
-from sglang_wgkv.attention.fa3_dense import dense_attention
-from sglang_wgkv.gate.admission import DeferredGateCheck, admission_flags
+from sglang_wgkv.gate.admission import DeferredGateCheck
 from sglang_wgkv.integration.backend.decode_graphs import DecodeGraphs
 from sglang_wgkv.integration.backend.decode_layer import DecodeLayer, DecodeRows, cpu_threads
+from sglang_wgkv.integration.backend.extend_layer import ExtendLayer
 from sglang_wgkv.integration.backend.gates import PreRopeKeyCapture, build_gates
+from sglang_wgkv.integration.backend.tracing import traced
 from sglang_wgkv.integration.plugin.runtime import get_runtime
 from sglang_wgkv.integration.plugin.settings import BACKEND_NAME
 from sglang_wgkv.integration.pools.kv_dtype import model_kv_scales
@@ -74,15 +74,7 @@ LOG_SLOT_READBACK = (
 )
 
 
-def traced(name: str):
-    """A named span in a torch-profiler trace (``/start_profile``) and nothing otherwise: the host
-    time of each part of a forward reads from the trace (``benchmarks/trace_summary.py``)."""
-    if torch._C._autograd._profiler_enabled():
-        return torch.profiler.record_function(name)
-    return contextlib.nullcontext()
-
-
-class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
+class WGKVAttnBackend(DecodeGraphs, DecodeLayer, ExtendLayer, AttentionBackend):
     """SGLang attention backend ``wgkv`` (registered by :mod:`sglang_wgkv.integration.plugin.register`)."""
 
     def __init__(self, model_runner: ModelRunner):
@@ -346,44 +338,6 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
         return torch.rand(shape, device=self.device, generator=self.generator, out=out)
 
     # -- per layer ------------------------------------------------------------------------------
-    def _admit_extend(self, layer: RadixAttention, k_pre: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """The extend rows' admission flags ``[N, H]``: all True where every request of the rows keeps
-        every token (no gate runs); on the kernels path gate values, check copy and flags in the prefill
-        gate's one launch (its values land in the gate check's buffer); else :meth:`_admit`."""
-        if self._all_kept is not None:
-            return self._all_kept
-        if self.prefill_gate is None:
-            return self._admit(layer, k_pre, k, self._row_tau, check=True)
-        lid = layer.layer_id
-        g = self._gate_check.slot(lid, k.shape[:2])
-        uniform = self._row_uniform[:, lid] if self._row_uniform is not None else None
-        random_p = self.config.random_admission if uniform is not None else None
-        admit = self.prefill_gate.admit(lid, k_pre, k, self._row_tau, uniform, random_p, g_out=g)
-        self._gate_check.record(g, lid)
-        return admit
-
-    def _admit(
-        self,
-        layer: RadixAttention,
-        k_pre: torch.Tensor,
-        k: torch.Tensor,
-        tau: torch.Tensor,
-        check: bool,
-        uniform: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        gate = self.prefill_gate if self.prefill_gate is not None else self.gates
-        g = gate(layer.layer_id, k_pre, k)
-        if check:
-            self._gate_check.record(g, layer.layer_id)
-        tau = tau.to(g.dtype)  # g's dtype: the same rounding as a scalar tau
-        if uniform is not None:
-            admit = uniform[:, layer.layer_id] < self.config.random_admission
-        else:
-            admit = admission_flags(g, tau, self.config.random_admission, self.generator)
-        if self.config.random_admission is not None:
-            admit |= torch.isneginf(tau)  # requests with admission off keep every token
-        return admit
-
     @staticmethod
     def _check_layer(layer: RadixAttention, save_kv_cache: bool) -> None:
         if not save_kv_cache:
@@ -414,55 +368,6 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, AttentionBackend):
         with traced("wgkv.mixed_decode_rows"):
             dec = self._decode_rows(q3[n:], k3[n:], v3[n:], k_pre[n:], layer)
         return torch.cat([ext.reshape(-1, Hq * Dv), dec.to(ext.dtype).reshape(-1, Hq * Dv)])
-
-    def _extend_rows(self, q3, k3, v3, k_pre, layer: RadixAttention, positions) -> torch.Tensor:
-        """q3 ``[N, Hq, D]``, k3, v3, k_pre ``[N, H, D]``, positions ``[N]``: the extend plan's packed
-        rows in ``layer``; returns ``[N, Hq, Dv]``."""
-        with traced("wgkv.extend_gate"):
-            admit = self._admit_extend(layer, k_pre, k3)
-            if self.evictor is not None:
-                self.evictor.observe_extend(layer.layer_id, q3)
-        with traced("wgkv.extend_inputs"):
-            keys, values, k_pos, admitted = self.dual.extend_inputs(
-                layer.layer_id, k3, v3, admit, positions, q3.dtype
-            )
-        qo_indptr, kv_indptr = self._indptrs
-        lid = layer.layer_id
-        fa3 = self._fa3 if self._fa3 is not None and self._longest_keys[lid] >= self._fa3_min_keys else None
-        if self._dense is not None:  # every key admitted: causal attention, one FA3 call
-            qo32, kv32, longest = self._dense
-            with traced("wgkv.extend_attention_dense"):
-                out = dense_attention(
-                    self._fa3_dense,
-                    q3,
-                    keys,
-                    values,
-                    qo32,
-                    kv32[lid],
-                    longest,
-                    self._longest_keys[lid],
-                    layer.scaling,
-                )
-        else:
-            with traced("wgkv.extend_attention"):
-                out = self._prefill(
-                    q3,
-                    keys,
-                    values,
-                    admitted,
-                    qo_indptr,
-                    kv_indptr[lid],
-                    positions,
-                    k_pos,
-                    self.config.local_window,
-                    sm_scale=layer.scaling,
-                    **({"fa3": fa3} if fa3 is not None else {}),
-                )
-        with traced("wgkv.extend_write"):
-            self._writes.stage(layer.layer_id, k3, v3, admit)
-        if layer.layer_id == self.dual.num_layers - 1:
-            self._gate_check.end_forward()
-        return out
 
     def forward_decode(
         self,
