@@ -22,7 +22,6 @@ class ExtendPlan:
     cand_from_ring: torch.Tensor  # [C] bool: source is the old ring (else the new tokens)
     cand_slot: torch.Tensor  # [C] ring slot (ring source)
     cand_src: torch.Tensor  # [C] packed token index (new-token source)
-    cand_seg_start: torch.Tensor  # [C] index of the first candidate of the same request
     cand_bounds: torch.Tensor  # [B + 1] each request's first candidate, then C
     max_new_pages: int  # upper bound of new global pages per stream
     rw_b: torch.Tensor  # [M] batch index of each new token that lands in the ring

@@ -72,11 +72,10 @@ class ExtendStep:
                 [np.asarray(req_slots)[pair_b], np.asarray([c0 for c0, _ in ring_new])[pair_b] + j]
             )
             ring_idx = [slot_col.reshape(-1), src.reshape(-1)]
-        cand_b, cand_ring, cand_slot, cand_src, cand_start, cand_bounds = [], [], [], [], [], [0]
+        cand_b, cand_ring, cand_slot, cand_src, cand_bounds = [], [], [], [], [0]
         rw_b, rw_slot, rw_src = [], [], []
         offset = 0
         for b, (S, n) in enumerate(zip(prefix_lens, extend_lens)):
-            start = sum(map(len, cand_b))
             lo = max(S - W, 0)
             old = np.arange(lo, max(lo, min(S, S + n - W)))
             new = np.arange(S, max(S, S + n - W))
@@ -85,8 +84,7 @@ class ExtendStep:
             cand_ring.append(np.arange(cnt) < len(old))
             cand_slot.append(np.concatenate([old % W, np.zeros(len(new), np.int64)]))
             cand_src.append(np.concatenate([np.zeros(len(old), np.int64), offset + new - S]))
-            cand_start.append(np.full(cnt, start))
-            cand_bounds.append(start + cnt)
+            cand_bounds.append(cand_bounds[-1] + cnt)
             t = np.arange(max(0, n - W), n)
             rw_b.append(np.full(len(t), b))
             rw_slot.append((S + t) % W)
@@ -94,7 +92,7 @@ class ExtendStep:
             offset += n
             self.cached_len[req_slots[b]] = S + n
         i64 = np.int64
-        idx, req, c_b, c_ring, c_slot, c_src, c_start, c_bounds, r_b, r_slot, r_src = to_device_many(
+        idx, req, c_b, c_ring, c_slot, c_src, c_bounds, r_b, r_slot, r_src = to_device_many(
             self.device,
             [
                 (ring_idx, i64),
@@ -103,7 +101,6 @@ class ExtendStep:
                 (cand_ring, np.bool_),
                 (cand_slot, i64),
                 (cand_src, i64),
-                (cand_start, i64),
                 (np.asarray(cand_bounds), i64),
                 (rw_b, i64),
                 (rw_slot, i64),
@@ -125,7 +122,6 @@ class ExtendStep:
             cand_from_ring=c_ring,
             cand_slot=c_slot,
             cand_src=c_src,
-            cand_seg_start=c_start,
             cand_bounds=c_bounds,
             max_new_pages=max_new_pages,
             rw_b=r_b,
@@ -186,11 +182,13 @@ class ExtendStep:
             # scan along the contiguous axis: a dim-0 scan of [C, G * H] runs one GPU thread per column
             ft = fi.reshape(C, -1).t().contiguous()
             excl = (torch.cumsum(ft, 1) - ft).t().reshape(C, G, -1)
-            rank = excl - excl[p.cand_seg_start]
-            # each request's admitted count from the scan at its candidates' bounds (an index_add over
-            # the candidates piles every atomic onto the batch's few rows: ~40 us a group at 8K rows)
+            # the scan at each request's candidate bounds: its admitted count (an index_add over the
+            # candidates piles every atomic onto the batch's few rows: ~40 us a group at 8K rows), and
+            # each candidate's rank within its request
             before = torch.cat([excl, (excl[-1] + fi[-1])[None]])  # [C + 1, G, H]
-            cnt = before[p.cand_bounds[1:]] - before[p.cand_bounds[:-1]]
+            seg_start = before[p.cand_bounds[:-1]]  # [B, G, H]
+            cnt = before[p.cand_bounds[1:]] - seg_start
+            rank = excl - seg_start[p.cand_b]
             glen = self.global_len[p.req, first:last].to(torch.int64)  # [B, G, H]
             self._append_pages(p.req, slice(first, last), glen, cnt, p.max_new_pages)
             dest = glen[p.cand_b] + rank
