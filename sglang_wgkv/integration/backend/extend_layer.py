@@ -48,6 +48,8 @@ class ExtendLayer:
         check: bool,
         uniform: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Admission flags ``[N, H]`` from the gate's values (``check``: recorded for the gate check):
+        the extend rows' off the kernels path, and the torch decode layer's (:class:`~sglang_wgkv.integration.backend.decode_layer.DecodeLayer`)."""
         gate = self.prefill_gate if self.prefill_gate is not None else self.gates
         g = gate(layer.layer_id, k_pre, k)
         if check:
