@@ -179,6 +179,32 @@ def triton_compiled_since(before: set[str]) -> list[str]:
     return sorted({Path(n).stem for n in new if not Path(n).name.startswith("__grp__")})
 
 
+# SGLang's line per finished request under --enable-request-time-stats-logging (Req.log_time_stats).
+_REQ_TIMES = re.compile(
+    r"ReqTimeStats\(rid=[^,]*, input_len=\d+,.*?: queue_duration=([\d.]+)ms, forward_duration=([\d.]+)ms"
+)
+
+
+def request_times(log: str) -> dict | None:
+    """The scheduler's own split of each request's time, from SGLang's ``ReqTimeStats`` lines: the wait
+    in its queue (arrival to the forward that first carries the request) and the forward time (from
+    there to completion), in ms: median, p90 and p99 of each. None when ``log`` has no such line."""
+    found = _REQ_TIMES.findall(log)
+    if not found:
+        return None
+
+    def spread(values: list[float]) -> dict:
+        values = sorted(values)
+        at = lambda q: values[min(len(values) - 1, int(q * len(values)))]  # noqa: E731
+        return {"median": at(0.5), "p90": at(0.9), "p99": at(0.99)}
+
+    return {
+        "requests": len(found),
+        "queue_ms": spread([float(q) for q, _ in found]),
+        "forward_ms": spread([float(f) for _, f in found]),
+    }
+
+
 def measure(srv, a, w: sw.Workload, rec: dict, out_dir: Path) -> None:
     """The warm-up and the timed bench_serving of ``w`` on the running server, into ``rec``."""
     body = w.wgkv_request if a.server == "wgkv" else None
@@ -196,6 +222,7 @@ def measure(srv, a, w: sw.Workload, rec: dict, out_dir: Path) -> None:
     details = w.upstream_may_refuse and a.server == "upstream"
     timed = sw.bench_command(w, srv.url, out_file, 1, body, details=details)
     rec["bench_command"] = shlex.join(timed)
+    log_before = len(srv.log_path.read_text(errors="replace"))  # the timed run's lines come after
     try:
         rec["result"] = run_bench(timed, out_file, max(a.bench_timeout, w.bench_timeout_s))
     except RuntimeError as exc:
@@ -208,6 +235,9 @@ def measure(srv, a, w: sw.Workload, rec: dict, out_dir: Path) -> None:
         for key in ("itls", "generated_texts", "errors", "ttfts", "input_lens", "output_lens"):
             rec["result"].pop(key, None)  # per-request details: kept in the bench file only
     rec["compiled_in_timed_run"] = triton_compiled_since(cache_after_warmup)
+    times = request_times(srv.log_path.read_text(errors="replace")[log_before:])
+    if times:  # a server started with --enable-request-time-stats-logging
+        rec["request_times"] = times
     measure_profiles(srv, a, w, body, rec, out_dir)
 
 

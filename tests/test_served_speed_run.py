@@ -147,3 +147,19 @@ def test_the_profiled_prefill_fills_one_pass_with_short_prompts(input_len, chunk
     from benchmarks.served_profile import prefill_batch
 
     assert prefill_batch(input_len, chunk) == expected
+
+
+def test_request_times_read_sglangs_time_stats_lines():
+    """The queue and forward times of SGLang's ``ReqTimeStats`` lines, other lines ignored; None
+    without any (a server started without ``--enable-request-time-stats-logging``)."""
+    lines = [
+        f"[2026-01-01 00:00:0{i}] ReqTimeStats(rid=r{i}, input_len=3000, cached_input_len=0, output_len=9, "
+        f"attempts=1, type=unified): queue_duration={q:.2f}ms, forward_duration={f:.2f}ms, entry_time=1.000"
+        for i, (q, f) in enumerate([(1.0, 500.0), (3.0, 700.0), (2.0, 600.0)])
+    ]
+    log = "\n".join(["Prefill batch, #new-seq: 1", *lines, "Decode batch, #running-req: 1"])
+    times = ss.request_times(log)
+    assert times["requests"] == 3
+    assert times["queue_ms"] == {"median": 2.0, "p90": 3.0, "p99": 3.0}
+    assert times["forward_ms"]["median"] == 600.0
+    assert ss.request_times("Decode batch, #running-req: 1") is None
