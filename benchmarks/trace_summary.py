@@ -101,6 +101,7 @@ def summarize_events(events: list[dict], steps: int | None = None) -> dict:
         ],
         "one_layer": one_layer(kernels, events),
         "host_waits": host_waits(events),
+        "forwards": forwards(kernels, steps),
     }
 
 
@@ -223,6 +224,33 @@ def one_layer(kernels: list[dict], events: list[dict]) -> dict | None:
         "gpu_us": round(sum(r["us"] for r in rows), 1),
         "idle_us": round(sum(r["idle_before_us"] for r in rows), 1),
         "sequence": rows,
+    }
+
+
+def forwards(kernels: list[dict], steps: int | None) -> dict | None:
+    """Each profiled forward's span in ms, in order: the trace cut at every forward's last
+    :data:`LAYER_ANCHOR` kernel (``layers``: the anchors over ``steps``), so a segment holds a forward's
+    last layers' tail, the sampling and the next forward up to its last MLP; the first forward has
+    no segment. Forwards whose GEMMs take over 3x the median's carry prompt tokens (``prefill_ms``):
+    under load, the prefill passes against the decode steps around them. None when the anchors do not
+    divide into whole forwards."""
+    order = sorted(kernels, key=lambda e: e["ts"])
+    anchors = [i for i, e in enumerate(order) if re.search(LAYER_ANCHOR, e["name"])]
+    if not steps or steps < 2 or not anchors or len(anchors) % steps:
+        return None
+    layers = len(anchors) // steps
+    cuts = anchors[layers - 1 :: layers]
+    spans, gemms = [], []
+    for a, b in zip(cuts, cuts[1:]):
+        spans.append((order[b]["ts"] - order[a]["ts"]) / 1e3)
+        gemms.append(sum(e["dur"] for e in order[a:b] if phase_of(e["name"]) == "gemm") / 1e3)
+    median_gemm = sorted(gemms)[len(gemms) // 2]
+    decode = sorted(x for x, g in zip(spans, gemms) if g <= 3 * median_gemm)
+    return {
+        "layers": layers,
+        "span_ms": [round(x, 2) for x in spans],
+        "prefill_ms": [round(x, 2) for x, g in zip(spans, gemms) if g > 3 * median_gemm],
+        "decode_median_ms": round(decode[len(decode) // 2], 2),
     }
 
 

@@ -272,3 +272,23 @@ def test_kernel_gate_rows_render_with_errors_and_failed_shapes():
     text = "\n".join(summary.renderer(d)(d))
     assert "| 8192 | served | block_t=32 | 0.600 | 2.0e-06 | yes |" in text
     assert "OutOfResources" in text and "| 8192 | torch |  | 2.500 |" in text
+
+
+def test_trace_summary_splits_forwards_and_names_the_prefill_ones():
+    """``forwards`` cuts a trace of ``steps`` forwards at each forward's last activation kernel (the
+    layer count from the anchors over the steps) and lists the forwards whose GEMMs are over 3x the
+    median's as prefill passes (synthetic: 4 forwards of 2 layers, the third with 10x the GEMM time);
+    a trace whose anchors do not divide into the steps gives None."""
+    from benchmarks import trace_summary as ts
+
+    events, t = [], 0.0
+    for gemm in [100.0, 100.0, 1000.0, 100.0]:
+        for _layer in range(2):
+            events.append({"ph": "X", "cat": "kernel", "name": "nvjet_gemm", "ts": t, "dur": gemm})
+            t += gemm
+            events.append({"ph": "X", "cat": "kernel", "name": "act_and_mul_kernel", "ts": t, "dur": 10.0})
+            t += 40.0  # 30 us idle after each layer
+    out = ts.summarize_events(events, steps=4)["forwards"]
+    # forwards 1-3 (forward 0 has no segment): 2 x (100 + 40) us, 2 x (1000 + 40), 2 x (100 + 40)
+    assert out == {"layers": 2, "span_ms": [0.28, 2.08, 0.28], "prefill_ms": [2.08], "decode_median_ms": 0.28}
+    assert ts.summarize_events(events, steps=3)["forwards"] is None  # 8 anchors are not 3 forwards
