@@ -2,7 +2,8 @@
 plan and compaction) at each rejection rate against dense causal FlashInfer FA3/FA2, torch SDPA and
 ``sgl_kernel``'s FA3 (what upstream SGLang runs on Hopper), after a launch-shape sweep at 64K tokens
 (the best shape is saved for ``fig8_end_to_end``); where ``sgl_kernel``'s FA3 loads, also the prefill
-with FA3 on its vertical range (``fa3_vertical``, what ``--wgkv-prefill-vertical`` serves).
+with FA3 on its vertical range (``fa3_vertical``, what ``--wgkv-prefill-vertical`` serves) and with
+FA3 on the local window (``fa3_band``, what ``--wgkv-prefill-band`` serves).
 """
 
 import json
@@ -211,6 +212,20 @@ def _prefill_lengths(args, deadline, results, path, cfg):
                 )
                 wg["fa3_vertical_ms"] = min(fa3_ms)
                 wg["fa3_vertical_total_ms"] = min(fa3_ms) + min(plan_ms)
+                # FA3's sliding window, then the launch over the compacted keys and the narrow band
+                # (what --wgkv-prefill-band fa3 serves for prefix-free prompts)
+                from sgl_kernel.flash_attn import flash_attn_varlen_func
+
+                band = (flash_attn_varlen_func, ind, n)
+                band_ms = cuda_ms(
+                    lambda: vertical_slash_attention(
+                        q, k, v, adm, ind, ind, pos, pos, W, plan=plan, compacted=comp, config=cfg, band=band
+                    ),
+                    reps=reps,
+                    warmup=1 if n <= 131072 else 0,
+                )
+                wg["fa3_band_ms"] = min(band_ms)
+                wg["fa3_band_total_ms"] = min(band_ms) + min(plan_ms) + min(comp_ms)
             for base in ("flashinfer_fa3", "flashinfer_fa2", "torch_sdpa_flash", "sgl_kernel_fa3"):
                 if "ms" in entry.get(base, {}):
                     wg[f"speedup_vs_{base}"] = entry[base]["ms"] / total

@@ -21,7 +21,7 @@ WG-KV options (all others go to SGLang unchanged)::
     --wgkv-running-knee K         once the running requests fill what a dense pool of the same memory holds,
                                   admit new ones only while their TPOT is under (1 + K) decode steps' fixed
                                   cost (integration/scheduling/running_knee.py); 0: off. Default on CUDA with
-                                  one scheduler: settings.DEFAULT_GPU_RUNNING_KNEE (8); with TP, PP or DP
+                                  one scheduler: settings.DEFAULT_GPU_RUNNING_KNEE (4); with TP, PP or DP
                                   (each scheduler would admit apart) and on CPU: off
     --[no-]wgkv-extend-kernels    a prefill chunk's pool moves (its cached context read for the attention,
                                   its rows written to the ring and the global pages) in Triton launches
@@ -59,6 +59,7 @@ from sglang_wgkv.integration.plugin.settings import (
     DEFAULT_GPU_OVERCOMMIT,
     DEFAULT_GPU_RUNNING_KNEE,
     ENV_VAR,
+    PREFILL_BAND,
     PREFILL_VERTICAL,
     ServingSettings,
 )
@@ -84,6 +85,7 @@ WGKV_FLAGS = (
     "--no-wgkv-extend-kernels",
     "--wgkv-forward-tokens",
     "--wgkv-prefill-vertical",
+    "--wgkv-prefill-band",
     "--wgkv-running-knee",
 )
 
@@ -106,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--wgkv-extend-kernels", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--wgkv-forward-tokens", type=int, default=None)
     parser.add_argument("--wgkv-prefill-vertical", choices=PREFILL_VERTICAL, default="auto")
+    parser.add_argument("--wgkv-prefill-band", choices=PREFILL_BAND, default="triton")
     parser.add_argument("--wgkv-running-knee", type=float, default=None)
     parser.add_argument("--disable-wgkv", action="store_true")
     return parser
@@ -249,6 +252,8 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
         )
     if device == "cpu" and ours.wgkv_prefill_vertical == "fa3":
         raise ValueError("--wgkv-prefill-vertical fa3 needs a Hopper GPU (FA3); this server runs on the CPU")
+    if device == "cpu" and ours.wgkv_prefill_band == "fa3":
+        raise ValueError("--wgkv-prefill-band fa3 needs a Hopper GPU (FA3); this server runs on the CPU")
     backend = _option(sglang_argv, "--attention-backend")
 
     snapkv_only = ours.disable_wgkv and ours.kv_budget is not None
@@ -347,6 +352,7 @@ def resolve(argv: list[str]) -> tuple[ServingSettings | None, list[str], dict[st
             extend_kernels=extend_kernels,
             forward_tokens=forward_tokens,
             prefill_vertical=ours.wgkv_prefill_vertical,
+            prefill_band=ours.wgkv_prefill_band,
             running_knee=running_knee,
         )
     except ValueError as e:

@@ -8,6 +8,11 @@ single online softmax over two key ranges (see :mod:`.vertical_slash_plan`):
    contiguous: an unmasked dense loop (the bulk of the work at long context);
 2. the band ``(p_lo - W, p_hi]`` of original keys, with the exact vertical-slash mask.
 
+Either range may come from FA3 instead (``sgl_kernel``, Hopper), its output and log-sum-exp the
+softmax state this kernel starts from: the vertical range (:mod:`.fa3_vertical`), or, for a forward
+with no cached prefix, the local window (:mod:`.fa3_band`), which leaves this kernel only the band's
+admitted keys at least ``W`` behind their query, ``(p_lo - W, p_hi - W]``.
+
 Blocks are launched longest-first (reverse order) so that the causal tail does not straggle. The work
 lists (compaction, plan) are built by :mod:`.triton_prefill_plan`.
 """
@@ -21,6 +26,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from sglang_wgkv.attention.fa3_band import BandFA3, fa3_band
 from sglang_wgkv.attention.fa3_vertical import PAGE, FA3Fn, fa3_vertical
 from sglang_wgkv.attention.triton_prefill_plan import (
     build_vertical_slash_plan_triton,
@@ -130,6 +136,7 @@ def _vertical_slash_fwd(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     VERTICAL_GIVEN: tl.constexpr,
+    BAND_GIVEN: tl.constexpr,
 ):
     head = tl.program_id(0)
     blk = num_blocks - 1 - tl.program_id(1)
@@ -152,6 +159,18 @@ def _vertical_slash_fwd(
     # 1. compacted admitted keys, fully visible: unmasked full tiles, then one masked tail tile
     #    (its rows past the admitted count are the zeros the compaction writes up to the region's tile).
     n_vert = tl.load(BVertical + blk * num_kv_heads + kvh)
+    if BAND_GIVEN:
+        # FA3 ran the local window (fa3_band), every query's keys 0 <= dist < W: its output
+        # ``[Nq, Hq, D]`` and log-sum-exp ``[Hq, Nq]`` start the softmax state (each query sees itself).
+        o_w = tl.load(
+            OV + offs_m[:, None].to(tl.int64) * stride_vn + head * stride_vg + offs_d[None, :],
+            mask=m_valid[:, None],
+            other=0.0,
+        )
+        lse = tl.load(LseV + head * stride_lg + offs_m, mask=m_valid, other=float("-inf"))
+        m_i = lse * 1.4426950408889634
+        l_i = tl.where(m_valid, 1.0, 0.0)
+        acc = o_w.to(tl.float32)
     if VERTICAL_GIVEN:
         # FA3 ran them (fa3_vertical): its normalised output and log-sum-exp are the softmax state
         # acc / l = out, l * 2**m = exp(lse), taken as l = 1, m = lse * log2(e).
@@ -183,6 +202,12 @@ def _vertical_slash_fwd(
     # 2. the band: original keys with the exact vertical-slash mask (rows past the tensor read 0).
     band_start = tl.load(BBandStart + blk)
     band_end = tl.load(BBandEnd + blk)
+    if BAND_GIVEN:
+        # only keys at least W behind some query remain: positions up to p_hi - W, the band's first
+        # keys (no cached prefix: the band's positions run on one by one from its first key's)
+        p_hi = tl.max(tl.where(m_valid, q_pos, -1))
+        first = tl.load(KPos + band_start, mask=band_start < band_end, other=0)
+        band_end = band_start + tl.minimum(tl.maximum(p_hi - window + 1 - first, 0), band_end - band_start)
     for start in range(band_start, band_end, BLOCK_N):
         n = start + offs_n
         n_valid = n < band_end
@@ -191,7 +216,10 @@ def _vertical_slash_fwd(
         k_pos = tl.load(KPos + n, mask=n_valid, other=0)
         adm = tl.load(Adm + n.to(tl.int64) * stride_an + kvh, mask=n_valid, other=0)
         dist = q_pos[:, None] - k_pos[None, :]
-        visible = n_valid[None, :] & (dist >= 0) & ((dist < window) | (adm[None, :] != 0))
+        if BAND_GIVEN:
+            visible = n_valid[None, :] & (dist >= window) & (adm[None, :] != 0)
+        else:
+            visible = n_valid[None, :] & (dist >= 0) & ((dist < window) | (adm[None, :] != 0))
         m_i, l_i, acc = _update(q, k, v, m_i, l_i, acc, visible, qk_scale, True)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -258,6 +286,7 @@ def vertical_slash_attention(
     compacted: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: PrefillConfig | None = None,
     fa3: FA3Fn | None = None,
+    band: BandFA3 | None = None,
 ) -> torch.Tensor:
     """Hard vertical-slash attention over a packed variable-length batch, on the GPU.
 
@@ -274,6 +303,10 @@ def vertical_slash_attention(
     fa3 : ``flash_attn_with_kvcache`` (:func:`~.fa3_vertical.load_fa3`) or a stand-in with its
         contract: the vertical range runs there (:mod:`.fa3_vertical`) and this kernel adds the band
         to its output; ``compacted`` is then built here.
+    band : ``(flash_attn_varlen_func, cu_seqlens int32 [B + 1], longest sequence)`` for a forward whose
+        sequences have no cached prefix (``kv_indptr`` equal to ``qo_indptr``, key positions equal to
+        query positions): FA3 runs the local window (:mod:`.fa3_band`) and this kernel adds the rest.
+        Not with ``fa3``.
 
     Positions must not decrease within each sequence. Returns ``[Nq, Hq, D]`` in q's dtype; nothing is
     synchronised with the host.
@@ -301,6 +334,14 @@ def vertical_slash_attention(
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
     out = torch.empty_like(q)
     o_v = lse_v = out  # FA3's vertical output and log-sum-exp; not read without fa3
+    stride_vn, stride_vg, stride_lg = out.stride(0), out.stride(1), out.stride(0)
+    if band is not None:
+        if fa3 is not None:
+            raise ValueError("FA3 runs either the vertical range (fa3) or the local window (band), not both")
+        if Nq == 0:
+            return out
+        o_v, lse_v = fa3_band(q, k, v, *band, scale, local_window)
+        stride_vn, stride_vg, stride_lg = o_v.stride(0), o_v.stride(1), lse_v.stride(0)
     if fa3 is not None:
         if compacted is not None:
             raise ValueError("with fa3 the compacted keys are laid out in pages and built here")
@@ -308,6 +349,7 @@ def vertical_slash_attention(
             return out
         kc, vc = compact_admitted_triton(k, v, admitted, kv_indptr, excl=excl, align=align)
         o_v, lse_v = fa3_vertical(q, kc, vc, plan, scale, fa3)
+        stride_vn, stride_vg, stride_lg = o_v.stride(0), o_v.stride(1), lse_v.stride(0)
     elif compacted is None:
         kc, vc = compact_admitted_triton(k, v, admitted, kv_indptr, excl=excl, align=align)
     else:
@@ -345,9 +387,9 @@ def vertical_slash_attention(
         out.stride(0),
         out.stride(1),
         adm.stride(0),
-        o_v.stride(0),
-        o_v.stride(1),
-        lse_v.stride(0),
+        stride_vn,
+        stride_vg,
+        stride_lg,
         kc.shape[1],
         scale * 1.4426950408889634,
         local_window,
@@ -359,6 +401,7 @@ def vertical_slash_attention(
         BLOCK_M=bm,
         BLOCK_N=bn,
         VERTICAL_GIVEN=fa3 is not None,
+        BAND_GIVEN=band is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

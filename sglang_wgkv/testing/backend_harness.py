@@ -115,6 +115,8 @@ def bare_backend(
         _fa3_min_keys=0,
         _fa3_dense=None,
         _dense=None,
+        _band_fn=None,
+        _band=None,
         _longest_keys=None,
         _warned_slot_readback=False,
     )

@@ -147,6 +147,8 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, ExtendLayer, AttentionBackend):
         self.num_q_heads = model_runner.model_config.get_num_attention_heads(par.attn_tp_size)
         self._fa3 = None  # the FA3 call of the prefill's vertical range (backend/prefill_vertical.py)
         self._fa3_dense = None  # the dense FA3 call of prefills whose keys are all admitted (fa3_dense.py)
+        self._band_fn = None  # FA3's window call for prefix-free prefills (backend/prefill_band.py)
+        self._band = None  # the current extend's (call, qo int32, longest rows) when it runs
         self._dense = None  # the current extend's (qo, kv [L, B + 1] int32, longest rows) when it is dense
         self._fa3_min_keys = 0  # a forward's longest key range from which it is used
         self._longest_keys = None  # [L] the current extend's longest key range per layer (host)
@@ -168,6 +170,11 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, ExtendLayer, AttentionBackend):
             from sglang_wgkv.integration.backend.prefill_vertical import choose_dense
 
             self._fa3_dense = choose_dense(self._fa3, self.device, model_runner.model_config.dtype, shape)
+            from sglang_wgkv.integration.backend.prefill_band import choose_band
+
+            self._band_fn = choose_band(
+                self.settings.prefill_band, self.device, model_runner.model_config.dtype, shape
+            )
         self._row_tau = None  # [tokens, 1] admission threshold of each extend row
         self._all_kept = None  # [tokens, H] all True: every extend row's request keeps every token
         self._row_uniform = None  # [tokens, L, H] random-admission draws of the extend rows (kernels)
@@ -264,7 +271,8 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, ExtendLayer, AttentionBackend):
         in_ring = all(S + n <= self.dual.window for S, n in zip(prefix, extend))
         kept = all_kept and dense is not None and all(dense[s] for s in slots_)
         plan.exact_global = bool(self._fa3_dense is not None and (kept or in_ring))
-        self._indptrs, self._dense = self._extend_indptrs(plan)
+        no_prefix = self._band_fn is not None and not any(prefix)
+        self._indptrs, self._dense, self._band = self._extend_indptrs(plan, no_prefix)
         declared = self.batch_prompt_ends
         if self.evictor is not None and declared is not None and declared[0] == self._extend[0]:
             self.evictor.mark_extend(*declared)
@@ -305,12 +313,14 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, ExtendLayer, AttentionBackend):
             rows.gate_splits = self.decode_gate.num_splits(len(host_pos) * self.dual.num_kv_heads, self._sms)
         return rows
 
-    def _extend_indptrs(self, plan):
+    def _extend_indptrs(self, plan, no_prefix: bool = False):
         """``qo_indptr [B + 1]`` and ``kv_indptr [L, B + 1]`` of the extend forward, built on the host
         (each request's keys: its gathered context, ``gather_context`` with ``plan.context_gcols``, then
-        its new tokens) and copied once, so no layer waits for the host; and for a dense plan
+        its new tokens) and copied once, so no layer waits for the host; for a dense plan
         (``exact_global``) the dense FA3 call's ``(qo, kv, longest new rows)``, the same indptrs in
-        int32 as FA3 takes them (None otherwise)."""
+        int32 as FA3 takes them (None otherwise); and for a plan of prefix-free requests
+        (``no_prefix``, FA3's window call chosen) that is not dense, the window call's ``(call, qo
+        int32, longest rows)`` (None otherwise)."""
         L = self.dual.num_layers
         n = np.asarray(plan.extend_lens, dtype=np.int64)
         qo = np.concatenate([[0], np.cumsum(n)])
@@ -319,13 +329,17 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, ExtendLayer, AttentionBackend):
         kv = np.concatenate([np.zeros((L, 1), np.int64), np.cumsum(keys, 1)], 1)
         self._longest_keys = keys.max(1, initial=0).tolist()
         parts = [(qo, np.int64), (kv, np.int64)]
+        band = no_prefix and not plan.exact_global
         if plan.exact_global:
             parts += [(qo, np.int32), (kv, np.int32)]
+        elif band:
+            parts += [(qo, np.int32)]
         dev = to_device_many(self.device, parts)
         dense = None
         if plan.exact_global:
             dense = dev[2], dev[3].view(L, -1), int(n.max(initial=0))
-        return (dev[0], dev[1].view(L, -1)), dense
+        window = (self._band_fn, dev[2], int(n.max(initial=0))) if band else None
+        return (dev[0], dev[1].view(L, -1)), dense, window
 
     def _draw_uniform(self, batch: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The step's ``[B, L, H]`` random-admission draws on the kernels path (drawn eagerly, so a

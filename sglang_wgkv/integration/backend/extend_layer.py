@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 class ExtendLayer:
     """Per-layer extend of :class:`~sglang_wgkv.integration.backend.attn_backend.WGKVAttnBackend` (a mixin:
-    the backend owns the pool ``dual``, the forward's plan (``_indptrs``, ``_dense``, ``_longest_keys``,
+    the backend owns the pool ``dual``, the forward's plan (``_indptrs``, ``_dense``, ``_band``, ``_longest_keys``,
     ``_row_tau``, ``_row_uniform``, ``_all_kept``), the gates and their check, the evictor, the
     prefill attention and FA3 calls, and the staged writes ``_writes``)."""
 
@@ -104,7 +104,7 @@ class ExtendLayer:
                     k_pos,
                     self.config.local_window,
                     sm_scale=layer.scaling,
-                    **({"fa3": fa3} if fa3 is not None else {}),
+                    **({"fa3": fa3} if fa3 is not None else {"band": self._band} if self._band else {}),
                 )
         with traced("wgkv.extend_write"):
             self._writes.stage(layer.layer_id, k3, v3, admit)

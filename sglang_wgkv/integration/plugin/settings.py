@@ -22,6 +22,7 @@ ENV_VAR = "SGLANG_WGKV_SETTINGS"
 BACKEND_NAME = "wgkv"
 ATTENTION_IMPLS = ("auto", "reference", "kernels")
 PREFILL_VERTICAL = ("auto", "fa3", "triton")
+PREFILL_BAND = ("triton", "fa3")
 
 
 # The launcher's overcommit on CUDA when admission is on (no --kv-budget): requests are admitted by
@@ -75,6 +76,9 @@ class ServingSettings:
         block's band (:mod:`~sglang_wgkv.integration.backend.prefill_vertical`): ``fa3`` (FA3, Hopper,
         every extend), ``triton`` (the one-pass Triton kernel) or ``auto``, the default (FA3 where it loads
         and passes the start-up check, for forwards with a long key range; Triton otherwise).
+    prefill_band : who runs the local window of prefills with no cached prefix
+        (:mod:`~sglang_wgkv.integration.backend.prefill_band`): ``triton`` (the band launch, the default)
+        or ``fa3`` (FA3's sliding window, Hopper; the band launch then adds only the admitted keys).
     forward_tokens : while requests decode, a forward's tokens (prefill share + decode rows,
         :class:`~sglang_wgkv.integration.scheduling.mixed_batches.ForwardBudget`); None: SGLang's own chunk
         sizes. The launcher's default on CUDA: :data:`DEFAULT_GPU_FORWARD_TOKENS`, with
@@ -93,6 +97,7 @@ class ServingSettings:
     extend_kernels: bool = False
     forward_tokens: int | None = None
     prefill_vertical: str = "auto"
+    prefill_band: str = "triton"
     running_knee: float | None = None
 
     def __post_init__(self):
@@ -118,6 +123,10 @@ class ServingSettings:
             )
         if self.prefill_vertical == "fa3" and self.attention == "reference":
             raise ValueError("prefill_vertical 'fa3' needs the kernels path (attention 'kernels' or 'auto')")
+        if self.prefill_band not in PREFILL_BAND:
+            raise ValueError(f"prefill_band must be one of {PREFILL_BAND}, got {self.prefill_band!r}")
+        if self.prefill_band == "fa3" and self.attention == "reference":
+            raise ValueError("prefill_band 'fa3' needs the kernels path (attention 'kernels' or 'auto')")
         if self.running_knee is not None and not self.running_knee > 0:
             raise ValueError(f"running_knee must be > 0 (or None: off), got {self.running_knee}")
         if self.extend_kernels and self.attention == "reference":
@@ -147,6 +156,7 @@ class ServingSettings:
                 "extend_kernels": self.extend_kernels,
                 "forward_tokens": self.forward_tokens,
                 "prefill_vertical": self.prefill_vertical,
+                "prefill_band": self.prefill_band,
                 "running_knee": self.running_knee,
             }
         )
@@ -169,6 +179,7 @@ class ServingSettings:
                 extend_kernels=bool(data.get("extend_kernels", False)),
                 forward_tokens=data.get("forward_tokens"),
                 prefill_vertical=data.get("prefill_vertical", "auto"),
+                prefill_band=data.get("prefill_band", "triton"),
                 running_knee=data.get("running_knee"),
             )
         except (json.JSONDecodeError, KeyError, TypeError) as e:
