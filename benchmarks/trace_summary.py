@@ -232,12 +232,14 @@ def forwards(kernels: list[dict], steps: int | None) -> dict | None:
     :data:`LAYER_ANCHOR` kernel (``layers``: the anchors over ``steps``), so a segment holds a forward's
     last layers' tail, the sampling and the next forward up to its last MLP; the first forward has
     no segment. Forwards whose GEMMs take over 3x the median's carry prompt tokens (``prefill_ms``):
-    under load, the prefill passes against the decode steps around them. None when the anchors do not
-    divide into whole forwards."""
+    under load, the prefill passes against the decode steps around them. Only the anchor count when
+    the anchors do not divide into whole forwards; None without two steps."""
     order = sorted(kernels, key=lambda e: e["ts"])
     anchors = [i for i, e in enumerate(order) if re.search(LAYER_ANCHOR, e["name"])]
-    if not steps or steps < 2 or not anchors or len(anchors) % steps:
+    if not steps or steps < 2:
         return None
+    if not anchors or len(anchors) % steps:
+        return {"anchors": len(anchors), "steps": steps}
     layers = len(anchors) // steps
     cuts = anchors[layers - 1 :: layers]
     spans, gemms = [], []

@@ -278,7 +278,7 @@ def test_trace_summary_splits_forwards_and_names_the_prefill_ones():
     """``forwards`` cuts a trace of ``steps`` forwards at each forward's last activation kernel (the
     layer count from the anchors over the steps) and lists the forwards whose GEMMs are over 3x the
     median's as prefill passes (synthetic: 4 forwards of 2 layers, the third with 10x the GEMM time);
-    a trace whose anchors do not divide into the steps gives None."""
+    a trace whose anchors do not divide into the steps gives only the counts."""
     from benchmarks import trace_summary as ts
 
     events, t = [], 0.0
@@ -291,4 +291,4 @@ def test_trace_summary_splits_forwards_and_names_the_prefill_ones():
     out = ts.summarize_events(events, steps=4)["forwards"]
     # forwards 1-3 (forward 0 has no segment): 2 x (100 + 40) us, 2 x (1000 + 40), 2 x (100 + 40)
     assert out == {"layers": 2, "span_ms": [0.28, 2.08, 0.28], "prefill_ms": [2.08], "decode_median_ms": 0.28}
-    assert ts.summarize_events(events, steps=3)["forwards"] is None  # 8 anchors are not 3 forwards
+    assert ts.summarize_events(events, steps=3)["forwards"] == {"anchors": 8, "steps": 3}
