@@ -119,6 +119,23 @@ def _fa3_shapes(q, k_cache, v_cache, **kwargs):
     return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
 
 
+def _prefill_band_launches(dtype, shape):
+    """The prefill with FA3 on the local window: plan, compaction, and the band launch from FA3's state
+    (its outputs in shape only), on a prefix-free batch."""
+    from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
+    from sglang_wgkv.testing.prefill_cases import packed_case
+
+    lens, (Hq, Hkv, D) = [300, 129], shape
+    q, k, v, adm, qo, kv, qp, kp = packed_case(lens, lens, Hq, Hkv, D, 0.25, dtype, index_dtype=torch.int64)
+
+    def window_shapes(q, *args, **kwargs):
+        return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
+
+    band = (window_shapes, qo.to(torch.int32), max(lens))
+    with device_checks_off():
+        return launches(lambda: vertical_slash_attention(q, k, v, adm, qo, kv, qp, kp, 64, band=band))
+
+
 def _prefill_fa3_launches(dtype, shape):
     """The prefill with FA3 on the vertical range: plan, paged compaction, FA3 entries, band launch."""
     return _prefill_launches(dtype, shape, fa3=_fa3_shapes)
@@ -198,8 +215,22 @@ def _pool_launches(dtype, shape, kv_dtype=None):
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize(
     "launcher",
-    [_prefill_launches, _prefill_fa3_launches, _snapkv_launches, _decode_gate_launches, _pool_launches],
-    ids=["prefill_attention", "prefill_attention_fa3", "snapkv_scores", "decode_gate", "pool_decode_step"],
+    [
+        _prefill_launches,
+        _prefill_fa3_launches,
+        _prefill_band_launches,
+        _snapkv_launches,
+        _decode_gate_launches,
+        _pool_launches,
+    ],
+    ids=[
+        "prefill_attention",
+        "prefill_attention_fa3",
+        "prefill_attention_band",
+        "snapkv_scores",
+        "decode_gate",
+        "pool_decode_step",
+    ],
 )
 def test_served_kernels_compile_for_sm90(launcher, shape):
     """Every launch the served prefill (plan, compaction, vertical-slash attention), the evictor's

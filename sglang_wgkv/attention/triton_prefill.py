@@ -207,7 +207,8 @@ def _vertical_slash_fwd(
         # keys (no cached prefix: the band's positions run on one by one from its first key's)
         p_hi = tl.max(tl.where(m_valid, q_pos, -1))
         first = tl.load(KPos + band_start, mask=band_start < band_end, other=0)
-        band_end = band_start + tl.minimum(tl.maximum(p_hi - window + 1 - first, 0), band_end - band_start)
+        narrow = tl.minimum(tl.maximum(p_hi - window + 1 - first, 0), band_end - band_start)
+        band_end = band_start + narrow.to(tl.int32)  # int64 positions; the descriptor's offsets are int32
     for start in range(band_start, band_end, BLOCK_N):
         n = start + offs_n
         n_valid = n < band_end
