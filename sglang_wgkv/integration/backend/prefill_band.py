@@ -23,14 +23,23 @@ LOG_BAND = "wgkv: FA3 runs the prefill's local window"
 def band_check(fn, device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int]) -> float:
     """Max |difference| between the prefill with FA3 on the local window and the band launch alone on
     a prefix-free batch of the model's heads (a 700- and a 33-token prompt, W_local 256, 25% admitted,
-    int64 indptrs and positions as served): it compiles the band launch's FA3 variant."""
+    int64 indptrs and positions, q, k and v views of one fused row as served): it compiles the band
+    launch's FA3 variant."""
     from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
     from sglang_wgkv.testing.prefill_cases import packed_case
 
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)
-        args = packed_case([700, 33], [700, 33], *shape, 0.25, dtype, device=device, index_dtype=torch.int64)
-    band = (fn, args[4].to(torch.int32), 700)
+        q, k, v, *rest = packed_case(
+            [700, 33], [700, 33], *shape, 0.25, dtype, device=device, index_dtype=torch.int64
+        )
+    fused, at = torch.cat([t.flatten(1) for t in (q, k, v)], 1), 0
+    views = []
+    for t in (q, k, v):
+        views.append(fused[:, at : at + t[0].numel()].view(t.shape))
+        at += t[0].numel()
+    args = (*views, *rest)
+    band = (fn, rest[1].to(torch.int32), 700)
     with_fa3 = vertical_slash_attention(*args, 256, band=band)
     one_pass = vertical_slash_attention(*args, 256)
     return float((with_fa3.float() - one_pass.float()).abs().max())
