@@ -47,11 +47,11 @@ VARIANTS = {
     # bf16x3 with the halves made once (the keys' per program, w1's per layer), not inside each dot
     "split_t128_w8": GateLaunch(block_t=128, num_warps=8, precision=SPLIT_PRECISION),
     "split_t64": GateLaunch(block_t=64, precision=SPLIT_PRECISION),
-    "split_t128_i128_w8": HUGE_LAUNCH,  # served from HUGE_FROM_ROWS
+    "split_t128_i128_w8": GateLaunch(block_t=128, block_i=128, num_warps=8, precision=SPLIT_PRECISION),
     # two products a dot on the keys as they are, the norms folded into w1
     "fold_t128_i128_w8": GateLaunch(block_t=128, block_i=128, num_warps=8, precision=FOLD_PRECISION),
     "fold_t128_w8_2stage": GateLaunch(block_t=128, num_warps=8, num_stages=2, precision=FOLD_PRECISION),
-    "fold_t128_w8": GateLaunch(block_t=128, num_warps=8, precision=FOLD_PRECISION),
+    "fold_t128_w8": HUGE_LAUNCH,  # served from HUGE_FROM_ROWS
     "fold_t64": GateLaunch(block_t=64, precision=FOLD_PRECISION),
 }
 

@@ -27,10 +27,12 @@ def test_prefill_gate_matches_torch_under_interpreter(interp_runner):
 
     res = interp_runner.result(PREFILL_GATE_RUN)
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    split = len(SPLIT_CASES) + len(HUGE_CASES)
-    assert len(rows) == 2 * (len(CASES) + split + len(FOLD_CASES)), res.stdout[-2000:] + res.stderr[-3000:]
+    split = len(SPLIT_CASES)
+    assert len(rows) == 2 * (len(CASES) + split + len(HUGE_CASES) + len(FOLD_CASES)), (
+        res.stdout[-2000:] + res.stderr[-3000:]
+    )
     assert sum(r["launch"] == "bf16x3_split" for r in rows) == 2 * split
-    assert sum(r["launch"] == "bf16x2_fold" for r in rows) == 2 * len(FOLD_CASES)
+    assert sum(r["launch"] == "bf16x2_fold" for r in rows) == 2 * (len(FOLD_CASES) + len(HUGE_CASES))
     assert res.returncode == 0 and all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
     # Gate values on both sides of 1/2 wherever there are enough of them (a gate stuck near 0 or 1
     # would hide errors in the logits).

@@ -50,7 +50,7 @@ SPLIT_CASES = [
     (65, 8, 128, 512, torch.float32, "heads"),
     (1, 2, 64, 256, torch.float16, "contig"),
 ]
-# The served full-chunk launch (HUGE_LAUNCH: 128 x 128 split tiles): rows and I off its blocks.
+# The served full-chunk launch (HUGE_LAUNCH: 128-row fold tiles): rows and I off its blocks.
 HUGE_CASES = [(129, 2, 64, 200, torch.bfloat16, "fused")]
 # The fold launch (keys as they are, the norms folded into w1): half-precision keys on and off the
 # tiles, float32 keys (which take the split code), I off the block.

@@ -46,10 +46,11 @@ LARGE_LAUNCH = GateLaunch(block_t=128, num_warps=8, precision="bf16x3")
 LARGE_FROM_ROWS = 1024
 # Triton's interpreter knows no bf16x3: off CUDA the same tiles in float32
 _LARGE_INTERPRETED = replace(LARGE_LAUNCH, precision="ieee")
-# A full prefill chunk (8,192 rows) takes 128 x 128 tiles with the halves split once
-# (SPLIT_PRECISION): 0.81x LARGE_LAUNCH's time there, but 1.8x at 2,048 rows, where its half as
-# many programs leave SMs idle (results/kernels/kernel_gate_h100.json, split_t128_i128_w8).
-HUGE_LAUNCH = GateLaunch(block_t=128, block_i=128, num_warps=8, precision=SPLIT_PRECISION)
+# A full prefill chunk (8,192 rows) takes 128-row tiles of two products a dot (FOLD_PRECISION):
+# 0.53x LARGE_LAUNCH's time there and 0.66x the split 128 x 128 tiles', at the same error; at 2,048
+# rows they are 1.6x slower, so shorter forwards keep LARGE_LAUNCH (results/kernels/kernel_gate_h100.json,
+# fold_t128_w8).
+HUGE_LAUNCH = GateLaunch(block_t=128, num_warps=8, precision=FOLD_PRECISION)
 HUGE_FROM_ROWS = 8192
 
 

@@ -92,14 +92,10 @@ class DecodeStep:
                 self._heads[None, None, :],
                 cols[:, None, None],
             ] = pages
-        req = (
-            req_slots_dev.long()
-            if req_slots_dev is not None
-            else torch.as_tensor(req_slots, device=self.device)
-        )
-        pos = (
-            seq_lens_dev.long() if seq_lens_dev is not None else torch.as_tensor(seq_lens, device=self.device)
-        )
+        if req_slots_dev is None or seq_lens_dev is None:  # one pinned copy, not two pageable ones (a sync)
+            req_host, pos_host = to_device_many(self.device, [(req_slots, np.int64), (seq_lens, np.int64)])
+        req = req_slots_dev.long() if req_slots_dev is not None else req_host
+        pos = seq_lens_dev.long() if seq_lens_dev is not None else pos_host
         self.cached_len[req_slots] = seq_lens + 1
         if self.triton_decode:
             from sglang_wgkv.memory.triton_pool import decode_promote
