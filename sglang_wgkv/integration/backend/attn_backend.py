@@ -271,8 +271,8 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, ExtendLayer, AttentionBackend):
         in_ring = all(S + n <= self.dual.window for S, n in zip(prefix, extend))
         kept = all_kept and dense is not None and all(dense[s] for s in slots_)
         plan.exact_global = bool(self._fa3_dense is not None and (kept or in_ring))
-        no_prefix = self._band_fn is not None and not any(prefix)
-        self._indptrs, self._dense, self._band = self._extend_indptrs(plan, no_prefix)
+        window = self._band_fn is not None and not any(prefix)  # FA3 takes the local window
+        self._indptrs, self._dense, self._band = self._extend_indptrs(plan, window)
         declared = self.batch_prompt_ends
         if self.evictor is not None and declared is not None and declared[0] == self._extend[0]:
             self.evictor.mark_extend(*declared)
@@ -313,13 +313,13 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, ExtendLayer, AttentionBackend):
             rows.gate_splits = self.decode_gate.num_splits(len(host_pos) * self.dual.num_kv_heads, self._sms)
         return rows
 
-    def _extend_indptrs(self, plan, no_prefix: bool = False):
+    def _extend_indptrs(self, plan, window: bool = False):
         """``qo_indptr [B + 1]`` and ``kv_indptr [L, B + 1]`` of the extend forward, built on the host
         (each request's keys: its gathered context, ``gather_context`` with ``plan.context_gcols``, then
         its new tokens) and copied once, so no layer waits for the host; for a dense plan
         (``exact_global``) the dense FA3 call's ``(qo, kv, longest new rows)``, the same indptrs in
         int32 as FA3 takes them (None otherwise); and for a plan of prefix-free requests
-        (``no_prefix``, FA3's window call chosen) that is not dense, the window call's ``(call, qo
+        (``window``: FA3's window call chosen) that is not dense, the window call's ``(call, qo
         int32, longest rows)`` (None otherwise)."""
         L = self.dual.num_layers
         n = np.asarray(plan.extend_lens, dtype=np.int64)
@@ -329,7 +329,7 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, ExtendLayer, AttentionBackend):
         kv = np.concatenate([np.zeros((L, 1), np.int64), np.cumsum(keys, 1)], 1)
         self._longest_keys = keys.max(1, initial=0).tolist()
         parts = [(qo, np.int64), (kv, np.int64)]
-        band = no_prefix and not plan.exact_global
+        band = window and not plan.exact_global
         if plan.exact_global:
             parts += [(qo, np.int32), (kv, np.int32)]
         elif band:
@@ -338,8 +338,8 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, ExtendLayer, AttentionBackend):
         dense = None
         if plan.exact_global:
             dense = dev[2], dev[3].view(L, -1), int(n.max(initial=0))
-        window = (self._band_fn, dev[2], int(n.max(initial=0))) if band else None
-        return (dev[0], dev[1].view(L, -1)), dense, window
+        call = (self._band_fn, dev[2], int(n.max(initial=0))) if band else None
+        return (dev[0], dev[1].view(L, -1)), dense, call
 
     def _draw_uniform(self, batch: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The step's ``[B, L, H]`` random-admission draws on the kernels path (drawn eagerly, so a
