@@ -145,6 +145,38 @@ def test_fa3_vertical_prefill_served_matches_reference(fa3_server, servers, trut
     assert LOG_FA3 in fa3_server.log_path.read_text()
 
 
+@pytest.fixture(scope="module")
+def band_server(gates_dir):
+    """The kernels server with FA3 on the local window of prefix-free prefills."""
+    from sglang_wgkv.attention.fa3_dense import load_fa3_dense
+
+    if load_fa3_dense(torch.device("cuda")) is None:
+        pytest.skip("FA3 (sgl_kernel.flash_attn on a Hopper GPU) is not installed here")
+    args = [
+        *common_args(embedded_model_dir(), gates_dir),
+        *SERVER_ARGS["kernels"],
+        "--wgkv-prefill-band",
+        "fa3",
+    ]
+    srv = Server(args, gates_dir.parent / "kernels_band.log")
+    try:
+        yield srv.wait_healthy()
+    finally:
+        srv.stop()
+
+
+def test_fa3_band_prefill_served_matches_reference(band_server, servers, truth):
+    """``--wgkv-prefill-band fa3``: the same tokens as the bf16 reference up to near-ties, logprobs as
+    close to float32's as the reference's, batched (several prefix-free prompts in one extend)."""
+    from sglang_wgkv.integration.backend.prefill_band import LOG_BAND
+
+    got, want = _run(band_server, PROMPTS), _run(servers[1], PROMPTS)
+    for p, g, w in zip(PROMPTS, got, want):
+        agree(g, w, p)
+        _check_floor(g, w, truth, p)
+    assert LOG_BAND in band_server.log_path.read_text()
+
+
 @pytest.mark.parametrize("batched", [False, True], ids=["one_by_one", "batched"])
 def test_kernels_with_cuda_graphs_match_reference(servers, truth, batched):
     kernels, reference = servers

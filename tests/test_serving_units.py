@@ -472,6 +472,8 @@ def test_cpu_servers_sleep_when_idle(monkeypatch):
         (["--wgkv-gates", "/nonexistent/gates"], "no such gate checkpoint"),
         # the shipped gates were trained with W_local = 256: another served window is refused
         (["--wgkv-local-window", "32"], "trained with W_local = 256 cannot be served with W_local = 32"),
+        (["--wgkv-prefill-vertical", "fa3"], "needs a Hopper GPU"),
+        (["--wgkv-prefill-band", "fa3"], "needs a Hopper GPU"),
     ],
 )
 def test_launcher_rejects_bad_options(monkeypatch, args, message):
