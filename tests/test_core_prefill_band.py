@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sglang_wgkv.attention import reference
-from sglang_wgkv.attention.fa3_band import window_reference
+from sglang_wgkv.attention.fa3_dense import dense_reference
 from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.gate import GateConfig, WriteGates
 from sglang_wgkv.integration.requests.control import RequestAdmission
@@ -30,7 +30,7 @@ def _backend(dense_call=None):
     backend.req_pool = SimpleNamespace(
         slot_tau=tau, slot_admission=[RequestAdmission(admission=True)] * 4, slot_dense=[False] * 4
     )
-    backend._band_fn = window_reference
+    backend._band_fn = dense_reference
     backend._fa3_dense = dense_call
     seen = []
 
@@ -61,7 +61,7 @@ def test_window_call_goes_with_prefix_free_forwards_only():
     _forward(backend, pool, [1, 2], [40, 9])  # no prefix: every layer takes the window call
     assert len(seen) == L and all(b is not None for b in seen)
     fn, cu, longest = seen[0]
-    assert fn is window_reference and cu.dtype == torch.int32 and cu.tolist() == [0, 40, 49] and longest == 40
+    assert fn is dense_reference and cu.dtype == torch.int32 and cu.tolist() == [0, 40, 49] and longest == 40
     seen.clear()
     _forward(backend, pool, [1, 2], [30, 5])  # a chunk after a cached prefix: the band launch alone
     assert seen == [None] * L
@@ -73,8 +73,6 @@ def test_window_call_goes_with_prefix_free_forwards_only():
 
 def test_dense_forwards_take_the_dense_call_not_the_window():
     """Prompts inside their ring run as one dense call (``fa3_dense``): no window call beside it."""
-    from sglang_wgkv.attention.fa3_dense import dense_reference
-
     backend, pool, seen = _backend(dense_call=dense_reference)
     pool.alloc_request(1)
     _forward(backend, pool, [1], [W])  # S + n <= W_local: dense

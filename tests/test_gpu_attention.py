@@ -118,8 +118,8 @@ def test_fa3_band_prefill_matches_reference(dtype, lens, p):
     """The prefill with FA3 on the local window (``attention/fa3_band.py``, prefix-free batches) against
     the window's torch statement, the reference vertical-slash attention and the one-pass kernel; and
     ``--wgkv-prefill-band fa3``'s start-up choice takes FA3 on this card."""
-    from sglang_wgkv.attention.fa3_band import fa3_band, window_reference
-    from sglang_wgkv.attention.fa3_dense import load_fa3_dense
+    from sglang_wgkv.attention.fa3_band import fa3_band
+    from sglang_wgkv.attention.fa3_dense import dense_reference, load_fa3_dense
     from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
     from sglang_wgkv.integration.backend.prefill_band import choose_band
 
@@ -130,7 +130,7 @@ def test_fa3_band_prefill_matches_reference(dtype, lens, p):
     q, k, v, adm, qo, kv, q_pos, k_pos = _packed_case(lens, lens, 32, 8, 128, p, dtype)
     cu, scale = qo.int(), 128**-0.5
     got_o, got_lse = fa3_band(q, k, v, fn, cu, max(lens), scale, 256)
-    want_o, want_lse = fa3_band(q, k, v, window_reference, cu, max(lens), scale, 256)
+    want_o, want_lse = fa3_band(q, k, v, dense_reference, cu, max(lens), scale, 256)
     _close(got_o, want_o, dtype)
     assert (got_lse.float() - want_lse).abs().max().item() < 1e-2
     out = vertical_slash_attention(q, k, v, adm, qo, kv, q_pos, k_pos, 256, band=(fn, cu, max(lens)))

@@ -19,7 +19,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 import torch  # noqa: E402
 
 from sglang_wgkv.attention import reference  # noqa: E402
-from sglang_wgkv.attention.fa3_band import window_reference  # noqa: E402
+from sglang_wgkv.attention.fa3_dense import dense_reference  # noqa: E402
 from sglang_wgkv.attention.triton_prefill import PrefillConfig, vertical_slash_attention  # noqa: E402
 from sglang_wgkv.testing.interp import check_seeds  # noqa: E402
 from sglang_wgkv.testing.prefill_cases import PREFILL_CASES, packed_case  # noqa: E402
@@ -52,7 +52,7 @@ def check(seed: int) -> str:
     q, k, v, adm, qo, kv, qp, kp = packed_case(lens, lens, Hq, Hkv, 64, p, torch.float16)
     cfg = PrefillConfig(32, 16, 4, 1)  # small blocks: many per sequence, bands cut at tile edges
     ref = reference.vertical_slash_attention(q, k, v, adm, qo, kv, qp, kp, W, sm_scale=0.11)
-    band = (window_reference, qo.to(torch.int32), max(lens, default=0))
+    band = (dense_reference, qo.to(torch.int32), max(lens, default=0))
     with mock.patch("torch.empty", nan_empty):
         out = vertical_slash_attention(q, k, v, adm, qo, kv, qp, kp, W, 0.11, config=cfg, band=band)
     err = (out.float() - ref.float()).abs().max().item() if q.shape[0] else 0.0
@@ -67,13 +67,13 @@ def check_choice() -> str:
     from sglang_wgkv.integration.backend.prefill_band import choose_band
 
     cpu, shape = torch.device("cpu"), (9, 3, 64)
-    if choose_band("triton", cpu, torch.float16, shape, load=lambda d: window_reference) is not None:
+    if choose_band("triton", cpu, torch.float16, shape, load=lambda d: dense_reference) is not None:
         raise SystemExit("triton took a call")
-    if choose_band("fa3", cpu, torch.float16, shape, load=lambda d: window_reference) is not window_reference:
+    if choose_band("fa3", cpu, torch.float16, shape, load=lambda d: dense_reference) is not dense_reference:
         raise SystemExit("a correct FA3 was not chosen")
 
     def off_by_ten_percent(*args, **kwargs):
-        out, lse = window_reference(*args, **kwargs)
+        out, lse = dense_reference(*args, **kwargs)
         return out * 1.1, lse
 
     try:

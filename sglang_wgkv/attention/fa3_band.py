@@ -17,8 +17,8 @@ adds the rest: the vertical range, and of the band only the admitted keys at lea
 
 Why only without a prefix: a chunk after cached tokens reads its context as global entries then the ring
 (``DualCachePool.extend_inputs``), so key indices are not positions and FA3's index window would not be
-the position window. :func:`window_reference` is the torch statement of the call (the CPU checks run it
-in FA3's place).
+the position window. :func:`~.fa3_dense.dense_reference` is the torch statement of the call (the CPU
+checks run it in FA3's place).
 """
 
 from __future__ import annotations
@@ -46,37 +46,4 @@ def fa3_band(q, k, v, fn, cu_seqlens, longest: int, scale: float, window: int):
         window_size=(window - 1, 0),
         return_softmax_lse=True,
     )
-    return out, lse
-
-
-def window_reference(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, **_
-):
-    """``flash_attn_varlen_func`` as :func:`fa3_band` calls it, in torch: per sequence (queries aligned to
-    its last key), query ``i`` sees keys ``i - window_size[0] .. i``; returns ``(out, lse)``, the
-    log-sum-exp ``[Hq, N]`` in float32."""
-    if not causal or window_size[1] != 0:
-        raise ValueError(f"the window pass is causal with window_size (left, 0), got {causal}, {window_size}")
-    N, Hq, D = q.shape
-    G = Hq // k.shape[1]
-    out = torch.empty_like(q)
-    lse = torch.empty(Hq, N, dtype=torch.float32, device=q.device)
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for b in range(len(cq) - 1):
-        q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
-        n, m = q1 - q0, k1 - k0
-        if n > max_seqlen_q or m > max_seqlen_k:
-            raise ValueError(
-                f"sequence {b}: {n} rows, {m} keys over max_seqlen {max_seqlen_q}, {max_seqlen_k}"
-            )
-        if not n:
-            continue
-        kk = k[k0:k1].float().repeat_interleave(G, 1)
-        vv = v[k0:k1].float().repeat_interleave(G, 1)
-        s = torch.einsum("thd,nhd->htn", q[q0:q1].float(), kk) * softmax_scale
-        last = m - n + torch.arange(n, device=q.device)[:, None]  # each query's own key index
-        j = torch.arange(m, device=q.device)[None, :]
-        s = s.masked_fill(~((j <= last) & (j >= last - window_size[0]))[None], float("-inf"))
-        lse[:, q0:q1] = torch.logsumexp(s, -1)
-        out[q0:q1] = torch.einsum("htn,nhd->thd", torch.softmax(s, -1), vv).to(q.dtype)
     return out, lse

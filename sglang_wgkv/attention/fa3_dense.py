@@ -40,15 +40,22 @@ def dense_reference(
     max_seqlen_k,
     softmax_scale=None,
     causal=False,
+    window_size=(-1, -1),
+    return_softmax_lse=False,
     **_,
 ):
-    """``flash_attn_varlen_func`` as :func:`dense_attention` calls it, in torch: per sequence, its rows of
-    ``q [T, Hq, D]`` against its keys of ``k, v [Nk, Hk, D]``, query ``i`` of ``n`` seeing the keys up to
-    ``m - n + i`` of ``m`` (``causal``: the mask aligned to the last key)."""
+    """``flash_attn_varlen_func`` as :func:`dense_attention` and :func:`~.fa3_band.fa3_band` call it, in
+    torch: per sequence, its rows of ``q [T, Hq, D]`` against its keys of ``k, v [Nk, Hk, D]``, query ``i``
+    of ``n`` aligned to key ``m - n + i`` of ``m`` and seeing the keys up to it (``causal``), and from
+    ``window_size[0]`` keys before it (``>= 0``: FA3's sliding window). With ``return_softmax_lse``
+    returns ``(out, lse)``, the log-sum-exp ``[Hq, T]`` in float32."""
+    if window_size[1] > 0:
+        raise ValueError(f"keys after the aligned one (window_size {window_size}) are not stated here")
     T, Hq, D = q.shape
     Hk = k.shape[1]
     scale = softmax_scale if softmax_scale is not None else D**-0.5
     out = torch.empty(T, Hq, v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.empty(Hq, T, dtype=torch.float32, device=q.device)
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for b in range(len(cq) - 1):
         q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
@@ -62,14 +69,17 @@ def dense_reference(
         kk = k[k0:k1].float().repeat_interleave(Hq // Hk, 1)
         vv = v[k0:k1].float().repeat_interleave(Hq // Hk, 1)
         s = torch.einsum("thd,nhd->htn", q[q0:q1].float(), kk) * scale
-        if causal:
-            visible = (
-                torch.arange(m, device=q.device)[None, :]
-                <= (m - n + torch.arange(n, device=q.device))[:, None]
-            )
-            s = s.masked_fill(~visible[None], float("-inf"))
+        last = m - n + torch.arange(n, device=q.device)[:, None]  # each query's own key index
+        j = torch.arange(m, device=q.device)[None, :]
+        visible = torch.ones(n, m, dtype=torch.bool, device=q.device)
+        if causal or window_size[1] == 0:
+            visible &= j <= last
+        if window_size[0] >= 0:
+            visible &= j >= last - window_size[0]
+        s = s.masked_fill(~visible[None], float("-inf"))
+        lse[:, q0:q1] = torch.logsumexp(s, -1)
         out[q0:q1] = torch.einsum("htn,nhd->thd", torch.softmax(s, -1), vv).to(q.dtype)
-    return out
+    return (out, lse) if return_softmax_lse else out
 
 
 def dense_attention(
