@@ -75,6 +75,17 @@ def _update(q, k, v, m_i, l_i, acc, visible, qk_scale, MASKED: tl.constexpr):
     return m_new, l_i, acc
 
 
+@triton.jit
+def _fa3_state(OV, LseV, rows, col, m_valid, offs_d, stride_vn, stride_vg, stride_lg):
+    """FA3's normalised output (``OV[row, col]``) and log-sum-exp (``LseV[col, row]``) as the online
+    softmax state: acc / l = out, l * 2**m = exp(lse), taken as l = 1, m = lse * log2(e)."""
+    o = tl.load(
+        OV + rows[:, None] * stride_vn + col * stride_vg + offs_d[None, :], mask=m_valid[:, None], other=0.0
+    )
+    lse = tl.load(LseV + col * stride_lg + rows, mask=m_valid, other=float("-inf"))
+    return lse * 1.4426950408889634, tl.where(m_valid, 1.0, 0.0), o.to(tl.float32)
+
+
 # Index and per-forward buffers are views at batch-dependent offsets and strides: their alignment and
 # divisibility left unspecialized, so one compiled variant serves every batch (testing/jit_keys.py).
 @triton.jit(
@@ -161,31 +172,17 @@ def _vertical_slash_fwd(
     n_vert = tl.load(BVertical + blk * num_kv_heads + kvh)
     if BAND_GIVEN:
         # FA3 ran the local window (fa3_band), every query's keys 0 <= dist < W: its output
-        # ``[Nq, Hq, D]`` and log-sum-exp ``[Hq, Nq]`` start the softmax state (each query sees itself).
-        o_w = tl.load(
-            OV + offs_m[:, None].to(tl.int64) * stride_vn + head * stride_vg + offs_d[None, :],
-            mask=m_valid[:, None],
-            other=0.0,
+        # ``[Nq, Hq, D]`` and log-sum-exp ``[Hq, Nq]`` (each query sees itself)
+        m_i, l_i, acc = _fa3_state(
+            OV, LseV, offs_m.to(tl.int64), head, m_valid, offs_d, stride_vn, stride_vg, stride_lg
         )
-        lse = tl.load(LseV + head * stride_lg + offs_m, mask=m_valid, other=float("-inf"))
-        m_i = lse * 1.4426950408889634
-        l_i = tl.where(m_valid, 1.0, 0.0)
-        acc = o_w.to(tl.float32)
     if VERTICAL_GIVEN:
-        # FA3 ran them (fa3_vertical): its normalised output and log-sum-exp are the softmax state
-        # acc / l = out, l * 2**m = exp(lse), taken as l = 1, m = lse * log2(e).
+        # FA3 ran them (fa3_vertical): its output folded to ``[Hkv * Nq, G, D]``
         if n_vert > 0:
             rows = (kvh * num_q + offs_m).to(tl.int64)
-            g = head - kvh * GROUP
-            o_v = tl.load(
-                OV + rows[:, None] * stride_vn + g * stride_vg + offs_d[None, :],
-                mask=m_valid[:, None],
-                other=0.0,
+            m_i, l_i, acc = _fa3_state(
+                OV, LseV, rows, head - kvh * GROUP, m_valid, offs_d, stride_vn, stride_vg, stride_lg
             )
-            lse = tl.load(LseV + g * stride_lg + rows, mask=m_valid, other=float("-inf"))
-            m_i = lse * 1.4426950408889634
-            l_i = tl.where(m_valid, 1.0, 0.0)
-            acc = o_v.to(tl.float32)
     else:
         row0 = kvh * compact_rows + tl.load(BCompactStart + blk)
         n_full = (n_vert // BLOCK_N) * BLOCK_N
