@@ -113,24 +113,24 @@ def _check_floor(got, ref, truth, prompt):
     )
 
 
-@pytest.fixture(scope="module")
-def fa3_server(gates_dir):
-    """The kernels server with FA3 on every prefill's vertical range (where sgl_kernel's FA3 loads)."""
+def _kernels_server_with(gates_dir, option: str, log: str):
+    """The kernels server with ``option fa3`` where sgl_kernel's FA3 loads (skips elsewhere)."""
     from sglang_wgkv.attention.fa3_vertical import load_fa3
 
     if load_fa3(torch.device("cuda")) is None:
         pytest.skip("FA3 (sgl_kernel.flash_attn on a Hopper GPU) is not installed here")
-    args = [
-        *common_args(embedded_model_dir(), gates_dir),
-        *SERVER_ARGS["kernels"],
-        "--wgkv-prefill-vertical",
-        "fa3",
-    ]
-    srv = Server(args, gates_dir.parent / "kernels_fa3.log")
+    args = [*common_args(embedded_model_dir(), gates_dir), *SERVER_ARGS["kernels"], option, "fa3"]
+    srv = Server(args, gates_dir.parent / log)
     try:
         yield srv.wait_healthy()
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def fa3_server(gates_dir):
+    """The kernels server with FA3 on every prefill's vertical range."""
+    yield from _kernels_server_with(gates_dir, "--wgkv-prefill-vertical", "kernels_fa3.log")
 
 
 def test_fa3_vertical_prefill_served_matches_reference(fa3_server, servers, truth):
@@ -148,21 +148,7 @@ def test_fa3_vertical_prefill_served_matches_reference(fa3_server, servers, trut
 @pytest.fixture(scope="module")
 def band_server(gates_dir):
     """The kernels server with FA3 on the local window of prefix-free prefills."""
-    from sglang_wgkv.attention.fa3_dense import load_fa3_dense
-
-    if load_fa3_dense(torch.device("cuda")) is None:
-        pytest.skip("FA3 (sgl_kernel.flash_attn on a Hopper GPU) is not installed here")
-    args = [
-        *common_args(embedded_model_dir(), gates_dir),
-        *SERVER_ARGS["kernels"],
-        "--wgkv-prefill-band",
-        "fa3",
-    ]
-    srv = Server(args, gates_dir.parent / "kernels_band.log")
-    try:
-        yield srv.wait_healthy()
-    finally:
-        srv.stop()
+    yield from _kernels_server_with(gates_dir, "--wgkv-prefill-band", "kernels_band.log")
 
 
 def test_fa3_band_prefill_served_matches_reference(band_server, servers, truth):
