@@ -37,10 +37,14 @@ def test_dense_call_is_the_vertical_slash_attention_with_every_key_admitted(seqs
     lens_k = [n + before for n, before in seqs]  # the queries are each sequence's last rows
     q, k, v, admitted, qo, kv, q_pos, k_pos = packed_case(lens_q, lens_k, HQ, H, D, 1.0, torch.float32, far)
     want = reference.vertical_slash_attention(q, k, v, admitted, qo, kv, q_pos, k_pos, W)
-    got = dense_attention(
-        dense_reference, q, k, v, qo.int(), kv.int(), max(lens_q), max(lens_k) + far, D**-0.5
-    )
+    args = (qo.int(), kv.int(), max(lens_q), max(lens_k) + far, D**-0.5)
+    got = dense_attention(dense_reference, q, k, v, *args)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    buf = torch.full((q.shape[0] + 2, HQ, D), 7.0)  # a mixed forward's output: its first rows written
+    assert (
+        dense_attention(dense_reference, q, k, v, *args, out=buf[: q.shape[0]]).data_ptr() == buf.data_ptr()
+    )
+    assert torch.equal(buf[: q.shape[0]], got) and bool((buf[q.shape[0] :] == 7.0).all())
 
 
 def _backend(dense_call, dense_slots, admission=False):

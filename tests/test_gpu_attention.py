@@ -105,6 +105,9 @@ def test_fa3_dense_prefill_is_the_vertical_slash_attention_with_every_key_admitt
     args = (qo.int(), kv.int(), max(lens_q), max(lens_k) + far, 128**-0.5)
     out = dense_attention(fa3, q, k, v, *args)
     _close(out, dense_attention(dense_reference, q, k, v, *args), dtype)
+    buf = torch.full((q.shape[0] + 5, *q.shape[1:]), 7.0, dtype=dtype, device=DEV)  # a mixed forward's rows
+    assert dense_attention(fa3, q, k, v, *args, out=buf[: q.shape[0]]).data_ptr() == buf.data_ptr()
+    assert torch.equal(buf[: q.shape[0]], out) and bool((buf[q.shape[0] :] == 7.0).all())
     _close(out, reference.vertical_slash_attention(q, k, v, adm, qo, kv, q_pos, k_pos, 256), dtype)
     _close(out, vertical_slash_attention(q, k, v, adm, qo, kv, q_pos, k_pos, 256), dtype)
     assert choose_dense(_fa3(), torch.device(DEV), dtype, (32, 8, 128)) is fa3

@@ -42,19 +42,21 @@ def dense_reference(
     causal=False,
     window_size=(-1, -1),
     return_softmax_lse=False,
+    out=None,
     **_,
 ):
     """``flash_attn_varlen_func`` as :func:`dense_attention` and :func:`~.fa3_band.fa3_band` call it, in
     torch: per sequence, its rows of ``q [T, Hq, D]`` against its keys of ``k, v [Nk, Hk, D]``, query ``i``
     of ``n`` aligned to key ``m - n + i`` of ``m`` and seeing the keys up to it (``causal``), and from
     ``window_size[0]`` keys before it (``>= 0``: FA3's sliding window). With ``return_softmax_lse``
-    returns ``(out, lse)``, the log-sum-exp ``[Hq, T]`` in float32."""
+    returns ``(out, lse)``, the log-sum-exp ``[Hq, T]`` in float32; ``out`` given: written there."""
     if window_size[1] > 0:
         raise ValueError(f"keys after the aligned one (window_size {window_size}) are not stated here")
     T, Hq, D = q.shape
     Hk = k.shape[1]
     scale = softmax_scale if softmax_scale is not None else D**-0.5
-    out = torch.empty(T, Hq, v.shape[-1], dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(T, Hq, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(Hq, T, dtype=torch.float32, device=q.device)
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for b in range(len(cq) - 1):
@@ -92,10 +94,12 @@ def dense_attention(
     max_q: int,
     max_k: int,
     sm_scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the packed rows ``q [N, Hq, D]`` over ``keys, values [Nk, Hk, D]``; the
-    indptrs ``[B + 1]`` int32 on the device, ``max_q``, ``max_k`` host ints. Returns ``[N, Hq, Dv]``."""
-    out = fa3(
+    indptrs ``[B + 1]`` int32 on the device, ``max_q``, ``max_k`` host ints. Returns ``[N, Hq, Dv]``
+    (``out``, contiguous, when given)."""
+    res = fa3(
         q,
         keys,
         values,
@@ -105,5 +109,6 @@ def dense_attention(
         max_k,
         softmax_scale=sm_scale,
         causal=True,
+        **({"out": out} if out is not None else {}),
     )
-    return out[0] if isinstance(out, tuple) else out
+    return res[0] if isinstance(res, tuple) else res

@@ -100,6 +100,7 @@ def vertical_slash_attention(
     k_pos: torch.Tensor,
     local_window: int,
     sm_scale: float | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Hard vertical-slash attention over a packed variable-length batch.
 
@@ -111,6 +112,8 @@ def vertical_slash_attention(
     q_pos : ``[Nq]``, k_pos : ``[Nk]`` token positions (a prefill from scratch has both = arange).
     local_window : W_local; key j is always visible to query i when ``0 <= pos_i - pos_j < W_local``.
 
+    out : ``[Nq, Hq, D]`` in q's dtype: written and returned in place of a new tensor.
+
     Returns ``[Nq, Hq, D]`` in q's dtype. A query that sees no key (impossible when its own key is
     present) returns zeros. Queries go in blocks of at most ``max(local_window, QUERY_BLOCK)``, each
     over the keys it may see (:func:`_block_keys`: the admitted far keys and the near ones), through
@@ -121,7 +124,7 @@ def vertical_slash_attention(
     Hkv = k.shape[1]
     group = Hq // Hkv
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
-    out = torch.zeros_like(q)
+    out = torch.zeros_like(q) if out is None else out.zero_()
     qo, kv = qo_indptr.tolist(), kv_indptr.tolist()
     rows = max(local_window, QUERY_BLOCK)
     heads = torch.arange(Hkv, device=q.device)  # each head's column of a block's key indices

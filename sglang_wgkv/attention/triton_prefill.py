@@ -268,6 +268,16 @@ def _check_inputs(q, k, v, admitted, qo_indptr, kv_indptr, q_pos, k_pos, local_w
             )
 
 
+def _output(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty_like(q)
+    if out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(
+            f"out must be {q.dtype} {tuple(q.shape)} contiguous in D, got {out.dtype} {tuple(out.shape)}"
+        )
+    return out
+
+
 def vertical_slash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -285,6 +295,7 @@ def vertical_slash_attention(
     config: PrefillConfig | None = None,
     fa3: FA3Fn | None = None,
     band: BandFA3 | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Hard vertical-slash attention over a packed variable-length batch, on the GPU.
 
@@ -305,6 +316,8 @@ def vertical_slash_attention(
         sequences have no cached prefix (``kv_indptr`` equal to ``qo_indptr``, key positions equal to
         query positions): FA3 runs the local window (:mod:`.fa3_band`) and this kernel adds the rest.
         Not with ``fa3``.
+    out : ``[Nq, Hq, D]`` in q's dtype, contiguous in D (a mixed forward's first rows): written and
+        returned in place of a new tensor.
 
     Positions must not decrease within each sequence. Returns ``[Nq, Hq, D]`` in q's dtype; nothing is
     synchronised with the host.
@@ -330,7 +343,7 @@ def vertical_slash_attention(
     if compacted is not None and any(c.shape != (Hkv, rows, D) for c in compacted):
         raise ValueError(f"compacted buffers must be [{Hkv}, {rows}, {D}] (compact_align {align})")
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
-    out = torch.empty_like(q)
+    out = _output(q, out)
     o_v = lse_v = out  # FA3's vertical output and log-sum-exp; not read without fa3
     stride_vn, stride_vg, stride_lg = out.stride(0), out.stride(1), out.stride(0)
     if band is not None:

@@ -378,10 +378,12 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, ExtendLayer, AttentionBackend):
         n = self._mixed_split
         if n is None:
             return self._extend_rows(q3, k3, v3, k_pre, layer, forward_batch.positions).reshape(-1, Hq * Dv)
-        ext = self._extend_rows(q3[:n], k3[:n], v3[:n], k_pre[:n], layer, forward_batch.positions[:n])
+        # both parts write their rows of one output (a concatenation would copy the prefill's rows)
+        out = q3.new_empty(q3.shape[0], Hq, Dv)
+        self._extend_rows(q3[:n], k3[:n], v3[:n], k_pre[:n], layer, forward_batch.positions[:n], out=out[:n])
         with traced("wgkv.mixed_decode_rows"):
-            dec = self._decode_rows(q3[n:], k3[n:], v3[n:], k_pre[n:], layer)
-        return torch.cat([ext.reshape(-1, Hq * Dv), dec.to(ext.dtype).reshape(-1, Hq * Dv)])
+            self._decode_rows(q3[n:], k3[n:], v3[n:], k_pre[n:], layer, out=out[n:])
+        return out.view(-1, Hq * Dv)
 
     def forward_decode(
         self,

@@ -72,9 +72,10 @@ class DecodeLayer:
     """Per-layer decode of :class:`~sglang_wgkv.integration.backend.attn_backend.WGKVAttnBackend` (a mixin: the
     backend owns the pool ``dual``, the step's rows ``_rows``, the gates, the evictor and ``_admit``)."""
 
-    def _decode_rows(self, q3, k3, v3, k_pre, layer: RadixAttention) -> torch.Tensor:
+    def _decode_rows(self, q3, k3, v3, k_pre, layer: RadixAttention, out=None) -> torch.Tensor:
         """q3 ``[B, Hq, D]``, k3, v3, k_pre ``[B, H, D]``: the decode step's rows (:attr:`_rows`) in
-        ``layer``; returns ``[B, Hq, Dv]`` (the pool's dtype on the kernels path)."""
+        ``layer``; returns ``[B, Hq, Dv]`` (the pool's dtype on the kernels path), or writes them into
+        ``out`` (contiguous in Dv, any dtype) and returns it."""
         H = k3.shape[1]
         rows = self._rows
         if not self.use_kernels:
@@ -84,7 +85,7 @@ class DecodeLayer:
                     self.evictor.observe_decode(layer.layer_id, q3)
                 self.dual.write_decode(layer.layer_id, k3, v3, admit)
                 pages, num_pages, last_len, _ = self.dual.decode_page_rows(layer.layer_id)
-                return reference.page_table_decode_attention(
+                res = reference.page_table_decode_attention(
                     q3,
                     self.dual.k_pages,
                     self.dual.v_pages,
@@ -95,6 +96,7 @@ class DecodeLayer:
                     k_scale=self.dual.k_scale[layer.layer_id],
                     v_scale=self.dual.v_scale[layer.layer_id],
                 )
+                return res if out is None else out.copy_(res)
         from sglang_wgkv.attention.triton_decode import folded_decode
 
         observe = None
@@ -117,8 +119,10 @@ class DecodeLayer:
         side = self._gate_stream
         main = torch.cuda.current_stream(self.device) if side is not None else None
         fork = main.record_event() if side is not None else None
-        out = folded_decode(
-            q3.to(self.dual.compute_dtype),
+        q3 = q3.to(self.dual.compute_dtype)
+        into = out if out is not None and out.dtype == q3.dtype else None  # else copied in below
+        res = folded_decode(
+            q3,
             self.dual.k_pages,
             self.dual.v_pages,
             self.dual.page_table,
@@ -129,6 +133,7 @@ class DecodeLayer:
             sm_scale=layer.scaling,
             num_splits=rows.num_splits,
             workspace=rows.workspace,
+            out=into,
             config=self.decode_launch,
             new_k=k3,
             new_v=v3,
@@ -153,4 +158,4 @@ class DecodeLayer:
             self.dual.write_decode_flags(layer.layer_id, rows.req, rows.pos, admit)
         if side is not None:
             main.wait_stream(side)
-        return out
+        return res if out is None or into is not None else out.copy_(res)

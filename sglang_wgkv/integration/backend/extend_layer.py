@@ -63,9 +63,9 @@ class ExtendLayer:
             admit |= torch.isneginf(tau)  # requests with admission off keep every token
         return admit
 
-    def _extend_rows(self, q3, k3, v3, k_pre, layer: RadixAttention, positions) -> torch.Tensor:
+    def _extend_rows(self, q3, k3, v3, k_pre, layer: RadixAttention, positions, out=None) -> torch.Tensor:
         """q3 ``[N, Hq, D]``, k3, v3, k_pre ``[N, H, D]``, positions ``[N]``: the extend plan's packed
-        rows in ``layer``; returns ``[N, Hq, Dv]``."""
+        rows in ``layer``; returns ``[N, Hq, Dv]`` (``out``, q's dtype, when given)."""
         with traced("wgkv.extend_gate"):
             admit = self._admit_extend(layer, k_pre, k3)
             if self.evictor is not None:
@@ -90,6 +90,7 @@ class ExtendLayer:
                     longest,
                     self._longest_keys[lid],
                     layer.scaling,
+                    out=out,
                 )
         else:
             with traced("wgkv.extend_attention"):
@@ -104,6 +105,7 @@ class ExtendLayer:
                     k_pos,
                     self.config.local_window,
                     sm_scale=layer.scaling,
+                    out=out,
                     **({"fa3": fa3} if fa3 is not None else {"band": self._band} if self._band else {}),
                 )
         with traced("wgkv.extend_write"):
