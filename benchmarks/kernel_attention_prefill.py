@@ -213,10 +213,10 @@ def _prefill_lengths(args, deadline, results, path, cfg):
                 wg["fa3_vertical_ms"] = min(fa3_ms)
                 wg["fa3_vertical_total_ms"] = min(fa3_ms) + min(plan_ms)
                 # FA3's sliding window, then the launch over the compacted keys and the narrow band
-                # (what --wgkv-prefill-band fa3 serves for prefix-free prompts)
+                # (what --wgkv-prefill-band fa3 serves for prompts)
                 from sgl_kernel.flash_attn import flash_attn_varlen_func
 
-                band = (flash_attn_varlen_func, ind, n)
+                band = (flash_attn_varlen_func, ind, ind, n, n)
                 band_ms = cuda_ms(
                     lambda: vertical_slash_attention(
                         q, k, v, adm, ind, ind, pos, pos, W, plan=plan, compacted=comp, config=cfg, band=band

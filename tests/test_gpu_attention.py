@@ -115,28 +115,40 @@ def test_fa3_dense_prefill_is_the_vertical_slash_attention_with_every_key_admitt
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
-    "lens,p", [([4096, 2048], 0.25), ([1, 129, 300, 64], 0.5), ([257], 0.0), ([3000], 1.0)]
+    "lens,prefixes,p",
+    [
+        ([4096, 2048], [0, 0], 0.25),
+        ([1, 129, 300, 64], [0, 0, 0, 0], 0.5),
+        ([257], [0], 0.0),
+        ([3000], [0], 1.0),
+        ([2048, 1500, 700], [6000, 0, 200], 0.25),  # chunks after cached prefixes, a prompt beside them
+    ],
 )
-def test_fa3_band_prefill_matches_reference(dtype, lens, p):
-    """The prefill with FA3 on the local window (``attention/fa3_band.py``, prefix-free batches) against
-    the window's torch statement, the reference vertical-slash attention and the one-pass kernel; and
-    ``--wgkv-prefill-band fa3``'s start-up choice takes FA3 on this card."""
+def test_fa3_band_prefill_matches_reference(dtype, lens, prefixes, p):
+    """The prefill with FA3 on the local window (``attention/fa3_band.py``, keys in the pool's layout:
+    global entries, the ring, the new rows) against the window's torch statement, the reference
+    vertical-slash attention and the one-pass kernel; and ``--wgkv-prefill-band fa3``'s start-up choice
+    takes FA3 on this card."""
     from sglang_wgkv.attention.fa3_band import fa3_band
     from sglang_wgkv.attention.fa3_dense import dense_reference, load_fa3_dense
     from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
     from sglang_wgkv.integration.backend.prefill_band import choose_band
+    from sglang_wgkv.testing.prefill_cases import pool_layout_case
 
     fn = load_fa3_dense(DEV)
     if fn is None:
         pytest.skip("FA3 (sgl_kernel.flash_attn on a Hopper GPU) is not available")
     torch.manual_seed(len(lens))
-    q, k, v, adm, qo, kv, q_pos, k_pos = _packed_case(lens, lens, 32, 8, 128, p, dtype)
-    cu, scale = qo.int(), 128**-0.5
-    got_o, got_lse = fa3_band(q, k, v, fn, cu, max(lens), scale, 256)
-    want_o, want_lse = fa3_band(q, k, v, dense_reference, cu, max(lens), scale, 256)
+    q, k, v, adm, qo, kv, q_pos, k_pos = pool_layout_case(
+        lens, prefixes, 1500, 256, 32, 8, 128, p, dtype, device=DEV, index_dtype=torch.int64
+    )
+    cu_q, cu_k, scale = qo.int(), kv.int(), 128**-0.5
+    call = (cu_q, cu_k, max(lens), int((kv[1:] - kv[:-1]).max()))
+    got_o, got_lse = fa3_band(q, k, v, fn, *call, scale, 256)
+    want_o, want_lse = fa3_band(q, k, v, dense_reference, *call, scale, 256)
     _close(got_o, want_o, dtype)
     assert (got_lse.float() - want_lse).abs().max().item() < 1e-2
-    out = vertical_slash_attention(q, k, v, adm, qo, kv, q_pos, k_pos, 256, band=(fn, cu, max(lens)))
+    out = vertical_slash_attention(q, k, v, adm, qo, kv, q_pos, k_pos, 256, band=(fn, *call))
     _close(out, reference.vertical_slash_attention(q, k, v, adm, qo, kv, q_pos, k_pos, 256), dtype)
     _close(out, vertical_slash_attention(q, k, v, adm, qo, kv, q_pos, k_pos, 256), dtype)
     assert choose_band("fa3", torch.device(DEV), dtype, (32, 8, 128)) is fn

@@ -113,13 +113,14 @@ def _check_floor(got, ref, truth, prompt):
     )
 
 
-def _kernels_server_with(gates_dir, option: str, log: str):
-    """The kernels server with ``option fa3`` where sgl_kernel's FA3 loads (skips elsewhere)."""
+def _kernels_server_with(gates_dir, option: str, log: str, *extra: str):
+    """The kernels server with ``option fa3`` (and ``extra``) where sgl_kernel's FA3 loads (skips
+    elsewhere)."""
     from sglang_wgkv.attention.fa3_vertical import load_fa3
 
     if load_fa3(torch.device("cuda")) is None:
         pytest.skip("FA3 (sgl_kernel.flash_attn on a Hopper GPU) is not installed here")
-    args = [*common_args(embedded_model_dir(), gates_dir), *SERVER_ARGS["kernels"], option, "fa3"]
+    args = [*common_args(embedded_model_dir(), gates_dir), *SERVER_ARGS["kernels"], option, "fa3", *extra]
     srv = Server(args, gates_dir.parent / log)
     try:
         yield srv.wait_healthy()
@@ -147,13 +148,17 @@ def test_fa3_vertical_prefill_served_matches_reference(fa3_server, servers, trut
 
 @pytest.fixture(scope="module")
 def band_server(gates_dir):
-    """The kernels server with FA3 on the local window of prefix-free prefills."""
-    yield from _kernels_server_with(gates_dir, "--wgkv-prefill-band", "kernels_band.log")
+    """The kernels server with FA3 on the local window of prefills, in chunks of 128 tokens (the longer
+    prompts' later chunks read global entries and a full ring)."""
+    yield from _kernels_server_with(
+        gates_dir, "--wgkv-prefill-band", "kernels_band.log", "--chunked-prefill-size", "128"
+    )
 
 
 def test_fa3_band_prefill_served_matches_reference(band_server, servers, truth):
     """``--wgkv-prefill-band fa3``: the same tokens as the bf16 reference up to near-ties, logprobs as
-    close to float32's as the reference's, batched (several prefix-free prompts in one extend)."""
+    close to float32's as the reference's, batched (several prompts in one extend, chunks after cached
+    prefixes)."""
     from sglang_wgkv.integration.backend.prefill_band import LOG_BAND
 
     got, want = _run(band_server, PROMPTS), _run(servers[1], PROMPTS)

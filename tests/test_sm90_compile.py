@@ -121,17 +121,19 @@ def _fa3_shapes(q, k_cache, v_cache, **kwargs):
 
 def _prefill_band_launches(dtype, shape):
     """The prefill with FA3 on the local window: plan, compaction, and the band launch from FA3's state
-    (its outputs in shape only), on a prefix-free batch."""
+    (its outputs in shape only), on a chunk after a cached prefix beside a prompt."""
     from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
-    from sglang_wgkv.testing.prefill_cases import packed_case
+    from sglang_wgkv.testing.prefill_cases import pool_layout_case
 
     lens, (Hq, Hkv, D) = [300, 129], shape
-    q, k, v, adm, qo, kv, qp, kp = packed_case(lens, lens, Hq, Hkv, D, 0.25, dtype, index_dtype=torch.int64)
+    q, k, v, adm, qo, kv, qp, kp = pool_layout_case(
+        lens, [200, 0], 40, 64, Hq, Hkv, D, 0.25, dtype, index_dtype=torch.int64
+    )
 
     def window_shapes(q, *args, **kwargs):
         return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
 
-    band = (window_shapes, qo.to(torch.int32), max(lens))
+    band = (window_shapes, qo.to(torch.int32), kv.to(torch.int32), max(lens), int((kv[1:] - kv[:-1]).max()))
     with device_checks_off():
         return launches(lambda: vertical_slash_attention(q, k, v, adm, qo, kv, qp, kp, 64, band=band))
 

@@ -9,9 +9,9 @@ single online softmax over two key ranges (see :mod:`.vertical_slash_plan`):
 2. the band ``(p_lo - W, p_hi]`` of original keys, with the exact vertical-slash mask.
 
 Either range may come from FA3 instead (``sgl_kernel``, Hopper), its output and log-sum-exp the
-softmax state this kernel starts from: the vertical range (:mod:`.fa3_vertical`), or, for a forward
-with no cached prefix, the local window (:mod:`.fa3_band`), which leaves this kernel only the band's
-admitted keys at least ``W`` behind their query, ``(p_lo - W, p_hi - W]``.
+softmax state this kernel starts from: the vertical range (:mod:`.fa3_vertical`), or the local
+window (:mod:`.fa3_band`), which leaves this kernel only the band's admitted keys at least ``W``
+behind their query, ``(p_lo - W, p_hi - W]``.
 
 Blocks are launched longest-first (reverse order) so that the causal tail does not straggle. The work
 lists (compaction, plan) are built by :mod:`.triton_prefill_plan`.
@@ -201,7 +201,7 @@ def _vertical_slash_fwd(
     band_end = tl.load(BBandEnd + blk)
     if BAND_GIVEN:
         # only keys at least W behind some query remain: positions up to p_hi - W, the band's first
-        # keys (no cached prefix: the band's positions run on one by one from its first key's)
+        # keys (the band lies in the ring and new rows, whose positions run on one by one)
         p_hi = tl.max(tl.where(m_valid, q_pos, -1))
         first = tl.load(KPos + band_start, mask=band_start < band_end, other=0)
         narrow = tl.minimum(tl.maximum(p_hi - window + 1 - first, 0), band_end - band_start)
@@ -312,10 +312,10 @@ def vertical_slash_attention(
     fa3 : ``flash_attn_with_kvcache`` (:func:`~.fa3_vertical.load_fa3`) or a stand-in with its
         contract: the vertical range runs there (:mod:`.fa3_vertical`) and this kernel adds the band
         to its output; ``compacted`` is then built here.
-    band : ``(flash_attn_varlen_func, cu_seqlens int32 [B + 1], longest sequence)`` for a forward whose
-        sequences have no cached prefix (``kv_indptr`` equal to ``qo_indptr``, key positions equal to
-        query positions): FA3 runs the local window (:mod:`.fa3_band`) and this kernel adds the rest.
-        Not with ``fa3``.
+    band : ``(flash_attn_varlen_func, qo_indptr and kv_indptr in int32, most rows, most keys)`` for keys
+        in the pool's layout (:mod:`.fa3_band`: far global entries, then positions one by one up to
+        each sequence's last query, a full window of them where there are global entries): FA3 runs
+        the local window and this kernel adds the rest. Not with ``fa3``.
     out : ``[Nq, Hq, D]`` in q's dtype, contiguous in D (a mixed forward's first rows): written and
         returned in place of a new tensor.
 

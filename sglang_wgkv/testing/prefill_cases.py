@@ -39,3 +39,27 @@ def packed_case(
         [torch.cat([torch.full((far_prefix,), FAR_POSITION), torch.arange(lk)]) for lk in lens_k]
     )
     return q, k, v, admitted, qo, kv, q_pos.to(device), k_pos.to(index_dtype).to(device)
+
+
+def pool_layout_case(
+    lens_q, prefixes, far, window, Hq, Hkv, D, p_admit, dtype, device="cpu", index_dtype=torch.int32
+):
+    """:func:`packed_case`'s tuple in the layout ``DualCachePool.extend_inputs`` gives a chunk's keys:
+    per sequence of ``n`` new rows after ``S`` cached tokens, ``far`` global entries at
+    ``FAR_POSITION`` where tokens have left the ring (``S > window``, none otherwise), the ring (the
+    last ``min(S, window)`` cached positions, in order), then the new rows at ``S .. S + n - 1``."""
+    pos, rows = [], []
+    for n, S in zip(lens_q, prefixes):
+        g = far if S > window else 0
+        pos.append(torch.cat([torch.full((g,), FAR_POSITION), torch.arange(max(0, S - window), S + n)]))
+        rows.append(len(pos[-1]))
+    qo = torch.tensor([0, *lens_q]).cumsum(0).to(index_dtype).to(device)
+    kv = torch.tensor([0, *rows]).cumsum(0).to(index_dtype).to(device)
+    Nq, Nk = int(qo[-1]), int(kv[-1])
+    q = torch.randn(Nq, Hq, D, device=device).to(dtype)
+    k = torch.randn(Nk, Hkv, D, device=device).to(dtype)
+    v = torch.randn(Nk, Hkv, D, device=device).to(dtype)
+    admitted = torch.rand(Nk, Hkv, device=device) < p_admit
+    q_pos = torch.cat([torch.arange(S, S + n) for n, S in zip(lens_q, prefixes)]).to(index_dtype)
+    k_pos = torch.cat(pos).to(index_dtype)
+    return q, k, v, admitted, qo, kv, q_pos.to(device), k_pos.to(device)

@@ -48,6 +48,7 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from sglang_wgkv.attention import reference
+from sglang_wgkv.attention.fa3_band import window_safe
 from sglang_wgkv.gate.admission import DeferredGateCheck
 from sglang_wgkv.integration.backend.decode_graphs import DecodeGraphs
 from sglang_wgkv.integration.backend.decode_layer import DecodeLayer, DecodeRows, cpu_threads
@@ -147,8 +148,10 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, ExtendLayer, AttentionBackend):
         self.num_q_heads = model_runner.model_config.get_num_attention_heads(par.attn_tp_size)
         self._fa3 = None  # the FA3 call of the prefill's vertical range (backend/prefill_vertical.py)
         self._fa3_dense = None  # the dense FA3 call of prefills whose keys are all admitted (fa3_dense.py)
-        self._band_fn = None  # FA3's window call for prefix-free prefills (backend/prefill_band.py)
-        self._band = None  # the current extend's (call, qo int32, longest rows) when it runs
+        self._band_fn = None  # FA3's window call for prefills (backend/prefill_band.py)
+        self._band = (
+            None  # the current extend's (call, qo int32, kv int32 [L, B + 1], most rows) when it runs
+        )
         self._dense = None  # the current extend's (qo, kv [L, B + 1] int32, longest rows) when it is dense
         self._fa3_min_keys = 0  # a forward's longest key range from which it is used
         self._longest_keys = None  # [L] the current extend's longest key range per layer (host)
@@ -271,8 +274,7 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, ExtendLayer, AttentionBackend):
         in_ring = all(S + n <= self.dual.window for S, n in zip(prefix, extend))
         kept = all_kept and dense is not None and all(dense[s] for s in slots_)
         plan.exact_global = bool(self._fa3_dense is not None and (kept or in_ring))
-        window = self._band_fn is not None and not any(prefix)  # FA3 takes the local window
-        self._indptrs, self._dense, self._band = self._extend_indptrs(plan, window)
+        self._indptrs, self._dense, self._band = self._extend_indptrs(plan, self._band_fn is not None)
         declared = self.batch_prompt_ends
         if self.evictor is not None and declared is not None and declared[0] == self._extend[0]:
             self.evictor.mark_extend(*declared)
@@ -318,9 +320,9 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, ExtendLayer, AttentionBackend):
         (each request's keys: its gathered context, ``gather_context`` with ``plan.context_gcols``, then
         its new tokens) and copied once, so no layer waits for the host; for a dense plan
         (``exact_global``) the dense FA3 call's ``(qo, kv, longest new rows)``, the same indptrs in
-        int32 as FA3 takes them (None otherwise); and for a plan of prefix-free requests
-        (``window``: FA3's window call chosen) that is not dense, the window call's ``(call, qo
-        int32, longest rows)`` (None otherwise)."""
+        int32 as FA3 takes them (None otherwise); and where FA3's window call is chosen (``window``)
+        and the plan is not dense, the window call's ``(call, qo int32, kv int32 [L, B + 1], most
+        rows)`` when its index window is the position window (``fa3_band.window_safe``), else None."""
         L = self.dual.num_layers
         n = np.asarray(plan.extend_lens, dtype=np.int64)
         qo = np.concatenate([[0], np.cumsum(n)])
@@ -329,16 +331,15 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, ExtendLayer, AttentionBackend):
         kv = np.concatenate([np.zeros((L, 1), np.int64), np.cumsum(keys, 1)], 1)
         self._longest_keys = keys.max(1, initial=0).tolist()
         parts = [(qo, np.int64), (kv, np.int64)]
-        band = window and not plan.exact_global
-        if plan.exact_global:
+        band = window and not plan.exact_global and window_safe(g_rows, ring_rows, self.dual.window)
+        if plan.exact_global or band:
             parts += [(qo, np.int32), (kv, np.int32)]
-        elif band:
-            parts += [(qo, np.int32)]
         dev = to_device_many(self.device, parts)
-        dense = None
+        dense = call = None
         if plan.exact_global:
             dense = dev[2], dev[3].view(L, -1), int(n.max(initial=0))
-        call = (self._band_fn, dev[2], int(n.max(initial=0))) if band else None
+        elif band:
+            call = (self._band_fn, dev[2], dev[3].view(L, -1), int(n.max(initial=0)))
         return (dev[0], dev[1].view(L, -1)), dense, call
 
     def _draw_uniform(self, batch: int, out: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -77,6 +77,10 @@ class ExtendLayer:
         qo_indptr, kv_indptr = self._indptrs
         lid = layer.layer_id
         fa3 = self._fa3 if self._fa3 is not None and self._longest_keys[lid] >= self._fa3_min_keys else None
+        band = None
+        if fa3 is None and self._band is not None:  # FA3's window call over this layer's keys
+            fn, qo32, kv32, most_rows = self._band
+            band = (fn, qo32, kv32[lid], most_rows, self._longest_keys[lid])
         if self._dense is not None:  # every key admitted: causal attention, one FA3 call
             qo32, kv32, longest = self._dense
             with traced("wgkv.extend_attention_dense"):
@@ -106,7 +110,7 @@ class ExtendLayer:
                     self.config.local_window,
                     sm_scale=layer.scaling,
                     out=out,
-                    **({"fa3": fa3} if fa3 is not None else {"band": self._band} if self._band else {}),
+                    **({"fa3": fa3} if fa3 is not None else {"band": band} if band is not None else {}),
                 )
         with traced("wgkv.extend_write"):
             self._writes.stage(layer.layer_id, k3, v3, admit)

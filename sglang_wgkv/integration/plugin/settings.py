@@ -76,7 +76,7 @@ class ServingSettings:
         block's band (:mod:`~sglang_wgkv.integration.backend.prefill_vertical`): ``fa3`` (FA3, Hopper,
         every extend), ``triton`` (the one-pass Triton kernel) or ``auto``, the default (FA3 where it loads
         and passes the start-up check, for forwards with a long key range; Triton otherwise).
-    prefill_band : who runs the local window of prefills with no cached prefix
+    prefill_band : who runs the local window of prefills
         (:mod:`~sglang_wgkv.integration.backend.prefill_band`): ``triton`` (the band launch, the default)
         or ``fa3`` (FA3's sliding window, Hopper; the band launch then adds only the admitted keys).
     forward_tokens : while requests decode, a forward's tokens (prefill share + decode rows,
