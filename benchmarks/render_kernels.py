@@ -161,20 +161,22 @@ def kernel_attention(d: dict) -> list[str]:
     rows = []
     for r in d.get("prefill", []):
         if "skipped" in r:
-            rows.append([r["n"], f"skipped ({r['skipped']})"] + [""] * 8)
+            rows.append([r["n"], f"skipped ({r['skipped']})"] + [""] * 9)
             continue
-        fa3, sdpa = r.get("flashinfer_fa3", {}), r.get("torch_sdpa_flash", {})
+        fa3 = r.get("sgl_kernel_fa3") or r.get("flashinfer_fa3", {})  # SGLang's own FA3 where it ran
+        sdpa = r.get("torch_sdpa_flash", {})
         for w in r["wgkv_triton"]:
             rows.append(
                 [
                     r["n"],
-                    f(fa3.get("ms"), 1),
+                    f(fa3.get("ms"), 3),
                     f(sdpa.get("ms"), 1),
                     f(w["rejection"]),
                     f(w["plan_ms"]),
                     f(w["compact_ms"]),
-                    f(w["kernel_ms"], 1),
-                    f(w["total_ms"], 1),
+                    f(w["kernel_ms"], 3),
+                    f(w.get("fa3_band_ms"), 3),
+                    f(w["total_ms"], 3),
                     f(w.get("speedup_vs_torch_sdpa_flash")) + "x",
                     f(w["tflops_useful"], 0),
                 ]
@@ -190,6 +192,7 @@ def kernel_attention(d: dict) -> list[str]:
                 "plan ms",
                 "compact ms",
                 "kernel ms",
+                "FA3 window + band ms",
                 "total ms",
                 "total vs SDPA",
                 "useful TFLOP/s",
