@@ -149,9 +149,7 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, ExtendLayer, AttentionBackend):
         self._fa3 = None  # the FA3 call of the prefill's vertical range (backend/prefill_vertical.py)
         self._fa3_dense = None  # the dense FA3 call of prefills whose keys are all admitted (fa3_dense.py)
         self._band_fn = None  # FA3's window call for prefills (backend/prefill_band.py)
-        self._band = (
-            None  # the current extend's (call, qo int32, kv int32 [L, B + 1], most rows) when it runs
-        )
+        self._band = None  # the current extend's (call, qo, kv [L, B + 1] int32, most rows) when it runs
         self._dense = None  # the current extend's (qo, kv [L, B + 1] int32, longest rows) when it is dense
         self._fa3_min_keys = 0  # a forward's longest key range from which it is used
         self._longest_keys = None  # [L] the current extend's longest key range per layer (host)
