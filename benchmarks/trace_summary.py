@@ -28,6 +28,7 @@ PHASES = [
     ("rmsnorm", r"rms|norm"),
     ("flashinfer_attention", r"BatchDecode|BatchPrefill|flashinfer|PersistentVariableLength|Paged"),
     ("kv_append", r"append|store_kv|set_kv|copy_kv|kv_buffer"),
+    ("fa3_attention", r"flash::"),  # FA3's kernels are cutlass kernels: before the GEMMs
     ("gemm", r"gemm|nvjet|cutlass|sm90_xmma|ampere_|cublas|Kernel2|splitK|dot_kernel"),
     ("rope", r"rope|rotary"),
     ("activation", r"silu|act_and_mul|gelu"),
@@ -102,6 +103,7 @@ def summarize_events(events: list[dict], steps: int | None = None) -> dict:
         "one_layer": one_layer(kernels, events),
         "host_waits": host_waits(events),
         "forwards": forwards(kernels, steps),
+        "annotated_steps": annotated_steps(events, kernels),
     }
 
 
@@ -256,6 +258,50 @@ def forwards(kernels: list[dict], steps: int | None) -> dict | None:
     }
 
 
+# SGLang's host range around a forward's launch, named by its mode and size ("step[EXTEND bs=2 toks=8192]").
+STEP_ANNOTATION = re.compile(r"^step\[")
+
+
+def annotated_steps(events: list[dict], kernels: list[dict]) -> list[dict]:
+    """Each forward the host annotated (``step[...]``), from the kernels its launches made (the launch
+    calls inside its host range, matched through their correlation ids): kernel count, GPU span,
+    busy and idle time, GEMM and attention time. A trace that also caught other forwards (a decode
+    step beside a profiled prefill) keeps each forward's numbers apart."""
+    launches = sorted(
+        (e["ts"], e["args"]["correlation"])
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    )
+    by_corr = {k["args"]["correlation"]: k for k in kernels if "correlation" in k.get("args", {})}
+    out = []
+    for step in sorted(
+        (e for e in events if e.get("ph") == "X" and STEP_ANNOTATION.match(e.get("name", ""))),
+        key=lambda e: e["ts"],
+    ):
+        lo, hi = step["ts"], step["ts"] + step["dur"]
+        mine = [by_corr[c] for t, c in launches if lo <= t <= hi and c in by_corr]
+        if not mine:
+            out.append({"name": step["name"], "kernels": 0})
+            continue
+        span = max(k["ts"] + k["dur"] for k in mine) - min(k["ts"] for k in mine)
+        idle = sum(b - a for a, b, *_ in idle_gaps(mine))
+        phases = defaultdict(float)
+        for k in mine:
+            phases[phase_of(k["name"])] += k["dur"]
+        out.append(
+            {
+                "name": step["name"],
+                "kernels": len(mine),
+                "span_us": round(span, 1),
+                "gpu_busy_us": round(span - idle, 1),
+                "gpu_idle_us": round(idle, 1),
+                "gemm_us": round(phases["gemm"], 1),
+                "attention_us": round(sum(t for ph, t in phases.items() if ph.endswith("attention")), 1),
+            }
+        )
+    return out
+
+
 # CUDA runtime calls that can make the host wait for the device (a full drain lets the GPU idle for
 # as long as the host then takes to get ahead again).
 WAITS = re.compile(r"Synchronize|cudaMalloc$|cudaFree|cudaMemcpy$|cudaHostAlloc|cudaMallocHost")
@@ -313,8 +359,8 @@ def summarize_dir(trace_dir: str, steps: int | None = None) -> dict:
 
 
 def layer_lines(summary: dict) -> list[str]:
-    """One profiled step's ``one_layer`` and ``host_waits`` as text: a line per kernel (GPU us, idle
-    us before it, name, launching frame), then a line per wait."""
+    """One profiled step's ``one_layer``, ``host_waits`` and ``annotated_steps`` as text: a line per
+    kernel (GPU us, idle us before it, name, launching frame), a line per wait, a line per forward."""
     o = summary.get("one_layer") or {}
     lines = [f"one layer: {o.get('kernels')} kernels, {o.get('gpu_us')} us GPU, {o.get('idle_us')} us idle"]
     for r in o.get("sequence", []):
@@ -323,6 +369,16 @@ def layer_lines(summary: dict) -> list[str]:
         )
     lines += [
         f"wait {w['us']:10.1f}  {w['name']}  {w['called_by'] or ''}" for w in summary.get("host_waits", [])
+    ]
+    lines += [
+        f"{st['name']}: {st['kernels']} kernels"
+        + (
+            f", span {st['span_us']} us, busy {st['gpu_busy_us']}, idle {st['gpu_idle_us']}, "
+            f"GEMM {st['gemm_us']}, attention {st['attention_us']}"
+            if st["kernels"]
+            else ""
+        )
+        for st in summary.get("annotated_steps") or []
     ]
     return lines
 

@@ -292,3 +292,55 @@ def test_trace_summary_splits_forwards_and_names_the_prefill_ones():
     # forwards 1-3 (forward 0 has no segment): 2 x (100 + 40) us, 2 x (1000 + 40), 2 x (100 + 40)
     assert out == {"layers": 2, "span_ms": [0.28, 2.08, 0.28], "prefill_ms": [2.08], "decode_median_ms": 0.28}
     assert ts.summarize_events(events, steps=3)["forwards"] == {"anchors": 8, "steps": 3}
+
+
+def test_trace_summary_keeps_each_annotated_forward_apart():
+    """``annotated_steps``: each ``step[...]`` host range's kernels, found through the launches inside
+    it (correlation ids), with their own span, idle time, GEMM and attention time (FA3's cutlass
+    kernel counted as attention, not GEMM); a decode step caught beside a prefill stays out of it."""
+    from benchmarks import trace_summary as ts
+
+    def kernel(name, t, dur, corr):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": t, "dur": dur, "args": {"correlation": corr}}
+
+    def launch(t, corr):
+        return {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "name": "cudaLaunchKernel",
+            "ts": t,
+            "dur": 1.0,
+            "args": {"correlation": corr},
+        }
+
+    def step(name, t, dur):
+        return {"ph": "X", "cat": "user_annotation", "name": name, "ts": t, "dur": dur}
+
+    events = [
+        step("step[EXTEND bs=2 toks=8192]", 0.0, 10.0),
+        launch(1.0, 1),
+        launch(2.0, 2),
+        launch(3.0, 3),
+        step("step[DECODE bs=4]", 20.0, 5.0),
+        launch(21.0, 4),
+        kernel("nvjet_gemm", 100.0, 50.0, 1),
+        kernel("void cutlass::device_kernel<flash::FlashAttnFwdSm90<...>>", 150.0, 30.0, 2),
+        kernel("_vertical_slash_fwd", 190.0, 20.0, 3),  # 10 us idle before it
+        kernel("nvjet_gemm", 400.0, 5.0, 4),  # the decode step's, after a long gap
+    ]
+    out = ts.summarize_events(events, steps=1)["annotated_steps"]
+    assert out[0] == {
+        "name": "step[EXTEND bs=2 toks=8192]",
+        "kernels": 3,
+        "span_us": 110.0,
+        "gpu_busy_us": 100.0,
+        "gpu_idle_us": 10.0,
+        "gemm_us": 50.0,
+        "attention_us": 50.0,
+    }
+    assert out[1]["name"] == "step[DECODE bs=4]" and out[1]["kernels"] == 1 and out[1]["span_us"] == 5.0
+    lines = ts.layer_lines(ts.summarize_events(events, steps=1))
+    assert (
+        "step[EXTEND bs=2 toks=8192]: 3 kernels, span 110.0 us, busy 100.0, idle 10.0, GEMM 50.0, attention 50.0"
+        in lines
+    )
