@@ -151,6 +151,9 @@ def main():
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--no-sweep", action="store_true", help="default launch shape, no sweep")
     ap.add_argument(
+        "--fused-qkv", action="store_true", help="prefill q, k, v as views of one fused row (as served)"
+    )
+    ap.add_argument(
         "--baselines",
         nargs="+",
         default=["flashinfer_fa3", "flashinfer_fa2", "torch_sdpa_flash", "sgl_kernel_fa3"],
@@ -160,7 +163,15 @@ def main():
     path = os.path.join(args.out, args.name + ".json")
     results = {
         "env": environment(),
-        "shape": {"Hq": HQ, "Hkv": HKV, "head_dim": D, "dtype": "bfloat16", "local_window": W, "batch": 1},
+        "shape": {
+            "Hq": HQ,
+            "Hkv": HKV,
+            "head_dim": D,
+            "dtype": "bfloat16",
+            "local_window": W,
+            "batch": 1,
+            "fused_qkv": args.fused_qkv,
+        },
     }
     torch.manual_seed(0)
     if not args.skip_decode:

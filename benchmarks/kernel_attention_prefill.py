@@ -24,10 +24,17 @@ def visible_pairs(adm: torch.Tensor, n: int) -> int:
     return int(band * adm.shape[1] + vertical.item())
 
 
-def inputs(n):
-    q = torch.randn(n, HQ, D, device="cuda", dtype=DT)
-    k = torch.randn(n, HKV, D, device="cuda", dtype=DT)
-    v = torch.randn(n, HKV, D, device="cuda", dtype=DT)
+def inputs(n, fused: bool = False):
+    """q, k, v (``fused``: views of one ``[n, (Hq + 2 Hkv) D]`` row each, as the model's QKV projection
+    hands them to the served backend), the sequence's indptr and positions."""
+    if fused:
+        qkv = torch.randn(n, (HQ + 2 * HKV) * D, device="cuda", dtype=DT)
+        q, k, v = qkv.split([HQ * D, HKV * D, HKV * D], 1)
+        q, k, v = q.view(n, HQ, D), k.view(n, HKV, D), v.view(n, HKV, D)
+    else:
+        q = torch.randn(n, HQ, D, device="cuda", dtype=DT)
+        k = torch.randn(n, HKV, D, device="cuda", dtype=DT)
+        v = torch.randn(n, HKV, D, device="cuda", dtype=DT)
     ind = torch.tensor([0, n], dtype=torch.int32, device="cuda")
     pos = torch.arange(n, dtype=torch.int32, device="cuda")
     return q, k, v, ind, pos
@@ -123,7 +130,7 @@ def _prefill_lengths(args, deadline, results, path, cfg):
 
     rows = results.setdefault("prefill", [])
     for n in args.lengths:
-        q, k, v, ind, pos = inputs(n)
+        q, k, v, ind, pos = inputs(n, args.fused_qkv)
         dense_flops = 4 * D * HQ * n * (n + 1) / 2
         reps = 3 if n <= 131072 else 1
         # Expected dense time at ~500 TFLOP/s decides whether this length still fits.
