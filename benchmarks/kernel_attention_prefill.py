@@ -24,6 +24,9 @@ def visible_pairs(adm: torch.Tensor, n: int) -> int:
     return int(band * adm.shape[1] + vertical.item())
 
 
+POS_DTYPE = [torch.int32]  # the served backend's positions are int64 (--positions-int64)
+
+
 def inputs(n, fused: bool = False):
     """q, k, v (``fused``: views of one ``[n, (Hq + 2 Hkv) D]`` row each, as the model's QKV projection
     hands them to the served backend), the sequence's indptr and positions."""
@@ -36,7 +39,7 @@ def inputs(n, fused: bool = False):
         k = torch.randn(n, HKV, D, device="cuda", dtype=DT)
         v = torch.randn(n, HKV, D, device="cuda", dtype=DT)
     ind = torch.tensor([0, n], dtype=torch.int32, device="cuda")
-    pos = torch.arange(n, dtype=torch.int32, device="cuda")
+    pos = torch.arange(n, dtype=POS_DTYPE[0], device="cuda")
     return q, k, v, ind, pos
 
 
