@@ -14,6 +14,7 @@ from sglang_wgkv.attention.fa3_band import window_safe
 from sglang_wgkv.attention.fa3_dense import dense_reference
 from sglang_wgkv.config import WGKVConfig
 from sglang_wgkv.gate import GateConfig, WriteGates
+from sglang_wgkv.integration.backend.prefill_vertical import served_case
 from sglang_wgkv.integration.requests.control import RequestAdmission
 from sglang_wgkv.memory import DualCachePool
 from sglang_wgkv.testing.backend_harness import bare_backend, extend_batch, layer_of
@@ -89,6 +90,13 @@ def test_window_call_goes_with_every_forward_whose_index_window_is_its_position_
             assert cu_q.tolist() == qo.tolist() and cu_k.tolist() == kv.tolist() and most_rows == max(lens)
             assert most_keys == int((kv[1:] - kv[:-1]).max()) == backend._longest_keys[lid]
             assert _index_window_is_position_window(q_pos, k_pos, cu_q, cu_k, W)
+            # int32 positions (int64 masks cost the kernel ~1.25x), as the start-up compiles use them
+            assert (
+                q_pos.dtype
+                == k_pos.dtype
+                == served_case(torch.device("cpu"), torch.float16, (4, 2, 16))[6].dtype
+            )
+            assert q_pos.dtype == torch.int32
     assert int(pool.cached_len[1]) == 70 > W and int(pool.global_len[1].max()) > 0  # global entries were read
 
 

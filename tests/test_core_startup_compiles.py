@@ -113,7 +113,7 @@ def test_startup_compiles_the_extend_context_read(dtype):
     qkv = torch.randn(n, (32 + 16) * 128, dtype=dtype)
     k, v = qkv[:, 4096:5120].view(n, 8, 128), qkv[:, 5120:].view(n, 8, 128)
     pool.begin_extend([1], [300], [n])
-    positions = torch.arange(300, 300 + n)
+    positions = torch.arange(300, 300 + n, dtype=torch.int32)  # the backend passes int32 positions
     served = _keys(lambda: pool.extend_inputs(5, k, v, torch.rand(n, 8) < 0.5, positions, dtype))
     assert (
         served["_extend_context_kernel"]

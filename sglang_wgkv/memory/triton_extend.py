@@ -330,7 +330,7 @@ def compile_extend_context(pool, dtype: torch.dtype) -> None:
     rows = torch.zeros(1, H, D, dtype=dtype, device=dev)
     segment = torch.tensor([[0, 0, 0, 0, 1, 0, 0]], dtype=torch.int64, device=dev)  # one new row
     out_k, out_v = torch.empty_like(rows), torch.empty_like(rows)
-    positions, out_pos = (torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(2))
+    positions, out_pos = (torch.zeros(1, dtype=torch.int32, device=dev) for _ in range(2))  # as served
     admit, out_adm = (torch.zeros(1, H, dtype=torch.bool, device=dev) for _ in range(2))
     extend_context(pool, 0, segment, 1, rows, rows, admit, positions, out_k, out_v, out_pos, out_adm)
 

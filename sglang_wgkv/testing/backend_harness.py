@@ -99,6 +99,7 @@ def bare_backend(
         _row_uniform=None,
         _all_kept=None,
         _mixed_split=None,
+        _q_pos=None,
         batch_slots=None,
         batch_prompt_ends=None,
         batch_decode_rows=0,

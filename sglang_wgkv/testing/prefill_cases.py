@@ -19,13 +19,24 @@ PREFILL_CASES = [
 
 
 def packed_case(
-    lens_q, lens_k, Hq, Hkv, D, p_admit, dtype, far_prefix=0, device="cpu", index_dtype=torch.int32
+    lens_q,
+    lens_k,
+    Hq,
+    Hkv,
+    D,
+    p_admit,
+    dtype,
+    far_prefix=0,
+    device="cpu",
+    index_dtype=torch.int32,
+    pos_dtype=None,
 ):
     """``(q, k, v, admitted, qo_indptr, kv_indptr, q_pos, k_pos)`` of a packed batch (torch's global
     generator); queries are the last lens_q positions of each sequence. far_prefix > 0 puts that many
     extra keys per sequence at ``FAR_POSITION`` (the pool's layout of global entries in
-    ``gather_context``), admitted with probability p_admit. ``index_dtype``: of the indptrs and
-    positions (the served prefill's are int64)."""
+    ``gather_context``), admitted with probability p_admit. ``index_dtype``: of the indptrs (the
+    served prefill's are int64) and, unless ``pos_dtype`` is given, of the positions (the served
+    prefill's are int32)."""
     qo = torch.tensor([0] + lens_q).cumsum(0).to(index_dtype).to(device)
     kl = [lk + far_prefix for lk in lens_k]
     kv = torch.tensor([0] + kl).cumsum(0).to(index_dtype).to(device)
@@ -38,11 +49,23 @@ def packed_case(
     k_pos = torch.cat(
         [torch.cat([torch.full((far_prefix,), FAR_POSITION), torch.arange(lk)]) for lk in lens_k]
     )
-    return q, k, v, admitted, qo, kv, q_pos.to(device), k_pos.to(index_dtype).to(device)
+    pos_dtype = pos_dtype or index_dtype
+    return q, k, v, admitted, qo, kv, q_pos.to(pos_dtype).to(device), k_pos.to(pos_dtype).to(device)
 
 
 def pool_layout_case(
-    lens_q, prefixes, far, window, Hq, Hkv, D, p_admit, dtype, device="cpu", index_dtype=torch.int32
+    lens_q,
+    prefixes,
+    far,
+    window,
+    Hq,
+    Hkv,
+    D,
+    p_admit,
+    dtype,
+    device="cpu",
+    index_dtype=torch.int32,
+    pos_dtype=None,
 ):
     """:func:`packed_case`'s tuple in the layout ``DualCachePool.extend_inputs`` gives a chunk's keys:
     per sequence of ``n`` new rows after ``S`` cached tokens, ``far`` global entries at
@@ -60,6 +83,7 @@ def pool_layout_case(
     k = torch.randn(Nk, Hkv, D, device=device).to(dtype)
     v = torch.randn(Nk, Hkv, D, device=device).to(dtype)
     admitted = torch.rand(Nk, Hkv, device=device) < p_admit
-    q_pos = torch.cat([torch.arange(S, S + n) for n, S in zip(lens_q, prefixes)]).to(index_dtype)
-    k_pos = torch.cat(pos).to(index_dtype)
+    pos_dtype = pos_dtype or index_dtype
+    q_pos = torch.cat([torch.arange(S, S + n) for n, S in zip(lens_q, prefixes)]).to(pos_dtype)
+    k_pos = torch.cat(pos).to(pos_dtype)
     return q, k, v, admitted, qo, kv, q_pos.to(device), k_pos.to(device)

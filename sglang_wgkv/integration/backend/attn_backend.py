@@ -110,6 +110,7 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, ExtendLayer, AttentionBackend):
             self.generator = torch.Generator(device=self.device).manual_seed(self.settings.seed)
         self._extend = None  # (slots, prefix_lens, extend_lens) of the current extend forward's prefill rows
         self._mixed_split = None  # a mixed forward: its packed prefill rows (then its decode rows)
+        self._q_pos = None  # the current extend's prefill rows' positions, int32
         self._indptrs = None  # (qo_indptr [B + 1], kv_indptr [L, B + 1]) on the device, per extend forward
         self._gate_check = DeferredGateCheck(self.dual.num_layers, self.device)  # prefill gate values
         self._writes = ExtendWrites(self.dual)  # an extend forward's pool writes, layers grouped
@@ -248,6 +249,11 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, ExtendLayer, AttentionBackend):
             self._plan_extend_rows(plan, slots, forward_batch.extend_seq_lens)
         else:
             raise NotImplementedError(f"the {BACKEND_NAME} backend does not run forward mode {mode.name}")
+        self._q_pos = None
+        if self._extend is not None:
+            # int32 positions: the prefill kernel's masks in int64 took ~1.25x its time
+            # (benchmarks/results/kernels/kernel_attention_positions_int64_h100.json against _int32_h100.json)
+            self._q_pos = forward_batch.positions[: self._mixed_split].to(torch.int32)
 
     def _decode_rows_of(self, forward_batch: ForwardBatch, host_slots: list[int]) -> int:
         """The decode rows ending a MIXED batch, as :func:`~sglang_wgkv.integration.backend.batch_slots.record_batch_slots` recorded them; 0 otherwise."""
@@ -376,10 +382,10 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, ExtendLayer, AttentionBackend):
         k_pre = self.capture.take(k3)
         n = self._mixed_split
         if n is None:
-            return self._extend_rows(q3, k3, v3, k_pre, layer, forward_batch.positions).reshape(-1, Hq * Dv)
+            return self._extend_rows(q3, k3, v3, k_pre, layer, self._q_pos).reshape(-1, Hq * Dv)
         # both parts write their rows of one output (a concatenation would copy the prefill's rows)
         out = q3.new_empty(q3.shape[0], Hq, Dv)
-        self._extend_rows(q3[:n], k3[:n], v3[:n], k_pre[:n], layer, forward_batch.positions[:n], out=out[:n])
+        self._extend_rows(q3[:n], k3[:n], v3[:n], k_pre[:n], layer, self._q_pos, out=out[:n])
         with traced("wgkv.mixed_decode_rows"):
             self._decode_rows(q3[n:], k3[n:], v3[n:], k_pre[n:], layer, out=out[n:])
         return out.view(-1, Hq * Dv)

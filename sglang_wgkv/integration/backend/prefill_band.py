@@ -22,7 +22,7 @@ LOG_BAND = "wgkv: FA3 runs the prefill's local window"
 
 def band_check(fn, device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int]) -> float:
     """Max |difference| between the prefill with FA3 on the local window and the band launch alone on
-    two batches of the model's heads (W_local 256, 25% admitted, int64 indptrs and positions, as
+    two batches of the model's heads (W_local 256, 25% admitted, int64 indptrs and int32 positions, as
     served): a 700- and a 33-token prompt, q, k and v views of one fused row; and the same rows as
     chunks after 0 and 300 cached tokens, the keys in the pool's layout (37 global entries and a full
     ring before the second's rows), q a view of its fused row. It compiles the band launch's FA3
@@ -35,7 +35,16 @@ def band_check(fn, device: torch.device, dtype: torch.dtype, shape: tuple[int, i
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(0)
             q, k, v, adm, qo, kv, *pos = pool_layout_case(
-                [700, 33], prefixes, 37, 256, *shape, 0.25, dtype, device=device, index_dtype=torch.int64
+                [700, 33],
+                prefixes,
+                37,
+                256,
+                *shape,
+                0.25,
+                dtype,
+                device=device,
+                index_dtype=torch.int64,
+                pos_dtype=torch.int32,
             )
         new_rows = (q, k, v) if not any(prefixes) else (q, k[: q.shape[0]], v[: q.shape[0]])
         fused = torch.cat([t.flatten(1) for t in new_rows], 1)

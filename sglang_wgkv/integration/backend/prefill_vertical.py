@@ -39,14 +39,23 @@ LOG_DENSE_OFF = "wgkv: prefills whose keys are all admitted run the vertical-sla
 def served_case(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int]) -> tuple:
     """A batch like a served chunk for the model's ``shape`` (query heads, KV heads, head_dim): a cached
     context with global entries at the far position and a short new prompt beside it, several pages a
-    block, int64 indptrs and positions as the served prefill passes them (Triton compiles per dtype)."""
+    block, int64 indptrs and int32 positions as the served prefill passes them (Triton compiles per
+    dtype)."""
     from sglang_wgkv.testing.prefill_cases import packed_case
 
     # the server's RNG left as it was
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)
         return packed_case(
-            [700, 33], [1500, 33], *shape, 0.25, dtype, far_prefix=600, device=device, index_dtype=torch.int64
+            [700, 33],
+            [1500, 33],
+            *shape,
+            0.25,
+            dtype,
+            far_prefix=600,
+            device=device,
+            index_dtype=torch.int64,
+            pos_dtype=torch.int32,
         )
 
 
@@ -115,7 +124,15 @@ def dense_check(fa3_dense, device: torch.device, dtype: torch.dtype, shape: tupl
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)
         q, k, v, admitted, qo, kv, q_pos, k_pos = packed_case(
-            [700, 33], [1500, 33], *shape, 1.0, dtype, far_prefix=600, device=device, index_dtype=torch.int64
+            [700, 33],
+            [1500, 33],
+            *shape,
+            1.0,
+            dtype,
+            far_prefix=600,
+            device=device,
+            index_dtype=torch.int64,
+            pos_dtype=torch.int32,
         )
     scale = shape[2] ** -0.5
     one_pass = vertical_slash_attention(q, k, v, admitted, qo, kv, q_pos, k_pos, 256, sm_scale=scale)
