@@ -49,6 +49,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from sglang_wgkv.attention import reference
 from sglang_wgkv.attention.fa3_band import window_safe
+from sglang_wgkv.config import FAR_POSITION
 from sglang_wgkv.gate.admission import DeferredGateCheck
 from sglang_wgkv.integration.backend.decode_graphs import DecodeGraphs
 from sglang_wgkv.integration.backend.decode_layer import DecodeLayer, DecodeRows, cpu_threads
@@ -251,6 +252,9 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, ExtendLayer, AttentionBackend):
             raise NotImplementedError(f"the {BACKEND_NAME} backend does not run forward mode {mode.name}")
         self._q_pos = None
         if self._extend is not None:
+            _, prefix, extend = self._extend
+            if max((S + n for S, n in zip(prefix, extend)), default=0) > -FAR_POSITION:
+                raise ValueError(f"positions past {-FAR_POSITION} (the global entries' far position)")
             # int32 positions: the prefill kernel's masks in int64 took ~1.25x its time
             # (benchmarks/results/kernels/kernel_attention_positions_int64_h100.json against _int32_h100.json)
             self._q_pos = forward_batch.positions[: self._mixed_split].to(torch.int32)
