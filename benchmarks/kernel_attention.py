@@ -18,7 +18,7 @@ import os
 import torch
 
 from benchmarks.common import Deadline, capture_graph, cuda_ms, environment, write_json
-from benchmarks.kernel_attention_prefill import DT, HKV, HQ, POS_DTYPE, D, W, run_prefill
+from benchmarks.kernel_attention_prefill import DT, HKV, HQ, D, W, run_prefill
 from benchmarks.kernel_plots import plot_kernel_attention
 
 
@@ -160,8 +160,6 @@ def main():
     )
     ap.add_argument("--positions-int64", action="store_true", help="int64 positions (as served)")
     args = ap.parse_args()
-    if args.positions_int64:
-        POS_DTYPE[0] = torch.int64
     deadline = Deadline(args.deadline)
     path = os.path.join(args.out, args.name + ".json")
     results = {
@@ -174,7 +172,7 @@ def main():
             "local_window": W,
             "batch": 1,
             "fused_qkv": args.fused_qkv,
-            "positions": str(POS_DTYPE[0]),
+            "positions": "int64" if args.positions_int64 else "int32",
         },
     }
     torch.manual_seed(0)

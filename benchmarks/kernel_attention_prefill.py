@@ -24,12 +24,9 @@ def visible_pairs(adm: torch.Tensor, n: int) -> int:
     return int(band * adm.shape[1] + vertical.item())
 
 
-POS_DTYPE = [torch.int32]  # the served backend's positions are int64 (--positions-int64)
-
-
-def inputs(n, fused: bool = False):
+def inputs(n, fused: bool = False, pos_dtype: torch.dtype = torch.int32):
     """q, k, v (``fused``: views of one ``[n, (Hq + 2 Hkv) D]`` row each, as the model's QKV projection
-    hands them to the served backend), the sequence's indptr and positions."""
+    hands them to the served backend), the sequence's indptr and positions (``pos_dtype``)."""
     if fused:
         qkv = torch.randn(n, (HQ + 2 * HKV) * D, device="cuda", dtype=DT)
         q, k, v = qkv.split([HQ * D, HKV * D, HKV * D], 1)
@@ -39,7 +36,7 @@ def inputs(n, fused: bool = False):
         k = torch.randn(n, HKV, D, device="cuda", dtype=DT)
         v = torch.randn(n, HKV, D, device="cuda", dtype=DT)
     ind = torch.tensor([0, n], dtype=torch.int32, device="cuda")
-    pos = torch.arange(n, dtype=POS_DTYPE[0], device="cuda")
+    pos = torch.arange(n, dtype=pos_dtype, device="cuda")
     return q, k, v, ind, pos
 
 
@@ -133,7 +130,7 @@ def _prefill_lengths(args, deadline, results, path, cfg):
 
     rows = results.setdefault("prefill", [])
     for n in args.lengths:
-        q, k, v, ind, pos = inputs(n, args.fused_qkv)
+        q, k, v, ind, pos = inputs(n, args.fused_qkv, torch.int64 if args.positions_int64 else torch.int32)
         dense_flops = 4 * D * HQ * n * (n + 1) / 2
         reps = 3 if n <= 131072 else 1
         # Expected dense time at ~500 TFLOP/s decides whether this length still fits.
