@@ -43,16 +43,15 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from sglang_wgkv.attention import reference
-from sglang_wgkv.attention.fa3_band import window_safe
 from sglang_wgkv.config import FAR_POSITION
 from sglang_wgkv.gate.admission import DeferredGateCheck
 from sglang_wgkv.integration.backend.decode_graphs import DecodeGraphs
 from sglang_wgkv.integration.backend.decode_layer import DecodeLayer, DecodeRows, cpu_threads
+from sglang_wgkv.integration.backend.extend_indptrs import extend_indptrs
 from sglang_wgkv.integration.backend.extend_layer import ExtendLayer
 from sglang_wgkv.integration.backend.gates import PreRopeKeyCapture, build_gates
 from sglang_wgkv.integration.backend.tracing import traced
@@ -60,9 +59,7 @@ from sglang_wgkv.integration.plugin.runtime import get_runtime
 from sglang_wgkv.integration.plugin.settings import BACKEND_NAME
 from sglang_wgkv.integration.pools.kv_dtype import model_kv_scales
 from sglang_wgkv.integration.pools.kv_pool import WGKVTokenToKVPool
-from sglang_wgkv.memory.context_index import context_counts
 from sglang_wgkv.memory.extend_writes import ExtendWrites
-from sglang_wgkv.memory.host_copy import to_device_many
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -282,7 +279,9 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, ExtendLayer, AttentionBackend):
         in_ring = all(S + n <= self.dual.window for S, n in zip(prefix, extend))
         kept = all_kept and dense is not None and all(dense[s] for s in slots_)
         plan.exact_global = bool(self._fa3_dense is not None and (kept or in_ring))
-        self._indptrs, self._dense, self._band = self._extend_indptrs(plan, self._band_fn is not None)
+        ranges = extend_indptrs(plan, self.dual.num_layers, self.dual.window, self.device, self._band_fn)
+        self._indptrs, self._dense, self._band = ranges.indptrs, ranges.dense, ranges.window
+        self._longest_keys = ranges.longest_keys
         declared = self.batch_prompt_ends
         if self.evictor is not None and declared is not None and declared[0] == self._extend[0]:
             self.evictor.mark_extend(*declared)
@@ -322,33 +321,6 @@ class WGKVAttnBackend(DecodeGraphs, DecodeLayer, ExtendLayer, AttentionBackend):
             )
             rows.gate_splits = self.decode_gate.num_splits(len(host_pos) * self.dual.num_kv_heads, self._sms)
         return rows
-
-    def _extend_indptrs(self, plan, window: bool = False):
-        """``qo_indptr [B + 1]`` and ``kv_indptr [L, B + 1]`` of the extend forward, built on the host
-        (each request's keys: its gathered context, ``gather_context`` with ``plan.context_gcols``, then
-        its new tokens) and copied once, so no layer waits for the host; for a dense plan
-        (``exact_global``) the dense FA3 call's ``(qo, kv, longest new rows)``, the same indptrs in
-        int32 as FA3 takes them (None otherwise); and where FA3's window call is chosen (``window``)
-        and the plan is not dense, the window call's ``(call, qo int32, kv int32 [L, B + 1], most
-        rows)`` when its index window is the position window (``fa3_band.window_safe``), else None."""
-        L = self.dual.num_layers
-        n = np.asarray(plan.extend_lens, dtype=np.int64)
-        qo = np.concatenate([[0], np.cumsum(n)])
-        g_rows, ring_rows = context_counts(plan, L, self.dual.window)
-        keys = g_rows + ring_rows + n[None]  # [L, B]
-        kv = np.concatenate([np.zeros((L, 1), np.int64), np.cumsum(keys, 1)], 1)
-        self._longest_keys = keys.max(1, initial=0).tolist()
-        parts = [(qo, np.int64), (kv, np.int64)]
-        band = window and not plan.exact_global and window_safe(g_rows, ring_rows, self.dual.window)
-        if plan.exact_global or band:
-            parts += [(qo, np.int32), (kv, np.int32)]
-        dev = to_device_many(self.device, parts)
-        dense = call = None
-        if plan.exact_global:
-            dense = dev[2], dev[3].view(L, -1), int(n.max(initial=0))
-        elif band:
-            call = (self._band_fn, dev[2], dev[3].view(L, -1), int(n.max(initial=0)))
-        return (dev[0], dev[1].view(L, -1)), dense, call
 
     def _draw_uniform(self, batch: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The step's ``[B, L, H]`` random-admission draws on the kernels path (drawn eagerly, so a
