@@ -37,20 +37,9 @@ def packed_case(
     ``gather_context``), admitted with probability p_admit. ``index_dtype``: of the indptrs (the
     served prefill's are int64) and, unless ``pos_dtype`` is given, of the positions (the served
     prefill's are int32)."""
-    qo = torch.tensor([0] + lens_q).cumsum(0).to(index_dtype).to(device)
-    kl = [lk + far_prefix for lk in lens_k]
-    kv = torch.tensor([0] + kl).cumsum(0).to(index_dtype).to(device)
-    Nq, Nk = int(qo[-1]), int(kv[-1])
-    q = torch.randn(Nq, Hq, D, device=device).to(dtype)
-    k = torch.randn(Nk, Hkv, D, device=device).to(dtype)
-    v = torch.randn(Nk, Hkv, D, device=device).to(dtype)
-    admitted = torch.rand(Nk, Hkv, device=device) < p_admit
-    q_pos = torch.cat([torch.arange(lk - lq, lk) for lq, lk in zip(lens_q, lens_k)]).to(index_dtype)
-    k_pos = torch.cat(
-        [torch.cat([torch.full((far_prefix,), FAR_POSITION), torch.arange(lk)]) for lk in lens_k]
-    )
-    pos_dtype = pos_dtype or index_dtype
-    return q, k, v, admitted, qo, kv, q_pos.to(pos_dtype).to(device), k_pos.to(pos_dtype).to(device)
+    q_pos = [torch.arange(lk - lq, lk) for lq, lk in zip(lens_q, lens_k)]
+    k_pos = [torch.cat([torch.full((far_prefix,), FAR_POSITION), torch.arange(lk)]) for lk in lens_k]
+    return _pack(q_pos, k_pos, Hq, Hkv, D, p_admit, dtype, device, index_dtype, pos_dtype or index_dtype)
 
 
 def pool_layout_case(
@@ -71,19 +60,25 @@ def pool_layout_case(
     per sequence of ``n`` new rows after ``S`` cached tokens, ``far`` global entries at
     ``FAR_POSITION`` where tokens have left the ring (``S > window``, none otherwise), the ring (the
     last ``min(S, window)`` cached positions, in order), then the new rows at ``S .. S + n - 1``."""
-    pos, rows = [], []
-    for n, S in zip(lens_q, prefixes):
-        g = far if S > window else 0
-        pos.append(torch.cat([torch.full((g,), FAR_POSITION), torch.arange(max(0, S - window), S + n)]))
-        rows.append(len(pos[-1]))
-    qo = torch.tensor([0, *lens_q]).cumsum(0).to(index_dtype).to(device)
-    kv = torch.tensor([0, *rows]).cumsum(0).to(index_dtype).to(device)
+    q_pos = [torch.arange(S, S + n) for n, S in zip(lens_q, prefixes)]
+    k_pos = [
+        torch.cat(
+            [torch.full((far if S > window else 0,), FAR_POSITION), torch.arange(max(0, S - window), S + n)]
+        )
+        for n, S in zip(lens_q, prefixes)
+    ]
+    return _pack(q_pos, k_pos, Hq, Hkv, D, p_admit, dtype, device, index_dtype, pos_dtype or index_dtype)
+
+
+def _pack(q_pos, k_pos, Hq, Hkv, D, p_admit, dtype, device, index_dtype, pos_dtype):
+    """The packed tuple of sequences given by their query and key positions (lists of 1-D tensors):
+    random q, k, v and admission flags drawn in that order."""
+    qo = torch.tensor([0, *map(len, q_pos)]).cumsum(0).to(index_dtype).to(device)
+    kv = torch.tensor([0, *map(len, k_pos)]).cumsum(0).to(index_dtype).to(device)
     Nq, Nk = int(qo[-1]), int(kv[-1])
     q = torch.randn(Nq, Hq, D, device=device).to(dtype)
     k = torch.randn(Nk, Hkv, D, device=device).to(dtype)
     v = torch.randn(Nk, Hkv, D, device=device).to(dtype)
     admitted = torch.rand(Nk, Hkv, device=device) < p_admit
-    pos_dtype = pos_dtype or index_dtype
-    q_pos = torch.cat([torch.arange(S, S + n) for n, S in zip(lens_q, prefixes)]).to(pos_dtype)
-    k_pos = torch.cat(pos).to(pos_dtype)
-    return q, k, v, admitted, qo, kv, q_pos.to(device), k_pos.to(device)
+    q_pos, k_pos = (torch.cat(p).to(pos_dtype).to(device) for p in (q_pos, k_pos))
+    return q, k, v, admitted, qo, kv, q_pos, k_pos

@@ -36,11 +36,13 @@ LOG_DENSE = "wgkv: FA3 runs whole the prefills whose keys are all admitted"
 LOG_DENSE_OFF = "wgkv: prefills whose keys are all admitted run the vertical-slash path"
 
 
-def served_case(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int]) -> tuple:
+def served_case(
+    device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int], p_admit: float = 0.25
+) -> tuple:
     """A batch like a served chunk for the model's ``shape`` (query heads, KV heads, head_dim): a cached
     context with global entries at the far position and a short new prompt beside it, several pages a
     block, int64 indptrs and int32 positions as the served prefill passes them (Triton compiles per
-    dtype)."""
+    dtype); a fraction ``p_admit`` of the keys admitted."""
     from sglang_wgkv.testing.prefill_cases import packed_case
 
     # the server's RNG left as it was
@@ -50,7 +52,7 @@ def served_case(device: torch.device, dtype: torch.dtype, shape: tuple[int, int,
             [700, 33],
             [1500, 33],
             *shape,
-            0.25,
+            p_admit,
             dtype,
             far_prefix=600,
             device=device,
@@ -119,21 +121,8 @@ def dense_check(fa3_dense, device: torch.device, dtype: torch.dtype, shape: tupl
     token): it compiles the dense call's variant."""
     from sglang_wgkv.attention.fa3_dense import dense_attention
     from sglang_wgkv.attention.triton_prefill import vertical_slash_attention
-    from sglang_wgkv.testing.prefill_cases import packed_case
 
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(0)
-        q, k, v, admitted, qo, kv, q_pos, k_pos = packed_case(
-            [700, 33],
-            [1500, 33],
-            *shape,
-            1.0,
-            dtype,
-            far_prefix=600,
-            device=device,
-            index_dtype=torch.int64,
-            pos_dtype=torch.int32,
-        )
+    q, k, v, admitted, qo, kv, q_pos, k_pos = served_case(device, dtype, shape, p_admit=1.0)
     scale = shape[2] ** -0.5
     one_pass = vertical_slash_attention(q, k, v, admitted, qo, kv, q_pos, k_pos, 256, sm_scale=scale)
     lens_q, lens_k = (qo[1:] - qo[:-1]).tolist(), (kv[1:] - kv[:-1]).tolist()
