@@ -344,29 +344,23 @@ def vertical_slash_attention(
         raise ValueError(f"compacted buffers must be [{Hkv}, {rows}, {D}] (compact_align {align})")
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
     out = _output(q, out)
-    o_v = lse_v = out  # FA3's vertical output and log-sum-exp; not read without fa3
-    stride_vn, stride_vg, stride_lg = out.stride(0), out.stride(1), out.stride(0)
-    if band is not None:
-        if fa3 is not None:
-            raise ValueError("FA3 runs either the vertical range (fa3) or the local window (band), not both")
-        if Nq == 0:
-            return out
-        o_v, lse_v = fa3_band(q, k, v, *band, scale, local_window)
-        stride_vn, stride_vg, stride_lg = o_v.stride(0), o_v.stride(1), lse_v.stride(0)
-    if fa3 is not None:
-        if compacted is not None:
-            raise ValueError("with fa3 the compacted keys are laid out in pages and built here")
-        if Nq == 0:
-            return out
-        kc, vc = compact_admitted_triton(k, v, admitted, kv_indptr, excl=excl, align=align)
-        o_v, lse_v = fa3_vertical(q, kc, vc, plan, scale, fa3)
-        stride_vn, stride_vg, stride_lg = o_v.stride(0), o_v.stride(1), lse_v.stride(0)
-    elif compacted is None:
+    if band is not None and fa3 is not None:
+        raise ValueError("FA3 runs either the vertical range (fa3) or the local window (band), not both")
+    if fa3 is not None and compacted is not None:
+        raise ValueError("with fa3 the compacted keys are laid out in pages and built here")
+    if Nq == 0:
+        return out
+    o_v = lse_v = out  # FA3's output and log-sum-exp: not read where neither FA3 call runs
+    if compacted is None:
         kc, vc = compact_admitted_triton(k, v, admitted, kv_indptr, excl=excl, align=align)
     else:
         kc, vc = compacted
-    if Nq == 0:
-        return out
+    if band is not None:
+        o_v, lse_v = fa3_band(q, k, v, *band, scale, local_window)
+    elif fa3 is not None:
+        o_v, lse_v = fa3_vertical(q, kc, vc, plan, scale, fa3)
+    stride_vn, stride_vg = o_v.stride(0), o_v.stride(1)
+    stride_lg = lse_v.stride(0)
     adm = admitted.contiguous().view(torch.uint8)
     num_blocks = plan.q_start.numel()
     bm, bn = cfg.block_m, cfg.block_n
