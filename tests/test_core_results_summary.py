@@ -20,6 +20,24 @@ def _summary_module():
     return summary
 
 
+def _kernel(name, t, dur, corr):
+    """A traced GPU kernel with its launch's correlation id."""
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": t, "dur": dur, "args": {"correlation": corr}}
+
+
+def _launch(t, corr):
+    """The host's launch of the kernel of correlation id ``corr``, on host thread 1."""
+    return {
+        "ph": "X",
+        "cat": "cuda_runtime",
+        "name": "cudaLaunchKernel",
+        "ts": t,
+        "dur": 2.0,
+        "tid": 1,
+        "args": {"correlation": corr},
+    }
+
+
 def test_summary_is_generated_from_the_json():
     summary = _summary_module()
     text = summary.render()
@@ -94,32 +112,18 @@ def test_trace_summary_lists_one_layers_kernels_and_their_launchers():
     through the launch's correlation id; torch's own frames skipped)."""
     from benchmarks import trace_summary as ts
 
-    def kernel(name, t, dur, corr):
-        return {"ph": "X", "cat": "kernel", "name": name, "ts": t, "dur": dur, "args": {"correlation": corr}}
-
-    def launch(t, corr):
-        return {
-            "ph": "X",
-            "cat": "cuda_runtime",
-            "name": "cudaLaunchKernel",
-            "ts": t,
-            "dur": 2.0,
-            "tid": 1,
-            "args": {"correlation": corr},
-        }
-
     def frame(name, t, dur):
         return {"ph": "X", "cat": "python_function", "name": name, "ts": t, "dur": dur, "tid": 1}
 
     events = [
-        kernel("act_and_mul_kernel", 100.0, 10.0, 1),
-        kernel("nvjet_gemm", 110.0, 50.0, 2),
-        kernel("_prefill_gate_kernel", 180.0, 5.0, 3),  # 20 us idle before it
-        kernel("act_and_mul_kernel", 185.0, 10.0, 4),
-        kernel("nvjet_gemm", 195.0, 50.0, 5),
-        kernel("act_and_mul_kernel", 245.0, 10.0, 6),
-        launch(50.0, 2),
-        launch(60.0, 3),
+        _kernel("act_and_mul_kernel", 100.0, 10.0, 1),
+        _kernel("nvjet_gemm", 110.0, 50.0, 2),
+        _kernel("_prefill_gate_kernel", 180.0, 5.0, 3),  # 20 us idle before it
+        _kernel("act_and_mul_kernel", 185.0, 10.0, 4),
+        _kernel("nvjet_gemm", 195.0, 50.0, 5),
+        _kernel("act_and_mul_kernel", 245.0, 10.0, 6),
+        _launch(50.0, 2),
+        _launch(60.0, 3),
         frame("sglang_wgkv/integration/backend/attn_backend.py(338): _admit_extend", 55.0, 20.0),
         frame("torch/nn/modules/module.py(1783): _call_impl", 58.0, 5.0),
     ]
@@ -300,33 +304,20 @@ def test_trace_summary_keeps_each_annotated_forward_apart():
     kernel counted as attention, not GEMM); a decode step caught beside a prefill stays out of it."""
     from benchmarks import trace_summary as ts
 
-    def kernel(name, t, dur, corr):
-        return {"ph": "X", "cat": "kernel", "name": name, "ts": t, "dur": dur, "args": {"correlation": corr}}
-
-    def launch(t, corr):
-        return {
-            "ph": "X",
-            "cat": "cuda_runtime",
-            "name": "cudaLaunchKernel",
-            "ts": t,
-            "dur": 1.0,
-            "args": {"correlation": corr},
-        }
-
     def step(name, t, dur):
         return {"ph": "X", "cat": "user_annotation", "name": name, "ts": t, "dur": dur}
 
     events = [
         step("step[EXTEND bs=2 toks=8192]", 0.0, 10.0),
-        launch(1.0, 1),
-        launch(2.0, 2),
-        launch(3.0, 3),
+        _launch(1.0, 1),
+        _launch(2.0, 2),
+        _launch(3.0, 3),
         step("step[DECODE bs=4]", 20.0, 5.0),
-        launch(21.0, 4),
-        kernel("nvjet_gemm", 100.0, 50.0, 1),
-        kernel("void cutlass::device_kernel<flash::FlashAttnFwdSm90<...>>", 150.0, 30.0, 2),
-        kernel("_vertical_slash_fwd", 190.0, 20.0, 3),  # 10 us idle before it
-        kernel("nvjet_gemm", 400.0, 5.0, 4),  # the decode step's, after a long gap
+        _launch(21.0, 4),
+        _kernel("nvjet_gemm", 100.0, 50.0, 1),
+        _kernel("void cutlass::device_kernel<flash::FlashAttnFwdSm90<...>>", 150.0, 30.0, 2),
+        _kernel("_vertical_slash_fwd", 190.0, 20.0, 3),  # 10 us idle before it
+        _kernel("nvjet_gemm", 400.0, 5.0, 4),  # the decode step's, after a long gap
     ]
     out = ts.summarize_events(events, steps=1)["annotated_steps"]
     assert out[0] == {
