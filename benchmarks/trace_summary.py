@@ -36,6 +36,10 @@ PHASES = [
     ("copy_fill_elementwise", r"copy|fill|elementwise|vectorized|Memcpy|Memset|index|scatter|gather|cat"),
 ]
 
+# Host calls that launch work: the runtime's and the driver's (``cuLaunchKernel``: Triton's kernels and
+# the served GEMMs, which went unmatched without it: launch/results/served_speed/M1D_h100_int32/trace_layer.txt).
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+
 
 def phase_of(name: str) -> str:
     for phase, pattern in PHASES:
@@ -66,7 +70,7 @@ def summarize_events(events: list[dict], steps: int | None = None) -> dict:
     busy = span - sum(b - a for a, b, *_ in gaps)
     runtime = defaultdict(lambda: [0, 0.0])
     for e in events:
-        if e.get("ph") == "X" and e.get("cat") == "cuda_runtime":
+        if e.get("ph") == "X" and e.get("cat") in LAUNCH_CATS:
             runtime[e["name"]][0] += 1
             runtime[e["name"]][1] += e["dur"]
     host_ops = defaultdict(lambda: [0, 0.0])
@@ -108,7 +112,7 @@ def summarize_events(events: list[dict], steps: int | None = None) -> dict:
 
 
 # CPU-side trace events whose overlap with an idle gap says what the host was doing meanwhile.
-HOST_CATS = ("cpu_op", "user_annotation", "python_function", "cuda_runtime")
+HOST_CATS = ("cpu_op", "user_annotation", "python_function", "cuda_runtime", "cuda_driver")
 TOP_GAPS = 8
 
 
@@ -206,7 +210,7 @@ def one_layer(kernels: list[dict], events: list[dict]) -> dict | None:
     launches = {
         e["args"]["correlation"]: e
         for e in events
-        if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+        if e.get("ph") == "X" and e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {})
     }
     mine = [launches.get(k.get("args", {}).get("correlation")) for k in layer]
     frames = _frames_near(events, [r for r in mine if r is not None])
@@ -258,7 +262,8 @@ def forwards(kernels: list[dict], steps: int | None) -> dict | None:
     }
 
 
-# SGLang's host range around a forward's launch, named by its mode and size ("step[EXTEND bs=2 toks=8192]").
+# SGLang's host range around a forward's launch, named by its mode and size ("step[EXTEND bs=2 toks=8192]");
+# the profiler also projects it onto the GPU's timeline (``gpu_user_annotation``), where no launch is.
 STEP_ANNOTATION = re.compile(r"^step\[")
 
 
@@ -270,12 +275,18 @@ def annotated_steps(events: list[dict], kernels: list[dict]) -> list[dict]:
     launches = sorted(
         (e["ts"], e["args"]["correlation"])
         for e in events
-        if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+        if e.get("ph") == "X" and e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {})
     )
     by_corr = {k["args"]["correlation"]: k for k in kernels if "correlation" in k.get("args", {})}
     out = []
     for step in sorted(
-        (e for e in events if e.get("ph") == "X" and STEP_ANNOTATION.match(e.get("name", ""))),
+        (
+            e
+            for e in events
+            if e.get("ph") == "X"
+            and e.get("cat") == "user_annotation"
+            and STEP_ANNOTATION.match(e.get("name", ""))
+        ),
         key=lambda e: e["ts"],
     ):
         lo, hi = step["ts"], step["ts"] + step["dur"]

@@ -25,12 +25,13 @@ def _kernel(name, t, dur, corr):
     return {"ph": "X", "cat": "kernel", "name": name, "ts": t, "dur": dur, "args": {"correlation": corr}}
 
 
-def _launch(t, corr):
-    """The host's launch of the kernel of correlation id ``corr``, on host thread 1."""
+def _launch(t, corr, api="cuda_runtime"):
+    """The host's launch of the kernel of correlation id ``corr``, on host thread 1, through the CUDA
+    runtime or (``api="cuda_driver"``: Triton's kernels, cuBLASLt's GEMMs) the driver."""
     return {
         "ph": "X",
-        "cat": "cuda_runtime",
-        "name": "cudaLaunchKernel",
+        "cat": api,
+        "name": "cudaLaunchKernel" if api == "cuda_runtime" else "cuLaunchKernel",
         "ts": t,
         "dur": 2.0,
         "tid": 1,
@@ -300,18 +301,20 @@ def test_trace_summary_splits_forwards_and_names_the_prefill_ones():
 
 def test_trace_summary_keeps_each_annotated_forward_apart():
     """``annotated_steps``: each ``step[...]`` host range's kernels, found through the launches inside
-    it (correlation ids), with their own span, idle time, GEMM and attention time (FA3's cutlass
-    kernel counted as attention, not GEMM); a decode step caught beside a prefill stays out of it."""
+    it (correlation ids, runtime and driver launches alike), with their own span, idle time, GEMM and
+    attention time (FA3's cutlass kernel counted as attention, not GEMM); a decode step caught beside a
+    prefill stays out of it, and the profiler's projection of a step onto the GPU's timeline is no step."""
     from benchmarks import trace_summary as ts
 
-    def step(name, t, dur):
-        return {"ph": "X", "cat": "user_annotation", "name": name, "ts": t, "dur": dur}
+    def step(name, t, dur, cat="user_annotation"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": t, "dur": dur}
 
     events = [
         step("step[EXTEND bs=2 toks=8192]", 0.0, 10.0),
-        _launch(1.0, 1),
+        step("step[EXTEND bs=2 toks=8192]", 100.0, 110.0, cat="gpu_user_annotation"),
+        _launch(1.0, 1, api="cuda_driver"),
         _launch(2.0, 2),
-        _launch(3.0, 3),
+        _launch(3.0, 3, api="cuda_driver"),
         step("step[DECODE bs=4]", 20.0, 5.0),
         _launch(21.0, 4),
         _kernel("nvjet_gemm", 100.0, 50.0, 1),
@@ -330,6 +333,7 @@ def test_trace_summary_keeps_each_annotated_forward_apart():
         "attention_us": 50.0,
     }
     assert out[1]["name"] == "step[DECODE bs=4]" and out[1]["kernels"] == 1 and out[1]["span_us"] == 5.0
+    assert len(out) == 2
     lines = ts.layer_lines(ts.summarize_events(events, steps=1))
     assert (
         "step[EXTEND bs=2 toks=8192]: 3 kernels, span 110.0 us, busy 100.0, idle 10.0, GEMM 50.0, attention 50.0"
