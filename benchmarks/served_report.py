@@ -295,6 +295,7 @@ def ab(a) -> None:
                         **{name: metric.value(r) for name, metric in m.items()},
                         "completed": (r or {}).get("completed"),
                         "max_running_seen": rec.get("max_running_seen"),
+                        "prefill_under_load": rec.get("prefill_under_load"),
                         "compiled_in_timed_run": compiled,
                         "result": not compiled,
                         "server_command": rec["server_command"],

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from benchmarks import served_workloads as sw
+from benchmarks.prefill_log import prefill_under_load
 from benchmarks.served_profile import profile_decode, profile_prefill, profile_under_load
 from sglang_wgkv.server_process import ServerProcess, free_port
 
@@ -235,9 +236,11 @@ def measure(srv, a, w: sw.Workload, rec: dict, out_dir: Path) -> None:
         for key in ("itls", "generated_texts", "errors", "ttfts", "input_lens", "output_lens"):
             rec["result"].pop(key, None)  # per-request details: kept in the bench file only
     rec["compiled_in_timed_run"] = triton_compiled_since(cache_after_warmup)
-    times = request_times(srv.log_path.read_text(errors="replace")[log_before:])
+    timed_log = srv.log_path.read_text(errors="replace")[log_before:]
+    times = request_times(timed_log)
     if times:  # a server started with --enable-request-time-stats-logging
         rec["request_times"] = times
+    rec["prefill_under_load"] = prefill_under_load(timed_log)
     measure_profiles(srv, a, w, body, rec, out_dir)
 
 

@@ -163,3 +163,36 @@ def test_request_times_read_sglangs_time_stats_lines():
     assert times["queue_ms"] == {"median": 2.0, "p90": 3.0, "p99": 3.0}
     assert times["forward_ms"]["median"] == 600.0
     assert ss.request_times("Decode batch, #running-req: 1") is None
+
+
+def test_prefill_under_load_reads_the_full_forwards_while_requests_wait():
+    """``prefill_under_load``: SGLang's ``Prefill batch`` lines logged while requests waited and at
+    least 0.9 of the largest forward's new tokens (quartiles of their input throughput, medians of
+    new tokens and running requests); a forward with nobody waiting, a small one (a prompt admitted
+    between decode steps) and other lines are left out; None without any such line."""
+    from benchmarks.prefill_log import prefill_under_load
+
+    def line(new, running, queue, rate):
+        return (
+            f"[2026-01-01 00:00:00] Prefill batch, #new-seq: 3, #new-token: {new}, #cached-token: 0, token "
+            f"usage: 0.10, #running-req: {running}, #queue-req: {queue}, #pending-token: 9, cuda graph: "
+            f"False, input throughput (token/s): {rate:.2f}"
+        )
+
+    log = "\n".join(
+        [
+            line(8192, 0, 0, 1.0),  # nobody waits
+            line(8192, 10, 300, 40000.0),
+            line(8100, 50, 250, 38000.0),
+            line(8000, 90, 200, 20000.0),  # a knee's hold counted in its rate
+            line(8150, 120, 150, 42000.0),
+            line(3000, 120, 100, 9000.0),  # a small forward
+            "[2026-01-01 00:00:01] Decode batch, #running-req: 120, #token: 9, gen throughput (token/s): 1.0",
+        ]
+    )
+    got = prefill_under_load(log)
+    assert got["forwards"] == 4
+    assert got["prompt_tok_s"]["median"] == 39000.0
+    assert got["prompt_tok_s"]["p25"] < 38000.0 < got["prompt_tok_s"]["p75"] <= 42000.0
+    assert got["new_tokens_median"] == 8125.0 and got["running_median"] == 70.0
+    assert prefill_under_load(line(8192, 1, 0, 5.0)) is None
