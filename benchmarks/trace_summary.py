@@ -308,6 +308,8 @@ def annotated_steps(events: list[dict], kernels: list[dict]) -> list[dict]:
                 "gpu_idle_us": round(idle, 1),
                 "gemm_us": round(phases["gemm"], 1),
                 "attention_us": round(sum(t for ph, t in phases.items() if ph.endswith("attention")), 1),
+                # a mixed forward's prefill and decode attention, gate and copies apart
+                "phase_us": {ph: round(t, 1) for ph, t in sorted(phases.items(), key=lambda kv: -kv[1])},
             }
         )
     return out
@@ -369,6 +371,10 @@ def summarize_dir(trace_dir: str, steps: int | None = None) -> dict:
     }
 
 
+# phases printed on a forward's line (by time, the GEMMs apart)
+PHASES_SHOWN = 6
+
+
 def layer_lines(summary: dict) -> list[str]:
     """One profiled step's ``one_layer``, ``host_waits`` and ``annotated_steps`` as text: a line per
     kernel (GPU us, idle us before it, name, launching frame), a line per wait, a line per forward."""
@@ -386,6 +392,11 @@ def layer_lines(summary: dict) -> list[str]:
         + (
             f", span {st['span_us']} us, busy {st['gpu_busy_us']}, idle {st['gpu_idle_us']}, "
             f"GEMM {st['gemm_us']}, attention {st['attention_us']}"
+            + "".join(
+                f"; {ph} {us}"
+                for ph, us in list(st.get("phase_us", {}).items())[:PHASES_SHOWN]
+                if ph != "gemm"
+            )
             if st["kernels"]
             else ""
         )
@@ -395,12 +406,13 @@ def layer_lines(summary: dict) -> list[str]:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--layer":  # served_speed parts: their prefill profiles' layer and waits
+    if sys.argv[1] == "--layer":  # served_speed parts: their prefill and under-load profiles
         for part in sys.argv[2:]:
             for run in json.loads(Path(part).read_text())["runs"]:
-                for s in (run.get("profile_prefill") or {}).get("summary", []):
-                    print(f"{part} {run.get('workload')}")
-                    print("\n".join(layer_lines(s)))
+                for kind in ("profile_prefill", "profile_under_load"):
+                    for s in (run.get(kind) or {}).get("summary", []):
+                        print(f"{part} {run.get('workload')} {kind}")
+                        print("\n".join(layer_lines(s)))
         sys.exit(0)
     steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else None
     print(json.dumps(summarize_dir(sys.argv[1], steps), indent=1))

@@ -331,11 +331,12 @@ def test_trace_summary_keeps_each_annotated_forward_apart():
         "gpu_idle_us": 10.0,
         "gemm_us": 50.0,
         "attention_us": 50.0,
+        "phase_us": {"gemm": 50.0, "fa3_attention": 30.0, "wgkv_prefill_attention": 20.0},
     }
     assert out[1]["name"] == "step[DECODE bs=4]" and out[1]["kernels"] == 1 and out[1]["span_us"] == 5.0
     assert len(out) == 2
     lines = ts.layer_lines(ts.summarize_events(events, steps=1))
     assert (
         "step[EXTEND bs=2 toks=8192]: 3 kernels, span 110.0 us, busy 100.0, idle 10.0, GEMM 50.0, attention 50.0"
-        in lines
+        "; fa3_attention 30.0; wgkv_prefill_attention 20.0" in lines
     )
