@@ -277,7 +277,10 @@ def annotated_steps(events: list[dict], kernels: list[dict]) -> list[dict]:
         for e in events
         if e.get("ph") == "X" and e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {})
     )
-    by_corr = {k["args"]["correlation"]: k for k in kernels if "correlation" in k.get("args", {})}
+    by_corr = defaultdict(list)  # a CUDA graph's replay: one launch, all its kernels
+    for k in kernels:
+        if "correlation" in k.get("args", {}):
+            by_corr[k["args"]["correlation"]].append(k)
     out = []
     for step in sorted(
         (
@@ -290,7 +293,7 @@ def annotated_steps(events: list[dict], kernels: list[dict]) -> list[dict]:
         key=lambda e: e["ts"],
     ):
         lo, hi = step["ts"], step["ts"] + step["dur"]
-        mine = [by_corr[c] for t, c in launches if lo <= t <= hi and c in by_corr]
+        mine = [k for t, c in launches if lo <= t <= hi for k in by_corr.get(c, ())]
         if not mine:
             out.append({"name": step["name"], "kernels": 0})
             continue

@@ -303,7 +303,8 @@ def test_trace_summary_keeps_each_annotated_forward_apart():
     """``annotated_steps``: each ``step[...]`` host range's kernels, found through the launches inside
     it (correlation ids, runtime and driver launches alike), with their own span, idle time, GEMM and
     attention time (FA3's cutlass kernel counted as attention, not GEMM); a decode step caught beside a
-    prefill stays out of it, and the profiler's projection of a step onto the GPU's timeline is no step."""
+    prefill stays out of it (a CUDA graph's kernels all counted through its one replay launch), and
+    the profiler's projection of a step onto the GPU's timeline is no step."""
     from benchmarks import trace_summary as ts
 
     def step(name, t, dur, cat="user_annotation"):
@@ -316,11 +317,12 @@ def test_trace_summary_keeps_each_annotated_forward_apart():
         _launch(2.0, 2),
         _launch(3.0, 3, api="cuda_driver"),
         step("step[DECODE bs=4]", 20.0, 5.0),
-        _launch(21.0, 4),
+        _launch(21.0, 4),  # a decode CUDA graph's replay: one launch, two kernels
         _kernel("nvjet_gemm", 100.0, 50.0, 1),
         _kernel("void cutlass::device_kernel<flash::FlashAttnFwdSm90<...>>", 150.0, 30.0, 2),
         _kernel("_vertical_slash_fwd", 190.0, 20.0, 3),  # 10 us idle before it
         _kernel("nvjet_gemm", 400.0, 5.0, 4),  # the decode step's, after a long gap
+        _kernel("_split_kernel", 405.0, 2.0, 4),
     ]
     out = ts.summarize_events(events, steps=1)["annotated_steps"]
     assert out[0] == {
@@ -333,7 +335,7 @@ def test_trace_summary_keeps_each_annotated_forward_apart():
         "attention_us": 50.0,
         "phase_us": {"gemm": 50.0, "fa3_attention": 30.0, "wgkv_prefill_attention": 20.0},
     }
-    assert out[1]["name"] == "step[DECODE bs=4]" and out[1]["kernels"] == 1 and out[1]["span_us"] == 5.0
+    assert out[1]["name"] == "step[DECODE bs=4]" and out[1]["kernels"] == 2 and out[1]["span_us"] == 7.0
     assert len(out) == 2
     lines = ts.layer_lines(ts.summarize_events(events, steps=1))
     assert (
