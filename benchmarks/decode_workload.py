@@ -79,21 +79,37 @@ def graph_ms(fn, inner: int = 20, reps: int = 7) -> float:
     return ms[len(ms) // 2] / inner
 
 
-def triton_fn(pool, q, out, splits, cfg, **extra):
-    """The Triton folded decode of every layer (``extra``: ``folded_decode``'s keyword arguments, e.g. the
-    fused ring write's ``new_k``, ``new_v``, ``pos``, ``window``)."""
+def fp8_pages(pool, dtype=torch.float8_e4m3fn) -> dict:
+    """``triton_fn``'s arguments for ``pool``'s pages stored in FP8 (as ``--kv-cache-dtype fp8_e4m3``
+    serves them: the values in stored units, per-tensor scales of 1 on the device), and the bytes a
+    layer's streams then hold."""
+    one = torch.ones(1, dtype=torch.float32, device=pool.k_pages.device)
+    return {
+        "pages": (pool.k_pages.to(dtype), pool.v_pages.to(dtype)),
+        "k_scale": one,
+        "v_scale": one,
+        "kv_bytes_per_layer": pool.kv_bytes_per_layer * dtype.itemsize / DT.itemsize,
+    }
+
+
+def triton_fn(pool, q, out, splits, cfg, pages=None, **extra):
+    """The Triton folded decode of every layer (``pages``: ``(k_pages, v_pages)`` in place of the pool's,
+    e.g. :func:`fp8_pages`' with its ``k_scale`` / ``v_scale`` in ``extra``; ``extra``:
+    ``folded_decode``'s keyword arguments, e.g. the fused ring write's ``new_k``, ``new_v``, ``pos``,
+    ``window``)."""
     from sglang_wgkv.attention.decode_config import FoldedDecodeWorkspace
     from sglang_wgkv.attention.triton_decode import folded_decode
 
     B, L = q.shape[0], pool.page_table.shape[1]
-    ws = FoldedDecodeWorkspace(B, HQ, D, splits, "cuda", num_kv_heads=HKV)
+    ws = FoldedDecodeWorkspace(B, HQ, D, splits, q.device, num_kv_heads=HKV)
+    k_pages, v_pages = pages or (pool.k_pages, pool.v_pages)
 
     def run():
         for layer in range(L):
             folded_decode(
                 q,
-                pool.k_pages,
-                pool.v_pages,
+                k_pages,
+                v_pages,
                 pool.page_table,
                 pool.global_len,
                 pool.req,

@@ -14,7 +14,12 @@ and rejection rate, every (request, layer, KV head) stream holds the full ring (
 * ``triton_two_launch``: the same with a separate merge launch per layer (``fused_merge=False``).
 
 ``--fused-merge`` picks the Triton rows: ``both`` (default), ``fused`` (``triton`` alone) or
-``two_launch`` (``triton_two_launch`` alone). Effective TB/s = K+V bytes the kernel must read / time.
+``two_launch`` (``triton_two_launch`` alone). ``--kv-dtypes bf16 fp8_e4m3`` adds ``triton_fp8``: the
+same streams on FP8 pages (``--kv-cache-dtype fp8_e4m3``'s layout, its served launch shape), with
+``vs_bf16`` (the bf16 row's time over its own) and TB/s of the FP8 bytes; ``--sweep-kv-dtype
+fp8_e4m3`` sweeps the launch shapes on FP8 pages instead (single-stage shapes too: FP8 tiles reach
+shared memory in 8-byte copies where bf16's take 16). Effective TB/s = K+V bytes the kernel must read /
+time.
 A small launch-shape sweep (block_n, warps, stages, splits; fused merge unless ``two_launch``) runs
 first at one shape and is reported; the timed runs use the defaults unless ``--use-best``.
 The workload (pool layout, CUDA-graph timing) lives in ``decode_workload``, the figure in
@@ -23,6 +28,7 @@ The workload (pool layout, CUDA-graph timing) lives in ``decode_workload``, the 
 usage: python -m benchmarks.kernel_decode [--out DIR] [--lengths ...] [--rejections ...] [--batches 1 8]
                                           [--deadline S] [--no-sweep] [--use-best]
                                           [--fused-merge {both,fused,two_launch}]
+                                          [--kv-dtypes bf16 fp8_e4m3] [--sweep-kv-dtype fp8_e4m3]
 """
 
 import argparse
@@ -41,6 +47,7 @@ from benchmarks.decode_workload import (
     D,
     FoldedPool,
     W,
+    fp8_pages,
     global_lengths,
     graph_ms,
     layers_for,
@@ -49,6 +56,9 @@ from benchmarks.decode_workload import (
 from benchmarks.kernel_plots import plot_kernel_decode
 
 SWEEP_CONFIGS = [(64, 4, 2), (64, 8, 2), (32, 4, 2), (128, 8, 2), (64, 4, 3), (64, 4, 4)]
+# FP8 pages also try one stage: the tiles then load into registers (16-byte loads), not through
+# 8-byte cp.async copies into shared memory.
+FP8_SWEEP_CONFIGS = [(32, 4, 1), (64, 4, 1), (32, 8, 1), (32, 4, 3), (32, 8, 2)]
 TRITON_ROWS = {
     "fused": [("triton", True)],
     "two_launch": [("triton_two_launch", False)],
@@ -64,12 +74,15 @@ def sweep(args, results, gen):
     glen = global_lengths(1, 1, n, 0.75, gen)
     L = layers_for(int((glen.long() + W).sum()) * TOKEN_BYTES, 16)
     pool = FoldedPool(global_lengths(1, L, n, 0.75, gen), gen)
+    fp8 = args.sweep_kv_dtype == "fp8_e4m3"
+    paged = fp8_pages(pool) if fp8 else {"kv_bytes_per_layer": pool.kv_bytes_per_layer}
+    kv_bytes = paged.pop("kv_bytes_per_layer")
     q = torch.randn(1, HQ, D, device="cuda", dtype=DT)
     out = torch.empty_like(q)
     base = choose_num_splits(1, HKV, n, "cuda")
     rows = []
     fused = args.fused_merge != "two_launch"
-    for bn, warps, stages in SWEEP_CONFIGS:
+    for bn, warps, stages in SWEEP_CONFIGS + (FP8_SWEEP_CONFIGS if fp8 else []):
         for splits in sorted(
             set(args.sweep_splits)
             if args.sweep_splits
@@ -77,7 +90,7 @@ def sweep(args, results, gen):
         ):
             cfg = DecodeConfig(bn, warps, stages, fused)
             try:
-                t = graph_ms(triton_fn(pool, q, out, splits, cfg)) / L
+                t = graph_ms(triton_fn(pool, q, out, splits, cfg, **paged)) / L
                 rows.append(
                     {
                         "block_n": bn,
@@ -85,7 +98,7 @@ def sweep(args, results, gen):
                         "num_stages": stages,
                         "splits": splits,
                         "ms_per_layer": t,
-                        "tbps": pool.kv_bytes_per_layer / t / 1e9,
+                        "tbps": kv_bytes / t / 1e9,
                     }
                 )
             except Exception as exc:
@@ -101,6 +114,7 @@ def sweep(args, results, gen):
     ok = [r for r in rows if "ms_per_layer" in r]
     best = min(ok, key=lambda r: r["ms_per_layer"]) if ok else None
     results["sweep"] = {
+        "kv_dtype": args.sweep_kv_dtype,
         "n": n,
         "rejection": 0.75,
         "batch": 1,
@@ -171,11 +185,12 @@ def run(args, deadline, results, path, best):
             del kv, dense
             torch.cuda.empty_cache()
             splits = best["splits"] if args.use_best and best else choose_num_splits(B, HKV, n, "cuda")
-            cfg = (
-                DecodeConfig(best["block_n"], best["num_warps"], best["num_stages"])
-                if args.use_best and best
-                else DecodeConfig()
-            )
+            swept = DecodeConfig(best["block_n"], best["num_warps"], best["num_stages"]) if best else None
+            use_best = args.use_best and best is not None
+            cfg = swept if use_best and args.sweep_kv_dtype == "bf16" else DecodeConfig()
+            fp8_cfg = swept if use_best and args.sweep_kv_dtype == "fp8_e4m3" else None
+            fp8_cfg = fp8_cfg or DecodeConfig.for_pages(torch.float8_e4m3fn)
+            fp8_splits = splits if use_best else choose_num_splits(B, HKV, n, "cuda", fp8_cfg.programs_per_sm)
             entry["triton_launch"] = {
                 "splits": splits,
                 "block_n": cfg.block_n,
@@ -222,6 +237,24 @@ def run(args, deadline, results, path, best):
                         ref = entry.get(base) if base == "dense_flashinfer" else res.get(base)
                         if "ms" in (ref or {}) and "ms" in res[key]:
                             res[key][f"speedup_vs_{base}"] = ref["ms"] / res[key]["ms"]
+                if "fp8_e4m3" in args.kv_dtypes:
+                    try:
+                        paged = fp8_pages(pool)
+                        fp8_bytes = paged.pop("kv_bytes_per_layer")
+                        t = graph_ms(triton_fn(pool, q, out, fp8_splits, fp8_cfg, **paged)) / L
+                        res["triton_fp8"] = {
+                            "ms": t,
+                            "tbps": fp8_bytes / t / 1e9,
+                            "block_n": fp8_cfg.block_n,
+                            "num_warps": fp8_cfg.num_warps,
+                            "num_stages": fp8_cfg.num_stages,
+                            "splits": fp8_splits,
+                        }
+                        if "ms" in res.get("triton", {}):
+                            res["triton_fp8"]["vs_bf16"] = res["triton"]["ms"] / t
+                        del paged
+                    except Exception as exc:
+                        res["triton_fp8"] = {"error": repr(exc)[:300]}
                 if "ms" in res.get("triton", {}) and "ms" in res.get("triton_two_launch", {}):
                     res["triton"]["speedup_vs_two_launch"] = (
                         res["triton_two_launch"]["ms"] / res["triton"]["ms"]
@@ -265,6 +298,16 @@ def parse_args(argv=None):
         choices=sorted(TRITON_ROWS),
         default="both",
         help="Triton rows: one launch per layer (triton), two (triton_two_launch) or both",
+    )
+    ap.add_argument(
+        "--kv-dtypes",
+        nargs="+",
+        choices=["bf16", "fp8_e4m3"],
+        default=["bf16"],
+        help="with fp8_e4m3: each Triton case on FP8 pages too (triton_fp8, vs_bf16)",
+    )
+    ap.add_argument(
+        "--sweep-kv-dtype", choices=["bf16", "fp8_e4m3"], default="bf16", help="the pages the sweep reads"
     )
     args = ap.parse_args(argv)
     if any(n < W for n in args.lengths) or any(not 0.0 <= r <= 1.0 for r in args.rejections):
