@@ -35,6 +35,8 @@ Streams. Takes, restores and releases issued by the scheduler wait for the last 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
@@ -75,21 +77,43 @@ class SnapshotRadixCache(RadixCache):
         self._snap_nodes.discard(node)
         self.snapshots_dropped += 1
 
-    def reclaim(self, worst_case: int) -> None:
-        """Drop unpinned snapshots, least recently used first, until ``worst_case`` pages fit."""
-        allocator = self.dual.allocator
-        victims = sorted(
+    def _victims(self):
+        """``(snapshot, drop)`` of every snapshot a reclaim may drop, least recently used first:
+        unpinned node snapshots, then those taken ahead of a launch (listed before any is dropped)."""
+        nodes = sorted(
             (n for n in self._snap_nodes if id(n.snapshot) not in self._pinned),
             key=lambda n: n.last_access_time,
         )
-        for node in victims:
-            if allocator.can_allocate(worst_case):
+        victims = [(n.snapshot, functools.partial(self._drop, n)) for n in nodes]
+        return victims + [
+            (snap, functools.partial(self._release_ahead, r)) for r, snap in self._ahead.items()
+        ]
+
+    def reclaim(self, worst_case: int) -> None:
+        """Drop unpinned snapshots, least recently used first, until ``worst_case`` pages fit. The
+        host's floor (raised by each drop's ring copies) says so without a sync; once what the drops
+        are expected to return covers the rest, one exact count (a host sync) says whether to go
+        on. A count after every drop kept the host from running ahead of the GPU through a full
+        pool's admission checks (19 syncs for two prompts: launch/results/served_speed/M1D_h100_int32)."""
+        allocator = self.dual.allocator
+        for _, drop in self._victims():
+            if allocator.free_floor >= worst_case:
                 return
-            self._drop(node)
-        for r in list(self._ahead):
-            if allocator.can_allocate(worst_case):
+            if allocator.expected_free >= worst_case and allocator.can_allocate(worst_case):
                 return
-            self._release_ahead(r)
+            drop()
+
+    def keep_headroom(self, pages: int) -> None:
+        """Drop least recently used snapshots until the free pages the host expects (its floor and
+        what drops not yet counted should return) reach ``pages``, without a host sync: called after
+        a forward's launch, so that the next scheduling round's admission checks find room on the
+        host's floor instead of reclaiming with exact counts."""
+        allocator = self.dual.allocator
+        allocator.take_queued()
+        for _, drop in self._victims():
+            if allocator.expected_free >= pages:
+                return
+            drop()
 
     def _release_ahead(self, r: int) -> None:
         self._owed.pop(r, None)

@@ -43,6 +43,7 @@ from sglang_wgkv.config import PAGE_SIZE, WGKVConfig
 from sglang_wgkv.memory.decode_step import DecodePlan, DecodeStep
 from sglang_wgkv.memory.extend_plan import ExtendPlan
 from sglang_wgkv.memory.extend_step import ExtendStep
+from sglang_wgkv.memory.host_copy import QueuedCount
 from sglang_wgkv.memory.kv_quant import byte_view, gather, is_fp8
 from sglang_wgkv.memory.kv_scales import KVScales
 from sglang_wgkv.memory.mixed_step import MixedStep
@@ -200,9 +201,21 @@ class DualCachePool(ExtendStep, DecodeStep, MixedStep, KVScales, PoolIntegrity):
         rows = self.page_table[r].clone()
         rows[:, :, :ring_used] = copies.to(rows.dtype)
         self.allocator.incref(rows[:, :, self.ring_cols : self.dump_col])  # (dump entries ignored)
+        rows = rows[:, :, : self.dump_col]
         return PrefixSnapshot(
-            S, rows[:, :, : self.dump_col], self.global_len[r].clone(), self.ring_flag[r].clone()
+            S,
+            rows,
+            self.global_len[r].clone(),
+            self.ring_flag[r].clone(),
+            private_pages=L * H * ring_used,
+            held=QueuedCount((rows != self.dump_page).sum()),
         )
+
+    def snapshot_pages_bound(self, snap: PrefixSnapshot) -> int:
+        """An upper bound on the pages ``snap`` holds, from its length alone: its ring copies and a
+        global page per 16 tokens past the ring in every stream."""
+        past_ring = -(-max(snap.length - self.window, 0) // PAGE_SIZE)
+        return snap.private_pages + self.num_layers * self.num_kv_heads * past_ring
 
     def restore_snapshot(self, r: int, snap: PrefixSnapshot) -> None:
         """Make the freshly allocated, empty slot ``r`` continue from ``snap``: the ring and the
@@ -237,10 +250,13 @@ class DualCachePool(ExtendStep, DecodeStep, MixedStep, KVScales, PoolIntegrity):
 
     def release_snapshot(self, snap: PrefixSnapshot) -> None:
         """Drop the snapshot's page references (pages no one else holds return to the free stack);
-        no host sync (dump entries are ignored)."""
+        no host sync (dump entries are ignored). Its ring copies surely return: the host's floor of
+        free pages rises by them at once; its global pages are expected to (unless a request or
+        another snapshot shares them: ``PageAllocator.expected_free``)."""
         if snap.rows.is_cuda:  # a release inside a forward reads rows the scheduler's stream allocated
             snap.rows.record_stream(torch.cuda.current_stream(snap.rows.device))
-        self.allocator.free(snap.rows)
+        held = snap.held_pages(self.snapshot_pages_bound(snap))
+        self.allocator.free(snap.rows, returned=snap.private_pages, expected=held - snap.private_pages)
 
     # -- eviction (memory/evictor.py) ------------------------------------------------------------
     def compact_global(

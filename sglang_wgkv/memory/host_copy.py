@@ -1,5 +1,6 @@
 """Host arrays to the device without a host sync: one pinned staging buffer and one non-blocking copy
-per call, each array a view of the copied bytes.
+per call, each array a view of the copied bytes; and a device count to the host the same way
+(:class:`QueuedCount`: read once it has landed, never waited for).
 
 ``torch.as_tensor(array, device="cuda")`` copies from pageable memory, which waits for the stream: the
 host stops running ahead of the GPU, and the GPU then idles while the host launches what follows.
@@ -47,3 +48,23 @@ def to_device_many(device: torch.device, parts: list[tuple]) -> list[torch.Tenso
     else:
         dev = host.to(device)
     return [dev[o : o + a.nbytes].view(_TORCH_DTYPES[a.dtype]) for a, o in zip(arrays, offsets)]
+
+
+class QueuedCount:
+    """A device scalar copied to the host behind the work queued on the current stream, without
+    waiting: :meth:`value` is None until the copy has landed. On a CPU device it is there at once."""
+
+    def __init__(self, count: torch.Tensor):
+        if count.device.type != "cuda":
+            self._host, self._done = count.detach().clone(), None
+            return
+        self._host = torch.empty((), dtype=count.dtype, pin_memory=True)
+        self._host.copy_(count, non_blocking=True)
+        self._done = torch.cuda.Event()
+        self._done.record()
+
+    def value(self) -> int | None:
+        if self._done is not None and not self._done.query():
+            return None
+        self._done = None
+        return int(self._host)

@@ -5,10 +5,27 @@ writes are sent to so that every scatter has a fixed shape (no boolean indexing,
 never handed out and never counted.
 
 Host syncs: neither :meth:`alloc_where` (the decode path) nor :meth:`free` (a request's end, an
-eviction) syncs. The host keeps ``free_floor``, a lower bound on the free pages (exact after a sync,
-lowered by the worst case of each device-side allocation, left as it is by a free); :meth:`ensure`
-syncs only when that bound cannot cover the next step's worst case. A page freed more often than it
-is referenced is counted on the device and reported by :meth:`check_integrity`.
+eviction) syncs. The host keeps ``free_floor``, a lower bound on the free pages; :meth:`ensure` syncs
+only when that bound cannot cover the next step's worst case. A page freed more often than it is
+referenced is counted on the device and reported by :meth:`check_integrity`.
+
+=====================================  =========================================================
+``free_floor`` ...                     when
+=====================================  =========================================================
+set to the exact count                 :meth:`sync_free` (one host sync)
+lowered by an allocation's worst case  at its launch (``alloc_where``; a replayed graph's caller)
+raised by the pages a free surely      at its launch: ``free(pages, returned=n)``, ``n`` pages the
+returns                                caller knows nothing else holds (a snapshot's ring copies)
+raised to a queued count's value       :meth:`queue_refresh` copied ``num_free`` without waiting;
+less the lowering launched since       once the copy has landed, the next check takes it (a
+                                       server queues one behind each forward: the bound then
+                                       lags the device by about a forward, never a sync)
+=====================================  =========================================================
+
+``expected_free`` adds to the floor what frees launched since the last landed count are expected to
+return beyond their sure pages (``free(pages, expected=n)``: pages that return unless something else
+holds them too): a guess, for deciding how much more to free, never for allocating. A count queued
+after such a free includes it, so the expectation goes once a later count has landed.
 
 ==================  ==============================================================================
 free_stack slot     holds
@@ -19,6 +36,8 @@ free_stack slot     holds
 """
 
 import torch
+
+from sglang_wgkv.memory.host_copy import QueuedCount
 
 
 class PoolExhausted(RuntimeError):
@@ -42,19 +61,63 @@ class PageAllocator:
         self.over_freed = torch.zeros((), dtype=torch.int64, device=self.device)
         self.num_free = torch.tensor(num_pages, dtype=torch.int64, device=self.device)
         self.ref = torch.zeros(num_pages + 1, dtype=torch.int32, device=self.device)
-        self.free_floor = num_pages
+        self._floor = num_pages
+        self._lowered = 0  # every lowering of the floor so far (what a queued count has not seen)
+        self._queued = None  # (QueuedCount of num_free, _lowered when queued, counts queued before it)
+        self._counts = 0  # counts queued so far
+        self._expected: list[tuple[int, int]] = []  # (counts queued before the free, pages expected)
         # Optional ``fn(worst_case)`` that releases pages it can spare (a prefix cache dropping
         # snapshots) before :meth:`ensure` gives up; it must not allocate.
         self.reclaimer = reclaimer
 
     # -- capacity -------------------------------------------------------------------------------
+    @property
+    def free_floor(self) -> int:
+        """A lower bound on the free pages, for any allocation launched from now on (table above)."""
+        return self._floor
+
+    @free_floor.setter
+    def free_floor(self, value: int) -> None:
+        # callers lower it (``-=``) for the allocations they launch; a queued count subtracts these
+        self._lowered += max(0, self._floor - value)
+        self._floor = value
+
+    @property
+    def expected_free(self) -> int:
+        """``free_floor`` and what frees not yet counted are expected to return (table above)."""
+        return self._floor + sum(n for _, n in self._expected)
+
     def sync_free(self) -> int:
         """Exact free page count (one host sync); refreshes ``free_floor``."""
-        self.free_floor = int(self.num_free.item())
-        return self.free_floor
+        self._floor = int(self.num_free.item())
+        self._expected.clear()  # the count includes every free launched so far
+        return self._floor
+
+    def queue_refresh(self) -> None:
+        """Copy the free count to the host behind the work queued on the current stream, without
+        waiting; :meth:`can_allocate` raises the floor to it once it has landed. Call it where the
+        current stream follows every allocation launched so far (after a forward's launch on its
+        stream). A copy still in flight is kept (one at a time)."""
+        self.take_queued()
+        if self._queued is None:
+            self._queued = (QueuedCount(self.num_free), self._lowered, self._counts)
+            self._counts += 1
+
+    def take_queued(self) -> None:
+        """A landed queued count, less what was lowered since it was queued, raises the floor."""
+        if self._queued is None:
+            return
+        count, lowered, before = self._queued
+        value = count.value()
+        if value is None:
+            return
+        self._queued = None
+        self._floor = max(self._floor, value - (self._lowered - lowered))
+        self._expected = [(at, n) for at, n in self._expected if at > before]  # the count has the rest
 
     def can_allocate(self, worst_case: int) -> bool:
-        return worst_case <= self.free_floor or worst_case <= self.sync_free()
+        self.take_queued()
+        return worst_case <= self._floor or worst_case <= self.sync_free()
 
     def fits(self, worst_case: int) -> bool:
         """Whether ``worst_case`` pages can be handed out, after the reclaimer (if any) released what
@@ -98,12 +161,18 @@ class PageAllocator:
         self.ref[srt] = self.ref[srt] + _run_lengths(srt).to(self.ref.dtype)
         self.ref.narrow(0, self.dump_page, 1).zero_()  # not `ref[i] = 0`: a host scalar copy syncs
 
-    def free(self, pages: torch.Tensor) -> None:
+    def free(self, pages: torch.Tensor, returned: int = 0, expected: int = 0) -> None:
         """Drop one reference from each page (duplicates count twice; dump entries ignored); pages
         whose count reaches zero return to the free stack. No host sync: the entries are sorted so a
         page's duplicates sit together, its first entry returns it; a drop below zero is counted in
-        ``over_freed`` (the page returns only if it was held) and the count clamped at zero."""
+        ``over_freed`` (the page returns only if it was held) and the count clamped at zero.
+        ``returned``: how many of ``pages`` the caller knows return (held by nothing else): the floor
+        rises by that many at once; ``expected``: how many more it expects to return
+        (``expected_free``)."""
         srt = torch.sort(pages.reshape(-1).long()).values
+        self._floor += returned
+        if expected:
+            self._expected.append((self._counts, expected))
         if srt.numel() == 0:
             return
         live = srt != self.dump_page

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_wgkv.memory.host_copy import QueuedCount
+
 
 @dataclass
 class PrefixSnapshot:
@@ -22,6 +24,16 @@ class PrefixSnapshot:
     rows: torch.Tensor  # [L, H, ring_cols + global_cols] page ids (dump past the used prefix)
     global_len: torch.Tensor  # [L, H]
     ring_flag: torch.Tensor  # [L, H, W]
+    # its ring copies (L * H * ring pages): pages nothing else holds, back on the free stack at release
+    private_pages: int = 0
+    # the pages its rows reference (ring copies and shared global pages), counted on the device and
+    # read once landed: what its release returns at most (held_pages)
+    held: QueuedCount | None = None
+
+    def held_pages(self, bound: int) -> int:
+        """The pages its rows reference, or ``bound`` (an upper bound) while that count is in flight."""
+        value = self.held.value() if self.held is not None else None
+        return bound if value is None else value
 
     def pages(self, dump_page: int) -> torch.Tensor:
         return self.rows[self.rows != dump_page]

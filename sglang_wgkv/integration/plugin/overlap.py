@@ -94,6 +94,38 @@ def fence_forward(result, scheduler, *args, **kwargs):
     return None
 
 
+def admission_headroom(dual, chunk_tokens: int | None) -> int:
+    """Free pages the prefix cache leaves after each launch (:func:`refresh_free_pages`): a scheduling
+    round's admissions (a chunk's worth of new prompt tokens), the forward in flight's and the next
+    one's worst case, and a decode step of every slot; at most an eighth of the pool."""
+    chunk = chunk_tokens or dual.max_context_len
+    streams = dual.num_layers * dual.num_kv_heads
+    need = 3 * dual.extend_bound(0, chunk) + streams * dual.max_requests
+    return min(need, dual.allocator.num_pages // 8)
+
+
+def refresh_free_pages(result, scheduler, *args, **kwargs):
+    """AFTER ``Scheduler.run_batch``, after :func:`fence_forward`: the allocator's free count queued
+    to the host behind the forward just launched (on its stream: every allocation launched so far
+    precedes it), then the prefix cache's least recently used snapshots dropped down to
+    :func:`admission_headroom`, while the GPU runs that forward. The next round's admission checks
+    then find room on the host's floor; a full pool of snapshots otherwise made each check reclaim
+    with a host sync, and the host stopped running ahead of the GPU."""
+    runtime = _runtime_of(scheduler)
+    if runtime is None or not runtime.has_pool():
+        return None
+    dual = runtime.dual
+    if scheduler.enable_overlap and dual.device.type == "cuda":
+        with scheduler.device_module.stream(scheduler.forward_stream):
+            dual.allocator.queue_refresh()
+    else:  # one stream: the current one follows the forward
+        dual.allocator.queue_refresh()
+    cache = runtime.prefix_cache
+    if cache is not None and not cache.disable:
+        cache.keep_headroom(admission_headroom(dual, runtime.chunk_tokens))
+    return None
+
+
 def extend_rows(batch) -> list[tuple[int, int]]:
     """``(request slot, length it reaches)`` of the rows a forward extends (a mixed forward's prefill
     rows; none for a decode forward)."""

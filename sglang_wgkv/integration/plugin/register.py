@@ -141,6 +141,7 @@ def load_plugin() -> None:
         ),
         ("sglang.srt.managers.scheduler.Scheduler.run_batch", running_knee.observe_launch, HookType.BEFORE),
         ("sglang.srt.managers.scheduler.Scheduler.run_batch", overlap.fence_forward, HookType.AFTER),
+        ("sglang.srt.managers.scheduler.Scheduler.run_batch", overlap.refresh_free_pages, HookType.AFTER),
         (
             "sglang.srt.managers.scheduler.Scheduler.process_batch_result",
             overlap.count_processed,

@@ -1,0 +1,122 @@
+"""The prefix cache frees pages without stopping the host: a reclaim drops snapshots on the host's
+floor of free pages and what the drops are expected to return, with one exact count (a host sync)
+where a count after every drop kept the host from running ahead of the GPU; after a launch the cache
+keeps a headroom of free pages with no count at all (``overlap.refresh_free_pages``)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_wgkv.config import WGKVConfig
+from sglang_wgkv.integration.plugin.forward_fence import ForwardFence
+from sglang_wgkv.memory import DualCachePool
+from sglang_wgkv.testing.pool_driver import run_extend
+
+pytestmark = [pytest.mark.radix]
+
+W, P, SLOTS, PAGES = 16, 40, 10, 64  # each prompt: one ring page and two global pages
+
+
+def _cache_with_snapshots():
+    """A pool whose finished requests left SLOTS prompt snapshots (3 pages each), the floor exact."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    from radix_ext.snapshot_radix_cache import SnapshotRadixCache
+
+    dual = DualCachePool(1, 1, 8, PAGES, SLOTS, 128, WGKVConfig(local_window=W), dtype=torch.float32)
+    runtime = SimpleNamespace(
+        dual=dual,
+        plan=SimpleNamespace(restore_slots=2),
+        forward_fence=ForwardFence(),
+        attach_prefix_cache=lambda cache: None,
+    )
+    params = CacheInitParams(
+        disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None, page_size=1
+    )
+    cache = SnapshotRadixCache(params, runtime)
+    torch.manual_seed(0)
+    for r in range(SLOTS):
+        tokens = [1000 * (r + 1) + i for i in range(P)]
+        k, v, q = (torch.randn(1, P, 1, 8) for _ in range(3))
+        dual.alloc_request(r)
+        run_extend(dual, [r], [0], [P], q, k, v, torch.ones(1, P, 1, dtype=torch.bool), W)
+        cache.insert(InsertParams(key=RadixKey(tokens), value=torch.arange(P)))
+        req = SimpleNamespace(req_pool_idx=r, origin_input_ids=tokens, output_ids=[], extra_key=None)
+        cache._snapshot_request(req, path_len=P, priority=0)
+        dual.free_request(r)
+    dual.allocator.sync_free()
+    return cache, dual
+
+
+def _count_syncs(dual, monkeypatch) -> list:
+    calls, exact = [], dual.allocator.sync_free
+
+    def counted():
+        calls.append(1)
+        return exact()
+
+    monkeypatch.setattr(dual.allocator, "sync_free", counted)
+    return calls
+
+
+def test_reclaim_drops_with_one_exact_count(monkeypatch):
+    cache, dual = _cache_with_snapshots()
+    assert cache.snapshots_taken == SLOTS and dual.allocator.free_floor == PAGES - 3 * SLOTS
+    syncs = _count_syncs(dual, monkeypatch)
+    need = PAGES - 3 * SLOTS + 3 * 4  # four snapshots' pages
+    cache.reclaim(need)
+    assert len(syncs) <= 1 and dual.allocator.can_allocate(need)
+    assert cache.snapshots_dropped == 4  # the four least recently used, no more
+    assert sorted(n.snapshot.length for n in cache._snap_nodes) == [P] * (SLOTS - 4)
+    cache.check_integrity()
+
+
+def test_keep_headroom_drops_without_a_host_sync(monkeypatch):
+    cache, dual = _cache_with_snapshots()
+
+    def no_sync():
+        raise AssertionError("keep_headroom synced")
+
+    monkeypatch.setattr(dual.allocator, "sync_free", no_sync)
+    headroom = PAGES - 3 * SLOTS + 3 * 2
+    cache.keep_headroom(headroom)
+    assert cache.snapshots_dropped == 2
+    cache.keep_headroom(headroom)  # the floor already counts the drops' ring copies: none more
+    assert cache.snapshots_dropped == 2
+    dual.allocator.queue_refresh()  # what the next launch queues shows what they returned
+    dual.allocator.take_queued()
+    assert dual.allocator.free_floor == headroom == int(dual.allocator.num_free)
+    cache.check_integrity()
+
+
+def test_a_release_raises_the_floor_by_its_ring_copies():
+    cache, dual = _cache_with_snapshots()
+    floor = dual.allocator.free_floor
+    (node, *_) = sorted(cache._snap_nodes, key=lambda n: n.last_access_time)
+    assert node.snapshot.private_pages == 1 and node.snapshot.held_pages(0) == 3
+    cache._drop(node)
+    assert dual.allocator.free_floor == floor + 1 and dual.num_free_pages() == floor + 3
+
+
+def test_each_launch_queues_a_count_and_keeps_the_headroom(monkeypatch):
+    """``refresh_free_pages`` (after ``run_batch``): a count queued, then snapshots dropped down to
+    ``admission_headroom`` (an eighth of this small pool), no host sync."""
+    from sglang_wgkv.integration.plugin.overlap import admission_headroom, refresh_free_pages
+    from sglang_wgkv.integration.pools.req_pool import WGKVReqToTokenPool
+
+    cache, dual = _cache_with_snapshots()
+    taken = dual.allocator.alloc(PAGES - 3 * SLOTS - 2)  # a running request's pages: 2 left free
+    runtime = SimpleNamespace(dual=dual, prefix_cache=cache, chunk_tokens=16, has_pool=lambda: True)
+    pool = WGKVReqToTokenPool.__new__(WGKVReqToTokenPool)
+    pool.runtime = runtime
+    scheduler = SimpleNamespace(req_to_token_pool=pool, enable_overlap=True)
+    monkeypatch.setattr(dual.allocator, "sync_free", lambda: pytest.fail("a host sync"))
+    assert admission_headroom(dual, 16) == PAGES // 8
+    refresh_free_pages(None, scheduler)
+    assert cache.snapshots_dropped == 2 and dual.allocator.expected_free == 2 + 3 * 2
+    refresh_free_pages(None, scheduler)  # its count, queued after the drops, has what they returned
+    assert cache.snapshots_dropped == 2 and dual.allocator.free_floor == 2 + 3 * 2
+    dual.allocator.free(taken, returned=taken.numel())
