@@ -110,6 +110,8 @@ class SnapshotRadixCache(RadixCache):
         host's floor instead of reclaiming with exact counts."""
         allocator = self.dual.allocator
         allocator.take_queued()
+        if allocator.expected_free >= pages:  # most launches: no victims listed, nothing sorted
+            return
         for _, drop in self._victims():
             if allocator.expected_free >= pages:
                 return

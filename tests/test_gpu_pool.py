@@ -444,3 +444,45 @@ def test_forward_plans_copy_their_index_lists_without_a_sync():
         assert sorted(ev.q_pos[row].tolist()) == list(range(n - 16, n))
         for p in range(n - 16, n):
             assert torch.equal(ev.q_buf[row, 1, p % 16], q[first + p].to(ev.q_buf.dtype))
+
+
+def test_queued_free_count_and_snapshot_release_need_no_sync():
+    """The allocator's queued free count (behind a long kernel) and a snapshot's release raise the
+    host's floor with no host sync; once the count lands the floor is the device's count less what
+    was allocated after it was queued."""
+    from sglang_wgkv.memory.page_allocator import PageAllocator
+
+    alloc = PageAllocator(1000, device="cuda")
+    alloc.free(alloc.alloc(300))  # the floor still at 700
+    busy = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(20):  # the count lands after these
+            busy = busy @ busy / 64
+        alloc.queue_refresh()
+        alloc.alloc_where(torch.ones(50, dtype=torch.bool, device="cuda"))
+        alloc.take_queued()  # landed or not, it waits for nothing
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    alloc.take_queued()
+    assert alloc.free_floor == 950 == int(alloc.num_free)
+
+    pool = _pool(1, 2, 64, 16, torch.bfloat16, "cuda")
+    pool.alloc_request(1)
+    n = 40
+    k = torch.randn(n, 2, 64, device="cuda", dtype=torch.bfloat16)
+    pool.begin_extend([1], [0], [n])
+    pool.write_extend(0, k, k, torch.ones(n, 2, dtype=torch.bool, device="cuda"))
+    snap = pool.take_snapshot(1)
+    pool.free_request(1)
+    floor = pool.allocator.free_floor
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pool.release_snapshot(snap)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert pool.allocator.free_floor == floor + snap.private_pages
+    expected = pool.allocator.expected_free  # the held count landed by now (the release came after it)
+    exact = pool.num_free_pages()  # (syncs)
+    assert floor + snap.private_pages <= exact <= expected

@@ -52,16 +52,25 @@ def to_device_many(device: torch.device, parts: list[tuple]) -> list[torch.Tenso
 
 class QueuedCount:
     """A device scalar copied to the host behind the work queued on the current stream, without
-    waiting: :meth:`value` is None until the copy has landed. On a CPU device it is there at once."""
+    waiting: :meth:`value` is None until the copy has landed. On a CPU device it is there at once.
+    :meth:`queue` copies again into the same pinned buffer, once the last copy has landed."""
 
     def __init__(self, count: torch.Tensor):
+        self._host, self._done = None, None
+        self.queue(count)
+
+    def queue(self, count: torch.Tensor) -> None:
         if count.device.type != "cuda":
             self._host, self._done = count.detach().clone(), None
             return
-        self._host = torch.empty((), dtype=count.dtype, pin_memory=True)
+        if self._done is not None and not self._done.query():
+            raise RuntimeError("QueuedCount.queue: the last copy has not landed")
+        if self._host is None:
+            self._host = torch.empty((), dtype=count.dtype, pin_memory=True)
+            self._event = torch.cuda.Event()
         self._host.copy_(count, non_blocking=True)
-        self._done = torch.cuda.Event()
-        self._done.record()
+        self._event.record()
+        self._done = self._event
 
     def value(self) -> int | None:
         if self._done is not None and not self._done.query():

@@ -65,6 +65,7 @@ class PageAllocator:
         self._lowered = 0  # every lowering of the floor so far (what a queued count has not seen)
         self._queued = None  # (QueuedCount of num_free, _lowered when queued, counts queued before it)
         self._counts = 0  # counts queued so far
+        self._count = None  # the QueuedCount they reuse
         self._expected: list[tuple[int, int]] = []  # (counts queued before the free, pages expected)
         # Optional ``fn(worst_case)`` that releases pages it can spare (a prefix cache dropping
         # snapshots) before :meth:`ensure` gives up; it must not allocate.
@@ -100,7 +101,11 @@ class PageAllocator:
         stream). A copy still in flight is kept (one at a time)."""
         self.take_queued()
         if self._queued is None:
-            self._queued = (QueuedCount(self.num_free), self._lowered, self._counts)
+            if self._count is None:
+                self._count = QueuedCount(self.num_free)
+            else:  # the last one has landed (taken above): its buffer is reused
+                self._count.queue(self.num_free)
+            self._queued = (self._count, self._lowered, self._counts)
             self._counts += 1
 
     def take_queued(self) -> None:
