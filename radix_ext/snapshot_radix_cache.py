@@ -77,14 +77,17 @@ class SnapshotRadixCache(RadixCache):
         self._snap_nodes.discard(node)
         self.snapshots_dropped += 1
 
-    def _victims(self):
+    def _victims(self, ahead: bool = True):
         """``(snapshot, drop)`` of every snapshot a reclaim may drop, least recently used first:
-        unpinned node snapshots, then those taken ahead of a launch (listed before any is dropped)."""
+        unpinned node snapshots, then (``ahead``) those taken ahead of a launch, whose prompts' cache
+        calls have not run yet (listed before any is dropped)."""
         nodes = sorted(
             (n for n in self._snap_nodes if id(n.snapshot) not in self._pinned),
             key=lambda n: n.last_access_time,
         )
         victims = [(n.snapshot, functools.partial(self._drop, n)) for n in nodes]
+        if not ahead:
+            return victims
         return victims + [
             (snap, functools.partial(self._release_ahead, r)) for r, snap in self._ahead.items()
         ]
@@ -112,7 +115,7 @@ class SnapshotRadixCache(RadixCache):
         allocator.take_queued()
         if allocator.expected_free >= pages:  # most launches: no victims listed, nothing sorted
             return
-        for _, drop in self._victims():
+        for _, drop in self._victims(ahead=False):  # a prompt's end snapshot is kept for its cache call
             if allocator.expected_free >= pages:
                 return
             drop()

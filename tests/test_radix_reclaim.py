@@ -120,3 +120,19 @@ def test_each_launch_queues_a_count_and_keeps_the_headroom(monkeypatch):
     refresh_free_pages(None, scheduler)  # its count, queued after the drops, has what they returned
     assert cache.snapshots_dropped == 2 and dual.allocator.free_floor == 2 + 3 * 2
     dual.allocator.free(taken, returned=taken.numel())
+
+
+def test_keep_headroom_keeps_the_snapshots_taken_ahead_of_a_launch():
+    """A prompt's end snapshotted ahead of its next launch (its cache call has not run) is never a
+    headroom victim; an on-demand reclaim may still take it, last."""
+    cache, dual = _cache_with_snapshots()
+    k = torch.randn(1, P, 1, 8)
+    dual.alloc_request(0)
+    cache.before_forward([0], [(0, P)])  # the prefill's launch owes the slot a cache call
+    run_extend(dual, [0], [0], [P], k, k, k, torch.ones(1, P, 1, dtype=torch.bool), W)
+    cache.before_forward([0], [])  # the next launch: the prompt's end is snapshotted ahead
+    assert list(cache._ahead) == [0]
+    cache.keep_headroom(PAGES)
+    assert not cache._snap_nodes and list(cache._ahead) == [0]
+    cache.reclaim(PAGES)
+    assert not cache._ahead
