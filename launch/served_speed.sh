@@ -7,6 +7,11 @@
 #     (FRESH_TRITON_CACHE=1: the run starts from an empty Triton cache of its own)
 #   bash launch/served_speed.sh tests-beside-warm WORKLOAD     GPU tests while a FlashInfer server warms up
 #   bash launch/served_speed.sh beside-warm WORKLOAD CMD...     CMD while a FlashInfer server warms up
+#   bash launch/served_speed.sh chain NAME 'LINE' ...   the lines one after another, detached (they outlast
+#     a step), each a command run with OUT=/tmp/NAME and $S = "bash launch/served_speed.sh run", from a copy
+#     of the tree of their own: a later step's copy replaces this checkout's files under a starting server
+#   bash launch/served_speed.sh collect NAME [SECONDS]   every minute for SECONDS (540), /tmp/NAME and its
+#     log as $OUT/NAME.tgz (no traces, no caches); then its Triton cache and the log's tail
 # Parts, bench_serving lines, server logs and the compile caches that grew come back in $OUT; merge the
 # parts on the networked machine with `python -m benchmarks.served_report merge PARTS...`. The order of
 # the steps, what each moves in and how long they take: launch/README.md.
@@ -78,6 +83,26 @@ run)
         mkdir -p ~/.triton/cache && cp -r "$TRITON_CACHE_DIR"/. ~/.triton/cache/
     fi
     triton_cache_save "$OUT" ;;
+chain)
+    name=$2; shift 2; base=${CHAIN_DIR:-/tmp}
+    rm -rf "$base/tree.$name" && cp -a . "$base/tree.$name"
+    printf '%s\n' "$@" > "$base/$name.lines"
+    mkdir -p "$base/$name"
+    (cd "$base/tree.$name" && OUT="$base/$name" S="bash launch/served_speed.sh run" setsid nohup bash -c '
+        while IFS= read -r line; do echo "chain: $line"; eval "$line" || echo "chain: rc=$? for: $line"; done < "$0"
+        echo "chain: all done"' "$base/$name.lines" > "$base/$name.log" 2>&1 < /dev/null &)
+    echo "chain $name: $# lines started; log $base/$name.log, results $base/$name" ;;
+collect)
+    name=$2 secs=${3:-540} base=${CHAIN_DIR:-/tmp}; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+    end=$((SECONDS + secs))
+    while :; do
+        tar czf "$OUT/.t" --exclude='*.trace.json.gz' --exclude='*triton_cache*' --exclude='fi_cache*' \
+            -C "$base" "$name" "$name.log" && mv "$OUT/.t" "$OUT/$name.tgz"
+        left=$((end - SECONDS)); [ "$left" -gt 0 ] || break
+        sleep $((left < 60 ? left : 60))
+    done
+    cp "$base/$name/triton_cache.tgz" "$OUT/" 2>/dev/null || true
+    tail -3 "$base/$name.log" ;;
 *)
-    sed -n 2,11p "$0"; exit 2 ;;
+    sed -n 2,16p "$0"; exit 2 ;;
 esac
