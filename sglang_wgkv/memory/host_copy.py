@@ -53,15 +53,18 @@ def to_device_many(device: torch.device, parts: list[tuple]) -> list[torch.Tenso
 class QueuedCount:
     """A device scalar copied to the host behind the work queued on the current stream, without
     waiting: :meth:`value` is None until the copy has landed. On a CPU device it is there at once.
-    :meth:`queue` copies again into the same pinned buffer, once the last copy has landed."""
+    ``reuse``: :meth:`queue` copies again into the same pinned buffer once the last copy has landed
+    (a count taken over and over); without it the pinned buffer goes back to torch's cache as soon as
+    the value is read (a count kept as long as what it counts: only copies in flight hold one)."""
 
-    def __init__(self, count: torch.Tensor):
-        self._host, self._done = None, None
+    def __init__(self, count: torch.Tensor, reuse: bool = False):
+        self._host, self._done, self._value, self._reuse = None, None, None, reuse
         self.queue(count)
 
     def queue(self, count: torch.Tensor) -> None:
+        self._value = None
         if count.device.type != "cuda":
-            self._host, self._done = count.detach().clone(), None
+            self._value = int(count)
             return
         if self._done is not None and not self._done.query():
             raise RuntimeError("QueuedCount.queue: the last copy has not landed")
@@ -73,7 +76,10 @@ class QueuedCount:
         self._done = self._event
 
     def value(self) -> int | None:
-        if self._done is not None and not self._done.query():
-            return None
-        self._done = None
-        return int(self._host)
+        if self._value is None:
+            if self._done is None or not self._done.query():
+                return None
+            self._value, self._done = int(self._host), None
+            if not self._reuse:
+                self._host = self._event = None
+        return self._value

@@ -102,7 +102,7 @@ class PageAllocator:
         self.take_queued()
         if self._queued is None:
             if self._count is None:
-                self._count = QueuedCount(self.num_free)
+                self._count = QueuedCount(self.num_free, reuse=True)
             else:  # the last one has landed (taken above): its buffer is reused
                 self._count.queue(self.num_free)
             self._queued = (self._count, self._lowered, self._counts)

@@ -11,6 +11,7 @@ Restoring copies the ring (it is overwritten as the request decodes) and the par
 shares the full global pages, and sets the request's length to S.
 """
 
+import collections
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,7 @@ class SnapshotStore:
         self.pool = pool
         self.order = order or (lambda: None)
         self._live: dict[int, PrefixSnapshot] = {}
+        self._counting: collections.deque = collections.deque()  # held counts maybe in flight
         pool.register_ref_holder(self._held_pages)
 
     def _held_pages(self) -> torch.Tensor:
@@ -63,6 +65,10 @@ class SnapshotStore:
         self.order()
         snap = self.pool.take_snapshot(r)
         self._live[id(snap)] = snap
+        if snap.held is not None:  # its pinned count returns to torch's cache once read: read the landed
+            self._counting.append(snap.held)
+            while self._counting and self._counting[0].value() is not None:  # (they land in order)
+                self._counting.popleft()
         return snap
 
     def restore(self, r: int, snap: PrefixSnapshot) -> None:
