@@ -448,6 +448,35 @@ def knee_sim(d: dict) -> list[str]:
     return out
 
 
+def reclaim_syncs(d: dict) -> list[str]:
+    """``benchmarks/reclaim_syncs.py``: host syncs of the prefix cache's reclaim on a pool full of
+    snapshots, counted on CPU."""
+    shape = d["shape"]
+    out = [
+        f"Rounds of {shape['per_round']} admissions of {shape['prompt']}-token prompts sharing nothing, "
+        f"{shape['running']} running, {shape['pages']} pages. Command: {cmd(d['command'])}.",
+        "",
+    ]
+    return (
+        out
+        + table(
+            ["variant", "admissions", "host syncs", "syncs per admission", "snapshots dropped", "left"],
+            [
+                [
+                    r["variant"],
+                    r["admissions"],
+                    r["host_syncs"],
+                    f(r["syncs_per_admission"]),
+                    r["snapshots_dropped"],
+                    r["snapshots_left"],
+                ]
+                for r in d["rows"]
+            ],
+        )
+        + [""]
+    )
+
+
 def cpu_decode_threads(d: dict) -> list[str]:
     env = d.get("env", {})
     rows = [

@@ -51,6 +51,7 @@ from benchmarks.render_serving import (
     decode_log,
     knee_sim,
     logprob_floor,
+    reclaim_syncs,
     served_ab,
     served_model,
     served_summary,
@@ -90,6 +91,7 @@ RENDERERS = {
     "decode_log": decode_log,  # decode_log_compare.py
     "served_model": served_model,  # served_model.py
     "knee_sim": knee_sim,  # knee_sim.py
+    "reclaim_syncs": reclaim_syncs,  # reclaim_syncs.py
     "decode_ab": decode_ab,  # a decode-step A/B, each side on its own machine
     "logprob_floor": logprob_floor,  # logprob_floor.py
     "serving_memory": serving_memory,  # serving_memory.py

@@ -163,10 +163,14 @@ class DualCachePool(ExtendStep, DecodeStep, MixedStep, KVScales, PoolIntegrity):
         self.generation[r] += 1
 
     def free_request(self, r: int) -> None:
-        """Return every page of slot ``r`` (ring and global); no host sync."""
+        """Return every page of slot ``r`` (ring and global); no host sync. Its ring pages surely
+        return (a snapshot copies them, a restore gets fresh ones): the host's floor rises by them."""
         if not self.active[r]:
             raise ValueError(f"request slot {r} is not allocated")
-        self.allocator.free(self.page_table[r, :, :, : self.dump_col])
+        ring = -(-min(int(self.cached_len[r]), self.window) // PAGE_SIZE)
+        self.allocator.free(
+            self.page_table[r, :, :, : self.dump_col], returned=self.num_layers * self.num_kv_heads * ring
+        )
         self.page_table[r] = self.dump_page
         self.global_len[r] = 0
         self.ring_flag[r] = False
