@@ -149,3 +149,15 @@ def test_a_pool_full_of_snapshots_admits_without_host_syncs():
     now = run("reclaim_and_headroom", rounds=150, per_round=3, pages=2400)
     assert was["admissions"] == now["admissions"] == 450 and was["snapshots_dropped"] > 200
     assert was["syncs_per_admission"] > 1 and now["host_syncs"] == 0
+
+
+@pytest.mark.parametrize("prompt", [10, P])  # inside the ring, past it
+def test_a_request_free_raises_the_floor_by_its_ring_pages(prompt):
+    dual = DualCachePool(1, 2, 8, PAGES, 2, 128, WGKVConfig(local_window=W), dtype=torch.float32)
+    k = torch.randn(1, prompt, 2, 8)
+    dual.alloc_request(0)
+    run_extend(dual, [0], [0], [prompt], k, k, k, torch.ones(1, prompt, 2, dtype=torch.bool), W)
+    floor = dual.allocator.free_floor
+    dual.free_request(0)
+    ring_pages = 2 * -(-min(prompt, W) // 16)
+    assert dual.allocator.free_floor == floor + ring_pages <= dual.num_free_pages() == PAGES
