@@ -16,16 +16,15 @@ import argparse
 import collections
 import shlex
 import sys
-from types import SimpleNamespace
 
 import torch
 
 from benchmarks.common import write_json
 from sglang_wgkv.config import WGKVConfig
-from sglang_wgkv.integration.plugin.forward_fence import ForwardFence
 from sglang_wgkv.integration.plugin.overlap import admission_headroom
 from sglang_wgkv.memory import DualCachePool
 from sglang_wgkv.testing.pool_driver import run_extend
+from sglang_wgkv.testing.snapshot_cache import snapshot_cache, snapshot_prompt
 
 L, H, D, W = 2, 2, 8, 16
 PROMPT, RUNNING, ADMIT_P = 120, 12, 0.25  # each prompt leaves the ring; a quarter of it admitted
@@ -42,24 +41,9 @@ def reclaim_as_was(cache, worst_case: int) -> None:
 
 
 def run(variant: str, rounds: int, per_round: int, pages: int, seed: int = 0) -> dict:
-    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.radix_cache import RadixKey
-
-    from radix_ext.snapshot_radix_cache import SnapshotRadixCache
-
     slots = RUNNING + per_round
     dual = DualCachePool(L, H, D, pages, slots, 4 * PROMPT, WGKVConfig(local_window=W), dtype=torch.float32)
-    runtime = SimpleNamespace(
-        dual=dual,
-        plan=SimpleNamespace(restore_slots=2),
-        forward_fence=ForwardFence(),
-        attach_prefix_cache=lambda cache: None,
-    )
-    params = CacheInitParams(
-        disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None, page_size=1
-    )
-    cache = SnapshotRadixCache(params, runtime)
+    cache = snapshot_cache(dual)
     dual.allocator.reclaimer = (
         (lambda need: reclaim_as_was(cache, need)) if variant == "reclaim_as_was" else cache.reclaim
     )
@@ -93,10 +77,7 @@ def run(variant: str, rounds: int, per_round: int, pages: int, seed: int = 0) ->
             dual.allocator.queue_refresh()
             cache.keep_headroom(headroom)
         for i, r in enumerate(batch):  # its results: each prompt's end snapshotted
-            tokens = [(rnd * per_round + i) * 1000 + t for t in range(PROMPT)]  # shared by no other
-            cache.insert(InsertParams(key=RadixKey(tokens), value=torch.arange(PROMPT)))
-            req = SimpleNamespace(req_pool_idx=r, origin_input_ids=tokens, output_ids=[], extra_key=None)
-            cache._snapshot_request(req, path_len=PROMPT, priority=0)
+            snapshot_prompt(cache, r, [(rnd * per_round + i) * 1000 + t for t in range(PROMPT)])  # unshared
             running.append(r)
             admitted += 1
         while len(running) > RUNNING:  # the oldest finish

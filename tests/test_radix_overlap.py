@@ -25,6 +25,7 @@ from sglang_wgkv.testing.pool_driver import run_decode, run_extend
 from sglang_wgkv.testing.server_pool import ShippedGates, shared_server
 from sglang_wgkv.testing.serving import flush_cache, long_prompt
 from sglang_wgkv.testing.short_model import SHORT_LAYERS, ShortModel
+from sglang_wgkv.testing.snapshot_cache import snapshot_cache
 
 pytestmark = [pytest.mark.serving, pytest.mark.radix]
 
@@ -41,21 +42,9 @@ class CountingFence(ForwardFence):
 
 
 def _cache():
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-
-    from radix_ext.snapshot_radix_cache import SnapshotRadixCache
-
     dual = DualCachePool(1, 1, 8, 64, 2, 128, WGKVConfig(local_window=W), dtype=torch.float32)
-    runtime = SimpleNamespace(
-        dual=dual,
-        plan=SimpleNamespace(restore_slots=2),
-        forward_fence=CountingFence(),
-        attach_prefix_cache=lambda cache: None,
-    )
-    params = CacheInitParams(
-        disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None, page_size=1
-    )
-    return SnapshotRadixCache(params, runtime), dual, runtime.forward_fence
+    fence = CountingFence()
+    return snapshot_cache(dual, fence), dual, fence
 
 
 def _prefill_then_decode(cache, dual, ahead: bool):

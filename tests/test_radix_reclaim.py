@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from sglang_wgkv.config import WGKVConfig
-from sglang_wgkv.integration.plugin.forward_fence import ForwardFence
 from sglang_wgkv.memory import DualCachePool
 from sglang_wgkv.testing.pool_driver import run_extend
+from sglang_wgkv.testing.snapshot_cache import snapshot_cache, snapshot_prompt
 
 pytestmark = [pytest.mark.radix]
 
@@ -20,32 +20,14 @@ W, P, SLOTS, PAGES = 16, 40, 10, 64  # each prompt: one ring page and two global
 
 def _cache_with_snapshots():
     """A pool whose finished requests left SLOTS prompt snapshots (3 pages each), the floor exact."""
-    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.radix_cache import RadixKey
-
-    from radix_ext.snapshot_radix_cache import SnapshotRadixCache
-
     dual = DualCachePool(1, 1, 8, PAGES, SLOTS, 128, WGKVConfig(local_window=W), dtype=torch.float32)
-    runtime = SimpleNamespace(
-        dual=dual,
-        plan=SimpleNamespace(restore_slots=2),
-        forward_fence=ForwardFence(),
-        attach_prefix_cache=lambda cache: None,
-    )
-    params = CacheInitParams(
-        disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None, page_size=1
-    )
-    cache = SnapshotRadixCache(params, runtime)
+    cache = snapshot_cache(dual)
     torch.manual_seed(0)
     for r in range(SLOTS):
-        tokens = [1000 * (r + 1) + i for i in range(P)]
         k, v, q = (torch.randn(1, P, 1, 8) for _ in range(3))
         dual.alloc_request(r)
         run_extend(dual, [r], [0], [P], q, k, v, torch.ones(1, P, 1, dtype=torch.bool), W)
-        cache.insert(InsertParams(key=RadixKey(tokens), value=torch.arange(P)))
-        req = SimpleNamespace(req_pool_idx=r, origin_input_ids=tokens, output_ids=[], extra_key=None)
-        cache._snapshot_request(req, path_len=P, priority=0)
+        snapshot_prompt(cache, r, [1000 * (r + 1) + i for i in range(P)])
         dual.free_request(r)
     dual.allocator.sync_free()
     return cache, dual
