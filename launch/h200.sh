@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The WG-KV SGLang server on an H200 without network, with ../shared/device-kit and the embedded
 # model (SmolLM2-135M-Instruct GGUF, real weights), one verb per step (docs/offline-h200.md):
-#   setup (with .kit, first) | kit2 (with .kit2) | part (with one .model/*.gguf.pN piece) |
+#   setup (with .kit, first) | kit3 (with .kit3) | kit2 (with .kit2) | part (with one .model/*.gguf.pN piece) |
 #   router-kit (with .router: SGLang's router, which the kit lacks)
 #   serve-bench | serve-soak | serve-eval | memory | programs | logprob-floor | gpu-tests | train-speed |
 #   train-sweep | train-eval   [their args]   (in the step that brings the last model piece, or later)
@@ -21,6 +21,9 @@ setup)
     mkdir -p "$M" && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader ;;
 part)  # mkdir: `served_speed.sh setup` makes no $M
     mkdir -p "$M" && cp .model/$GGUF.p? "$M"/ ;;
+kit3)  # transformers: the tree and .kit together leave it no room in setup's step
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .kit3/*.whl
+    (. /tmp/pp; python3 -c "import transformers; print('transformers', transformers.__version__)") ;;
 kit2)
     bash .kit/install.sh .kit2 >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .kit2/*.whl
     touch /tmp/sglang-wheel-installed ;;
