@@ -43,19 +43,21 @@ from benchmarks.render_kernels import (
     prefill_chunk,
     sm90_registers,
 )
-from benchmarks.render_serving import (
-    constrained_programs,
-    cpu_decode_threads,
-    cpu_dtype,
+from benchmarks.render_served_speed import (
     decode_ab,
     decode_log,
     knee_sim,
-    logprob_floor,
     reclaim_syncs,
     served_ab,
     served_model,
     served_summary,
     served_workload,
+)
+from benchmarks.render_serving import (
+    constrained_programs,
+    cpu_decode_threads,
+    cpu_dtype,
+    logprob_floor,
     serving_memory,
     serving_throughput,
     soak,
