@@ -55,7 +55,13 @@ def _setup(num_layers: int, scenario: str):
     from sglang_wgkv.config import WGKVConfig
     from sglang_wgkv.gate import GateConfig, WriteGates
     from sglang_wgkv.memory import DualCachePool
-    from sglang_wgkv.testing.backend_harness import bare_backend, decode_batch, extend_batch, layer_of
+    from sglang_wgkv.testing.backend_harness import (
+        bare_backend,
+        batch_tensors,
+        decode_batch,
+        extend_batch,
+        layer_of,
+    )
 
     kind, lens, prefix, decode_rows, *rest = {**SCENARIOS, **SIZE_VARIANTS}[scenario]
     decode_len = rest[0] if rest else 40  # tokens each decoding request holds before the forward
@@ -102,7 +108,14 @@ def _setup(num_layers: int, scenario: str):
             for layer in layers:
                 backend.forward_extend(q, k, v, layer, fb)
 
-        return run
+        return placed(run, fb)
+
+    def placed(forward, fb):
+        """``forward`` with the tensors that live on the device and on the host when served."""
+        on_device, on_host = batch_tensors(fb)
+        forward.device_tensors = on_device + [t for t in vars(pool).values() if isinstance(t, torch.Tensor)]
+        forward.host_tensors = on_host
+        return forward
 
     # the cached state, prefilled on the torch path (not counted; the interpreter is slow)
     served = backend._prefill, backend.prefill_gate
@@ -128,7 +141,7 @@ def _setup(num_layers: int, scenario: str):
             for layer in layers:
                 backend.forward_decode(q, k, v, layer, fb)
 
-        return forward
+        return placed(forward, fb)
     if kind == "mixed":
         backend.batch_decode_rows = len(decoding)
         return extend(
@@ -141,7 +154,7 @@ def count(num_layers: int, scenario: str):
     from sglang_wgkv.testing.op_count import counting_ops
 
     forward = _setup(num_layers, scenario)
-    with counting_ops() as counts:
+    with counting_ops(forward.device_tensors, forward.host_tensors) as counts:
         forward()
     return counts
 

@@ -150,7 +150,7 @@ def decode_batch(slots, seq_lens) -> SimpleNamespace:
         batch_size=len(slots),
         req_pool_indices=torch.tensor(slots),
         seq_lens=seq,
-        seq_lens_cpu=seq,
+        seq_lens_cpu=seq.clone(),  # a tensor of its own, as SGLang's host copy
         wgkv_req_slots=list(slots),
     )
 
@@ -173,3 +173,10 @@ def run_decode(backend: WGKVAttnBackend, layers, slots, seq_lens, rows) -> list[
     fb = decode_batch(slots, seq_lens)
     backend.init_forward_metadata(fb)
     return [backend.forward_decode(*rows(len(slots)), layer, fb) for layer in layers]
+
+
+def batch_tensors(forward_batch) -> tuple[list, list]:
+    """``(device tensors, host tensors)`` of a batch built here, as SGLang places them (its ``*_cpu``
+    fields on the host): what ``testing.op_count.counting_ops`` needs to tell a host read's cost."""
+    fields = [(k, v) for k, v in vars(forward_batch).items() if isinstance(v, torch.Tensor)]
+    return [v for k, v in fields if not k.endswith("_cpu")], [v for k, v in fields if k.endswith("_cpu")]

@@ -10,16 +10,28 @@ these counts are its host work (``benchmarks/host_ops.py``).
 | any other | a kernel (a fill, an index op, a copy, a reduction) | ``torch`` |
 
 Triton launches count as ``triton`` by kernel name; the torch ops an interpreted launch makes itself
-are not counted. Host-to-device copies of host arrays (``to_device``) are no ops on CPU, nor are
-``.tolist()`` reads of CPU tensors: on a GPU the latter are syncs, so their count here is a floor.
+are not counted. Host-to-device copies of host arrays (``to_device``) are no ops on CPU.
+
+Reads to the host that dispatch no aten op on CPU are counted as ``sync`` too, by the Python method
+(``tolist``, ``cpu``, ``numpy``, ``__array__``), when the tensor read would live on the device when
+served. Where a tensor lives, as served:
+
+| tensor | lives | its ops |
+| --- | --- | --- |
+| one of ``host_tensors`` (a batch's ``*_cpu`` fields), or made by an op on one and no device tensor | host | not counted (host work, no launch) |
+| one of ``device_tensors`` (a batch's device fields, a pool's state), or made by an op on one | device | counted |
+| made by a counted op from neither (``torch.zeros``, a host array's copy) | device | counted |
+| a view of a tensor made outside the block from neither (``torch.from_numpy``) | host | |
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from contextlib import contextmanager
 from unittest import mock
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 FREE = {
@@ -53,30 +65,69 @@ FREE = {
 SYNC = {"_local_scalar_dense", "nonzero", "equal", "is_nonzero", "masked_select", "unique", "_unique2"}
 
 
+# Tensor methods that read a tensor to the host without an aten op on CPU (each a wait on a GPU)
+HOST_READS = ("tolist", "cpu", "numpy", "__array__")
+
+
 class _Counter(TorchDispatchMode):
-    def __init__(self, counts: Counter):
+    def __init__(self, counts: Counter, device_tensors=(), host_tensors=()):
         super().__init__()
         self.counts = counts
         self.paused = 0
+        self._where: dict[int, tuple] = {}  # id -> (weakref, on the device) (a WeakSet compares tensors)
+        for tensors, on_device in ((device_tensors, True), (host_tensors, False)):
+            for t in tensors:
+                self.mark(t, on_device)
+
+    def mark(self, t, on_device: bool) -> None:
+        if isinstance(t, torch.Tensor):
+            self._where[id(t)] = (weakref.ref(t), on_device)
+
+    def lives(self, t) -> bool | None:
+        """True on the device, False on the host, None if neither was seen."""
+        got = self._where.get(id(t))
+        return got[1] if got is not None and got[0]() is t else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         if not self.paused:
             name = func.overloadpacket.__name__
-            if name not in FREE:
+            seen = {self.lives(a) for a in args for a in (a if isinstance(a, (list, tuple)) else (a,))}
+            on_device = True if True in seen else False if False in seen else name not in FREE
+            if on_device and name not in FREE:
                 self.counts[("sync" if name in SYNC else "torch", name)] += 1
-        return func(*args, **(kwargs or {}))
+            if on_device or False in seen:
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    self.mark(t, on_device)
+        return out
+
+    def host_read(self, name: str, original):
+        def read(tensor, *args, **kwargs):
+            if self.paused or not self.lives(tensor):
+                return original(tensor, *args, **kwargs)
+            self.counts[("sync", name)] += 1
+            self.paused += 1
+            try:  # an alias the rest of the read sees as host memory (``.cpu().numpy()`` waits once)
+                return original(tensor.detach().view_as(tensor) if name == "cpu" else tensor, *args, **kwargs)
+            finally:
+                self.paused -= 1
+
+        return read
 
 
 @contextmanager
-def counting_ops():
+def counting_ops(device_tensors=(), host_tensors=()):
     """``with counting_ops() as counts:`` a Counter of ``(kind, name)`` over the block: ``kind`` is
-    ``torch``, ``sync`` or ``triton`` (see the module's table)."""
+    ``torch``, ``sync`` or ``triton`` (see the module's tables). ``device_tensors`` / ``host_tensors``:
+    tensors made before the block that live on the device / on the host when served."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
     counts: Counter = Counter()
-    mode = _Counter(counts)
-    patches = []
+    mode = _Counter(counts, device_tensors, host_tensors)
+    patches = [
+        mock.patch.object(torch.Tensor, n, mode.host_read(n, getattr(torch.Tensor, n))) for n in HOST_READS
+    ]
     for cls in (InterpretedFunction, JITFunction):
         original = cls.run
 

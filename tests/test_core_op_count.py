@@ -1,0 +1,50 @@
+"""The CPU census of a forward (``sglang_wgkv.testing.op_count``) counts a read to the host as a sync
+exactly when what it reads lives on the device when served, and ops on host copies as no launch."""
+
+import numpy as np
+import pytest
+import torch
+
+from sglang_wgkv.testing.op_count import counting_ops, totals
+
+pytestmark = pytest.mark.core
+
+
+def census(body, device_tensors=(), host_tensors=()) -> dict:
+    with counting_ops(device_tensors, host_tensors) as counts:
+        body()
+    return totals(counts)
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda t: t.tolist(),
+        lambda t: t.cpu(),
+        lambda t: t.cpu().numpy(),  # one copy to the host, one wait
+        lambda t: np.asarray(t),
+        lambda t: t[1:].tolist(),  # a view of a device tensor is on the device
+        lambda t: int(t[0]),
+    ],
+)
+def test_a_host_read_of_a_device_tensor_is_one_sync(read):
+    state = torch.arange(4)
+    assert census(lambda: read(state + 1)).get("sync") == 1  # made by an op: on the device
+    assert census(lambda: read(state), device_tensors=[state]).get("sync") == 1
+
+
+def test_host_copies_and_host_arrays_are_read_without_a_sync():
+    seq_lens_cpu = torch.tensor([5, 7])
+    host_array = torch.from_numpy(np.arange(3))
+
+    def body():
+        (seq_lens_cpu - 1).tolist()  # SGLang's host copy: the op and its read stay on the host
+        host_array[1:].tolist()
+
+    assert census(body, host_tensors=[seq_lens_cpu]) == {}
+
+
+def test_an_op_on_a_device_and_a_host_tensor_is_a_launch_on_the_device():
+    device, host = torch.arange(3), torch.ones(3, dtype=torch.int64)
+    got = census(lambda: (device + host).tolist(), device_tensors=[device], host_tensors=[host])
+    assert got == {"torch": 1, "sync": 1}
