@@ -26,6 +26,9 @@ SCENARIOS = {
     "chunk_after_prefix_4": ("extend", [24] * 4, [72] * 4, 0),
     "mixed_1_prefill_4_decode": ("mixed", [40], [0], 4),
     "mixed_1_prefill_8_decode": ("mixed", [40], [0], 8),
+    # a burst's forward: a prompt's next chunk beside the decode rows
+    "mixed_1_chunk_4_decode": ("mixed", [24], [72], 4),
+    "mixed_2_chunks_8_decode": ("mixed", [24, 24], [72, 72], 8),
     "decode_4": ("decode", [], [], 4),
     "decode_8": ("decode", [], [], 8),
 }

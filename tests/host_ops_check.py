@@ -24,6 +24,7 @@ CASES = {
     # first layer gathers its context (the packed keys' sizes are the host's)
     "chunk_after_prefix": (("chunk_after_prefix_1", "chunk_after_prefix_4"), 16, {"sync:tolist": 1}),
     "mixed": (("mixed_1_prefill_4_decode", "mixed_1_prefill_8_decode"), 20, {}),
+    "mixed_after_prefix": (("mixed_1_chunk_4_decode", "mixed_2_chunks_8_decode"), 20, {"sync:tolist": 1}),
     "decode": (("decode_4", "decode_8"), 4, {}),
 }
 

@@ -14,7 +14,7 @@ CPU_ONLY = cpu_only("counts the CPU run of the kernels path (the interpreter's)"
 pytestmark = [pytest.mark.core, CPU_ONLY]
 
 CHECK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_ops_check.py")
-CASES = ("extend", "chunk_after_prefix", "mixed", "decode")
+CASES = ("extend", "chunk_after_prefix", "mixed", "mixed_after_prefix", "decode")
 RUN = InterpCheck(CHECK, (*CASES, "variants"))
 
 
