@@ -29,6 +29,11 @@ SCENARIOS = {
     # a burst's forward: a prompt's next chunk beside the decode rows
     "mixed_1_chunk_4_decode": ("mixed", [24], [72], 4),
     "mixed_2_chunks_8_decode": ("mixed", [24, 24], [72, 72], 8),
+    # the same forwards on an FP8 pool (--kv-cache-dtype fp8_e4m3)
+    "mixed_1_chunk_4_decode_fp8": ("mixed", [24], [72], 4, 40, "float8_e4m3fn"),
+    "mixed_2_chunks_8_decode_fp8": ("mixed", [24, 24], [72, 72], 8, 40, "float8_e4m3fn"),
+    "decode_4_fp8": ("decode", [], [], 4, 40, "float8_e4m3fn"),
+    "decode_8_fp8": ("decode", [], [], 8, 40, "float8_e4m3fn"),
     "decode_4": ("decode", [], [], 4),
     "decode_8": ("decode", [], [], 8),
 }
@@ -69,6 +74,7 @@ def _setup(num_layers: int, scenario: str):
     kind, lens, prefix, decode_rows, *rest = {**SCENARIOS, **SIZE_VARIANTS}[scenario]
     decode_len = rest[0] if rest else 40  # tokens each decoding request holds before the forward
     dt = torch.float16
+    kv_dtype = getattr(torch, rest[1]) if len(rest) > 1 else dt
     pool = DualCachePool(
         num_layers,
         H,
@@ -79,7 +85,8 @@ def _setup(num_layers: int, scenario: str):
         config=WGKVConfig(local_window=W, tau=0.1),
         triton_decode=True,
         triton_extend=True,
-        dtype=dt,
+        dtype=kv_dtype,
+        compute_dtype=dt,
     )
     gates = WriteGates(GateConfig(num_layers=num_layers, num_kv_heads=H, head_dim=D, hidden=2 * D)).eval()
     gates.requires_grad_(False)

@@ -26,6 +26,13 @@ CASES = {
     "mixed": (("mixed_1_prefill_4_decode", "mixed_1_prefill_8_decode"), 20, {}),
     "mixed_after_prefix": (("mixed_1_chunk_4_decode", "mixed_2_chunks_8_decode"), 20, {"sync:tolist": 1}),
     "decode": (("decode_4", "decode_8"), 4, {}),
+    # an FP8 pool: scales applied inside the same launches, no read of them to the host
+    "mixed_after_prefix_fp8": (
+        ("mixed_1_chunk_4_decode_fp8", "mixed_2_chunks_8_decode_fp8"),
+        20,
+        {"sync:tolist": 1},
+    ),
+    "decode_fp8": (("decode_4_fp8", "decode_8_fp8"), 4, {}),
 }
 
 

@@ -14,7 +14,15 @@ CPU_ONLY = cpu_only("counts the CPU run of the kernels path (the interpreter's)"
 pytestmark = [pytest.mark.core, CPU_ONLY]
 
 CHECK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_ops_check.py")
-CASES = ("extend", "chunk_after_prefix", "mixed", "mixed_after_prefix", "decode")
+CASES = (
+    "extend",
+    "chunk_after_prefix",
+    "mixed",
+    "mixed_after_prefix",
+    "decode",
+    "mixed_after_prefix_fp8",
+    "decode_fp8",
+)
 RUN = InterpCheck(CHECK, (*CASES, "variants"))
 
 
