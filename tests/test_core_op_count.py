@@ -48,3 +48,16 @@ def test_an_op_on_a_device_and_a_host_tensor_is_a_launch_on_the_device():
     device, host = torch.arange(3), torch.ones(3, dtype=torch.int64)
     got = census(lambda: (device + host).tolist(), device_tensors=[device], host_tensors=[host])
     assert got == {"torch": 1, "sync": 1}
+
+
+def test_an_index_by_a_boolean_mask_is_a_sync():
+    t = torch.arange(5)
+
+    def body():
+        t[t > 2]  # the mask's positions go through the host
+        t[torch.tensor([1, 2])]  # positions given: a gather
+        u = t.clone()
+        u[u > 1] = 0
+
+    got = census(body, device_tensors=[t])
+    assert got["sync"] == 2

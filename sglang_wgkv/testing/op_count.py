@@ -6,7 +6,7 @@ these counts are its host work (``benchmarks/host_ops.py``).
 | aten op | on a GPU | counted as |
 | --- | --- | --- |
 | views, reshapes of contiguous tensors, allocations without fill | no kernel | not counted |
-| :data:`SYNC` (a scalar read, ``nonzero``, ``equal``...) | a copy and a wait for the device | ``sync`` |
+| :data:`SYNC` (a scalar read, ``nonzero``, ``equal``...), an index by a boolean mask | a copy and a wait for the device | ``sync`` |
 | any other | a kernel (a fill, an index op, a copy, a reduction) | ``torch`` |
 
 Triton launches count as ``triton`` by kernel name; the torch ops an interpreted launch makes itself
@@ -65,6 +65,13 @@ FREE = {
 SYNC = {"_local_scalar_dense", "nonzero", "equal", "is_nonzero", "masked_select", "unique", "_unique2"}
 
 
+def _bool_index(name: str, args) -> bool:
+    """``t[mask]`` / ``t[mask] = v``: a boolean index is turned into positions on the host (a wait)."""
+    if name not in ("index", "index_put", "index_put_", "_index_put_impl_") or len(args) < 2:
+        return False
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] or ())
+
+
 # Tensor methods that read a tensor to the host without an aten op on CPU (each a wait on a GPU)
 HOST_READS = ("tolist", "cpu", "numpy", "__array__")
 
@@ -95,7 +102,7 @@ class _Counter(TorchDispatchMode):
             seen = {self.lives(a) for a in args for a in (a if isinstance(a, (list, tuple)) else (a,))}
             on_device = True if True in seen else False if False in seen else name not in FREE
             if on_device and name not in FREE:
-                self.counts[("sync" if name in SYNC else "torch", name)] += 1
+                self.counts[("sync" if name in SYNC or _bool_index(name, args) else "torch", name)] += 1
             if on_device or False in seen:
                 for t in out if isinstance(out, (tuple, list)) else (out,):
                     self.mark(t, on_device)
