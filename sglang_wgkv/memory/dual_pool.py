@@ -167,7 +167,7 @@ class DualCachePool(ExtendStep, DecodeStep, MixedStep, KVScales, PoolIntegrity):
         return (a snapshot copies them, a restore gets fresh ones): the host's floor rises by them."""
         if not self.active[r]:
             raise ValueError(f"request slot {r} is not allocated")
-        ring = -(-min(int(self.cached_len[r]), self.window) // PAGE_SIZE)
+        ring = self.ring_pages(int(self.cached_len[r]))
         self.allocator.free(
             self.page_table[r, :, :, : self.dump_col], returned=self.num_layers * self.num_kv_heads * ring
         )
@@ -196,7 +196,7 @@ class DualCachePool(ExtendStep, DecodeStep, MixedStep, KVScales, PoolIntegrity):
         S = int(self.cached_len[r])
         if not self.active[r] or S == 0:
             raise ValueError(f"request slot {r} has nothing to snapshot")
-        ring_used = -(-min(S, self.window) // PAGE_SIZE)
+        ring_used = self.ring_pages(S)
         L, H = self.num_layers, self.num_kv_heads
         copies = self.allocator.alloc(L * H * ring_used).view(L, H, ring_used)
         src = self.page_table[r, :, :, :ring_used].long()
@@ -229,7 +229,7 @@ class DualCachePool(ExtendStep, DecodeStep, MixedStep, KVScales, PoolIntegrity):
         if not self.active[r] or self.cached_len[r] != 0:
             raise ValueError(f"request slot {r} must be allocated and empty to restore a prefix")
         R = self.ring_cols
-        ring_used = -(-min(snap.length, self.window) // PAGE_SIZE)
+        ring_used = self.ring_pages(snap.length)
         self.allocator.ensure(self.restore_bound(snap.length))
         rows = snap.rows.clone()
         ring = self.allocator.alloc(self.num_layers * self.num_kv_heads * ring_used)

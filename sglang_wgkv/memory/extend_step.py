@@ -371,10 +371,14 @@ class ExtendStep:
             torch.cat([g_adm, r_adm]),
         )
 
+    def ring_pages(self, length: int) -> int:
+        """Pages of one stream's ring holding a request of ``length`` tokens."""
+        return -(-min(length, self.window) // PAGE_SIZE)
+
     def restore_bound(self, prefix_len: int) -> int:
         """Pages :meth:`restore_snapshot` allocates for a snapshot of ``prefix_len`` tokens: the copied
         ring and, per stream, the copied partial last global page."""
-        return self.num_layers * self.num_kv_heads * (-(-min(prefix_len, self.window) // PAGE_SIZE) + 1)
+        return self.num_layers * self.num_kv_heads * (self.ring_pages(prefix_len) + 1)
 
     def extend_bound(self, prefix_len: int, extend_len: int) -> int:
         """Upper bound on the pages that extending a request from ``prefix_len`` cached tokens by

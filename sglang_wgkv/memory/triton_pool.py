@@ -47,7 +47,7 @@ def begin_prefill(pool, r: int, n: int) -> None:
     if n <= 0 or n > pool.max_context_len:
         raise ValueError(f"prefill of {n} tokens outside (0, {pool.max_context_len}]")
     L, H = pool.num_layers, pool.num_kv_heads
-    c1 = -(-min(n, pool.window) // PAGE_SIZE)
+    c1 = pool.ring_pages(n)
     pages = pool.allocator.alloc(L * H * c1).to(torch.int32)
     pool.page_table[r, :, :, :c1] = pages.view(L, H, c1)
     pool.cached_len[r] = n
