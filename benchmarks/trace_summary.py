@@ -108,6 +108,10 @@ def summarize_events(events: list[dict], steps: int | None = None) -> dict:
         "host_waits": host_waits(events),
         "forwards": forwards(kernels, steps),
         "annotated_steps": annotated_steps(events, kernels),
+        "host_self_us_per_step": {k: round(v / per, 1) for k, v in host_self_time(events).items()},
+        "project_frames_us_per_step": {
+            k: round(v / per, 1) for k, v in host_self_time(events, inclusive=PROJECT_FRAME).items()
+        },
     }
 
 
@@ -316,6 +320,57 @@ def annotated_steps(events: list[dict], kernels: list[dict]) -> list[dict]:
             }
         )
     return out
+
+
+# host events that nest on one thread: each one's own time is its duration less its children's
+SELF_CATS = ("python_function", "cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")
+PROJECT_FRAME = "sglang_wgkv/"
+
+
+def host_self_time(events: list[dict], top: int = 30, inclusive: str | None = None) -> dict[str, float]:
+    """The host's time inside each forward (``step[...]`` ranges) by where it went: per event name its
+    own time (its duration less the events nested in it on the same thread), the largest ``top``;
+    with ``inclusive``, the whole duration of the Python frames whose name holds it instead.
+    A project frame's line (``sglang_wgkv/...py(N): f``) then says which Python costs the host, where
+    the phases of the GPU only say what it waited for."""
+    steps = [
+        (e["ts"], e["ts"] + e["dur"], e.get("tid"))
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("cat") == "user_annotation"
+        and STEP_ANNOTATION.match(e.get("name", ""))
+    ]
+    if not steps:
+        return {}
+    by_tid = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in SELF_CATS and "dur" in e:
+            by_tid[e.get("tid")].append(e)
+    own = defaultdict(float)
+    for tid, evs in by_tid.items():
+        ranges = [(lo, hi) for lo, hi, t in steps if t == tid]
+        if not ranges:
+            continue
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[list] = []  # [end, name, own time so far, inside a step]
+
+        def close(entry):
+            if entry[3] and inclusive is None:
+                own[entry[1][:120]] += max(entry[2], 0.0)
+            elif entry[3] and inclusive in entry[1]:
+                own[entry[1][:120]] += entry[4]
+
+        for e in evs:
+            start, end = e["ts"], e["ts"] + e["dur"]
+            while stack and stack[-1][0] <= start:
+                close(stack.pop())
+            if stack:
+                stack[-1][2] -= e["dur"]
+            inside = any(lo <= start and end <= hi for lo, hi in ranges)
+            stack.append([end, e["name"], e["dur"], inside, e["dur"]])
+        while stack:
+            close(stack.pop())
+    return dict(sorted(own.items(), key=lambda kv: -kv[1])[:top])
 
 
 # CUDA runtime calls that can make the host wait for the device (a full drain lets the GPU idle for

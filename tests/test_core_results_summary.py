@@ -342,3 +342,32 @@ def test_trace_summary_keeps_each_annotated_forward_apart():
         "step[EXTEND bs=2 toks=8192]: 3 kernels, span 110.0 us, busy 100.0, idle 10.0, GEMM 50.0, attention 50.0"
         "; fa3_attention 30.0; wgkv_prefill_attention 20.0" in lines
     )
+
+
+def test_trace_summary_host_self_time_splits_nested_frames_inside_forwards():
+    """``host_self_us_per_step``: inside a forward's ``step[...]`` range each host event's own time is
+    its duration less its nested events' (a Python frame of 100 us holding a 30 us op and a 20 us
+    launch owns 50 us); events outside every step range do not count."""
+    from benchmarks import trace_summary as ts
+
+    def host(cat, name, t, dur, tid=1):
+        return {"ph": "X", "cat": cat, "name": name, "ts": t, "dur": dur, "tid": tid}
+
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "nvjet_gemm", "ts": 0.0, "dur": 500.0},
+        host("user_annotation", "step[EXTEND bs=1 toks=8]", 0.0, 300.0),
+        host("python_function", "sglang_wgkv/x.py(1): f", 10.0, 100.0),
+        host("cpu_op", "aten::index", 20.0, 30.0),
+        host("cuda_runtime", "cudaLaunchKernel", 60.0, 20.0),
+        host("python_function", "sglang_wgkv/y.py(2): g", 150.0, 40.0),
+        host("python_function", "sglang_wgkv/z.py(3): outside", 400.0, 70.0),
+        host("python_function", "other_thread.py(4): h", 10.0, 90.0, tid=2),
+    ]
+    out = ts.summarize_events(events, steps=1)["host_self_us_per_step"]
+    assert out["sglang_wgkv/x.py(1): f"] == 50.0
+    assert out["aten::index"] == 30.0 and out["cudaLaunchKernel"] == 20.0
+    assert out["sglang_wgkv/y.py(2): g"] == 40.0
+    assert out["step[EXTEND bs=1 toks=8]"] == 300.0 - 100.0 - 40.0
+    assert "sglang_wgkv/z.py(3): outside" not in out and "other_thread.py(4): h" not in out
+    frames = ts.summarize_events(events, steps=1)["project_frames_us_per_step"]
+    assert frames == {"sglang_wgkv/x.py(1): f": 100.0, "sglang_wgkv/y.py(2): g": 40.0}
