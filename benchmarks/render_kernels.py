@@ -364,6 +364,27 @@ def host_ops(d: dict) -> list[str]:
     )
 
 
+def host_time(d: dict) -> list[str]:
+    """``benchmarks/host_time.py``: the host's microseconds in the backend's part of a forward, on CPU."""
+    spans = sorted(
+        {k for r in d["scenarios"].values() for k in r if k.startswith("wgkv.")} - {"wgkv.plan_forward"}
+    )
+    rows = [
+        [
+            name,
+            f(r.get("init_forward_metadata"), 0),
+            f(r.get("forward_extend", r.get("forward_decode")), 0),
+            *(f(r.get(k), 0) if k in r else "" for k in spans),
+        ]
+        for name, r in d["scenarios"].items()
+    ]
+    head = (
+        f"Command: {cmd(d['command'])}. Host microseconds ({d['unit']}), {d['layers']} layers, the Triton "
+        "launches returning at once: the Python and torch dispatch around the kernels."
+    )
+    return [head, ""] + table(["forward", "plan", "a layer", *(k.removeprefix("wgkv.") for k in spans)], rows)
+
+
 def kernel_gate(d: dict) -> list[str]:
     """``kernel_gate.py``: the prefill write gate's launch shapes, one layer at a time."""
     env, s = d["environment"], d["shape"]

@@ -36,6 +36,7 @@ from benchmarks.render_kernels import (
     extend_step,
     fig8,
     host_ops,
+    host_time,
     kernel_attention,
     kernel_decode,
     kernel_gate,
@@ -114,6 +115,7 @@ RENDERERS = {
     "agreement": agreement,  # evals/agreement.py
     "chunked_prefill_host": chunked_prefill_host,  # chunked_prefill_host.py
     "host_ops": host_ops,  # host_ops.py
+    "host_time": host_time,  # host_time.py
 }
 __all__ = ["RENDERERS", "SECTIONS", "clean_path", "render", "renderer"]
 
