@@ -10,7 +10,7 @@
 #   bash launch/served_speed.sh chain NAME 'LINE' ...   the lines one after another, detached (they outlast
 #     a step), each a command run with OUT=/tmp/NAME and $S = "bash launch/served_speed.sh run", from a copy
 #     of the tree of their own: a later step's copy replaces this checkout's files under a starting server
-#   bash launch/served_speed.sh collect NAME [SECONDS]   every minute for SECONDS (540), /tmp/NAME and its
+#   bash launch/served_speed.sh collect NAME [SECONDS]   every minute for SECONDS (540) or until the chain ends, /tmp/NAME and its
 #     log as $OUT/NAME.tgz (no traces, no caches); then its Triton cache and the log's tail
 # Parts, bench_serving lines, server logs and the compile caches that grew come back in $OUT; merge the
 # parts on the networked machine with `python -m benchmarks.served_report merge PARTS...`. The order of
@@ -99,6 +99,7 @@ collect)
         tar czf "$OUT/.t" --exclude='*.trace.json.gz' --exclude='*triton_cache*' --exclude='fi_cache*' \
             -C "$base" "$name" "$name.log" && mv "$OUT/.t" "$OUT/$name.tgz"
         left=$((end - SECONDS)); [ "$left" -gt 0 ] || break
+        grep -q '^chain: all done' "$base/$name.log" 2>/dev/null && break  # nothing more will land
         sleep $((left < 60 ? left : 60))
     done
     cp "$base/$name/triton_cache.tgz" "$OUT/" 2>/dev/null || true
