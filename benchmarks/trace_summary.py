@@ -8,6 +8,7 @@ the GPU waited for the host), per profiled step.
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import json
 import re
@@ -286,6 +287,7 @@ def annotated_steps(events: list[dict], kernels: list[dict]) -> list[dict]:
         if "correlation" in k.get("args", {}):
             by_corr[k["args"]["correlation"]].append(k)
     out = []
+    ends = sorted(k["ts"] + k["dur"] for k in kernels)
     for step in sorted(
         (
             e
@@ -301,8 +303,11 @@ def annotated_steps(events: list[dict], kernels: list[dict]) -> list[dict]:
         if not mine:
             out.append({"name": step["name"], "kernels": 0})
             continue
-        span = max(k["ts"] + k["dur"] for k in mine) - min(k["ts"] for k in mine)
+        first = min(k["ts"] for k in mine)
+        span = max(k["ts"] + k["dur"] for k in mine) - first
         idle = sum(b - a for a, b, *_ in idle_gaps(mine))
+        # the GPU's wait for this forward: from the last kernel that ended before its first one
+        before = bisect.bisect_right(ends, first)
         phases = defaultdict(float)
         for k in mine:
             phases[phase_of(k["name"])] += k["dur"]
@@ -313,6 +318,7 @@ def annotated_steps(events: list[dict], kernels: list[dict]) -> list[dict]:
                 "span_us": round(span, 1),
                 "gpu_busy_us": round(span - idle, 1),
                 "gpu_idle_us": round(idle, 1),
+                "idle_before_us": round(first - ends[before - 1], 1) if before else None,
                 "gemm_us": round(phases["gemm"], 1),
                 "attention_us": round(sum(t for ph, t in phases.items() if ph.endswith("attention")), 1),
                 # a mixed forward's prefill and decode attention, gate and copies apart

@@ -301,7 +301,8 @@ def test_trace_summary_splits_forwards_and_names_the_prefill_ones():
 
 def test_trace_summary_keeps_each_annotated_forward_apart():
     """``annotated_steps``: each ``step[...]`` host range's kernels, found through the launches inside
-    it (correlation ids, runtime and driver launches alike), with their own span, idle time, GEMM and
+    it (correlation ids, runtime and driver launches alike), with their own span, idle time (inside
+    it, and before its first kernel since the last one ended), GEMM and
     attention time (FA3's cutlass kernel counted as attention, not GEMM); a decode step caught beside a
     prefill stays out of it (a CUDA graph's kernels all counted through its one replay launch), and
     the profiler's projection of a step onto the GPU's timeline is no step."""
@@ -331,11 +332,13 @@ def test_trace_summary_keeps_each_annotated_forward_apart():
         "span_us": 110.0,
         "gpu_busy_us": 100.0,
         "gpu_idle_us": 10.0,
+        "idle_before_us": None,  # no kernel before it
         "gemm_us": 50.0,
         "attention_us": 50.0,
         "phase_us": {"gemm": 50.0, "fa3_attention": 30.0, "wgkv_prefill_attention": 20.0},
     }
     assert out[1]["name"] == "step[DECODE bs=4]" and out[1]["kernels"] == 2 and out[1]["span_us"] == 7.0
+    assert out[1]["idle_before_us"] == 400.0 - 210.0  # the GPU waited from the prefill's last kernel
     assert len(out) == 2
     lines = ts.layer_lines(ts.summarize_events(events, steps=1))
     assert (
