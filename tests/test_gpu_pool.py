@@ -486,3 +486,34 @@ def test_queued_free_count_and_snapshot_release_need_no_sync():
     expected = pool.allocator.expected_free  # the held count landed by now (the release came after it)
     exact = pool.num_free_pages()  # (syncs)
     assert floor + snap.private_pages <= exact <= expected
+
+
+def test_request_pool_alloc_waits_for_nothing():
+    """The request pool's ``alloc`` (the overlap scheduler runs it while a forward is in flight) and a
+    bounded slot's window row make no host sync (``tests/test_serving_units.py`` counts the same on
+    CPU)."""
+    from types import SimpleNamespace
+
+    from sglang_wgkv.integration.plugin.runtime import WGKVRuntime
+    from sglang_wgkv.integration.plugin.settings import ServingSettings
+    from sglang_wgkv.integration.pools.req_pool import WGKVReqToTokenPool
+    from sglang_wgkv.memory import SnapKVEvictor
+
+    dual = _pool(2, 2, 64, 16, torch.bfloat16, "cuda")
+    runtime = WGKVRuntime(ServingSettings(config=dual.config), dual=dual)
+    pool = WGKVReqToTokenPool(
+        size=2, max_context_len=128, device="cuda", enable_memory_saver=False, runtime=runtime
+    )
+    evictor = SnapKVEvictor(dual, budget=None, num_q_heads=4, window=8, rows=1)
+    reqs = [
+        SimpleNamespace(req_pool_idx=None, sampling_params=SimpleNamespace(custom_params=p), output_ids=[])
+        for p in ({"wgkv": {"tau": 0.5}}, None)
+    ]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pool.alloc(reqs)
+        evictor.bound_request(reqs[0].req_pool_idx, budget=48)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert pool.slot_tau[[r.req_pool_idx for r in reqs]].tolist() == pytest.approx([0.5, dual.config.tau])

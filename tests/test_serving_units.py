@@ -596,3 +596,26 @@ def test_wgkv_lowers_sglangs_own_memory_fraction_only():
     assert run("wgkv", 0.5, h200) == 0.5
     assert run("flashinfer", None, h200) == 0.907
     assert run("wgkv", None, None) == 0.907
+
+
+def test_req_pool_alloc_and_a_bounded_row_make_no_host_copy():
+    """Under the overlap scheduler ``alloc`` runs while a forward is in flight, its stream behind that
+    forward (``forward_fence``): a blocking host-to-device copy there (``slot_tau[slot] = tau``: a 1-D
+    tensor's element takes a copy of a host scalar) waited for the whole forward, and the host scheduled
+    and launched the next one while the GPU idled. The pool's and the evictor's per-slot device state
+    are written by fills (counted on CPU: ``sglang_wgkv.testing.op_count``)."""
+    from sglang_wgkv.memory import SnapKVEvictor
+    from sglang_wgkv.testing.op_count import counting_ops
+
+    dual, runtime, pool = _req_pool()
+    evictor = SnapKVEvictor(dual, budget=None, num_q_heads=4, window=8, rows=1)
+    device = [pool.slot_tau, evictor.row, evictor.q_pos] + [
+        t for t in vars(dual).values() if isinstance(t, torch.Tensor)
+    ]
+    a, b = _req({"wgkv": {"tau": 0.5}}), _req(None)
+    with counting_ops(device) as counts:
+        pool.alloc([a, b])
+        evictor.bound_request(a.req_pool_idx, budget=48)
+    assert not [k for k in counts if k[0] == "sync"], counts
+    assert pool.slot_tau[[a.req_pool_idx, b.req_pool_idx]].tolist() == pytest.approx([0.5, dual.config.tau])
+    assert int(evictor.row[a.req_pool_idx]) == 0

@@ -240,7 +240,7 @@ class SnapKVEvictor(ObservationWindow, StreamEviction):
                 raise RuntimeError(f"SnapKV: no free query-window row for request slot {slot}")
             row = self._free_rows.pop()
             self._row_of[slot] = row
-            self.row[slot] = row
+            self.row.narrow(0, slot, 1).fill_(row)  # not `row[slot] = row`: a host scalar copy syncs
             self.q_pos[row] = -1
         self._budget[slot], self._cap[slot], self._lead[slot] = budget, cap, lead
         self._tbudget[slot], self._tcap[slot] = total_budget, total_cap

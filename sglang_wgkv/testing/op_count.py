@@ -7,6 +7,7 @@ these counts are its host work (``benchmarks/host_ops.py``).
 | --- | --- | --- |
 | views, reshapes of contiguous tensors, allocations without fill | no kernel | not counted |
 | :data:`SYNC` (a scalar read, ``nonzero``, ``equal``...), an index by a boolean mask | a copy and a wait for the device | ``sync`` |
+| ``copy_`` into a device tensor from a host one or a host scalar (``t[i] = x``, ``t`` 1-D), blocking | a copy from pageable memory, then a wait for the stream | ``sync`` |
 | any other | a kernel (a fill, an index op, a copy, a reduction) | ``torch`` |
 
 Triton launches count as ``triton`` by kernel name; the torch ops an interpreted launch makes itself
@@ -102,11 +103,23 @@ class _Counter(TorchDispatchMode):
             seen = {self.lives(a) for a in args for a in (a if isinstance(a, (list, tuple)) else (a,))}
             on_device = True if True in seen else False if False in seen else name not in FREE
             if on_device and name not in FREE:
-                self.counts[("sync" if name in SYNC or _bool_index(name, args) else "torch", name)] += 1
+                waits = name in SYNC or _bool_index(name, args) or self._host_copy(name, args, kwargs)
+                self.counts[("sync" if waits else "torch", name)] += 1
             if on_device or False in seen:
                 for t in out if isinstance(out, (tuple, list)) else (out,):
                     self.mark(t, on_device)
         return out
+
+    def _host_copy(self, name: str, args, kwargs) -> bool:
+        """``dst.copy_(src)`` into the device from host memory, blocking: a CUDA copy from pageable
+        memory that then waits for the stream (and what it waits for). ``t[i] = x`` on a 1-D device
+        tensor is one: the 0-dim destination takes a copy of a host scalar, not a fill."""
+        if name != "copy_" or len(args) < 2 or not isinstance(args[1], torch.Tensor):
+            return False
+        dst, src = args[0], args[1]
+        blocking = not (args[2] if len(args) > 2 else (kwargs or {}).get("non_blocking", False))
+        from_host = self.lives(src) is False or (self.lives(src) is None and src.dim() == 0)
+        return blocking and self.lives(dst) is True and from_host
 
     def host_read(self, name: str, original):
         def read(tensor, *args, **kwargs):

@@ -74,7 +74,8 @@ class WGKVReqToTokenPool(ReqToTokenPool):
                 self.dual.alloc_request(slot)
                 admission = RequestAdmission.of_request(req)
                 self.slot_admission[slot] = admission
-                self.slot_tau[slot] = admission.effective_tau(self.server_tau)
+                # a fill: `slot_tau[slot] = x` copies a host scalar and waits for the forward in flight
+                self.slot_tau.narrow(0, slot, 1).fill_(admission.effective_tau(self.server_tau))
                 if self.runtime.evictor is not None:
                     self.slot_bound[slot] = apply_bound(self.runtime, req, slot, admission.kv_budget)
             self.requests_started += len(fresh)
