@@ -65,17 +65,20 @@ def test_an_index_by_a_boolean_mask_is_a_sync():
 
 def test_a_blocking_copy_from_the_host_into_a_device_tensor_counts_as_a_sync():
     """``t[i] = x`` on a 1-D device tensor copies a host scalar into its 0-dim element (a pageable
-    copy, then a wait for the stream); a fill of a narrowed slice, a row of a 2-D tensor (a fill) and a
-    non-blocking copy do not wait."""
+    copy, then a wait for the stream), and ``t[idx] = x`` moves it to the device first; a fill of a
+    narrowed slice, a row of a 2-D tensor (a fill), ``index_fill_`` and a non-blocking copy do not
+    wait."""
     from sglang_wgkv.testing.op_count import counting_ops
 
     flat, table, host = torch.zeros(5), torch.zeros(3, 4), torch.ones(3)
     with counting_ops([flat, table], [host]) as counts:
         flat[1] = 2.0
         flat[:3].copy_(host)
-    assert counts[("sync", "copy_")] == 2
+        flat[torch.tensor([0, 2])] = 5.0  # index_put_ moves the host scalar to the device first
+    assert counts[("sync", "copy_")] == 2 and counts[("sync", "index_put_")] == 1
     with counting_ops([flat, table], [host]) as counts:
         flat.narrow(0, 2, 1).fill_(3.0)
         table[1] = 1.0
         flat[:3].copy_(host, non_blocking=True)
+        flat.index_fill_(0, torch.tensor([0, 2]), 5.0)
     assert not [k for k in counts if k[0] == "sync"] and counts[("torch", "fill_")] == 2

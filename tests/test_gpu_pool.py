@@ -514,6 +514,7 @@ def test_request_pool_alloc_waits_for_nothing():
     try:
         pool.alloc(reqs)
         evictor.bound_request(reqs[0].req_pool_idx, budget=48)
+        evictor.release_request(reqs[0].req_pool_idx)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert pool.slot_tau[[r.req_pool_idx for r in reqs]].tolist() == pytest.approx([0.5, dual.config.tau])

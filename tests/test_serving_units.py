@@ -617,5 +617,9 @@ def test_req_pool_alloc_and_a_bounded_row_make_no_host_copy():
         pool.alloc([a, b])
         evictor.bound_request(a.req_pool_idx, budget=48)
     assert not [k for k in counts if k[0] == "sync"], counts
-    assert pool.slot_tau[[a.req_pool_idx, b.req_pool_idx]].tolist() == pytest.approx([0.5, dual.config.tau])
     assert int(evictor.row[a.req_pool_idx]) == 0
+    with counting_ops(device) as counts:  # a freed slot's row returned
+        evictor.release_request(a.req_pool_idx)
+    assert not [k for k in counts if k[0] == "sync"], counts
+    assert int(evictor.row[a.req_pool_idx]) == evictor.rows
+    assert pool.slot_tau[[a.req_pool_idx, b.req_pool_idx]].tolist() == pytest.approx([0.5, dual.config.tau])

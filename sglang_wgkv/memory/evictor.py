@@ -258,7 +258,7 @@ class SnapKVEvictor(ObservationWindow, StreamEviction):
         if held.size:
             self._free_rows.extend(self._row_of[held].tolist())
             self._row_of[held] = -1
-            self.row[to_device(self.pool.device, held)] = self.rows
+            self.row.index_fill_(0, to_device(self.pool.device, held), self.rows)  # `row[idx] = n` syncs
 
     def _total_bounds(self) -> np.ndarray:
         """``[R]`` host upper bound of each slot's global tokens summed over its streams (no sync)."""

@@ -7,7 +7,7 @@ these counts are its host work (``benchmarks/host_ops.py``).
 | --- | --- | --- |
 | views, reshapes of contiguous tensors, allocations without fill | no kernel | not counted |
 | :data:`SYNC` (a scalar read, ``nonzero``, ``equal``...), an index by a boolean mask | a copy and a wait for the device | ``sync`` |
-| ``copy_`` into a device tensor from a host one or a host scalar (``t[i] = x``, ``t`` 1-D), blocking | a copy from pageable memory, then a wait for the stream | ``sync`` |
+| ``copy_`` into a device tensor from a host one or a host scalar (``t[i] = x``, ``t`` 1-D), blocking; ``t[idx] = x`` (``index_put_`` of a host scalar) | a copy from pageable memory, then a wait for the stream | ``sync`` |
 | any other | a kernel (a fill, an index op, a copy, a reduction) | ``torch`` |
 
 Triton launches count as ``triton`` by kernel name; the torch ops an interpreted launch makes itself
@@ -110,16 +110,24 @@ class _Counter(TorchDispatchMode):
                     self.mark(t, on_device)
         return out
 
+    def _from_host(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and (
+            self.lives(t) is False or (self.lives(t) is None and t.dim() == 0)
+        )
+
     def _host_copy(self, name: str, args, kwargs) -> bool:
-        """``dst.copy_(src)`` into the device from host memory, blocking: a CUDA copy from pageable
-        memory that then waits for the stream (and what it waits for). ``t[i] = x`` on a 1-D device
-        tensor is one: the 0-dim destination takes a copy of a host scalar, not a fill."""
-        if name != "copy_" or len(args) < 2 or not isinstance(args[1], torch.Tensor):
+        """A blocking copy into the device from host memory: a CUDA copy from pageable memory that
+        then waits for the stream (and what it waits for). ``dst.copy_(src)``; ``t[i] = x`` on a 1-D
+        device tensor (the 0-dim destination takes a copy of a host scalar, not a fill); ``t[idx] =
+        x`` with an index tensor (``index_put_`` moves a host scalar value to the device first)."""
+        if len(args) < 2 or self.lives(args[0]) is not True:
             return False
-        dst, src = args[0], args[1]
-        blocking = not (args[2] if len(args) > 2 else (kwargs or {}).get("non_blocking", False))
-        from_host = self.lives(src) is False or (self.lives(src) is None and src.dim() == 0)
-        return blocking and self.lives(dst) is True and from_host
+        if name == "copy_":
+            blocking = not (args[2] if len(args) > 2 else (kwargs or {}).get("non_blocking", False))
+            return blocking and self._from_host(args[1])
+        if name in ("index_put", "index_put_", "_index_put_impl_") and len(args) > 2:
+            return self._from_host(args[2]) and args[2].dim() == 0
+        return False
 
     def host_read(self, name: str, original):
         def read(tensor, *args, **kwargs):
