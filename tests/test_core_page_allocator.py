@@ -72,6 +72,8 @@ def test_a_queued_count_raises_the_floor_less_what_was_lowered_since():
     assert alloc.free_floor == 6
     alloc.free(more)  # not in the count, not raising the floor
     assert alloc.can_allocate(12) and alloc.free_floor == 16 - 4  # no sync was needed for 12
+    assert alloc.checks_synced == 0
+    assert alloc.can_allocate(14) and alloc.checks_synced == 1  # above the floor: an exact count
     alloc.queue_refresh()
     alloc.take_queued()
     assert alloc.free_floor == 16 == int(alloc.num_free)

@@ -398,6 +398,7 @@ class DualCachePool(ExtendStep, DecodeStep, MixedStep, KVScales, PoolIntegrity):
             "tokens_promoted": promoted,
             "admitted_fraction": promoted / left if left else None,
             "mixed_forwards": self.mixed_forwards,
+            "allocation_checks_synced": self.allocator.checks_synced,
             "mixed_prefill_tokens_max": self.mixed_prefill_tokens_max,
             "admitted_fraction_per_layer_head": [
                 [p / max(n, 1) for p, n in zip(p_row, n_row)]

@@ -70,6 +70,9 @@ class PageAllocator:
         # Optional ``fn(worst_case)`` that releases pages it can spare (a prefix cache dropping
         # snapshots) before :meth:`ensure` gives up; it must not allocate.
         self.reclaimer = reclaimer
+        # checks the floor could not cover, each an exact count (a host sync: under the overlap
+        # scheduler a wait for the forward in flight); served in /server_info's wgkv stats
+        self.checks_synced = 0
 
     # -- capacity -------------------------------------------------------------------------------
     @property
@@ -122,7 +125,10 @@ class PageAllocator:
 
     def can_allocate(self, worst_case: int) -> bool:
         self.take_queued()
-        return worst_case <= self._floor or worst_case <= self.sync_free()
+        if worst_case <= self._floor:
+            return True
+        self.checks_synced += 1
+        return worst_case <= self.sync_free()
 
     def fits(self, worst_case: int) -> bool:
         """Whether ``worst_case`` pages can be handed out, after the reclaimer (if any) released what
