@@ -190,3 +190,16 @@ def test_wide_copy_equals_the_plain_copy(dtype):
         assert clone.is_contiguous() and torch.equal(
             clone.view(torch.uint8), src.contiguous().view(torch.uint8)
         )
+
+
+def test_a_chunk_after_a_context_past_the_ring_reads_its_columns_once():
+    """``context_reads_synced`` (served in the pool's stats): an extend plan whose requests hold global
+    entries (a prefix past the ring) reads their page columns from the device once, however often it
+    is asked; one whose prefixes sit inside the ring reads nothing."""
+    pool = _pool(torch.float32)
+    _prefix(pool, torch.Generator().manual_seed(0))
+    inside = pool.begin_extend([2], [20], [5])
+    assert inside.context_gcols == [[0] * L] and pool.context_reads_synced == 0
+    past = pool.begin_extend([1, 3], [70, 0], [5, 5])
+    past.context_gcols, past.context_gcols  # noqa: B018
+    assert pool.context_reads_synced == 1 and pool.stats()["context_reads_synced"] == 1

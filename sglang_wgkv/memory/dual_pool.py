@@ -150,6 +150,9 @@ class DualCachePool(ExtendStep, DecodeStep, MixedStep, KVScales, PoolIntegrity):
         self._decode: DecodePlan | None = None
         # Mixed forwards run, and the most prefill tokens one of them carried (MixedStep).
         self.mixed_forwards = 0
+        # Extend forwards that read their context's page columns from the device (a host sync each:
+        # ExtendStep._context_gcols), served in the stats beside the allocator's synced checks.
+        self.context_reads_synced = 0
         self.mixed_prefill_tokens_max = 0
 
     # -- request lifecycle ----------------------------------------------------------------------
@@ -399,6 +402,7 @@ class DualCachePool(ExtendStep, DecodeStep, MixedStep, KVScales, PoolIntegrity):
             "admitted_fraction": promoted / left if left else None,
             "mixed_forwards": self.mixed_forwards,
             "allocation_checks_synced": self.allocator.checks_synced,
+            "context_reads_synced": self.context_reads_synced,
             "mixed_prefill_tokens_max": self.mixed_prefill_tokens_max,
             "admitted_fraction_per_layer_head": [
                 [p / max(n, 1) for p, n in zip(p_row, n_row)]

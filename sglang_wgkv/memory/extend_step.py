@@ -140,6 +140,7 @@ class ExtendStep:
         ctx = [b for b, S in enumerate(prefix_lens) if S > self.window]
         cols = [[0] * L for _ in prefix_lens]
         if ctx:
+            self.context_reads_synced += 1
             glen = self.global_len[to_device(self.device, np.asarray([req_slots[b] for b in ctx]))].amax(-1)
             for b, row in zip(ctx, (-(-glen // PAGE_SIZE)).tolist()):
                 cols[b] = row
