@@ -53,7 +53,7 @@ SIZE_VARIANTS = {
 H, HQ, D, W = 2, 4, 64, 32
 
 
-def _setup(num_layers: int, scenario: str):
+def _setup(num_layers: int, scenario: str, spec: tuple | None = None):
     """A kernels-path backend over a fresh pool, with the scenario's cached state in place, and the
     counted forward as a function (its inputs already built)."""
     import torch
@@ -71,7 +71,7 @@ def _setup(num_layers: int, scenario: str):
         layer_of,
     )
 
-    kind, lens, prefix, decode_rows, *rest = {**SCENARIOS, **SIZE_VARIANTS}[scenario]
+    kind, lens, prefix, decode_rows, *rest = spec or {**SCENARIOS, **SIZE_VARIANTS}[scenario]
     decode_len = rest[0] if rest else 40  # tokens each decoding request holds before the forward
     dt = torch.float16
     kv_dtype = getattr(torch, rest[1]) if len(rest) > 1 else dt
@@ -217,11 +217,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None, help="JSON file (default: print only)")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     args = ap.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET") != "1":  # must be set before Triton is imported
-        env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.host_ops", *sys.argv[1:]], env)
+    interpreted("benchmarks.host_ops")
     results = {
-        "kind": "host_ops",
         "command": " ".join(["python -m benchmarks.host_ops", *sys.argv[1:]]),
         "shape": [H, HQ, D, W],
     }
@@ -232,9 +229,17 @@ def main(argv=None) -> None:
             name, json.dumps({"per_layer": got["per_layer"], "per_forward": got["per_forward"]}), flush=True
         )
     if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        from benchmarks.common import write_json
+
+        write_json(args.out, results, "host_ops")
+
+
+def interpreted(module: str) -> None:
+    """Run ``python -m module`` again, this process replaced, with the Triton interpreter on and no
+    GPU unless it already is (``TRITON_INTERPRET`` must be set before Triton is imported)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+        os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], env)
 
 
 if __name__ == "__main__":

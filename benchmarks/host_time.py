@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -48,13 +47,19 @@ def _stubbed_launches():
     return stack
 
 
+@contextlib.contextmanager
+def _clock(times: dict, name: str):
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        times[name].append(time.perf_counter() - t)
+
+
 def _timed(times: dict, name: str, fn):
     def wrapped(*args, **kwargs):
-        t = time.perf_counter()
-        try:
+        with _clock(times, name):
             return fn(*args, **kwargs)
-        finally:
-            times[name].append(time.perf_counter() - t)
 
     return wrapped
 
@@ -63,17 +68,9 @@ def _spans(times: dict):
     """The backend's ``traced`` spans, timed (they are no-ops outside a profiler)."""
     from sglang_wgkv.integration.backend import attn_backend, extend_layer
 
-    @contextlib.contextmanager
-    def traced(name):
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            times[name].append(time.perf_counter() - t)
-
     stack = contextlib.ExitStack()
     for module in (attn_backend, extend_layer):
-        stack.enter_context(mock.patch.object(module, "traced", traced))
+        stack.enter_context(mock.patch.object(module, "traced", lambda name: _clock(times, name)))
     return stack
 
 
@@ -81,10 +78,9 @@ def measure(scenario: str, repeats: int) -> dict:
     from benchmarks import host_ops
     from sglang_wgkv.integration.backend.attn_backend import WGKVAttnBackend
 
-    host_ops.SCENARIOS.setdefault(scenario, SCENARIOS[scenario])
     times: dict[str, list[float]] = defaultdict(list)
     for _ in range(repeats):
-        forward = host_ops._setup(LAYERS, scenario)
+        forward = host_ops._setup(LAYERS, scenario, SCENARIOS[scenario])
         with contextlib.ExitStack() as stack:
             stack.enter_context(_stubbed_launches())
             stack.enter_context(_spans(times))
@@ -101,14 +97,13 @@ def main(argv=None) -> None:
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--repeats", type=int, default=9)
     args = ap.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET") != "1":  # must be set before Triton is imported
-        env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.host_time", *sys.argv[1:]], env)
+    from benchmarks.host_ops import interpreted
+
+    interpreted("benchmarks.host_time")
     import torch
 
     torch.set_num_threads(1)
     results = {
-        "kind": "host_time",
         "command": " ".join(["python -m benchmarks.host_time", *sys.argv[1:]]),
         "unit": "us, median over layers and repeats",
         "layers": LAYERS,
@@ -118,9 +113,9 @@ def main(argv=None) -> None:
         results["scenarios"][name] = got = measure(name, args.repeats)
         print(name, json.dumps(got), flush=True)
     if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        from benchmarks.common import write_json
+
+        write_json(args.out, results, "host_time")
 
 
 if __name__ == "__main__":
