@@ -66,11 +66,20 @@ FREE = {
 SYNC = {"_local_scalar_dense", "nonzero", "equal", "is_nonzero", "masked_select", "unique", "_unique2"}
 
 
+INDEX_PUT = ("index_put", "index_put_", "_index_put_impl_")
+
+
 def _bool_index(name: str, args) -> bool:
     """``t[mask]`` / ``t[mask] = v``: a boolean index is turned into positions on the host (a wait)."""
-    if name not in ("index", "index_put", "index_put_", "_index_put_impl_") or len(args) < 2:
+    if (name != "index" and name not in INDEX_PUT) or len(args) < 2:
         return False
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] or ())
+
+
+def _flat(args):
+    """An op's arguments, the members of list and tuple arguments in their place."""
+    for a in args:
+        yield from a if isinstance(a, (list, tuple)) else (a,)
 
 
 # Tensor methods that read a tensor to the host without an aten op on CPU (each a wait on a GPU)
@@ -100,7 +109,7 @@ class _Counter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if not self.paused:
             name = func.overloadpacket.__name__
-            seen = {self.lives(a) for a in args for a in (a if isinstance(a, (list, tuple)) else (a,))}
+            seen = {self.lives(t) for t in _flat(args)}
             on_device = True if True in seen else False if False in seen else name not in FREE
             if on_device and name not in FREE:
                 waits = name in SYNC or _bool_index(name, args) or self._host_copy(name, args, kwargs)
@@ -111,9 +120,11 @@ class _Counter(TorchDispatchMode):
         return out
 
     def _from_host(self, t) -> bool:
-        return isinstance(t, torch.Tensor) and (
-            self.lives(t) is False or (self.lives(t) is None and t.dim() == 0)
-        )
+        """Host memory: a host tensor, or a 0-dim one never seen (a Python scalar made a tensor)."""
+        if not isinstance(t, torch.Tensor):
+            return False
+        where = self.lives(t)
+        return where is False or (where is None and t.dim() == 0)
 
     def _host_copy(self, name: str, args, kwargs) -> bool:
         """A blocking copy into the device from host memory: a CUDA copy from pageable memory that
@@ -125,7 +136,7 @@ class _Counter(TorchDispatchMode):
         if name == "copy_":
             blocking = not (args[2] if len(args) > 2 else (kwargs or {}).get("non_blocking", False))
             return blocking and self._from_host(args[1])
-        if name in ("index_put", "index_put_", "_index_put_impl_") and len(args) > 2:
+        if name in INDEX_PUT and len(args) > 2:
             return self._from_host(args[2]) and args[2].dim() == 0
         return False
 
