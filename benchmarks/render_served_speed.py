@@ -3,7 +3,16 @@ decode logs and server-log models behind them, and the CPU models of the schedul
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 from benchmarks.report_format import cmd, cmds, f, table
+
+# the host events of a served profile (``served_profile.PROFILE_HOST``), as a table's caption says them
+PROFILE_HOST_WORDS = {
+    "stack": "CPU activities and Python stacks recorded too",
+    "ops": "CPU activities recorded too, no Python stacks",
+    "gpu": "GPU activities only",
+}
 
 
 def served_summary(d: dict) -> list[str]:
@@ -57,6 +66,7 @@ def served_workload(d: dict) -> list[str]:
         "",
     ]
     rows, phases, loaded, prefill = [], {}, {}, {}
+    hosts = defaultdict(set)  # per profile kind: the host events its traces recorded
     for server, run in d["runs"].items():
         r = run.get("result") or {}
         rows.append(
@@ -71,12 +81,10 @@ def served_workload(d: dict) -> list[str]:
                 (run.get("error") or run.get("refusal") or "")[:80].replace("|", "/"),
             ]
         )
-        for summ in (run.get("profile") or {}).get("summary", []):
-            phases[server] = summ
-        for summ in (run.get("profile_under_load") or {}).get("summary", []):
-            loaded[server] = summ
-        for summ in (run.get("profile_prefill") or {}).get("summary", []):
-            prefill[server] = summ
+        for got, kind in ((phases, "profile"), (loaded, "profile_under_load"), (prefill, "profile_prefill")):
+            for summ in (run.get(kind) or {}).get("summary", []):
+                got[server] = summ
+                hosts[id(got)].add(PROFILE_HOST_WORDS[(run.get(kind) or {}).get("profile_host", "stack")])
     lines += table(
         [
             "server",
@@ -113,7 +121,7 @@ def served_workload(d: dict) -> list[str]:
             ]
             lines += [
                 f"{what}, GPU time per phase (us per {'chunk' if got is prefill else 'step'}; torch profiler "
-                f"over {next(iter(got.values()))['steps']} of them, CPU activities recorded too):",
+                f"over {next(iter(got.values()))['steps']} of them, {' / '.join(sorted(hosts[id(got)]))}):",
                 "",
             ]
             lines += table(["phase"] + list(got), prow)

@@ -14,6 +14,20 @@ from pathlib import Path
 
 from benchmarks.served_workloads import Workload, bench_command, bench_env
 
+# ``--profile-host``: what SGLang's torch profiler records beside the GPU's kernels (``/start_profile``).
+# Python stacks name each launch's frame but slow the host several times over, so a trace taken with
+# them shows a host-bound GPU wherever the host's time matters (under load, a pass's start).
+PROFILE_HOST = {
+    "stack": {"activities": ["CPU", "GPU"], "with_stack": True},  # launches named by their frames
+    "ops": {"activities": ["CPU", "GPU"], "with_stack": False},  # forwards, launches, host waits
+    "gpu": {"activities": ["GPU"]},  # kernels alone: forwards cut at their last layer (``forwards``)
+}
+
+
+def start_body(a, trace_dir: Path, steps: int) -> dict:
+    """``/start_profile``'s body: ``steps`` forward steps into ``trace_dir``, ``a.profile_host``'s events."""
+    return {"output_dir": str(trace_dir), "num_steps": steps, **PROFILE_HOST[a.profile_host]}
+
 
 def profile_decode(url: str, w: Workload, body: dict | None, a, trace_dir: Path) -> dict:
     """One streamed request of ``w``'s prompt length with ``--profile-steps`` x 4 output tokens; at its
@@ -41,11 +55,7 @@ def profile_decode(url: str, w: Workload, body: dict | None, a, trace_dir: Path)
                 started = requests.post(
                     url + "/start_profile",
                     timeout=60,
-                    json={
-                        "output_dir": str(trace_dir),
-                        "num_steps": a.profile_steps,
-                        "activities": ["CPU", "GPU"],
-                    },
+                    json=start_body(a, trace_dir, a.profile_steps),
                 ).text
     time.sleep(10)  # the trace is written after the last profiled step
     from benchmarks.trace_summary import summarize_dir
@@ -53,6 +63,7 @@ def profile_decode(url: str, w: Workload, body: dict | None, a, trace_dir: Path)
     gaps = sorted(b - a_ for a_, b in zip(stamps[1:], stamps[2:]))
     return {
         "start_profile": started,
+        "profile_host": a.profile_host,
         "tokens": len(stamps),
         "median_gap_ms": 1000 * gaps[len(gaps) // 2] if gaps else None,
         **summarize_dir(str(trace_dir), a.profile_steps),
@@ -83,7 +94,7 @@ def profile_prefill(url: str, w: Workload, body: dict | None, a, trace_dir: Path
     started = requests.post(
         url + "/start_profile",
         timeout=60,
-        json={"output_dir": str(trace_dir), "num_steps": steps, "activities": ["CPU", "GPU"]},
+        json=start_body(a, trace_dir, steps),
     ).text
     rng = random.Random(4)
     params = {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}
@@ -102,6 +113,7 @@ def profile_prefill(url: str, w: Workload, body: dict | None, a, trace_dir: Path
 
     return {
         "start_profile": started,
+        "profile_host": a.profile_host,
         "chunk": chunk,
         "prompts": prompts,
         "steps": steps,
@@ -148,7 +160,7 @@ def profile_under_load(url: str, w: Workload, body: dict | None, a, trace_dir: P
         started = requests.post(
             url + "/start_profile",
             timeout=120,
-            json={"output_dir": str(trace_dir), "num_steps": a.profile_steps, "activities": ["CPU", "GPU"]},
+            json=start_body(a, trace_dir, a.profile_steps),
         ).text
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and not any(trace_dir.rglob("*.json*")):
@@ -167,6 +179,7 @@ def profile_under_load(url: str, w: Workload, body: dict | None, a, trace_dir: P
     return {
         "bench_command": shlex.join(cmd),
         "start_profile": started,
+        "profile_host": a.profile_host,
         "num_running_reqs": running,
         "num_waiting_reqs": waiting,
         **summarize_dir(str(trace_dir), a.profile_steps),

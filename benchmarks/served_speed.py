@@ -378,6 +378,13 @@ def main(argv=None) -> None:
     p.add_argument("--profile-dir", default=None, help="after timing them, profile --profile-workloads")
     p.add_argument("--profile-workloads", default="W1,W0", help="the idle server's decode steps")
     p.add_argument("--profile-steps", type=int, default=12)
+    p.add_argument(
+        "--profile-host",
+        choices=("stack", "ops", "gpu"),
+        default="stack",
+        help="the host events traced beside the kernels (served_profile.PROFILE_HOST): Python stacks, "
+        "ops without them (the host near its unprofiled speed), or none",
+    )
     p.add_argument("--profile-load-workloads", default="", help="decode steps under the workload's own load")
     p.add_argument(
         "--profile-prefill-workloads",

@@ -242,8 +242,11 @@ def forwards(kernels: list[dict], steps: int | None) -> dict | None:
     """Each profiled forward's span in ms, in order: the trace cut at every forward's last
     :data:`LAYER_ANCHOR` kernel (``layers``: the anchors over ``steps``), so a segment holds a forward's
     last layers' tail, the sampling and the next forward up to its last MLP; the first forward has
-    no segment. Forwards whose GEMMs take over 3x the median's carry prompt tokens (``prefill_ms``):
-    under load, the prefill passes against the decode steps around them. Only the anchor count when
+    no segment; ``idle_ms``: each segment's time with no kernel running, the GPU waiting for the host
+    (Python stacks slow the host several times: read it from a trace taken without them,
+    ``served_speed --profile-host ops`` or ``gpu``). Forwards whose GEMMs take over 3x the median's carry prompt tokens
+    (``prefill_ms``, ``prefill_idle_ms``): under load, the prefill passes against the decode steps
+    around them. Only the anchor count when
     the anchors do not divide into whole forwards; None without two steps."""
     order = sorted(kernels, key=lambda e: e["ts"])
     anchors = [i for i, e in enumerate(order) if re.search(LAYER_ANCHOR, e["name"])]
@@ -253,16 +256,19 @@ def forwards(kernels: list[dict], steps: int | None) -> dict | None:
         return {"anchors": len(anchors), "steps": steps}
     layers = len(anchors) // steps
     cuts = anchors[layers - 1 :: layers]
-    spans, gemms = [], []
+    spans, gemms, idles = [], [], []
     for a, b in zip(cuts, cuts[1:]):
         spans.append((order[b]["ts"] - order[a]["ts"]) / 1e3)
         gemms.append(sum(e["dur"] for e in order[a:b] if phase_of(e["name"]) == "gemm") / 1e3)
+        idles.append(sum(hi - lo for lo, hi, *_ in idle_gaps(order[a : b + 1])) / 1e3)
     median_gemm = sorted(gemms)[len(gemms) // 2]
     decode = sorted(x for x, g in zip(spans, gemms) if g <= 3 * median_gemm)
     return {
         "layers": layers,
         "span_ms": [round(x, 2) for x in spans],
+        "idle_ms": [round(x, 2) for x in idles],
         "prefill_ms": [round(x, 2) for x, g in zip(spans, gemms) if g > 3 * median_gemm],
+        "prefill_idle_ms": [round(x, 2) for x, g in zip(idles, gemms) if g > 3 * median_gemm],
         "decode_median_ms": round(decode[len(decode) // 2], 2),
     }
 

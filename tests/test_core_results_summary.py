@@ -295,7 +295,14 @@ def test_trace_summary_splits_forwards_and_names_the_prefill_ones():
             t += 40.0  # 30 us idle after each layer
     out = ts.summarize_events(events, steps=4)["forwards"]
     # forwards 1-3 (forward 0 has no segment): 2 x (100 + 40) us, 2 x (1000 + 40), 2 x (100 + 40)
-    assert out == {"layers": 2, "span_ms": [0.28, 2.08, 0.28], "prefill_ms": [2.08], "decode_median_ms": 0.28}
+    assert out == {
+        "layers": 2,
+        "span_ms": [0.28, 2.08, 0.28],
+        "idle_ms": [0.06, 0.06, 0.06],  # the two 30-us waits of each segment
+        "prefill_ms": [2.08],
+        "prefill_idle_ms": [0.06],
+        "decode_median_ms": 0.28,
+    }
     assert ts.summarize_events(events, steps=3)["forwards"] == {"anchors": 8, "steps": 3}
 
 

@@ -149,6 +149,22 @@ def test_the_profiled_prefill_fills_one_pass_with_short_prompts(input_len, chunk
     assert prefill_batch(input_len, chunk) == expected
 
 
+@pytest.mark.parametrize(
+    "host, activities, with_stack",
+    [("stack", ["CPU", "GPU"], True), ("ops", ["CPU", "GPU"], False), ("gpu", ["GPU"], None)],
+)
+def test_the_profile_records_the_host_events_asked_for(tmp_path, host, activities, with_stack):
+    """``--profile-host`` picks ``/start_profile``'s activities and Python stacks (SGLang's profiler
+    takes stacks unless told not to); the trace directory and step count pass through."""
+    from types import SimpleNamespace
+
+    from benchmarks.served_profile import start_body
+
+    body = start_body(SimpleNamespace(profile_host=host), tmp_path / "t", 12)
+    assert body["activities"] == activities and body.get("with_stack") == with_stack
+    assert (body["output_dir"], body["num_steps"]) == (str(tmp_path / "t"), 12)
+
+
 def test_request_times_read_sglangs_time_stats_lines():
     """The queue and forward times of SGLang's ``ReqTimeStats`` lines, other lines ignored; None
     without any (a server started without ``--enable-request-time-stats-logging``)."""
