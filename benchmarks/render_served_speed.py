@@ -7,6 +7,12 @@ from collections import defaultdict
 
 from benchmarks.report_format import cmd, cmds, f, table
 
+# a served run's profiles (its field, the table's title, what a row's time is per), in the order shown
+PROFILE_TABLES = (
+    ("profile", "Decode step on the idle server", "step"),
+    ("profile_under_load", "Decode step under the workload's load", "step"),
+    ("profile_prefill", "Prefill chunk", "chunk"),
+)
 # the host events of a served profile (``served_profile.PROFILE_HOST``), as a table's caption says them
 PROFILE_HOST_WORDS = {
     "stack": "CPU activities and Python stacks recorded too",
@@ -65,8 +71,9 @@ def served_workload(d: dict) -> list[str]:
         f"{w['id']}: {w['prompts']} x ({w['input_len']} + {w['output_len']}) tokens; goal: {w['goal']}.",
         "",
     ]
-    rows, phases, loaded, prefill = [], {}, {}, {}
-    hosts = defaultdict(set)  # per profile kind: the host events its traces recorded
+    rows = []
+    # per profile kind (a run's field): each server's trace summary, and the host events they recorded
+    profiles, hosts = defaultdict(dict), defaultdict(set)
     for server, run in d["runs"].items():
         r = run.get("result") or {}
         rows.append(
@@ -81,10 +88,10 @@ def served_workload(d: dict) -> list[str]:
                 (run.get("error") or run.get("refusal") or "")[:80].replace("|", "/"),
             ]
         )
-        for got, kind in ((phases, "profile"), (loaded, "profile_under_load"), (prefill, "profile_prefill")):
+        for kind, _, _ in PROFILE_TABLES:
             for summ in (run.get(kind) or {}).get("summary", []):
-                got[server] = summ
-                hosts[id(got)].add(PROFILE_HOST_WORDS[(run.get(kind) or {}).get("profile_host", "stack")])
+                profiles[kind][server] = summ
+                hosts[kind].add(PROFILE_HOST_WORDS[run[kind].get("profile_host", "stack")])
     lines += table(
         [
             "server",
@@ -101,11 +108,8 @@ def served_workload(d: dict) -> list[str]:
     machines = d.get("machines")
     if machines:
         lines += ["", f"Machines: {machines}."]
-    for what, got in (
-        ("Decode step on the idle server", phases),
-        ("Decode step under the workload's load", loaded),
-        ("Prefill chunk", prefill),
-    ):
+    for kind, what, unit in PROFILE_TABLES:
+        got = profiles[kind]
         if got:
             names = sorted(
                 {k for p in got.values() for k in p.get("phase_us_per_step", {})},
@@ -120,8 +124,8 @@ def served_workload(d: dict) -> list[str]:
                 ]
             ]
             lines += [
-                f"{what}, GPU time per phase (us per {'chunk' if got is prefill else 'step'}; torch profiler "
-                f"over {next(iter(got.values()))['steps']} of them, {' / '.join(sorted(hosts[id(got)]))}):",
+                f"{what}, GPU time per phase (us per {unit}; torch profiler "
+                f"over {next(iter(got.values()))['steps']} of them, {' / '.join(sorted(hosts[kind]))}):",
                 "",
             ]
             lines += table(["phase"] + list(got), prow)
