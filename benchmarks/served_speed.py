@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from benchmarks import served_workloads as sw
 from benchmarks.prefill_log import prefill_under_load
 from benchmarks.served_profile import profile_decode, profile_prefill, profile_under_load
@@ -206,6 +208,48 @@ def request_times(log: str) -> dict | None:
     }
 
 
+def ttft_by_length(result: dict) -> dict | None:
+    """How the requests' TTFT grows with their prompts (bench_serving's ``--output-details``): the
+    least-squares line ``ttft = fixed + per_token * input_len`` over the completed requests (a
+    per-request cost shows in ``fixed_ms``, a per-token one in ``per_1k_tokens_ms``), and the median
+    TTFT of each third of them by prompt length. None without per-request TTFTs."""
+    pairs = sorted(
+        (n, 1000 * t)
+        for n, t, e in zip(
+            result.get("input_lens") or [], result.get("ttfts") or [], result.get("errors") or []
+        )
+        if t and not e
+    )
+    if len(pairs) < 3:
+        return None
+    lens = np.array([n for n, _ in pairs], dtype=float)
+    ttft = np.array([t for _, t in pairs])
+    per_token, fixed = np.polyfit(lens, ttft, 1) if np.ptp(lens) else (0.0, float(np.median(ttft)))
+    thirds = np.array_split(np.arange(len(pairs)), 3)
+    return {
+        "requests": len(pairs),
+        "fixed_ms": round(float(fixed), 2),
+        "per_1k_tokens_ms": round(1000 * float(per_token), 3),
+        "thirds": [
+            {
+                "input_len": [int(lens[i[0]]), int(lens[i[-1]])],
+                "median_ttft_ms": round(float(np.median(ttft[i])), 2),
+            }
+            for i in thirds
+        ],
+    }
+
+
+def drop_token_details(out_file: Path) -> None:
+    """The bench file's last line without each request's inter-token gaps and text (megabytes for
+    hundreds of long outputs); its TTFTs, lengths and errors stay."""
+    lines = out_file.read_text().splitlines()
+    last = json.loads(lines[-1])
+    for key in ("itls", "generated_texts"):
+        last.pop(key, None)
+    out_file.write_text("\n".join([*lines[:-1], json.dumps(last)]) + "\n")
+
+
 def measure(srv, a, w: sw.Workload, rec: dict, out_dir: Path) -> None:
     """The warm-up and the timed bench_serving of ``w`` on the running server, into ``rec``."""
     body = w.wgkv_request if a.server == "wgkv" else None
@@ -220,21 +264,24 @@ def measure(srv, a, w: sw.Workload, rec: dict, out_dir: Path) -> None:
         measure_profiles(srv, a, w, body, rec, out_dir)
         return
     out_file = out_dir / f"bench.{a.server}.{rec['config']}.{a.tag}.{w.name}.jsonl"
-    details = w.upstream_may_refuse and a.server == "upstream"
-    timed = sw.bench_command(w, srv.url, out_file, 1, body, details=details)
+    may_refuse = w.upstream_may_refuse and a.server == "upstream"
+    timed = sw.bench_command(w, srv.url, out_file, 1, body, details=may_refuse or a.ttft_by_length)
     rec["bench_command"] = shlex.join(timed)
     log_before = len(srv.log_path.read_text(errors="replace"))  # the timed run's lines come after
     try:
         rec["result"] = run_bench(timed, out_file, max(a.bench_timeout, w.bench_timeout_s))
     except RuntimeError as exc:
-        if not details:
+        if not may_refuse:
             raise
         rec["refusal"] = str(exc)[-2000:]  # bench_serving itself gave up on the refused request
         return
-    if details:
+    if may_refuse:
         rec["refusal"] = refusal(rec["result"], w.client.prompts)
-        for key in ("itls", "generated_texts", "errors", "ttfts", "input_lens", "output_lens"):
-            rec["result"].pop(key, None)  # per-request details: kept in the bench file only
+    if a.ttft_by_length:
+        rec["ttft_by_length"] = ttft_by_length(rec["result"])
+        drop_token_details(out_file)
+    for key in ("itls", "generated_texts", "errors", "ttfts", "input_lens", "output_lens"):
+        rec["result"].pop(key, None)  # per-request details: kept in the bench file only
     rec["compiled_in_timed_run"] = triton_compiled_since(cache_after_warmup)
     timed_log = srv.log_path.read_text(errors="replace")[log_before:]
     times = request_times(timed_log)
@@ -398,6 +445,12 @@ def main(argv=None) -> None:
         help="profile under load once the delay has passed, while requests still wait (mixed traffic)",
     )
     p.add_argument("--no-timed", action="store_true", help="warm-up and profiles only: no timed run")
+    p.add_argument(
+        "--ttft-by-length",
+        action="store_true",
+        help="per-request TTFTs (bench_serving --output-details) fitted against the prompt lengths "
+        "(runs[].ttft_by_length): a fixed cost per request against one per prompt token",
+    )
     p.add_argument(
         "--profile-drain-timeout-s",
         type=float,

@@ -165,6 +165,40 @@ def test_the_profile_records_the_host_events_asked_for(tmp_path, host, activitie
     assert (body["output_dir"], body["num_steps"]) == (str(tmp_path / "t"), 12)
 
 
+def test_ttft_by_length_separates_a_fixed_cost_from_a_per_token_one(tmp_path):
+    """bench_serving's per-request TTFTs fitted against the prompt lengths: 20 ms a request plus
+    25 ms per 1,000 prompt tokens comes back as such; failed requests (an error, or no first token)
+    are left out; fewer than three requests give None. The bench file keeps TTFTs, lengths and
+    errors, not the inter-token gaps or texts."""
+    import json
+
+    from benchmarks.served_speed import drop_token_details, ttft_by_length
+
+    lens = [2048 + 64 * i for i in range(33)]
+    result = {
+        "input_lens": lens + [4000, 4000],
+        "ttfts": [(20 + 0.025 * n) / 1000 for n in lens] + [0.0, 9.0],
+        "errors": [""] * 33 + ["", "refused"],
+    }
+    got = ttft_by_length(result)
+    assert got["requests"] == 33
+    assert got["fixed_ms"] == pytest.approx(20, abs=1e-6) and got["per_1k_tokens_ms"] == pytest.approx(25)
+    assert [t["input_len"] for t in got["thirds"]] == [[2048, 2688], [2752, 3392], [3456, 4096]]
+    assert got["thirds"][1]["median_ttft_ms"] == pytest.approx(20 + 0.025 * 3072)
+    assert ttft_by_length({"input_lens": [1, 2], "ttfts": [0.1, 0.2], "errors": ["", ""]}) is None
+
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(
+        json.dumps({"warm": 1})
+        + "\n"
+        + json.dumps({**result, "itls": [[0.1]], "generated_texts": ["x"]})
+        + "\n"
+    )
+    drop_token_details(bench)
+    lines = [json.loads(x) for x in bench.read_text().splitlines()]
+    assert lines[0] == {"warm": 1} and lines[1] == result
+
+
 def test_request_times_read_sglangs_time_stats_lines():
     """The queue and forward times of SGLang's ``ReqTimeStats`` lines, other lines ignored; None
     without any (a server started without ``--enable-request-time-stats-logging``)."""
