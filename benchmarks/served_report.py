@@ -296,6 +296,8 @@ def ab(a) -> None:
                         "completed": (r or {}).get("completed"),
                         "max_running_seen": rec.get("max_running_seen"),
                         "prefill_under_load": rec.get("prefill_under_load"),
+                        "request_times": rec.get("request_times"),
+                        "ttft_by_length": rec.get("ttft_by_length"),
                         "compiled_in_timed_run": compiled,
                         "result": not compiled,
                         "server_command": rec["server_command"],
