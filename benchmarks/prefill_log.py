@@ -20,6 +20,10 @@ import statistics
 import sys
 
 FULL = 0.9
+# Running requests at a forward, in bands: the decode rows a mixed forward carries (WG-KV's) grow with
+# them, so two engines' rates compare band by band (``by_running``).
+BIG = 1 << 30
+RUNNING_BANDS = ((0, 50), (50, 100), (100, 200), (200, BIG))
 LINE = re.compile(
     r"Prefill batch, #new-seq: (\d+), #new-token: (\d+),.*?#running-req: (\d+), #queue-req: (\d+),"
     r".*?input throughput \(token/s\): ([\d.]+)"
@@ -28,8 +32,9 @@ LINE = re.compile(
 
 def prefill_under_load(log: str) -> dict | None:
     """Quartiles of the prompt tokens a second, the median new tokens and running requests over the
-    full prefill forwards logged while requests waited, and how many there were; None when no such
-    line is in ``log``."""
+    full prefill forwards logged while requests waited, how many there were, and the median rate in
+    each band of running requests that has any (``by_running``); None when no such line is in
+    ``log``."""
     rows = [
         (int(m[2]), int(m[3]), float(m[5]))
         for m in (LINE.search(line) for line in log.splitlines())
@@ -41,11 +46,20 @@ def prefill_under_load(log: str) -> dict | None:
         return None
     rates = [r[2] for r in rows]
     low, mid, high = statistics.quantiles(rates, n=4) if len(rates) > 1 else rates * 3
+    bands = {}
+    for lo, hi in RUNNING_BANDS:
+        band = [r[2] for r in rows if lo <= r[1] < hi]
+        if band:
+            bands[f"{lo}-{hi - 1}" if hi < BIG else f"{lo}+"] = {
+                "forwards": len(band),
+                "median": statistics.median(band),
+            }
     return {
         "forwards": len(rows),
         "prompt_tok_s": {"p25": low, "median": mid, "p75": high},
         "new_tokens_median": statistics.median(r[0] for r in rows),
         "running_median": statistics.median(r[1] for r in rows),
+        "by_running": bands,
     }
 
 

@@ -245,4 +245,9 @@ def test_prefill_under_load_reads_the_full_forwards_while_requests_wait():
     assert got["prompt_tok_s"]["median"] == 39000.0
     assert got["prompt_tok_s"]["p25"] < 38000.0 < got["prompt_tok_s"]["p75"] <= 42000.0
     assert got["new_tokens_median"] == 8125.0 and got["running_median"] == 70.0
+    assert got["by_running"] == {
+        "0-49": {"forwards": 1, "median": 40000.0},
+        "50-99": {"forwards": 2, "median": 29000.0},
+        "100-199": {"forwards": 1, "median": 42000.0},
+    }
     assert prefill_under_load(line(8192, 1, 0, 5.0)) is None
