@@ -64,6 +64,50 @@ def served_summary(d: dict) -> list[str]:
     return lines + [""]
 
 
+def load_tables(runs: dict) -> list[str]:
+    """The runs' full prefill forwards under load by running requests (``prefill_under_load``'s
+    ``by_running``) and their TTFT against the prompt's length (``ttft_by_length``), where recorded."""
+    lines = []
+    bands = {s: (r.get("prefill_under_load") or {}).get("by_running") for s, r in runs.items()}
+    bands = {s: b for s, b in bands.items() if b}
+    if bands:
+        names = sorted({k for b in bands.values() for k in b}, key=lambda k: int(k.split("-")[0].rstrip("+")))
+        lines += [
+            "",
+            "Full prefill forwards while requests waited, prompt tokens a second (median, forwards):",
+            "",
+        ]
+        lines += table(
+            ["server"] + [f"{k} running" for k in names],
+            [
+                [s] + [f"{f(b[k]['median'], 0)} ({b[k]['forwards']})" if k in b else "" for k in names]
+                for s, b in bands.items()
+            ],
+        )
+    fits = {s: r["ttft_by_length"] for s, r in runs.items() if r.get("ttft_by_length")}
+    if fits:
+        lines += [
+            "",
+            "TTFT against the prompt's length (least squares over the requests; medians by third):",
+            "",
+        ]
+        lines += table(
+            ["server", "ms a request", "ms per 1K prompt tokens", "thirds: prompt tokens, median TTFT ms"],
+            [
+                [
+                    s,
+                    t["fixed_ms"],
+                    t["per_1k_tokens_ms"],
+                    "; ".join(
+                        f"{a}-{b}: {m['median_ttft_ms']}" for m in t["thirds"] for a, b in [m["input_len"]]
+                    ),
+                ]
+                for s, t in fits.items()
+            ],
+        )
+    return lines
+
+
 def served_workload(d: dict) -> list[str]:
     """``serving/W*.json``: one workload, both engines, with the decode profile where one was taken."""
     w = d["workload"]
@@ -108,6 +152,7 @@ def served_workload(d: dict) -> list[str]:
     machines = d.get("machines")
     if machines:
         lines += ["", f"Machines: {machines}."]
+    lines += load_tables(d["runs"])
     for kind, what, unit in PROFILE_TABLES:
         got = profiles[kind]
         if got:

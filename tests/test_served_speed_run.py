@@ -251,3 +251,33 @@ def test_prefill_under_load_reads_the_full_forwards_while_requests_wait():
         "100-199": {"forwards": 1, "median": 42000.0},
     }
     assert prefill_under_load(line(8192, 1, 0, 5.0)) is None
+
+
+def test_load_tables_render_the_rate_by_running_and_the_ttft_fit():
+    """A workload's page shows each run's burst rate by band of running requests (bands in order, a
+    band a run lacks left empty) and its TTFT fit, and nothing for runs without them."""
+    from benchmarks.render_served_speed import load_tables
+
+    runs = {
+        "upstream:fa3_fp8": {
+            "prefill_under_load": {
+                "by_running": {
+                    "200+": {"forwards": 4, "median": 36900.0},
+                    "0-49": {"forwards": 19, "median": 42814.0},
+                }
+            },
+            "ttft_by_length": {
+                "fixed_ms": 20.0,
+                "per_1k_tokens_ms": 24.0,
+                "thirds": [{"input_len": [2048, 2700], "median_ttft_ms": 80.0}],
+            },
+        },
+        "wgkv:fp8": {"prefill_under_load": {"by_running": {"0-49": {"forwards": 19, "median": 38217.0}}}},
+        "wgkv:bf16": {"prefill_under_load": None},
+    }
+    text = "\n".join(load_tables(runs))
+    assert "| server | 0-49 running | 200+ running |" in text
+    assert "| wgkv:fp8 | 38217 (19) |  |" in text
+    assert "| upstream:fa3_fp8 | 20.0 | 24.0 | 2048-2700: 80.0 |" in text
+    assert "wgkv:bf16" not in text
+    assert load_tables({"wgkv:bf16": {}}) == []
