@@ -20,10 +20,9 @@ import statistics
 import sys
 
 FULL = 0.9
-# Running requests at a forward, in bands: the decode rows a mixed forward carries (WG-KV's) grow with
-# them, so two engines' rates compare band by band (``by_running``).
-BIG = 1 << 30
-RUNNING_BANDS = ((0, 50), (50, 100), (100, 200), (200, BIG))
+# Running requests at a forward, in bands (label, from, below): the decode rows a mixed forward carries
+# (WG-KV's) grow with them, so two engines' rates compare band by band (``by_running``).
+RUNNING_BANDS = (("0-49", 0, 50), ("50-99", 50, 100), ("100-199", 100, 200), ("200+", 200, float("inf")))
 LINE = re.compile(
     r"Prefill batch, #new-seq: (\d+), #new-token: (\d+),.*?#running-req: (\d+), #queue-req: (\d+),"
     r".*?input throughput \(token/s\): ([\d.]+)"
@@ -47,13 +46,10 @@ def prefill_under_load(log: str) -> dict | None:
     rates = [r[2] for r in rows]
     low, mid, high = statistics.quantiles(rates, n=4) if len(rates) > 1 else rates * 3
     bands = {}
-    for lo, hi in RUNNING_BANDS:
+    for label, lo, hi in RUNNING_BANDS:
         band = [r[2] for r in rows if lo <= r[1] < hi]
         if band:
-            bands[f"{lo}-{hi - 1}" if hi < BIG else f"{lo}+"] = {
-                "forwards": len(band),
-                "median": statistics.median(band),
-            }
+            bands[label] = {"forwards": len(band), "median": statistics.median(band)}
     return {
         "forwards": len(rows),
         "prompt_tok_s": {"p25": low, "median": mid, "p75": high},

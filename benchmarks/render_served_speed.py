@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from benchmarks.prefill_log import RUNNING_BANDS
 from benchmarks.report_format import cmd, cmds, f, table
 
 # a served run's profiles (its field, the table's title, what a row's time is per), in the order shown
@@ -71,7 +72,7 @@ def load_tables(runs: dict) -> list[str]:
     bands = {s: (r.get("prefill_under_load") or {}).get("by_running") for s, r in runs.items()}
     bands = {s: b for s, b in bands.items() if b}
     if bands:
-        names = sorted({k for b in bands.values() for k in b}, key=lambda k: int(k.split("-")[0].rstrip("+")))
+        names = [label for label, *_ in RUNNING_BANDS if any(label in b for b in bands.values())]
         lines += [
             "",
             "Full prefill forwards while requests waited, prompt tokens a second (median, forwards):",

@@ -244,10 +244,10 @@ def forwards(kernels: list[dict], steps: int | None) -> dict | None:
     last layers' tail, the sampling and the next forward up to its last MLP; the first forward has
     no segment; ``idle_ms``: each segment's time with no kernel running, the GPU waiting for the host
     (Python stacks slow the host several times: read it from a trace taken without them,
-    ``served_speed --profile-host ops`` or ``gpu``). Forwards whose GEMMs take over 3x the median's carry prompt tokens
-    (``prefill_ms``, ``prefill_idle_ms``): under load, the prefill passes against the decode steps
-    around them. Only the anchor count when
-    the anchors do not divide into whole forwards; None without two steps."""
+    ``served_speed --profile-host ops`` or ``gpu``). Forwards whose GEMMs take over 3x the median's
+    carry prompt tokens (``prefill_ms``, ``prefill_idle_ms``): under load, the prefill passes against
+    the decode steps around them. Only the anchor count when the anchors do not divide into whole
+    forwards; None without two steps."""
     order = sorted(kernels, key=lambda e: e["ts"])
     anchors = [i for i, e in enumerate(order) if re.search(LAYER_ANCHOR, e["name"])]
     if not steps or steps < 2:
